@@ -1,0 +1,549 @@
+"""The paged-KV form of DASH attention: the contract every kernel and the plugin
+implement.
+
+Layout (per layer), for ``num_blocks`` KV blocks of ``block_size`` tokens:
+
+====================  ==========================================  ==============
+tensor                shape                                       dtype
+====================  ==========================================  ==============
+``key``               [num_blocks, block_size, Hkv, D]            q dtype
+``value``             [num_blocks, block_size, Hkv, D]            q dtype
+``index_key``         [num_blocks, block_size, Di]                q dtype
+``image_page``        [num_blocks, block_size]                    int32
+``summary``           [num_blocks, summaries_per_block, Di]       float32
+``summary_pages``     [num_blocks, summaries_per_block, 3]        int32
+====================  ==========================================  ==============
+
+``key`` and ``index_key`` hold keys *after* page RoPE (index keys also with
+non-finite values zeroed), so nothing is rotated twice. ``image_page`` is each
+token's image page (-1 for non-image tokens).
+
+A *sparse block* (the routing unit, ``sparse_block_size`` tokens) is summarised
+once, when its last token is written; summaries of complete blocks never change,
+so decode reads one summary per block instead of every index key. The summary of
+sparse block ``b`` of a sequence lives in the KV block holding its first token,
+``block_table[(b * sbs) // block_size]``, at sub-slot
+``((b * sbs) % block_size) // sbs``; ``summaries_per_block = ceil(block_size /
+sbs)``. This works for any KV block size; the CUDA kernels accept only KV blocks
+that are whole multiples of the sparse block. ``summary_pages`` holds, per sparse
+block, the lowest and highest image page among its tokens (-1, -1 if none) and a
+flag that is 1 when every page between them has an image token in the block; the
+rare block where that flag is 0 is resolved from ``image_page``.
+
+Batch metadata (vLLM-style, one row per sequence, ``B`` sequences, ``T`` new
+tokens in total):
+
+- ``block_tables`` [B, W] int32: physical KV block of each logical block, -1 pad;
+- ``seq_lens`` [B] int32: tokens of each sequence *after* this call;
+- ``query_start_loc`` [B+1] int32: new tokens of sequence ``i`` are rows
+  ``query_start_loc[i]:query_start_loc[i+1]`` of q/k/v/iq/ik/coords, and are its
+  last ``n_i`` positions;
+- ``prompt_lens`` [B] int32: the ``prompt_length`` of each sequence, -1 for none.
+  It must not change over a sequence's life (summaries are taken once).
+
+``coords`` [T, 4] int32/int64 carries each new token's page coordinates, columns
+:data:`COORD_TOK`, :data:`COORD_PAGE`, :data:`COORD_IMAGE_PAGE`,
+:data:`COORD_QUERY_PAGE`: the four outputs of
+:func:`dash_trt.reference.page_coordinates` for the whole sequence (see
+:func:`sequence_coords`). With them, the output for every token equals
+``dash_attention`` on the sequence's contiguous history (SPEC property 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import DashConfig, as_config
+from .reference import (
+    FLOAT_DTYPES,
+    NOT_REMOTE,
+    Routing,
+    SpLike,
+    _record_routing,
+    _route_chunk,
+    _stack_routing,
+    block_summaries,
+    check_heads,
+    check_shape,
+    page_coordinates,
+    page_rope,
+    query_chunk_size,
+    sparse_attend,
+)
+
+__all__ = [
+    "COORD_TOK",
+    "COORD_PAGE",
+    "COORD_IMAGE_PAGE",
+    "COORD_QUERY_PAGE",
+    "NUM_COORDS",
+    "DashKVCache",
+    "DashBatch",
+    "KVBlockPool",
+    "CacheFullError",
+    "sequence_coords",
+    "slot_mapping",
+    "paged_dash_attention",
+]
+
+#: Columns of ``coords``.
+COORD_TOK, COORD_PAGE, COORD_IMAGE_PAGE, COORD_QUERY_PAGE = 0, 1, 2, 3
+NUM_COORDS = 4
+#: Columns of ``summary_pages``.
+PAGE_LO, PAGE_HI, PAGE_DENSE = 0, 1, 2
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def sequence_coords(roles: torch.Tensor) -> torch.Tensor:
+    """``coords`` [S, 4] int32 for a whole sequence from its roles [S]."""
+    return torch.stack(page_coordinates(roles), -1).to(torch.int32)
+
+
+# ------------------------------------------------------------------------ the cache
+@dataclass
+class DashKVCache:
+    """One layer's paged DASH cache (see the module docstring for the layout)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    index_key: torch.Tensor
+    image_page: torch.Tensor
+    summary: torch.Tensor
+    summary_pages: torch.Tensor
+    sparse_block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        index_dim: int,
+        sparse_block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> DashKVCache:
+        for name, val in (
+            ("num_blocks", num_blocks), ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+            ("index_dim", index_dim), ("sparse_block_size", sparse_block_size),
+        ):
+            if int(val) <= 0:
+                raise ValueError(f"{name} must be positive, got {val}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"cache dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        per = summaries_per_block(block_size, sparse_block_size)
+        return cls(
+            key=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+            value=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+            index_key=torch.zeros(num_blocks, block_size, index_dim, dtype=dtype, device=device),
+            image_page=torch.full((num_blocks, block_size), -1, dtype=torch.int32, device=device),
+            summary=torch.zeros(num_blocks, per, index_dim, dtype=torch.float32, device=device),
+            summary_pages=torch.full((num_blocks, per, 3), -1, dtype=torch.int32, device=device),
+            sparse_block_size=int(sparse_block_size),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sparse_block_size"}
+
+    def clone(self) -> DashKVCache:
+        return DashKVCache(**{k: v.clone() for k, v in self.tensors().items()},
+                           sparse_block_size=self.sparse_block_size)
+
+    def validate(self) -> None:
+        """Check the six tensors agree with each other (shapes, dtypes, device)."""
+        nb, bsz = self.key.shape[:2]
+        check_shape("cache.key", self.key, (nb, bsz, None, None), FLOAT_DTYPES)
+        hkv, d = self.key.shape[2:]
+        check_shape("cache.value", self.value, (nb, bsz, hkv, d), (self.key.dtype,))
+        check_shape("cache.index_key", self.index_key, (nb, bsz, None), (self.key.dtype,))
+        di = self.index_key.shape[2]
+        per = summaries_per_block(bsz, self.sparse_block_size)
+        check_shape("cache.image_page", self.image_page, (nb, bsz), (torch.int32,))
+        check_shape("cache.summary", self.summary, (nb, per, di), (torch.float32,))
+        check_shape("cache.summary_pages", self.summary_pages, (nb, per, 3), (torch.int32,))
+        devices = {t.device for t in self.tensors().values()}
+        if len(devices) != 1:
+            raise ValueError(f"cache tensors live on different devices: {sorted(map(str, devices))}")
+
+
+def summaries_per_block(block_size: int, sparse_block_size: int) -> int:
+    return -(-int(block_size) // int(sparse_block_size))
+
+
+# ---------------------------------------------------------------------- batch state
+@dataclass
+class DashBatch:
+    """Metadata of one call (see the module docstring)."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    prompt_lens: torch.Tensor
+
+    def kwargs(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to(self, device) -> DashBatch:
+        return DashBatch(**{k: v.to(device) for k, v in self.kwargs().items()})
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free KV blocks for a request; nothing was allocated."""
+
+
+class KVBlockPool:
+    """Allocation of KV blocks to sequences, and the batch metadata of each step.
+
+    ``schedule`` reserves the blocks a step needs for every sequence at once or
+    raises :class:`CacheFullError` having reserved none; ``free`` returns a
+    sequence's blocks. Lengths advance when a step is scheduled, since the paged
+    operator writes the new tokens in place.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        # Hand out low block ids first (a stack of free ids, lowest on top).
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._blocks: dict[object, list[int]] = {}
+        self._lens: dict[object, int] = {}
+        self._prompt: dict[object, int] = {}
+
+    # -- sequences
+    def add(self, seq_id: object, prompt_length: int | None = None) -> None:
+        if seq_id in self._blocks:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if prompt_length is not None and prompt_length < 0:
+            raise ValueError(f"prompt_length must be None or >= 0, got {prompt_length}")
+        self._blocks[seq_id], self._lens[seq_id] = [], 0
+        self._prompt[seq_id] = -1 if prompt_length is None else int(prompt_length)
+
+    def free(self, seq_id: object) -> None:
+        blocks = self._blocks.pop(self._known(seq_id))
+        del self._lens[seq_id], self._prompt[seq_id]
+        self._free.extend(sorted(blocks, reverse=True))
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._blocks
+
+    def length(self, seq_id: object) -> int:
+        return self._lens[self._known(seq_id)]
+
+    def blocks(self, seq_id: object) -> list[int]:
+        return list(self._blocks[self._known(seq_id)])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq_id: object, num_new_tokens: int) -> int:
+        total = self._lens[self._known(seq_id)] + int(num_new_tokens)
+        return max(0, -(-total // self.block_size) - len(self._blocks[seq_id]))
+
+    # -- steps
+    def schedule(
+        self, step: Sequence[tuple[object, int]], device: str | torch.device = "cpu",
+        table_width: int | None = None,
+    ) -> DashBatch:
+        """Reserve blocks for ``step`` = [(seq_id, num_new_tokens), ...] and return
+        the batch metadata for that call."""
+        ids = [sid for sid, _ in step]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence may appear only once per step")
+        need = 0
+        for sid, n in step:
+            if int(n) <= 0:
+                raise ValueError(f"sequence {sid!r}: number of new tokens must be positive, got {n}")
+            need += self.blocks_needed(sid, n)
+        if need > len(self._free):
+            raise CacheFullError(
+                f"step needs {need} more KV blocks, only {len(self._free)} of {self.num_blocks} are free"
+            )
+        for sid, n in step:
+            for _ in range(self.blocks_needed(sid, n)):
+                self._blocks[sid].append(self._free.pop())
+            self._lens[sid] += int(n)
+        width = max(len(self._blocks[sid]) for sid in ids)
+        if table_width is not None:
+            if table_width < width:
+                raise ValueError(f"table_width {table_width} < blocks of the longest sequence ({width})")
+            width = table_width
+        table = torch.full((len(ids), width), -1, dtype=torch.int32)
+        for i, sid in enumerate(ids):
+            table[i, : len(self._blocks[sid])] = torch.tensor(self._blocks[sid], dtype=torch.int32)
+        counts = torch.tensor([int(n) for _, n in step], dtype=torch.int32)
+        return DashBatch(
+            block_tables=table,
+            seq_lens=torch.tensor([self._lens[s] for s in ids], dtype=torch.int32),
+            query_start_loc=torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32))),
+            prompt_lens=torch.tensor([self._prompt[s] for s in ids], dtype=torch.int32),
+        ).to(device)
+
+    def _known(self, seq_id: object) -> object:
+        if seq_id not in self._blocks:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq_id
+
+
+def slot_mapping(block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Flat cache slot (``block * block_size + offset``) of each (sequence, position)."""
+    blocks = block_tables[seq_idx, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+# ----------------------------------------------------------------------- operator
+def paged_dash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    coords: torch.Tensor,
+    head_cls: torch.Tensor,
+    cache: DashKVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    sp: SpLike,
+    layer_idx: int,
+    *,
+    return_routing: bool = False,
+):
+    """DASH attention for a ragged batch of new tokens over a paged cache.
+
+    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D], ``iq``/``ik`` [T, Di] (unrotated),
+    ``coords`` [T, 4], ``head_cls`` [Di]; batch metadata as in the module
+    docstring. Writes the new tokens' keys, values, index keys and image pages into
+    ``cache`` in place, summarises the sparse blocks they complete, and returns the
+    attention output [T, H, D] in ``q.dtype`` (and a :class:`Routing` if asked).
+
+    Stages, the same as the kernels': write (with page RoPE), summarise completed
+    sparse blocks, score and route, attend.
+    """
+    cfg = as_config(sp)
+    starts, lens, prompts = _check_paged_inputs(
+        q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc,
+        prompt_lens, cfg,
+    )
+    bsz, sbs = cache.block_size, cfg.sparse_block_size
+    device = q.device
+    coords = coords.long()
+    tok, page = coords[:, COORD_TOK], coords[:, COORD_PAGE]
+
+    # Stage 1: write rotated keys, values, index keys and image pages in place.
+    seq_idx = torch.repeat_interleave(
+        torch.arange(len(lens), device=device),
+        (query_start_loc[1:] - query_start_loc[:-1]).long(),
+    )
+    new_pos = _new_positions(starts, lens, device)
+    slots = slot_mapping(block_tables, seq_idx, new_pos, bsz)
+    k_rot = page_rope(k, tok, page, cfg, main=True)
+    ik_rot = torch.nan_to_num(page_rope(ik, tok, page, cfg, main=False), nan=0.0, posinf=0.0, neginf=0.0)
+    cache.key.view(-1, *cache.key.shape[2:])[slots] = k_rot
+    cache.value.view(-1, *cache.value.shape[2:])[slots] = v
+    cache.index_key.view(-1, cache.index_key.shape[-1])[slots] = ik_rot
+    cache.image_page.view(-1)[slots] = coords[:, COORD_IMAGE_PAGE].to(torch.int32)
+
+    q_rot = page_rope(q, tok, page, cfg, main=True)
+    iq_rot = torch.nan_to_num(
+        page_rope(iq, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
+    )
+    output = torch.empty_like(q)
+    parts = []
+    k_width_all = 0
+    n_max = max((length // sbs for length in lens), default=0)
+    table_rows = block_tables.long()
+    for s, (start, length) in enumerate(zip(starts, lens)):
+        n_new = int(query_start_loc[s + 1]) - start
+        prompt = prompts[s]
+        table = table_rows[s]
+        # Stage 2: summarise the sparse blocks this call completes.
+        _summarise_completed(cache, table, length - n_new, length, prompt, head_cls, sbs)
+        # Stage 3 + 4: route over complete blocks, attend selected + local window.
+        n_blk = length // sbs
+        summary, pages = _block_state(cache, table, n_blk, sbs)
+        k_width = n_blk if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), n_blk)
+        k_width_all = max(k_width_all, k_width)
+        chunk = query_chunk_size(cfg, k_width * sbs + cfg.local_window, q.shape[1], k.shape[1], q.shape[2])
+
+        def gather_kv(idx: torch.Tensor, table=table) -> tuple[torch.Tensor, torch.Tensor]:
+            flat = (table[idx // bsz] * bsz + idx % bsz)
+            return (cache.key.view(-1, *cache.key.shape[2:])[flat],
+                    cache.value.view(-1, *cache.value.shape[2:])[flat])
+
+        for c0 in range(0, n_new, chunk):
+            c1 = min(c0 + chunk, n_new)
+            rows = slice(start + c0, start + c1)
+            pos = torch.arange(length - n_new + c0, length - n_new + c1, device=device)
+            qp = coords[rows, COORD_QUERY_PAGE]
+            candidate = _candidates(cache, table, pages, qp, sbs)
+            scores, selected, bias, valid = _route_chunk(
+                iq_rot[rows], summary, pos, candidate, cfg, layer_idx, prompt
+            )
+            out = sparse_attend(q_rot[rows], pos, selected, bias, valid, gather_kv, length, prompt, cfg)
+            output[rows] = out.to(q.dtype)
+            if return_routing:
+                parts.append(_record_routing(scores, selected, valid, candidate, n_max))
+    if return_routing:
+        routing = _stack_routing(parts, k_width_all) if parts else Routing(
+            torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0, dtype=torch.bool),
+            torch.empty(0, 0),
+        )
+        return output, routing
+    return output
+
+
+def _new_positions(query_start_loc: list[int], lens: list[int], device) -> torch.Tensor:
+    """Positions of the new tokens, sequence by sequence (token-major order): the
+    last ``n_i`` positions of each sequence."""
+    parts = [
+        torch.arange(length - (query_start_loc[s + 1] - query_start_loc[s]), length, device=device)
+        for s, length in enumerate(lens)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _summary_location(table: torch.Tensor, blocks: torch.Tensor, sbs: int, bsz: int):
+    first = blocks * sbs
+    return table[first // bsz], (first % bsz) // sbs
+
+
+def _summarise_completed(cache, table, old_len, new_len, prompt, head_cls, sbs) -> None:
+    """Stage 2: summaries and page ranges of sparse blocks completed by this call."""
+    first, last = old_len // sbs, new_len // sbs
+    if last <= first:
+        return
+    device = table.device
+    bsz = cache.block_size
+    blocks = torch.arange(first, last, device=device)
+    pos = blocks[:, None] * sbs + torch.arange(sbs, device=device)
+    flat = table[pos // bsz] * bsz + pos % bsz
+    keys = cache.index_key.view(-1, cache.index_key.shape[-1])[flat].float()
+    real = torch.ones_like(pos, dtype=torch.bool) if prompt is None else pos < prompt
+    phys, sub = _summary_location(table, blocks, sbs, bsz)
+    cache.summary[phys, sub] = block_summaries(keys, real, head_cls)
+    img = cache.image_page.view(-1)[flat].long()
+    has = img >= 0
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(has, img, big).amin(-1)
+    hi = torch.where(has, img, -1).amax(-1)
+    srt = torch.where(has, img, -1).sort(-1).values
+    distinct = (srt[:, :1] >= 0).sum(-1) + ((srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)).sum(-1)
+    any_img = has.any(-1)
+    lo = torch.where(any_img, lo, -1)
+    dense = (distinct == hi - lo + 1) | ~any_img
+    cache.summary_pages[phys, sub] = torch.stack((lo, hi, dense.long()), -1).to(torch.int32)
+
+
+def _block_state(cache, table, n_blk, sbs):
+    """Summaries [N, Di] and page ranges [N, 3] of a sequence's complete blocks."""
+    blocks = torch.arange(n_blk, device=table.device)
+    phys, sub = _summary_location(table, blocks, sbs, cache.block_size)
+    return cache.summary[phys, sub], cache.summary_pages[phys, sub].long()
+
+
+def _candidates(cache, table, pages, qp, sbs) -> torch.Tensor:
+    """[c, N] bool: block holds an image token of the query's page."""
+    lo, hi, dense = pages[:, PAGE_LO], pages[:, PAGE_HI], pages[:, PAGE_DENSE].bool()
+    qp = qp[:, None]
+    inside = (qp >= 0) & (lo[None] <= qp) & (qp <= hi[None])
+    cand = inside & (dense[None] | (qp == lo[None]) | (qp == hi[None]))
+    # A page strictly inside a block's range may have no image token there (a page
+    # without images): look at the block's tokens for those rare pairs only.
+    unsure = (inside & ~cand).nonzero()
+    if unsure.numel():
+        qi, b = unsure[:, 0], unsure[:, 1]
+        bsz = cache.block_size
+        pos = b[:, None] * sbs + torch.arange(sbs, device=table.device)
+        img = cache.image_page.view(-1)[table[pos // bsz] * bsz + pos % bsz].long()
+        cand[qi, b] = (img == qp[qi]).any(-1)
+    return cand
+
+
+# --------------------------------------------------------------------- validation
+def _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                        query_start_loc, prompt_lens, cfg: DashConfig):
+    """Check every input once; return (starts, lens, prompts) as Python lists."""
+    check_shape("q", q, (None, None, None), FLOAT_DTYPES)
+    t, _, d = q.shape
+    check_shape("k", k, (t, None, d), (q.dtype,))
+    hkv = k.shape[1]
+    check_shape("v", v, (t, hkv, d), (q.dtype,))
+    check_shape("iq", iq, (t, None), (q.dtype,))
+    di = iq.shape[1]
+    check_shape("ik", ik, (t, di), (q.dtype,))
+    check_shape("coords", coords, (t, NUM_COORDS), INDEX_DTYPES)
+    check_shape("head_cls", head_cls, (di,), FLOAT_DTYPES)
+    check_heads(cfg, q, k, iq)
+    if not isinstance(cache, DashKVCache):
+        raise ValueError(f"cache must be a DashKVCache, got {type(cache).__name__}")
+    cache.validate()
+    if cache.sparse_block_size != cfg.sparse_block_size:
+        raise ValueError(
+            f"cache was laid out for sparse blocks of {cache.sparse_block_size}, "
+            f"config says {cfg.sparse_block_size}"
+        )
+    nb, bsz, chkv, cd = cache.key.shape
+    if (chkv, cd) != (hkv, d):
+        raise ValueError(f"cache.key holds [*, *, {chkv}, {cd}] heads/dim, k has [{hkv}, {d}]")
+    if cache.index_key.shape[-1] != di:
+        raise ValueError(f"cache.index_key has dim {cache.index_key.shape[-1]}, ik has {di}")
+    if cache.key.dtype != q.dtype:
+        raise ValueError(f"cache dtype {cache.key.dtype} differs from q dtype {q.dtype}")
+    if cache.key.device != q.device:
+        raise ValueError(f"cache is on {cache.key.device}, inputs on {q.device}")
+    check_shape("block_tables", block_tables, (None, None), INDEX_DTYPES)
+    b, width = block_tables.shape
+    check_shape("seq_lens", seq_lens, (b,), INDEX_DTYPES)
+    check_shape("query_start_loc", query_start_loc, (b + 1,), INDEX_DTYPES)
+    check_shape("prompt_lens", prompt_lens, (b,), INDEX_DTYPES)
+    qsl = query_start_loc.tolist()
+    lens = [int(x) for x in seq_lens.tolist()]
+    prompts = [None if int(p) == -1 else int(p) for p in prompt_lens.tolist()]
+    if qsl[0] != 0 or qsl[-1] != t or any(a > b_ for a, b_ in zip(qsl, qsl[1:])):
+        raise ValueError(
+            f"query_start_loc must rise from 0 to the number of new tokens ({t}), got {qsl}"
+        )
+    for s in range(b):
+        n_new = qsl[s + 1] - qsl[s]
+        if n_new > lens[s]:
+            raise ValueError(f"sequence {s}: {n_new} new tokens but seq_lens is {lens[s]}")
+        if lens[s] > width * bsz:
+            raise ValueError(
+                f"sequence {s}: context of {lens[s]} tokens is longer than its block table "
+                f"holds ({width} blocks of {bsz})"
+            )
+        if int(prompt_lens[s]) < -1:
+            raise ValueError(f"prompt_lens[{s}] must be -1 (none) or >= 0, got {int(prompt_lens[s])}")
+        used = block_tables[s, : -(-lens[s] // bsz)]
+        bad = (used < 0) | (used >= nb)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            raise ValueError(
+                f"block_tables[{s}, {j}] = {int(used[j])} is outside the cache (0..{nb - 1})"
+            )
+    if t:
+        seq_idx = torch.repeat_interleave(torch.arange(b), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
+        pos = _new_positions(qsl, lens, "cpu")
+        slots = slot_mapping(block_tables.cpu(), seq_idx, pos, bsz)
+        if slots.unique().numel() != t:
+            raise ValueError("two new tokens map to the same cache slot: block tables overlap")
+    return qsl, lens, prompts

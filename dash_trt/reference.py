@@ -1,0 +1,478 @@
+"""The PyTorch reference of DASH attention: the function every backend computes.
+
+This follows the seed reference (``shared/seeds/000_*``, ``backend="TRITON_ATTN"``)
+result for result, with ``route_blocks`` as SPEC.md defines it. It is vectorised
+over a chunk of queries and grouped by KV head (GQA) instead of repeating keys per
+query head, and the chunk is bounded by a memory budget so long prefills stay within
+a fixed temporary size. Chunking never changes the output (SPEC property 1).
+
+The building blocks (:func:`block_summaries`, :func:`routing_scores`,
+:func:`route_blocks`, :func:`sparse_attend`) are shared with the paged operator in
+:mod:`dash_trt.paged`, so the two differ only in where keys come from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import DashConfig, as_config
+
+__all__ = [
+    "page_coordinates",
+    "page_rope",
+    "prompt_page_positions",
+    "route_blocks",
+    "dash_attention",
+    "block_summaries",
+    "routing_scores",
+    "sparse_attend",
+    "query_chunk_size",
+    "Routing",
+    "ROLE_TEXT",
+    "ROLE_IMAGE",
+    "ROLE_PAGE",
+    "SCORE_CLAMP",
+    "NOT_REMOTE",
+]
+
+#: Token roles (SPEC "Words").
+ROLE_TEXT, ROLE_IMAGE, ROLE_PAGE = 0, 1, 2
+
+# NOTE: numerics shared by every backend. Indexer logits and block scores are
+# clamped to +-1e4 so that exp() and top-k stay finite; blocks a query may not read
+# get exactly -1e9, which route_blocks recognises as "not remote" (< -1e8).
+SCORE_CLAMP = 1e4
+NOT_REMOTE = -1e9
+REMOTE_THRESHOLD = -1e8
+
+#: Bytes of gathered keys/values/logits one query chunk may hold (float32).
+_CHUNK_BUDGET_BYTES = 256 << 20
+
+SpLike = DashConfig | Mapping[str, Any]
+
+
+# --------------------------------------------------------------------- coordinates
+def page_coordinates(
+    roles: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token/page RoPE coordinates and image/query page ids of a whole sequence.
+
+    ``roles`` [S] (text=0, image=1, ``<PAGE>``=2) must cover the entire prompt:
+    tokens after the prompt's last image token are the response, whose ``<PAGE>``
+    markers restart the page numbering. Returns four int64 tensors of shape [S]:
+    ``tok`` (token coordinate), ``page`` (page coordinate, 0..num_pages),
+    ``image_page`` (0-based page of an image token, -1 otherwise) and
+    ``query_page`` (0-based page whose image blocks a query prefers; -1 for none).
+    """
+    if not isinstance(roles, torch.Tensor) or roles.ndim != 1:
+        raise ValueError(f"roles must be a 1-D tensor [S], got {_describe(roles)}")
+    if roles.dtype.is_floating_point or roles.dtype == torch.bool:
+        raise ValueError(f"roles must be an integer tensor, got dtype {roles.dtype}")
+    if roles.numel() and bool(((roles < 0) | (roles > 2)).any()):
+        bad = roles[(roles < 0) | (roles > 2)][:5].tolist()
+        raise ValueError(f"roles must be 0 (text), 1 (image) or 2 (<PAGE>), found {bad}")
+    roles = roles.long()
+    image = roles == ROLE_IMAGE
+    marker = roles == ROLE_PAGE
+    ar = torch.arange(roles.numel(), device=roles.device)
+    last_image = int(torch.where(image, ar, -1).max().item()) if roles.numel() else -1
+    cum = marker.long().cumsum(0)
+    if last_image < 0 or int(cum[last_image]) == 0:
+        raise ValueError(
+            "DASH attention needs every document page as a <PAGE> marker followed by its "
+            "image tokens; this sequence has "
+            + ("no image token" if last_image < 0 else "no <PAGE> marker before its image tokens")
+        )
+    num_pages = cum[last_image]
+    prefill = ar <= last_image
+    raw_page = torch.where(prefill, cum, cum - num_pages).clamp(min=0)
+    # Response tokens after the final page keep the final page coordinate.
+    page = raw_page.clamp(max=num_pages)
+    prompt_counts = torch.zeros(int(num_pages) + 1, device=roles.device, dtype=torch.long)
+    prompt_counts.scatter_add_(0, page, prefill.long())
+    starts = torch.cat((torch.ones_like(page[:1], dtype=torch.bool), page[1:] != page[:-1]))
+    run_start = torch.where(starts, ar, 0).cummax(0).values
+    tok = ar - run_start + torch.where(prefill, 0, prompt_counts[page])
+    # A response marker past the final page restarts that page at its prompt offset.
+    last_marker = torch.where(marker & ~prefill, ar, 0).cummax(0).values
+    tok = torch.where(raw_page > num_pages, prompt_counts[page] + ar - last_marker, tok)
+    image_page = torch.where(image, cum - 1, -1)
+    query_page = torch.where(prefill, cum - 1, cum - num_pages - 1)
+    return tok, page, image_page, query_page
+
+
+def page_rope(
+    x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor, sp: SpLike, *, main: bool
+) -> torch.Tensor:
+    """Non-interleaved RoPE whose last ``sparse_rope_page_pairs`` frequency pairs
+    rotate by the page coordinate and the others by the token coordinate.
+
+    ``x`` [S, ..., dim]; ``tok``/``page`` [S]. ``main`` selects the q/k frequency
+    mode (``sparse_main_rope_tok_freq_mode``) rather than the indexer's. The rotation
+    is computed in ``x.dtype`` (cos/sin rounded to it), as the reference does.
+    """
+    cfg = as_config(sp)
+    dim = x.shape[-1]
+    cfg.check_head_dim(dim, "RoPE dim")
+    pairs = cfg.sparse_rope_page_pairs
+    ntok = dim // 2 - pairs
+    mode = cfg.sparse_main_rope_tok_freq_mode if main else cfg.sparse_rope_tok_freq_mode
+    exponent = torch.arange(ntok, device=x.device).float()
+    exponent = exponent / (dim / 2 if mode == "truncate" else ntok)
+    inv_tok = 1.0 / (float(cfg.sparse_rope_tok_theta) ** exponent)
+    inv_page = 1.0 / (
+        float(cfg.sparse_rope_page_theta) ** (torch.arange(pairs, device=x.device).float() / pairs)
+    )
+    if cfg.sparse_rope_page_mod > 0:
+        page = page % cfg.sparse_rope_page_mod
+    angles = torch.cat((tok.float()[:, None] * inv_tok, page.float()[:, None] * inv_page), -1)
+    phase = torch.cat((angles, angles), -1)
+    cos, sin = phase.cos().to(x.dtype), phase.sin().to(x.dtype)
+    while cos.ndim < x.ndim:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    a, b = x.chunk(2, -1)
+    return x * cos + torch.cat((-b, a), -1) * sin
+
+
+def prompt_page_positions(input_tokens: list[int], sp: SpLike) -> torch.Tensor:
+    """[4, S] int64 rows: token offsets, one-based routing pages, page count and
+    negative prompt lengths (vLLM's packed positions for a prompt).
+
+    Routing pages are one-based and unbounded; attention clamps them for RoPE.
+    Negative lengths tell recomputed positions from ordinary decode positions.
+    """
+    cfg = as_config(sp)
+    if cfg.image_token_id is None or cfg.page_token_id is None:
+        raise ValueError("prompt_page_positions needs image_token_id and page_token_id in the config")
+    ids = torch.as_tensor(list(input_tokens), dtype=torch.long)
+    roles = (ids == cfg.image_token_id).long()
+    roles += 2 * (ids == cfg.page_token_id).long()
+    tok, page, _, query_page = page_coordinates(roles)
+    last_image = torch.where(roles == ROLE_IMAGE)[0][-1]
+    prefill = torch.arange(len(ids)) <= last_image
+    pages = int(page.max())
+    counts = torch.zeros(pages + 1, dtype=torch.long)
+    counts.scatter_add_(0, page, prefill.long())
+    return torch.stack((tok, query_page + 1, torch.full_like(tok, pages), -counts[page] - 1))
+
+
+# ------------------------------------------------------------------------ routing
+def block_summaries(
+    index_keys: torch.Tensor, real: torch.Tensor, head_cls: torch.Tensor
+) -> torch.Tensor:
+    """Summaries of sparse blocks: the ``head_cls``-softmax-weighted mean of their
+    (RoPE'd, float32, finite) index keys.
+
+    ``index_keys`` [n, bs, Di] float32, ``real`` [n, bs] bool (tokens that count),
+    ``head_cls`` [Di]. Returns [n, Di] float32.
+
+    NOTE: this is the reference's formula to the letter, including its edge case:
+    tokens that do not count still enter ``exp(logit - max)`` before being zeroed, so
+    if such a token's logit exceeds the counted maximum by more than ~88 the product
+    is ``inf * 0 = nan`` and the whole summary becomes 0.
+    """
+    inv_sqrt = 1.0 / math.sqrt(index_keys.shape[-1])
+    logits = ((index_keys * head_cls.float()).sum(-1) * inv_sqrt).clamp(-SCORE_CLAMP, SCORE_CLAMP)
+    row_max = logits.masked_fill(~real, torch.finfo(logits.dtype).min).amax(-1, keepdim=True)
+    exp = (logits - row_max).exp() * real
+    weights = exp / exp.sum(-1, keepdim=True).clamp(min=1e-6)
+    return torch.nan_to_num(
+        (weights[:, :, None] * index_keys).sum(1), nan=0.0, posinf=0.0, neginf=0.0
+    )
+
+
+def routing_scores(
+    iq: torch.Tensor,
+    summary: torch.Tensor,
+    pos: torch.Tensor,
+    cfg: DashConfig,
+    prompt_length: int | None,
+) -> torch.Tensor:
+    """Block scores [c, N] float32 for queries at positions ``pos`` [c].
+
+    ``iq`` [c, Di] float32 (RoPE'd, finite), ``summary`` [N, Di] float32. Blocks a
+    query may not read remotely (inside or after its local window, or past the
+    prompt) get exactly :data:`NOT_REMOTE`.
+    """
+    inv_sqrt = 1.0 / math.sqrt(iq.shape[-1])
+    scores = (iq @ summary.T * inv_sqrt).clamp(-SCORE_CLAMP, SCORE_CLAMP)
+    block_ids = torch.arange(summary.shape[0], device=iq.device)
+    bs = cfg.sparse_block_size
+    remote = block_ids[None] <= pos[:, None] // bs - cfg.sparse_local_block
+    if prompt_length is not None:
+        remote &= block_ids[None] * bs < prompt_length
+    return scores.masked_fill(~remote, NOT_REMOTE)
+
+
+def route_blocks(
+    scores: torch.Tensor, candidate: torch.Tensor, sp: SpLike, layer_idx: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k block routing as SPEC.md defines it.
+
+    ``scores`` [Q, N] float32 (clamped, non-remote blocks at -1e9), ``candidate``
+    [Q, N] bool (block holds an image token of the query's page). Returns
+    ``selected`` [Q, K] int64, ``bias`` [Q, K] float32 and ``valid`` [Q, K] bool,
+    with ``K = N`` for dense layers and ``min(topk, N)`` otherwise. Order: forced
+    (candidate and remote) blocks first, then score descending, ties to the lower
+    block index.
+    """
+    cfg = as_config(sp)
+    if scores.ndim != 2 or candidate.shape != scores.shape:
+        raise ValueError(
+            f"scores and candidate must both be [Q, N], got {tuple(scores.shape)} "
+            f"and {tuple(candidate.shape)}"
+        )
+    n = scores.shape[1]
+    k = n if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), n)
+    remote = scores > REMOTE_THRESHOLD
+    forced = candidate & remote
+    # Two stable sorts give the lexicographic order (forced, score, -index): the
+    # first orders by score with ties kept in index order, the second moves forced
+    # blocks to the front without disturbing that order.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    by_forced = torch.sort(
+        forced.gather(-1, order).to(torch.int32), dim=-1, descending=True, stable=True
+    ).indices
+    selected = order.gather(-1, by_forced)[:, :k]
+    valid = remote.gather(-1, selected)
+    bias = torch.where(
+        forced.gather(-1, selected),
+        torch.tensor(float(cfg.sparse_page_bias), dtype=torch.float32, device=scores.device),
+        torch.tensor(0.0, dtype=torch.float32, device=scores.device),
+    )
+    return selected, bias, valid
+
+
+# ---------------------------------------------------------------------- attention
+def sparse_attend(
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    selected: torch.Tensor,
+    bias: torch.Tensor,
+    valid: torch.Tensor,
+    gather_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    length: int,
+    prompt_length: int | None,
+    cfg: DashConfig,
+) -> torch.Tensor:
+    """Attention of a query chunk over its selected blocks plus its local window.
+
+    ``q`` [c, H, D] (RoPE'd), ``pos`` [c] positions, ``selected``/``bias``/``valid``
+    [c, K] from :func:`route_blocks`; ``gather_kv(indices [c, M])`` returns keys and
+    values [c, M, Hkv, D] at those sequence positions. Returns [c, H, D] float32.
+    Local tokens win where a selected block overlaps the window (no double count).
+    """
+    bs, local = cfg.sparse_block_size, cfg.local_window
+    device = q.device
+    c, nh, hd = q.shape
+    offsets = torch.arange(bs, device=device)
+    remote_pos = (selected[:, :, None] * bs + offsets).flatten(1)
+    rbias = bias.repeat_interleave(bs, -1)
+    rvalid = valid.repeat_interleave(bs, -1)
+    rvalid &= (remote_pos <= pos[:, None] - local) & (remote_pos < length)
+    if prompt_length is not None:
+        rvalid &= remote_pos < prompt_length
+    lpos = pos[:, None] - local + 1 + torch.arange(local, device=device)
+    indices = torch.cat((remote_pos, lpos), -1).clamp(0, length - 1)
+    keep = torch.cat((rvalid, lpos >= 0), -1)
+    additive = torch.cat((rbias, torch.zeros_like(lpos, dtype=torch.float32)), -1)
+    keys, values = gather_kv(indices)
+    hkv = keys.shape[2]
+    group = nh // hkv
+    # GQA: query head h reads KV head h // group; group the query heads instead of
+    # repeating the keys.
+    qg = q.float().view(c, hkv, group, hd)
+    logits = torch.einsum("ckgd,cmkd->ckgm", qg, keys.float())
+    logits = logits * (1.0 / math.sqrt(hd)) + additive[:, None, None]
+    # NOTE: fp32 softmax; masked keys are -inf, the local window always holds the
+    # query itself so no row is empty.
+    probs = logits.masked_fill(~keep[:, None, None], -torch.inf).softmax(-1)
+    out = torch.einsum("ckgm,cmkd->ckgd", probs, values.float())
+    return out.reshape(c, nh, hd)
+
+
+def query_chunk_size(cfg: DashConfig, keys_per_query: int, num_heads: int, kv_heads: int, dim: int) -> int:
+    """Queries per chunk: ``dash_query_chunk``, lowered so the gathered float32
+    keys, values and logits of one chunk fit a fixed budget."""
+    per_query = 4 * keys_per_query * (2 * kv_heads * dim + 2 * num_heads)
+    return max(1, min(cfg.dash_query_chunk, _CHUNK_BUDGET_BYTES // max(per_query, 1)))
+
+
+@dataclass
+class Routing:
+    """What routing chose, for comparing implementations (SPEC "Comparing").
+
+    ``selected`` [T, K] int64: the valid selected blocks, -1 padded; ``forced``
+    [T, K] bool; ``scores`` [T, N] float32: every block's score (-1e9 if not remote),
+    N the largest block count in the batch.
+    """
+
+    selected: torch.Tensor
+    forced: torch.Tensor
+    scores: torch.Tensor
+
+
+def _route_chunk(
+    iq: torch.Tensor,
+    summary: torch.Tensor,
+    pos: torch.Tensor,
+    candidate: torch.Tensor,
+    cfg: DashConfig,
+    layer_idx: int,
+    prompt_length: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    scores = routing_scores(iq, summary, pos, cfg, prompt_length)
+    selected, bias, valid = route_blocks(scores, candidate, cfg, layer_idx)
+    return scores, selected, bias, valid
+
+
+def _record_routing(scores, selected, valid, candidate, width: int):
+    """Routing rows padded to ``width`` blocks (for :class:`Routing`)."""
+    c = scores.shape[0]
+    sel = torch.where(valid, selected, torch.full_like(selected, -1))
+    forced = candidate.gather(-1, selected) & valid
+    padded = torch.full((c, width), NOT_REMOTE, dtype=torch.float32, device=scores.device)
+    padded[:, : scores.shape[1]] = scores
+    return sel, forced, padded
+
+
+def _stack_routing(parts, k_width: int) -> Routing:
+    sel = [F.pad(s, (0, k_width - s.shape[1]), value=-1) for s, _, _ in parts]
+    forced = [F.pad(f, (0, k_width - f.shape[1]), value=False) for _, f, _ in parts]
+    return Routing(torch.cat(sel), torch.cat(forced), torch.cat([p for _, _, p in parts]))
+
+
+def dash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    roles: torch.Tensor,
+    head_cls: torch.Tensor,
+    sp: SpLike,
+    layer_idx: int,
+    prompt_length: int | None = None,
+    backend: str = "TRITON_ATTN",
+    *,
+    return_routing: bool = False,
+):
+    """Attend the query suffix ``q`` [Q, H, D] against keys/values [S, Hkv, D].
+
+    ``iq`` [Q, Di] and ``ik`` [S, Di] are the indexer's query and keys, ``roles``
+    [S] the token roles of the whole sequence, ``head_cls`` [Di] the indexer's
+    class vector. The queries are the last Q positions. ``prompt_length`` limits
+    remote reads (and block summaries) to the first ``prompt_length`` tokens.
+    Returns [Q, H, D] in ``q.dtype`` (and a :class:`Routing` if asked).
+    """
+    if backend != "TRITON_ATTN":
+        raise ValueError(
+            f"backend {backend!r}: the reference computes the TRITON_ATTN definition only; "
+            "use the paged operator or the CUDA kernels for speed"
+        )
+    cfg = as_config(sp)
+    _check_dense_inputs(q, k, v, iq, ik, roles, head_cls, cfg, prompt_length)
+    length, dim = ik.shape
+    nq = q.shape[0]
+    bs = cfg.sparse_block_size
+    nblk = (length + bs - 1) // bs
+    tok, page, image_page, query_page = page_coordinates(roles)
+    q = page_rope(q, tok[-nq:], page[-nq:], cfg, main=True)
+    k = page_rope(k, tok, page, cfg, main=True)
+    iq = torch.nan_to_num(
+        page_rope(iq, tok[-nq:], page[-nq:], cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
+    )
+    ik = torch.nan_to_num(
+        page_rope(ik, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
+    )
+    padded = nblk * bs
+    kk = F.pad(ik, (0, 0, 0, padded - length)).view(nblk, bs, dim)
+    token_ids = torch.arange(padded, device=q.device).view(nblk, bs)
+    real = token_ids < length
+    if prompt_length is not None:
+        real &= token_ids < prompt_length
+    summary = block_summaries(kk, real, head_cls)
+    image_blocks = F.pad(image_page, (0, padded - length), value=-1).view(nblk, bs)
+    num_pages = int(image_page.max()) + 1
+    membership = torch.zeros((nblk, num_pages + 1), dtype=torch.bool, device=q.device)
+    membership.scatter_(1, image_blocks + 1, True)
+
+    output = torch.empty_like(q)
+    k_width = nblk if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), nblk)
+    chunk = query_chunk_size(cfg, k_width * bs + cfg.local_window, q.shape[1], k.shape[1], q.shape[2])
+    parts = []
+    for start in range(0, nq, chunk):
+        end = min(start + chunk, nq)
+        pos = torch.arange(length - nq + start, length - nq + end, device=q.device)
+        qp = query_page[-nq:][start:end]
+        candidate = membership.T[(qp + 1).clamp(0, num_pages)]
+        candidate &= (qp[:, None] >= 0) & (qp[:, None] < num_pages)
+        scores, selected, bias, valid = _route_chunk(
+            iq[start:end], summary, pos, candidate, cfg, layer_idx, prompt_length
+        )
+        out = sparse_attend(
+            q[start:end], pos, selected, bias, valid,
+            lambda idx: (k[idx], v[idx]), length, prompt_length, cfg,
+        )
+        output[start:end] = out.to(q.dtype)
+        if return_routing:
+            parts.append(_record_routing(scores, selected, valid, candidate, nblk))
+    if return_routing:
+        return output, _stack_routing(parts, k_width)
+    return output
+
+
+# --------------------------------------------------------------------- validation
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {list(t.shape)} and dtype {t.dtype}"
+    return type(t).__name__
+
+
+def check_shape(name: str, t: Any, shape: tuple, dtypes: tuple | None = None) -> None:
+    """Raise ``ValueError`` unless ``t`` is a tensor of ``shape`` (``None`` = any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    ok = t.ndim == len(shape) and all(e is None or e == a for e, a in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_heads(cfg: DashConfig, q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor) -> None:
+    """Head counts and head dims shared by the reference and the paged operator."""
+    nh, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or nh % hkv:
+        raise ValueError(
+            f"query heads ({nh}) must be a multiple of KV heads ({hkv}) for grouped-query attention"
+        )
+    cfg.check_head_dim(q.shape[-1], "head dim D")
+    cfg.check_head_dim(iq.shape[-1], "indexer dim Di")
+
+
+def _check_dense_inputs(q, k, v, iq, ik, roles, head_cls, cfg, prompt_length) -> None:
+    check_shape("q", q, (None, None, None), FLOAT_DTYPES)
+    nq, nh, hd = q.shape
+    check_shape("k", k, (None, None, hd), (q.dtype,))
+    length, hkv = k.shape[0], k.shape[1]
+    check_shape("v", v, (length, hkv, hd), (q.dtype,))
+    check_shape("ik", ik, (length, None), FLOAT_DTYPES)
+    check_shape("iq", iq, (nq, ik.shape[1]), FLOAT_DTYPES)
+    check_shape("roles", roles, (length,))
+    check_shape("head_cls", head_cls, (ik.shape[1],), FLOAT_DTYPES)
+    if nq == 0 or nq > length:
+        raise ValueError(f"need 1 <= queries ({nq}) <= keys ({length})")
+    check_heads(cfg, q, k, iq)
+    if prompt_length is not None and (isinstance(prompt_length, bool) or int(prompt_length) < 0):
+        raise ValueError(f"prompt_length must be None or >= 0, got {prompt_length!r}")

@@ -1,0 +1,207 @@
+"""Random DASH problems and the SPEC's comparison rule, shared by the tests, the
+demo and the kernel checks.
+
+Inputs are random and never zeros. Outputs are compared the way SPEC.md asks:
+routing is a top-k, so (a) each token's selected set must match the reference
+except where the blocks that differ score within a small tolerance of each other,
+and (b) attention outputs are compared on the tokens whose selection matched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import DashConfig
+from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, Routing
+
+__all__ = [
+    "TOLERANCES",
+    "random_roles",
+    "random_config",
+    "DashInputs",
+    "random_inputs",
+    "compare_outputs",
+    "ComparisonReport",
+]
+
+#: Output tolerances (atol, rtol) against the float32 reference, by dtype.
+#: fp32: the implementations sum in different orders. fp16/bf16: q/k are rotated
+#: in the low precision dtype (as the reference does) and the output is rounded
+#: once to it; one bf16 ulp at |x| ~ 1 is 2**-7.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+#: Scores closer than this may order differently between implementations.
+SCORE_TIE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def random_roles(
+    gen: torch.Generator,
+    num_pages: int,
+    *,
+    max_images: int = 24,
+    max_text: int = 6,
+    prefix_text: int | None = None,
+    response: int = 0,
+    response_markers: int = 0,
+) -> torch.Tensor:
+    """Roles of a random document prompt followed by ``response`` response tokens.
+
+    The prompt: optional leading text, then ``num_pages`` pages of ``<PAGE>``, 1 to
+    ``max_images`` image tokens and 0 to ``max_text`` text tokens. The response is
+    text with ``response_markers`` ``<PAGE>`` markers at random places.
+    """
+    if num_pages < 1:
+        raise ValueError("a DASH prompt needs at least one page")
+
+    def rint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    roles: list[int] = [ROLE_TEXT] * (rint(0, max_text) if prefix_text is None else prefix_text)
+    for _ in range(num_pages):
+        roles.append(ROLE_PAGE)
+        roles += [ROLE_IMAGE] * rint(1, max_images)
+        roles += [ROLE_TEXT] * rint(0, max_text)
+    tail = [ROLE_TEXT] * response
+    for _ in range(min(response_markers, response)):
+        tail[rint(0, response - 1)] = ROLE_PAGE
+    return torch.tensor(roles + tail, dtype=torch.long)
+
+
+def random_config(gen: torch.Generator, **overrides) -> DashConfig:
+    """A small random configuration that exercises every key."""
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    sp = {
+        "sparse_block_size": pick([4, 8, 16]),
+        "sparse_local_block": pick([1, 2]),
+        "sparse_topk_blocks": pick([1, 2, 3, 5]),
+        "sparse_dense_layers": pick([[], [1]]),
+        "sparse_page_bias": pick([0.0, 0.5, -0.75, 2.0]),
+        "sparse_rope_page_pairs": pick([1, 2]),
+        "sparse_rope_tok_theta": pick([10000.0, 500.0]),
+        "sparse_rope_page_theta": pick([256.0, 16.0]),
+        "sparse_main_rope_tok_freq_mode": pick([None, "truncate"]),
+        "sparse_rope_tok_freq_mode": pick([None, "truncate"]),
+        "sparse_rope_page_mod": pick([0, 0, 3]),
+        "dash_query_chunk": pick([1, 5, 2048]),
+    }
+    sp.update(overrides)
+    return DashConfig.from_dict(sp)
+
+
+@dataclass
+class DashInputs:
+    """One sequence's full DASH inputs (every position, unrotated)."""
+
+    q: torch.Tensor  # [S, H, D]
+    k: torch.Tensor  # [S, Hkv, D]
+    v: torch.Tensor  # [S, Hkv, D]
+    iq: torch.Tensor  # [S, Di]
+    ik: torch.Tensor  # [S, Di]
+    roles: torch.Tensor  # [S]
+    head_cls: torch.Tensor  # [Di]
+    prompt_length: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return self.roles.numel()
+
+
+def random_inputs(
+    gen: torch.Generator,
+    roles: torch.Tensor,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    index_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    head_cls: torch.Tensor | None = None,
+) -> DashInputs:
+    """Random normal q/k/v/iq/ik for ``roles`` (shared ``head_cls`` if given)."""
+    s = roles.numel()
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    hc = rnd(index_dim) if head_cls is None else head_cls
+    return DashInputs(
+        q=rnd(s, heads, head_dim),
+        k=rnd(s, kv_heads, head_dim),
+        v=rnd(s, kv_heads, head_dim),
+        iq=rnd(s, index_dim),
+        ik=rnd(s, index_dim),
+        roles=roles.to(device),
+        head_cls=hc,
+    )
+
+
+@dataclass
+class ComparisonReport:
+    tokens: int
+    routing_mismatch: int  # tokens whose selection differs beyond a near-tie
+    near_ties: int  # tokens skipped for the output check because of a near-tie swap
+    max_abs_err: float
+    bad_tokens: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return self.routing_mismatch == 0 and not self.bad_tokens
+
+    def __str__(self) -> str:
+        return (
+            f"{self.tokens} tokens, max |err| {self.max_abs_err:.3e}, "
+            f"{self.near_ties} near-tie swaps, {self.routing_mismatch} routing mismatches, "
+            f"{len(self.bad_tokens)} tokens out of tolerance"
+        )
+
+
+def compare_outputs(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    routing: Routing | None = None,
+    ref_routing: Routing | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    tie_tol: float | None = None,
+) -> ComparisonReport:
+    """SPEC's comparison rule for ``out`` [T, H, D] against ``ref`` [T, H, D]."""
+    dtype = dtype or out.dtype
+    atol, rtol = TOLERANCES[dtype]
+    tie_tol = SCORE_TIE_TOL[dtype] if tie_tol is None else tie_tol
+    t = out.shape[0]
+    same = torch.ones(t, dtype=torch.bool)
+    mismatch = ties = 0
+    if routing is not None and ref_routing is not None:
+        for i in range(t):
+            a = set(routing.selected[i][routing.selected[i] >= 0].tolist())
+            b = set(ref_routing.selected[i][ref_routing.selected[i] >= 0].tolist())
+            if a == b:
+                continue
+            same[i] = False
+            scores = ref_routing.scores[i]
+            chosen_free = [
+                x for x, f in zip(ref_routing.selected[i].tolist(), ref_routing.forced[i].tolist())
+                if x >= 0 and not f
+            ]
+            boundary = float(scores[chosen_free].min()) if chosen_free else float("inf")
+            diff = a ^ b
+            if all(abs(float(scores[x]) - boundary) <= tie_tol for x in diff if x < scores.numel()):
+                ties += 1
+            else:
+                mismatch += 1
+    err = (out.float().cpu() - ref.float().cpu()).abs()
+    limit = atol + rtol * ref.float().cpu().abs()
+    bad_rows = ((err > limit).flatten(1).any(1) & same).nonzero().flatten().tolist()
+    max_err = float(err[same].max()) if bool(same.any()) else 0.0
+    return ComparisonReport(t, mismatch, ties, max_err, bad_rows)

@@ -1,0 +1,42 @@
+"""The README's main job: dash-demo runs the paged operator and checks it."""
+
+import io
+
+import torch
+
+from dash_trt import cli
+
+
+def test_demo_passes_and_reports(capsys):
+    stream = io.StringIO()
+    assert cli.run_demo(seed=3, sequences=2, pages=2, decode_steps=5, kv_block_size=16, stream=stream)
+    text = stream.getvalue()
+    assert "RESULT: paged operator matches the reference" in text
+    assert text.count("-> OK") == 2
+
+
+def test_demo_main_exit_codes(capsys, monkeypatch):
+    assert cli.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 0
+    assert "matches the reference" in capsys.readouterr().out
+    # A broken operator must turn into a failing exit code, not a printed "OK".
+    real = cli.paged_dash_attention
+
+    def broken(*a, **kw):
+        out, routing = real(*a, **kw)
+        return out + 0.1, routing
+
+    monkeypatch.setattr(cli, "paged_dash_attention", broken)
+    assert cli.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 1
+    assert "DOES NOT match" in capsys.readouterr().out
+
+
+def test_demo_rejects_bad_arguments(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        cli.demo_main(["--pages", "0"])
+    assert e.value.code == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            cli.demo_main(["--device", "cuda"])
+        assert "no CUDA device" in capsys.readouterr().err

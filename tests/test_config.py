@@ -1,0 +1,108 @@
+"""DashConfig: built from an sp dict or a config.json section, validated once."""
+
+import json
+import math
+
+import pytest
+
+from dash_trt.config import CONFIG_SECTION, DashConfig, DashConfigError
+
+BASE = {"sparse_block_size": 64, "sparse_local_block": 1}
+
+
+def test_defaults_follow_the_spec_table():
+    cfg = DashConfig.from_dict(BASE)
+    assert cfg.sparse_topk_blocks == 16
+    assert cfg.sparse_dense_layers == ()
+    assert cfg.sparse_page_bias == 0.0
+    assert cfg.sparse_rope_page_pairs == 1
+    assert cfg.sparse_rope_tok_theta == 10000.0
+    assert cfg.sparse_rope_page_theta == 256.0
+    assert cfg.sparse_main_rope_tok_freq_mode is None
+    assert cfg.sparse_rope_tok_freq_mode is None
+    assert cfg.sparse_rope_page_mod == 0
+    assert cfg.dash_query_chunk == 2048
+    assert cfg.local_window == 64
+    assert DashConfig.required_keys() == ("sparse_block_size", "sparse_local_block")
+
+
+def test_round_trip_through_json_and_model_config(tmp_path):
+    sp = {**BASE, "sparse_topk_blocks": [4, 8], "sparse_dense_layers": [1], "sparse_page_bias": 0.5,
+          "sparse_main_rope_tok_freq_mode": "truncate", "image_token_id": 5, "page_token_id": 6}
+    cfg = DashConfig.from_dict(sp)
+    assert cfg.topk_for(0) == 4 and cfg.topk_for(1) == 8 and cfg.is_dense_layer(1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64, CONFIG_SECTION: cfg.to_dict()}))
+    assert DashConfig.from_model_config(path) == cfg
+    assert DashConfig.from_model_config(json.loads(path.read_text())) == cfg
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"sparse_block_size": None}, "missing required key"),
+        ({"sparse_block_size": 0}, "'sparse_block_size' must be >= 1"),
+        ({"sparse_local_block": -1}, "'sparse_local_block' must be >= 1"),
+        ({"sparse_block_size": 4.0}, "must be an integer"),
+        ({"sparse_block_size": True}, "must be an integer"),
+        ({"sparse_topk_blocks": -2}, "must not be negative"),
+        ({"sparse_topk_blocks": []}, "must not be an empty list"),
+        ({"sparse_dense_layers": 3}, "must be a list"),
+        ({"sparse_page_bias": math.nan}, "must be finite"),
+        ({"sparse_page_bias": math.inf}, "must be finite"),
+        ({"sparse_rope_tok_theta": math.inf}, "must be finite"),
+        ({"sparse_rope_page_theta": 0.0}, "must be > 0"),
+        ({"sparse_rope_page_theta": "256"}, "must be a number"),
+        ({"sparse_main_rope_tok_freq_mode": "trunc"}, "must be one of"),
+        ({"dash_query_chunk": 0}, "'dash_query_chunk' must be >= 1"),
+        ({"sparse_rope_page_mod": -1}, "must not be negative"),
+        ({"sparse_blok_size": 64}, "unknown DASH config key\\(s\\): sparse_blok_size"),
+    ],
+)
+def test_bad_values_name_the_key(change, match):
+    sp = dict(BASE)
+    for k, v in change.items():
+        if v is None:
+            sp.pop(k)
+        else:
+            sp[k] = v
+    with pytest.raises(DashConfigError, match=match):
+        DashConfig.from_dict(sp)
+
+
+def test_unknown_keys_can_be_downgraded_to_a_warning():
+    with pytest.warns(UserWarning, match="unknown DASH config key"):
+        cfg = DashConfig.from_dict({**BASE, "future_key": 1}, strict=False)
+    assert cfg.sparse_block_size == 64
+
+
+def test_model_config_errors(tmp_path):
+    with pytest.raises(DashConfigError, match="not found"):
+        DashConfig.from_model_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(DashConfigError, match="not valid JSON"):
+        DashConfig.from_model_config(bad)
+    no_section = tmp_path / "plain.json"
+    no_section.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(DashConfigError, match=f"no '{CONFIG_SECTION}' section"):
+        DashConfig.from_model_config(no_section)
+    with pytest.raises(DashConfigError, match="must be a mapping"):
+        DashConfig.from_dict([("sparse_block_size", 4)])
+
+
+@pytest.mark.parametrize("dim, pairs, ok", [(4, 1, True), (4, 2, False), (6, 2, True), (7, 1, False),
+                                            (128, 63, True), (128, 64, False)])
+def test_head_dim_check(dim, pairs, ok):
+    cfg = DashConfig.from_dict({**BASE, "sparse_rope_page_pairs": pairs})
+    if ok:
+        cfg.check_head_dim(dim)
+    else:
+        with pytest.raises(DashConfigError, match=str(dim)):
+            cfg.check_head_dim(dim)
+
+
+def test_config_is_immutable():
+    cfg = DashConfig.from_dict(BASE)
+    with pytest.raises(Exception):
+        cfg.sparse_block_size = 8  # type: ignore[misc]

@@ -1,0 +1,257 @@
+"""PyTorch binding of the DASH CUDA kernels (the C ABI in plugins/include/dash/dash.h).
+
+The kernels live in a plain shared library, ``libdash_trt_kernels.so``, with an ``extern "C"``
+launcher over one parameter struct. Binding it through ctypes (rather than a torch C++
+extension) keeps one compiled artefact for every front end (PyTorch, the TensorRT plugin,
+tests) and ties it to no torch version. The launch goes on torch's current stream, allocates
+nothing itself and never synchronises, so it can be captured in a CUDA graph.
+
+Library search order: ``$DASH_TRT_LIBRARY``; ``dash_trt/lib/`` inside the installed package
+(wheels built by ``pip install .`` with a CUDA compiler); ``build*/`` folders of a source
+checkout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .config import as_config
+from .paged import DashKVCache, _check_paged_inputs
+from .reference import FLOAT_DTYPES, SpLike, check_heads, check_shape
+
+__all__ = [
+    "DashKernelsNotFound",
+    "DashKernelError",
+    "LIBRARY_NAME",
+    "available",
+    "library_path",
+    "supported_head_dims",
+    "paged_dash_attention_cuda",
+]
+
+LIBRARY_NAME = "libdash_trt_kernels.so"
+ABI_VERSION = 1
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_STATUS_OK = 0
+DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
+
+
+class DashKernelsNotFound(RuntimeError):
+    """The compiled kernel library is not available."""
+
+
+class DashKernelError(RuntimeError):
+    """The kernel library refused the call or a launch failed."""
+
+
+class DashParams(ctypes.Structure):
+    """ctypes mirror of ``DashParams`` (plugins/include/dash/params.h); checked field by
+    field against the library's ``dash_params_offset`` when it is loaded."""
+
+    _fields_ = [
+        ("num_tokens", ctypes.c_int32), ("num_seqs", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("index_dim", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32), ("table_width", ctypes.c_int32),
+        ("max_new_tokens", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("sparse_block_size", ctypes.c_int32), ("sparse_local_block", ctypes.c_int32),
+        ("topk", ctypes.c_int32), ("dense_layer", ctypes.c_int32), ("page_bias", ctypes.c_float),
+        ("rope_page_pairs", ctypes.c_int32), ("rope_tok_theta", ctypes.c_float),
+        ("rope_page_theta", ctypes.c_float), ("main_truncate", ctypes.c_int32),
+        ("index_truncate", ctypes.c_int32), ("rope_page_mod", ctypes.c_int32),
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("iq", ctypes.c_void_p),
+        ("ik", ctypes.c_void_p), ("coords", ctypes.c_void_p), ("head_cls", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+        ("query_start_loc", ctypes.c_void_p), ("prompt_lens", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("index_cache", ctypes.c_void_p),
+        ("image_page_cache", ctypes.c_void_p), ("summary_cache", ctypes.c_void_p),
+        ("summary_pages", ctypes.c_void_p), ("out", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t), ("selected_out", ctypes.c_void_p),
+    ]
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("DASH_TRT_LIBRARY")
+    if env:
+        return [Path(env)]
+    here = Path(__file__).resolve().parent
+    found = [here / "lib" / LIBRARY_NAME]
+    platlib = Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / LIBRARY_NAME
+    found.append(platlib)
+    for pattern in ("build*/**/" + LIBRARY_NAME,):
+        found += sorted(Path(p) for p in glob.glob(str(here.parent / pattern), recursive=True))
+    return found
+
+
+def library_path() -> Path | None:
+    """Where the kernel library would be loaded from, or None."""
+    for path in _candidates():
+        if path.is_file():
+            return path
+    return None
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    path = library_path()
+    if path is None:
+        raise DashKernelsNotFound(
+            f"{LIBRARY_NAME} not found (looked at: {', '.join(map(str, _candidates()))}). Build it with "
+            "'pip install .' on a machine with a CUDA compiler, or 'cmake -B build && cmake --build build', "
+            "or point DASH_TRT_LIBRARY at it."
+        )
+    lib = ctypes.CDLL(str(path))
+    lib.dash_abi_version.restype = ctypes.c_int32
+    lib.dash_params_size.restype = ctypes.c_size_t
+    lib.dash_params_offset.restype = ctypes.c_int64
+    lib.dash_params_offset.argtypes = [ctypes.c_char_p]
+    lib.dash_supported_head_dims.restype = ctypes.c_int32
+    lib.dash_supported_head_dims.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
+    lib.dash_max_selected.restype = ctypes.c_int32
+    lib.dash_max_selected.argtypes = [ctypes.POINTER(DashParams)]
+    lib.dash_workspace_size.restype = ctypes.c_int
+    lib.dash_workspace_size.argtypes = [ctypes.POINTER(DashParams), ctypes.POINTER(ctypes.c_size_t)]
+    lib.dash_run.restype = ctypes.c_int
+    lib.dash_run.argtypes = [ctypes.POINTER(DashParams), ctypes.c_void_p]
+    lib.dash_read_data_errors.restype = ctypes.c_int
+    lib.dash_read_data_errors.argtypes = [ctypes.POINTER(DashParams), ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
+    lib.dash_status_string.restype = ctypes.c_char_p
+    lib.dash_status_string.argtypes = [ctypes.c_int]
+    lib.dash_last_error_message.restype = ctypes.c_char_p
+    if lib.dash_abi_version() != ABI_VERSION:
+        raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
+    if lib.dash_params_size() != ctypes.sizeof(DashParams):
+        raise DashKernelError(f"{path}: DashParams is {lib.dash_params_size()} bytes, binding has {ctypes.sizeof(DashParams)}")
+    for name, _ in DashParams._fields_:
+        want = getattr(DashParams, name).offset
+        got = lib.dash_params_offset(name.encode())
+        if got != want:
+            raise DashKernelError(f"{path}: DashParams.{name} at offset {got}, binding has {want}")
+    return lib
+
+
+def available() -> bool:
+    """True when the kernel library loads and a CUDA device is visible."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _library()
+    except (DashKernelsNotFound, DashKernelError, OSError):
+        return False
+    return True
+
+
+def supported_head_dims() -> tuple[int, ...]:
+    lib = _library()
+    n = lib.dash_supported_head_dims(None, 0)
+    arr = (ctypes.c_int32 * n)()
+    lib.dash_supported_head_dims(arr, n)
+    return tuple(arr)
+
+
+def _check(lib, status: int, what: str) -> None:
+    if status != _STATUS_OK:
+        name = lib.dash_status_string(status).decode()
+        raise DashKernelError(f"{what}: {name}: {lib.dash_last_error_message().decode()}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def paged_dash_attention_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    coords: torch.Tensor,
+    head_cls: torch.Tensor,
+    cache: DashKVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    sp: SpLike,
+    layer_idx: int,
+    *,
+    validate: bool = True,
+    check_errors: bool | None = None,
+    return_selected: bool = False,
+):
+    """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels (same arguments).
+
+    ``validate=True`` checks the batch metadata on the host first (a device sync);
+    ``check_errors`` (default: ``validate``) reads the kernels' data-error flag afterwards
+    (another sync). Pass ``validate=False`` inside CUDA-graph capture: the kernels still
+    never access memory out of bounds on bad metadata, they skip it and flag it.
+    ``return_selected`` also returns the selected sparse blocks [T, kmax] (-1 padded).
+    """
+    cfg = as_config(sp)
+    lib = _library()
+    if validate:
+        _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                            query_start_loc, prompt_lens, cfg)
+    else:
+        check_shape("q", q, (None, None, None), FLOAT_DTYPES)
+        check_shape("k", k, (q.shape[0], None, q.shape[2]), (q.dtype,))
+        check_heads(cfg, q, k, iq)
+    if not q.is_cuda:
+        raise ValueError(f"paged_dash_attention_cuda needs CUDA tensors, got q on {q.device}")
+    device = q.device
+    t, h, d = q.shape
+    hkv, di = k.shape[1], iq.shape[1]
+    nb, bsz = cache.key.shape[:2]
+    i32 = lambda x: x.to(device=device, dtype=torch.int32).contiguous()  # noqa: E731
+    coords32, tables32, lens32, qsl32, prompts32 = map(i32, (coords, block_tables, seq_lens, query_start_loc, prompt_lens))
+    q, k, v, iq, ik = (x.contiguous() for x in (q, k, v, iq, ik))
+    head_cls = head_cls.to(device=device, dtype=q.dtype).contiguous()
+    for name, tensor in cache.tensors().items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"cache.{name} must be contiguous (it is written in place)")
+    out = torch.empty_like(q)
+    topk = cfg.topk_for(layer_idx)
+    p = DashParams(
+        num_tokens=t, num_seqs=tables32.shape[0], num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
+        num_blocks=nb, block_size=bsz, table_width=tables32.shape[1], max_new_tokens=t,
+        dtype=_DTYPE_CODES[q.dtype], sparse_block_size=cfg.sparse_block_size,
+        sparse_local_block=cfg.sparse_local_block, topk=topk, dense_layer=int(cfg.is_dense_layer(layer_idx)),
+        page_bias=float(cfg.sparse_page_bias), rope_page_pairs=cfg.sparse_rope_page_pairs,
+        rope_tok_theta=float(cfg.sparse_rope_tok_theta), rope_page_theta=float(cfg.sparse_rope_page_theta),
+        main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
+        index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
+        rope_page_mod=cfg.sparse_rope_page_mod,
+        q=_ptr(q), k=_ptr(k), v=_ptr(v), iq=_ptr(iq), ik=_ptr(ik), coords=_ptr(coords32),
+        head_cls=_ptr(head_cls), block_tables=_ptr(tables32), seq_lens=_ptr(lens32),
+        query_start_loc=_ptr(qsl32), prompt_lens=_ptr(prompts32),
+        key_cache=_ptr(cache.key), value_cache=_ptr(cache.value), index_cache=_ptr(cache.index_key),
+        image_page_cache=_ptr(cache.image_page), summary_cache=_ptr(cache.summary),
+        summary_pages=_ptr(cache.summary_pages), out=_ptr(out),
+    )
+    size = ctypes.c_size_t(0)
+    _check(lib, lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)), "dash_workspace_size")
+    workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
+    p.workspace, p.workspace_size = workspace.data_ptr(), size.value
+    selected = None
+    if return_selected:
+        kmax = lib.dash_max_selected(ctypes.byref(p))
+        selected = torch.empty(t, kmax, dtype=torch.int32, device=device)
+        p.selected_out = selected.data_ptr()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _check(lib, lib.dash_run(ctypes.byref(p), ctypes.c_void_p(stream)), "dash_run")
+    if (validate if check_errors is None else check_errors) and t:
+        mask = ctypes.c_int32(0)
+        _check(lib, lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
+               "dash_read_data_errors")
+        if mask.value:
+            bad = [msg for bit, msg in DATA_ERRORS.items() if mask.value & bit]
+            raise DashKernelError("kernels skipped bad metadata: " + "; ".join(bad))
+    if return_selected:
+        return out, selected.long()
+    return out

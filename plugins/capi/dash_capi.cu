@@ -1,0 +1,246 @@
+// The C ABI: validation, the launch plan (workspace, split-K) and dash_run over the stages.
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "../kernels/common.cuh"
+#include "dash/dash.h"
+
+namespace dash {
+size_t attend_smem_bytes(int group, int head_dim);
+int attend_max_group();
+}  // namespace dash
+
+namespace {
+
+thread_local std::string g_last_error;
+
+DashStatus fail(DashStatus status, const std::string& message) {
+    g_last_error = message;
+    return status;
+}
+
+constexpr int kSupportedHeadDims[] = DASH_HEAD_DIMS;
+constexpr int kMaxIndexDim = 512;
+constexpr size_t kAlign = 256;
+constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
+constexpr long kTargetCtas = 1024;       // split-K aims for this many attention CTAs
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+bool supported_head_dim(int d) {
+    for (int s : kSupportedHeadDims)
+        if (s == d) return true;
+    return false;
+}
+
+DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
+    std::memset(&plan, 0, sizeof(plan));
+    plan.max_blocks = (int)((long)p.table_width * p.block_size / p.sparse_block_size);
+    plan.kmax = p.dense_layer ? plan.max_blocks : (p.topk < plan.max_blocks ? p.topk : plan.max_blocks);
+    if (plan.kmax < 1) plan.kmax = 1;  // keep rows non-empty; -1 padded
+    plan.pieces = plan.kmax + p.sparse_local_block;
+    const long units = (long)p.num_tokens * p.num_kv_heads;
+    long splits = units >= kTargetCtas || units == 0 ? 1 : (kTargetCtas + units - 1) / units;
+    if (splits > plan.pieces) splits = plan.pieces;
+    plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
+    plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
+    plan.route_smem = align_up(sizeof(float) * (size_t)((p.index_dim + 3) & ~3)) +
+                      sizeof(uint64_t) * (size_t)plan.max_blocks;
+    plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
+                          sizeof(int) * (size_t)p.sparse_block_size;
+    plan.attend_smem = dash::attend_smem_bytes(p.num_heads / p.num_kv_heads, p.head_dim);
+    if (plan.route_smem > kMaxSmem)
+        return fail(DASH_ERR_UNSUPPORTED,
+                    "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
+                        " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
+                        std::to_string((kMaxSmem - 4 * kMaxIndexDim) / 8));
+    if (plan.summarize_smem > kMaxSmem)
+        return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
+    const size_t t = (size_t)p.num_tokens;
+    size_t off = align_up(sizeof(int32_t));  // error word
+    plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
+    plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
+    plan.off_selected = off, off += align_up(t * plan.kmax * sizeof(int32_t));
+    plan.off_forced = off, off += align_up(t * plan.kmax);
+    if (plan.splits > 1) {
+        const size_t rows = t * p.num_heads * plan.splits;
+        plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
+        plan.off_ml = off, off += align_up(rows * sizeof(float2));
+    }
+    plan.bytes = off;
+    return DASH_OK;
+}
+
+dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
+    char* base = static_cast<char*>(p.workspace);
+    dash::Workspace ws{};
+    ws.error = reinterpret_cast<int32_t*>(base);
+    ws.token_seq = reinterpret_cast<int32_t*>(base + plan.off_token_seq);
+    ws.token_pos = reinterpret_cast<int32_t*>(base + plan.off_token_pos);
+    ws.selected = reinterpret_cast<int32_t*>(base + plan.off_selected);
+    ws.forced = reinterpret_cast<uint8_t*>(base + plan.off_forced);
+    if (plan.splits > 1) {
+        ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
+        ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
+    }
+    return ws;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t dash_abi_version(void) { return DASH_ABI_VERSION; }
+
+size_t dash_params_size(void) { return sizeof(DashParams); }
+
+int64_t dash_params_offset(const char* field) {
+#define DASH_FIELD(name) \
+    if (std::strcmp(field, #name) == 0) return (int64_t)offsetof(DashParams, name);
+    DASH_FIELD(num_tokens) DASH_FIELD(num_seqs) DASH_FIELD(num_heads) DASH_FIELD(num_kv_heads)
+    DASH_FIELD(head_dim) DASH_FIELD(index_dim) DASH_FIELD(num_blocks) DASH_FIELD(block_size)
+    DASH_FIELD(table_width) DASH_FIELD(max_new_tokens) DASH_FIELD(dtype) DASH_FIELD(sparse_block_size)
+    DASH_FIELD(sparse_local_block) DASH_FIELD(topk) DASH_FIELD(dense_layer) DASH_FIELD(page_bias)
+    DASH_FIELD(rope_page_pairs) DASH_FIELD(rope_tok_theta) DASH_FIELD(rope_page_theta)
+    DASH_FIELD(main_truncate) DASH_FIELD(index_truncate) DASH_FIELD(rope_page_mod) DASH_FIELD(q)
+    DASH_FIELD(k) DASH_FIELD(v) DASH_FIELD(iq) DASH_FIELD(ik) DASH_FIELD(coords) DASH_FIELD(head_cls)
+    DASH_FIELD(block_tables) DASH_FIELD(seq_lens) DASH_FIELD(query_start_loc) DASH_FIELD(prompt_lens)
+    DASH_FIELD(key_cache) DASH_FIELD(value_cache) DASH_FIELD(index_cache) DASH_FIELD(image_page_cache)
+    DASH_FIELD(summary_cache) DASH_FIELD(summary_pages) DASH_FIELD(out) DASH_FIELD(workspace)
+    DASH_FIELD(workspace_size) DASH_FIELD(selected_out)
+#undef DASH_FIELD
+    return -1;
+}
+
+int32_t dash_supported_head_dims(int32_t* dims, int32_t cap) {
+    int32_t n = 0;
+    for (int d : kSupportedHeadDims) {
+        if (dims != nullptr && n < cap) dims[n] = d;
+        ++n;
+    }
+    return n;
+}
+
+DashStatus dash_validate(const DashParams* p) {
+    if (p == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "params is NULL");
+    auto positive = [&](const char* name, long v) -> DashStatus {
+        if (v <= 0) return fail(DASH_ERR_INVALID_ARGUMENT, std::string(name) + " must be positive, got " + std::to_string(v));
+        return DASH_OK;
+    };
+    DashStatus s;
+    if ((s = positive("num_seqs", p->num_seqs)) || (s = positive("num_heads", p->num_heads)) ||
+        (s = positive("num_kv_heads", p->num_kv_heads)) || (s = positive("head_dim", p->head_dim)) ||
+        (s = positive("index_dim", p->index_dim)) || (s = positive("num_blocks", p->num_blocks)) ||
+        (s = positive("block_size", p->block_size)) || (s = positive("table_width", p->table_width)) ||
+        (s = positive("sparse_block_size", p->sparse_block_size)) ||
+        (s = positive("sparse_local_block", p->sparse_local_block)))
+        return s;
+    if (!(p->rope_tok_theta > 0.0f) || !(p->rope_page_theta > 0.0f) || p->rope_tok_theta > 3.0e38f ||
+        p->rope_page_theta > 3.0e38f)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "rope_tok_theta and rope_page_theta must be finite and > 0");
+    if (p->num_tokens < 0) return fail(DASH_ERR_INVALID_ARGUMENT, "num_tokens must not be negative");
+    if (p->topk < 0) return fail(DASH_ERR_INVALID_ARGUMENT, "topk must not be negative");
+    if (p->rope_page_pairs < 0 || p->rope_page_mod < 0)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "rope_page_pairs and rope_page_mod must not be negative");
+    if (p->dtype != DASH_FLOAT32 && p->dtype != DASH_FLOAT16 && p->dtype != DASH_BFLOAT16)
+        return fail(DASH_ERR_UNSUPPORTED, "unsupported dtype code: " + std::to_string(p->dtype));
+    if (p->num_heads % p->num_kv_heads != 0)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "query heads (" + std::to_string(p->num_heads) +
+                                                   ") must be a multiple of KV heads (" +
+                                                   std::to_string(p->num_kv_heads) + ")");
+    if (p->num_heads / p->num_kv_heads > dash::attend_max_group())
+        return fail(DASH_ERR_UNSUPPORTED, "unsupported GQA group size: " +
+                                              std::to_string(p->num_heads / p->num_kv_heads) + " (at most " +
+                                              std::to_string(dash::attend_max_group()) + ")");
+    if (!supported_head_dim(p->head_dim))
+        return fail(DASH_ERR_UNSUPPORTED, "unsupported head dim: " + std::to_string(p->head_dim) +
+                                              " (supported: 64, 128, 256)");
+    if (p->index_dim % 2 != 0 || p->index_dim > kMaxIndexDim)
+        return fail(DASH_ERR_UNSUPPORTED, "unsupported index dim: " + std::to_string(p->index_dim) +
+                                              " (even, at most " + std::to_string(kMaxIndexDim) + ")");
+    if (p->head_dim / 2 <= p->rope_page_pairs || p->index_dim / 2 <= p->rope_page_pairs)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "head dims must be larger than twice sparse_rope_page_pairs");
+    if (p->block_size % p->sparse_block_size != 0)
+        return fail(DASH_ERR_UNSUPPORTED, "KV block size " + std::to_string(p->block_size) +
+                                              " is not a whole multiple of the sparse block size " +
+                                              std::to_string(p->sparse_block_size));
+    if (!(p->page_bias == p->page_bias) || p->page_bias > 3.0e38f || p->page_bias < -3.0e38f)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "page_bias must be finite");
+    if (p->num_tokens > 0) {
+        const void* needed[] = {p->q, p->k, p->v, p->iq, p->ik, p->coords, p->head_cls, p->block_tables,
+                                p->seq_lens, p->query_start_loc, p->prompt_lens, p->key_cache, p->value_cache,
+                                p->index_cache, p->image_page_cache, p->summary_cache, p->summary_pages, p->out};
+        for (const void* ptr : needed)
+            if (ptr == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "a tensor pointer is NULL");
+    }
+    dash::Plan plan;
+    return make_plan(*p, plan);
+}
+
+int32_t dash_max_selected(const DashParams* p) {
+    dash::Plan plan;
+    if (p == nullptr || dash_validate(p) != DASH_OK || make_plan(*p, plan) != DASH_OK) return -1;
+    return plan.kmax;
+}
+
+DashStatus dash_workspace_size(const DashParams* p, size_t* bytes) {
+    DashStatus s = dash_validate(p);
+    if (s != DASH_OK) return s;
+    if (bytes == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "bytes is NULL");
+    dash::Plan plan;
+    s = make_plan(*p, plan);
+    if (s == DASH_OK) *bytes = plan.bytes;
+    return s;
+}
+
+DashStatus dash_run(const DashParams* p, void* stream_ptr) {
+    DashStatus s = dash_validate(p);
+    if (s != DASH_OK) return s;
+    dash::Plan plan;
+    if ((s = make_plan(*p, plan)) != DASH_OK) return s;
+    if (p->num_tokens == 0) return DASH_OK;
+    if (p->workspace == nullptr || p->workspace_size < plan.bytes)
+        return fail(DASH_ERR_WORKSPACE, "workspace of " + std::to_string(p->workspace_size) + " bytes, need " +
+                                            std::to_string(plan.bytes));
+    if (reinterpret_cast<uintptr_t>(p->workspace) % kAlign != 0)
+        return fail(DASH_ERR_WORKSPACE, "workspace must be 256-byte aligned");
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    const dash::Workspace ws = carve(*p, plan);
+    // The data-error word describes this run only.
+    cudaError_t err = cudaMemsetAsync(ws.error, 0, sizeof(int32_t), stream);
+    if (err == cudaSuccess) err = dash::launch_write(*p, ws, stream);
+    if (err == cudaSuccess) err = dash::launch_summarize(*p, plan, ws, stream);
+    if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);
+    if (err == cudaSuccess) err = dash::launch_attend(*p, plan, ws, stream);
+    if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("CUDA launch failed: ") + cudaGetErrorString(err));
+    return DASH_OK;
+}
+
+DashStatus dash_read_data_errors(const DashParams* p, void* stream_ptr, int32_t* mask) {
+    if (p == nullptr || p->workspace == nullptr || mask == nullptr)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "params, workspace and mask must not be NULL");
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    int32_t* flag = static_cast<int32_t*>(p->workspace);
+    cudaError_t err = cudaMemcpyAsync(mask, flag, sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(flag, 0, sizeof(int32_t), stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("reading the error flag: ") + cudaGetErrorString(err));
+    return DASH_OK;
+}
+
+const char* dash_status_string(DashStatus status) {
+    switch (status) {
+        case DASH_OK: return "DASH_OK";
+        case DASH_ERR_INVALID_ARGUMENT: return "DASH_ERR_INVALID_ARGUMENT";
+        case DASH_ERR_UNSUPPORTED: return "DASH_ERR_UNSUPPORTED";
+        case DASH_ERR_WORKSPACE: return "DASH_ERR_WORKSPACE";
+        case DASH_ERR_CUDA: return "DASH_ERR_CUDA";
+    }
+    return "DASH_ERR_UNKNOWN";
+}
+
+const char* dash_last_error_message(void) { return g_last_error.c_str(); }
+
+}  // extern "C"

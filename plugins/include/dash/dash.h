@@ -1,0 +1,75 @@
+/*
+ * DASH attention: the C ABI over DashParams, shared by every front end.
+ *
+ * dash_run() enqueues the four stages (write with page RoPE, summarise completed sparse blocks,
+ * route, attend) on `stream`. It never synchronises, never allocates and sizes its grids from
+ * shape values only, so it can be captured in a CUDA graph. The caller provides
+ * dash_workspace_size() bytes of device scratch.
+ *
+ * Errors: every function returns a DashStatus; dash_status_string() names it and
+ * dash_last_error_message() gives the detail (thread-local), e.g. "unsupported head dim: 96".
+ * Bad *data* (block-table entries outside the cache, lengths past the table) cannot be seen on
+ * the host without a sync: kernels never read or write out of bounds because of it; they skip
+ * the access and set a flag in the workspace that dash_read_data_errors() returns.
+ */
+#ifndef DASH_DASH_H
+#define DASH_DASH_H
+
+#include "dash/params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define DASH_API __declspec(dllexport)
+#else
+#define DASH_API __attribute__((visibility("default")))
+#endif
+
+typedef enum DashStatus {
+    DASH_OK = 0,
+    DASH_ERR_INVALID_ARGUMENT = 1, /* a size, pointer or configuration value is unusable */
+    DASH_ERR_UNSUPPORTED = 2,      /* valid but not implemented (head dim, dtype, sizes) */
+    DASH_ERR_WORKSPACE = 3,        /* workspace missing or smaller than dash_workspace_size() */
+    DASH_ERR_CUDA = 4              /* a CUDA launch failed; the message holds cudaGetErrorString */
+} DashStatus;
+
+/* Data errors flagged by the kernels (bit mask, see dash_read_data_errors). */
+enum {
+    DASH_DATA_BAD_BLOCK_TABLE = 1, /* a needed block-table entry is outside [0, NB) */
+    DASH_DATA_BAD_LENGTHS = 2      /* seq_lens / query_start_loc inconsistent or past the table */
+};
+
+DASH_API int32_t dash_abi_version(void);
+DASH_API size_t dash_params_size(void);
+/* Byte offset of a DashParams field by name, or -1 (lets bindings check their mirror). */
+DASH_API int64_t dash_params_offset(const char* field);
+
+/* Head dims the attention kernels are compiled for; writes up to `cap`, returns the count. */
+DASH_API int32_t dash_supported_head_dims(int32_t* dims, int32_t cap);
+
+/* Width of selected_out rows: the most blocks one token can select (topk, or all for dense). */
+DASH_API int32_t dash_max_selected(const DashParams* p);
+
+/* Checks sizes and configuration (no device access). */
+DASH_API DashStatus dash_validate(const DashParams* p);
+
+/* Scratch bytes dash_run needs for these sizes. */
+DASH_API DashStatus dash_workspace_size(const DashParams* p, size_t* bytes);
+
+/* Enqueue the operator on `stream` (a cudaStream_t). */
+DASH_API DashStatus dash_run(const DashParams* p, void* stream);
+
+/* Copies the data-error mask of the last run using this workspace to *mask, synchronising
+ * `stream`, then clears it. For tests and eager front ends; not for capture. */
+DASH_API DashStatus dash_read_data_errors(const DashParams* p, void* stream, int32_t* mask);
+
+DASH_API const char* dash_status_string(DashStatus status);
+DASH_API const char* dash_last_error_message(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DASH_DASH_H */

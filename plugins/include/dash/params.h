@@ -1,0 +1,100 @@
+/*
+ * DASH attention: the one parameter struct every front end fills.
+ *
+ * The PyTorch binding (dash_trt/cuda.py, through ctypes), the TensorRT plugin and the tests
+ * all fill a DashParams and call dash_run() (dash/dash.h). Kernels see nothing else. No
+ * TensorRT or torch headers here: plain C, fixed-width fields, so the ctypes mirror in
+ * dash_trt/cuda.py can be checked field by field (dash_params_offset()).
+ *
+ * Shapes: T new tokens in the batch, B sequences, H query heads, Hkv KV heads, D head dim,
+ * Di indexer dim, NB KV blocks of `block_size` tokens, W block-table width,
+ * sbs = sparse_block_size. All tensors are dense, row-major, on the device.
+ * The function computed is dash_trt.paged.paged_dash_attention (docs/api.md).
+ */
+#ifndef DASH_PARAMS_H
+#define DASH_PARAMS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever DashParams changes layout. */
+#define DASH_ABI_VERSION 1
+
+/* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
+typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
+
+/* Columns of `coords` (same as dash_trt.paged.COORD_*). */
+enum { DASH_COORD_TOK = 0, DASH_COORD_PAGE = 1, DASH_COORD_IMAGE_PAGE = 2, DASH_COORD_QUERY_PAGE = 3,
+       DASH_NUM_COORDS = 4 };
+
+/* Columns of `summary_pages` (same as dash_trt.paged.PAGE_*). */
+enum { DASH_PAGE_LO = 0, DASH_PAGE_HI = 1, DASH_PAGE_DENSE = 2 };
+
+typedef struct DashParams {
+    /* ---- sizes (shape values, known on the host) ---- */
+    int32_t num_tokens;    /* T: new tokens in this call, over all sequences */
+    int32_t num_seqs;      /* B */
+    int32_t num_heads;     /* H */
+    int32_t num_kv_heads;  /* Hkv; H % Hkv == 0, query head h reads KV head h / (H / Hkv) */
+    int32_t head_dim;      /* D: 64, 128 or 256 */
+    int32_t index_dim;     /* Di: even, <= 512 */
+    int32_t num_blocks;    /* NB: KV blocks in the cache */
+    int32_t block_size;    /* tokens per KV block; a whole multiple of sparse_block_size */
+    int32_t table_width;   /* W: columns of block_tables; W * block_size bounds every seq_len */
+    int32_t max_new_tokens;/* upper bound on any one sequence's new tokens (<= T); sizes grids */
+    int32_t dtype;         /* DashDtype */
+
+    /* ---- configuration (the dash_attention_config keys) ---- */
+    int32_t sparse_block_size;  /* sbs: tokens per sparse block */
+    int32_t sparse_local_block; /* sparse blocks in the local window (>= 1) */
+    int32_t topk;               /* sparse_topk_blocks for this layer (already indexed) */
+    int32_t dense_layer;        /* 1: this layer selects every remote block */
+    float page_bias;            /* sparse_page_bias, added to logits of forced blocks */
+    int32_t rope_page_pairs;    /* sparse_rope_page_pairs */
+    float rope_tok_theta;       /* sparse_rope_tok_theta */
+    float rope_page_theta;      /* sparse_rope_page_theta */
+    int32_t main_truncate;      /* sparse_main_rope_tok_freq_mode == "truncate" (q/k) */
+    int32_t index_truncate;     /* sparse_rope_tok_freq_mode == "truncate" (iq/ik) */
+    int32_t rope_page_mod;      /* sparse_rope_page_mod (0 = off) */
+
+    /* ---- inputs ---- */
+    const void* q;              /* [T, H, D] dtype, unrotated */
+    const void* k;              /* [T, Hkv, D] dtype, unrotated */
+    const void* v;              /* [T, Hkv, D] dtype */
+    const void* iq;             /* [T, Di] dtype, unrotated */
+    const void* ik;             /* [T, Di] dtype, unrotated */
+    const int32_t* coords;      /* [T, 4]: tok, page, image_page, query_page */
+    const void* head_cls;       /* [Di] dtype */
+    const int32_t* block_tables;/* [B, W]: physical KV block of each logical block (-1 pad) */
+    const int32_t* seq_lens;    /* [B]: tokens of each sequence after this call */
+    const int32_t* query_start_loc; /* [B + 1]: rows of sequence b are [qsl[b], qsl[b+1]) */
+    const int32_t* prompt_lens; /* [B]: prompt_length, -1 for none */
+
+    /* ---- the paged cache (read and written in place) ---- */
+    void* key_cache;            /* [NB, block_size, Hkv, D] dtype, keys after page RoPE */
+    void* value_cache;          /* [NB, block_size, Hkv, D] dtype */
+    void* index_cache;          /* [NB, block_size, Di] dtype, index keys after page RoPE */
+    int32_t* image_page_cache;  /* [NB, block_size]: image page per token, -1 if none */
+    float* summary_cache;       /* [NB, block_size / sbs, Di] float32: complete block summaries */
+    int32_t* summary_pages;     /* [NB, block_size / sbs, 3]: lo, hi, dense flag */
+
+    /* ---- output ---- */
+    void* out;                  /* [T, H, D] dtype */
+
+    /* ---- scratch ---- */
+    void* workspace;            /* dash_workspace_size(params) bytes, 256-byte aligned */
+    size_t workspace_size;
+
+    /* ---- optional debugging outputs (may be NULL) ---- */
+    int32_t* selected_out;      /* [T, dash_max_selected(params)]: selected blocks, -1 padded */
+} DashParams;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DASH_PARAMS_H */

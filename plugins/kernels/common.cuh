@@ -1,0 +1,198 @@
+// Shared device helpers for the DASH stages: dtype traits, reference-exact RoPE, dispatch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "dash/dash.h"
+
+namespace dash {
+
+// ------------------------------------------------------------------ dtype traits
+template <typename T>
+struct Dtype;
+
+template <>
+struct Dtype<float> {
+    static __device__ __forceinline__ float to_f(float x) { return x; }
+    static __device__ __forceinline__ float from_f(float x) { return x; }
+};
+template <>
+struct Dtype<__half> {
+    static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+};
+template <>
+struct Dtype<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) { return Dtype<T>::to_f(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x) { return Dtype<T>::from_f(x); }
+// x rounded to T and back: what a torch op producing a T tensor stores.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+
+// ------------------------------------------------------------------ RoPE
+// Frequency and angle exactly as dash_trt.reference.page_rope computes them in float32:
+//   exponent = i / (truncate ? dim/2 : ntok); inv = 1 / theta**exponent; angle = coord * inv.
+// NOTE: no fused multiply-add (the reference rounds every product), hence the _rn intrinsics.
+struct RopeConfig {
+    int pairs;        // sparse_rope_page_pairs
+    float tok_theta;
+    float page_theta;
+    int truncate;     // for this tensor kind (main or index)
+    int page_mod;
+};
+
+__device__ __forceinline__ float rope_angle(int i, int dim, int tok, int page, const RopeConfig& c) {
+    const int ntok = dim / 2 - c.pairs;
+    if (i < ntok) {
+        const float denom = c.truncate ? (float)dim / 2.0f : (float)ntok;
+        const float inv = __fdiv_rn(1.0f, powf(c.tok_theta, __fdiv_rn((float)i, denom)));
+        return __fmul_rn((float)tok, inv);
+    }
+    const int j = i - ntok;
+    const float inv = __fdiv_rn(1.0f, powf(c.page_theta, __fdiv_rn((float)j, (float)c.pairs)));
+    int pg = page;
+    if (c.page_mod > 0) {
+        pg = ((pg % c.page_mod) + c.page_mod) % c.page_mod;  // Python's % for negatives
+    }
+    return __fmul_rn((float)pg, inv);
+}
+
+// Rotates the pair (x[i], x[i + dim/2]) as the reference does in T precision:
+//   out_lo = x_lo * cos - x_hi * sin,  out_hi = x_hi * cos + x_lo * sin, each op rounded to T.
+template <typename T>
+__device__ __forceinline__ void rope_pair(float x_lo, float x_hi, float angle, float& out_lo,
+                                          float& out_hi) {
+    const float c = round_to<T>(cosf(angle));
+    const float s = round_to<T>(sinf(angle));
+    out_lo = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_lo, c)), round_to<T>(__fmul_rn(-x_hi, s))));
+    out_hi = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_hi, c)), round_to<T>(__fmul_rn(x_lo, s))));
+}
+
+// torch.nan_to_num(x, 0, 0, 0)
+__device__ __forceinline__ float finite_or_zero(float x) { return isfinite(x) ? x : 0.0f; }
+
+// ------------------------------------------------------------------ reductions
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ------------------------------------------------------------------ indexing
+// Flat cache slot of position `pos` of sequence `seq`, or -1 (and a data-error flag) when the
+// block table does not map it inside the cache.
+__device__ __forceinline__ int64_t cache_slot(const DashParams& p, int seq, int pos, int32_t* err) {
+    const int blk = pos / p.block_size;
+    if (pos < 0 || blk >= p.table_width) {
+        atomicOr(err, DASH_DATA_BAD_LENGTHS);
+        return -1;
+    }
+    const int32_t phys = p.block_tables[(int64_t)seq * p.table_width + blk];
+    if (phys < 0 || phys >= p.num_blocks) {
+        atomicOr(err, DASH_DATA_BAD_BLOCK_TABLE);
+        return -1;
+    }
+    return (int64_t)phys * p.block_size + pos % p.block_size;
+}
+
+// Where the summary of sparse block `b` of a sequence lives: the KV block of its first token.
+__device__ __forceinline__ int64_t summary_index(const DashParams& p, int seq, int b, int32_t* err) {
+    const int64_t slot = cache_slot(p, seq, b * p.sparse_block_size, err);
+    if (slot < 0) return -1;
+    const int per = p.block_size / p.sparse_block_size;
+    return (slot / p.block_size) * per + (slot % p.block_size) / p.sparse_block_size;
+}
+
+// ------------------------------------------------------------------ workspace layout
+// Everything dash_run needs besides the caller's tensors, carved from one buffer.
+struct Workspace {
+    int32_t* error;       // [1] data-error mask
+    int32_t* token_seq;   // [T] sequence of each new token (-1: bad metadata)
+    int32_t* token_pos;   // [T] position of each new token
+    int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
+    uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
+    float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
+    float2* part_ml;      // [T, H, splits] running max and sum of each split
+};
+
+struct Plan {
+    int kmax;             // selected row width
+    int max_blocks;       // sparse blocks a sequence can have: W * block_size / sbs
+    int pieces;           // key pieces per token: kmax remote blocks + local window blocks
+    int splits;           // split-K factor of the attention stage
+    int pieces_per_split;
+    size_t route_smem;    // dynamic shared memory of the routing kernel
+    size_t summarize_smem;
+    size_t attend_smem;
+    size_t bytes;         // workspace size
+    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml;
+};
+
+// ------------------------------------------------------------------ stage launchers
+cudaError_t launch_write(const DashParams& p, const Workspace& ws, cudaStream_t stream);
+cudaError_t launch_summarize(const DashParams& p, const Plan& plan, const Workspace& ws,
+                             cudaStream_t stream);
+cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace& ws,
+                         cudaStream_t stream);
+cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
+                          cudaStream_t stream);
+
+}  // namespace dash
+
+// ------------------------------------------------------------------ dispatch
+// The one place dtype and head dim are dispatched (FlashAttention's static_switch pattern).
+#define DASH_DISPATCH_DTYPE(DTYPE, T, ...)        \
+    [&]() -> cudaError_t {                        \
+        switch (DTYPE) {                          \
+            case DASH_FLOAT32: {                  \
+                using T = float;                  \
+                return __VA_ARGS__();             \
+            }                                     \
+            case DASH_FLOAT16: {                  \
+                using T = __half;                 \
+                return __VA_ARGS__();             \
+            }                                     \
+            case DASH_BFLOAT16: {                 \
+                using T = __nv_bfloat16;          \
+                return __VA_ARGS__();             \
+            }                                     \
+            default:                              \
+                return cudaErrorInvalidValue;     \
+        }                                         \
+    }()
+
+// Head dims the attention stage is compiled for. Keep DASH_HEAD_DIMS and the switch in step.
+#define DASH_HEAD_DIMS {64, 128, 256}
+#define DASH_DISPATCH_HEAD_DIM(DIM, D, ...)       \
+    [&]() -> cudaError_t {                        \
+        switch (DIM) {                            \
+            case 64: {                            \
+                constexpr int D = 64;             \
+                return __VA_ARGS__();             \
+            }                                     \
+            case 128: {                           \
+                constexpr int D = 128;            \
+                return __VA_ARGS__();             \
+            }                                     \
+            case 256: {                           \
+                constexpr int D = 256;            \
+                return __VA_ARGS__();             \
+            }                                     \
+            default:                              \
+                return cudaErrorInvalidValue;     \
+        }                                         \
+    }()

@@ -1,0 +1,133 @@
+// Stage 2: summarise every sparse block this call completes (and record its image pages).
+//
+// A block's summary is the head_cls-softmax-weighted mean of its index keys; it is taken once,
+// when the block's last token is written, and never changes afterwards, so decode reads one
+// summary per block instead of every index key (dash_trt.reference.block_summaries).
+#include "common.cuh"
+
+namespace dash {
+namespace {
+
+// grid (ceil(max_new / sbs) + 1, B): CTA x handles the x-th block completed by sequence y.
+template <typename T>
+__global__ void summarize_kernel(const DashParams p, Workspace ws) {
+    const int seq = blockIdx.y;
+    const int n_new = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    const int len = p.seq_lens[seq];
+    const int sbs = p.sparse_block_size, di = p.index_dim;
+    if (n_new > len || len > p.table_width * p.block_size) return;  // flagged by stage 1
+    const int b = (len - n_new) / sbs + blockIdx.x;
+    if (b >= len / sbs) return;
+    const int prompt = p.prompt_lens[seq];
+
+    extern __shared__ float smem[];
+    float* keys = smem;                 // [sbs, Di]
+    float* logit = keys + sbs * di;     // [sbs]
+    int* pages = (int*)(logit + sbs);   // [sbs]
+    __shared__ int64_t s_sum_index;
+    __shared__ int s_bad;
+    __shared__ float s_max, s_total;
+    if (threadIdx.x == 0) {
+        s_bad = 0;
+        s_sum_index = summary_index(p, seq, b, ws.error);
+        if (s_sum_index < 0) s_bad = 1;
+    }
+    __syncthreads();
+    // Load the block's index keys (already rotated and finite) and image pages.
+    for (int j = threadIdx.x / 32; j < sbs; j += blockDim.x / 32) {
+        const int64_t slot = cache_slot(p, seq, b * sbs + j, ws.error);
+        if (slot < 0) {
+            if (threadIdx.x % 32 == 0) s_bad = 1;
+            continue;
+        }
+        const T* src = static_cast<const T*>(p.index_cache) + slot * di;
+        for (int i = threadIdx.x % 32; i < di; i += 32) keys[j * di + i] = to_f(src[i]);
+        if (threadIdx.x % 32 == 0) pages[j] = p.image_page_cache[slot];
+    }
+    __syncthreads();
+    if (s_bad) return;
+    // Indexer logit of each token: (ik . head_cls) / sqrt(Di), clamped to +-1e4.
+    const T* hc = static_cast<const T*>(p.head_cls);
+    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    for (int j = threadIdx.x / 32; j < sbs; j += blockDim.x / 32) {
+        float acc = 0.0f;
+        for (int i = threadIdx.x % 32; i < di; i += 32) acc += keys[j * di + i] * to_f(hc[i]);
+        acc = warp_sum(acc);
+        if (threadIdx.x % 32 == 0) logit[j] = fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;  // the reference's finfo.min where nothing counts; see below
+        for (int j = threadIdx.x; j < sbs; j += 32) {
+            const bool real = prompt < 0 || b * sbs + j < prompt;
+            if (real) m = fmaxf(m, logit[j]);
+        }
+        m = warp_max(m);
+        if (m == -INFINITY) m = -3.402823466e38f;
+        // NOTE: exactly the reference's formula: tokens that do not count still go through
+        // exp(logit - max) and are then multiplied by 0, so an overflow gives inf * 0 = NaN and
+        // the whole summary becomes 0 (nan_to_num). Do not "fix" this here alone.
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < sbs; j += 32) {
+            const bool real = prompt < 0 || b * sbs + j < prompt;
+            float e = expf(logit[j] - m);
+            e = e * (real ? 1.0f : 0.0f);
+            logit[j] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        if (threadIdx.x == 0) {
+            s_total = (s < 1e-6f) ? 1e-6f : s;  // clamp(min=1e-6), NaN stays NaN
+            s_max = m;
+        }
+    }
+    __syncthreads();
+    float* out = p.summary_cache + s_sum_index * di;
+    for (int i = threadIdx.x; i < di; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < sbs; ++j) acc += (logit[j] / s_total) * keys[j * di + i];
+        out[i] = finite_or_zero(acc);
+    }
+    // Image-page range of the block, and whether every page in it has an image token here.
+    if (threadIdx.x == 0) {
+        int lo = INT32_MAX, hi = -1, distinct = 0;
+        for (int j = 0; j < sbs; ++j) {
+            const int pg = pages[j];
+            if (pg < 0) continue;
+            lo = min(lo, pg);
+            hi = max(hi, pg);
+            bool seen = false;
+            for (int i = 0; i < j && !seen; ++i) seen = pages[i] == pg;
+            distinct += seen ? 0 : 1;
+        }
+        int32_t* dst = p.summary_pages + s_sum_index * 3;
+        if (hi < 0) {
+            dst[DASH_PAGE_LO] = -1, dst[DASH_PAGE_HI] = -1, dst[DASH_PAGE_DENSE] = 1;
+        } else {
+            dst[DASH_PAGE_LO] = lo, dst[DASH_PAGE_HI] = hi;
+            dst[DASH_PAGE_DENSE] = distinct == hi - lo + 1 ? 1 : 0;
+        }
+    }
+    (void)s_max;
+}
+
+}  // namespace
+
+cudaError_t launch_summarize(const DashParams& p, const Plan& plan, const Workspace& ws,
+                             cudaStream_t stream) {
+    if (p.num_tokens == 0) return cudaSuccess;
+    const int max_new = p.max_new_tokens > 0 ? p.max_new_tokens : p.num_tokens;
+    const dim3 grid(max_new / p.sparse_block_size + 1, p.num_seqs);
+    return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
+        cudaError_t err = cudaSuccess;
+        if (plan.summarize_smem > 48 * 1024) {
+            err = cudaFuncSetAttribute(summarize_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)plan.summarize_smem);
+            if (err != cudaSuccess) return err;
+        }
+        summarize_kernel<T><<<grid, 128, plan.summarize_smem, stream>>>(p, ws);
+        return cudaGetLastError();
+    });
+}
+
+}  // namespace dash

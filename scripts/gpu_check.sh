@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
+# Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
+# torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
+#   scripts/gpu_check.sh [tests|sanitize|bench|all]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+what=${*:-all}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ]; then  # test-only wheels carried to machines without package access
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+t0=$(date +%s)
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} \
+  -DDASH_REQUIRE_CUDA=ON > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j"$(nproc)" >> "$OUT/build.log" 2>&1
+rc=$?; echo "build rc=$rc ($(( $(date +%s) - t0 )) s)"; [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit $rc; }
+export DASH_TRT_LIBRARY=$PWD/build-gpu/plugins/libdash_trt_kernels.so
+status=0
+case " $what " in *" tests "*|*" all "*)
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" sanitize "*|*" all "*)
+  # The caching allocator would hide out-of-bounds accesses inside its large blocks.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    -k "graph or bad_block or unsupported or prompt_length-0-dtype2 or dense_layer-0-dtype1 or 2-8-2-64-dtype1" 2>&1 | tee "$OUT/memcheck.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" bench "*|*" all "*)
+  python3 bench/bench_dash.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+exit $status

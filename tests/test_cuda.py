@@ -1,0 +1,256 @@
+"""The CUDA kernels against the paged reference (SPEC's comparison rule), on a GPU.
+
+Every case runs the same ragged batches (prefill chunks and decode tokens of several
+sequences mixed in one call) through both implementations, each on its own copy of the
+cache, and compares per-token outputs, the selected blocks and the final cache contents.
+"""
+
+import pytest
+import torch
+
+from conftest import DTYPES
+from dash_trt import paged as P
+from dash_trt.config import DashConfig
+from dash_trt.testing import TOLERANCES, compare_outputs, random_inputs, random_roles
+
+pytestmark = pytest.mark.gpu
+
+cuda = pytest.importorskip("dash_trt.cuda")
+
+HEAD_DIMS = [64, 128]
+GQA = [(4, 4), (8, 2), (32, 8)]
+KV_MULTIPLES = [1, 2, 4]
+SEEDS = [0, 1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if cuda.library_path() is None:
+        pytest.skip("kernel library not built (pip install . with nvcc, or DASH_TRT_LIBRARY)")
+
+
+def make_config(sbs=16, **kw):
+    sp = {"sparse_block_size": sbs, "sparse_local_block": 1, "sparse_topk_blocks": 3,
+          "sparse_page_bias": 0.75, "sparse_rope_page_pairs": 2}
+    sp.update(kw)
+    return DashConfig.from_dict(sp)
+
+
+def build_sequences(gen, n, *, heads, kv_heads, head_dim, index_dim, dtype, pages=(2, 6), response=12,
+                    max_images=40):
+    head_cls = torch.randn(index_dim, generator=gen).to(dtype)
+    seqs = []
+    for _ in range(n):
+        npages = int(torch.randint(pages[0], pages[1] + 1, (1,), generator=gen))
+        roles = random_roles(gen, npages, max_images=max_images, response=response, response_markers=2)
+        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
+                          dtype=dtype, device="cuda", head_cls=head_cls.cuda())
+        seqs.append((x, P.sequence_coords(roles).cuda()))
+    return seqs
+
+
+def schedule(gen, seqs, response):
+    """Per sequence: the prompt in 1-3 chunks, then the response one token at a time."""
+    plans = []
+    for x, _ in seqs:
+        prompt = x.length - response
+        cuts = sorted(set(torch.randint(1, prompt, (2,), generator=gen).tolist()))
+        bounds = [0, *[c for c in cuts if 0 < c < prompt], prompt]
+        plans.append([b - a for a, b in zip(bounds, bounds[1:])] + [1] * response)
+    return plans
+
+
+def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype):
+    """Run the same steps through the reference and the kernels; return per-step results."""
+    num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 2
+    hkv, d = seqs[0][0].k.shape[1:]
+    di = seqs[0][0].ik.shape[1]
+    ref_cache = P.DashKVCache.allocate(num_blocks, block_size, hkv, d, di, cfg.sparse_block_size, dtype, "cuda")
+    for t in ref_cache.tensors().values():  # garbage in unwritten slots must not matter
+        if t.dtype.is_floating_point:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 10)
+    ker_cache = ref_cache.clone()
+    pool = P.KVBlockPool(num_blocks, block_size)
+    # scatter the free list so block tables are not the identity
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    pool._free = perm
+    for i, pl in enumerate(prompt_lens):
+        pool.add(i, prompt_length=pl)
+    done = [0] * len(seqs)
+    plans = [list(p) for p in plans]
+    steps = []
+    while any(plans):
+        live = [i for i in range(len(seqs)) if plans[i]]
+        step = [(i, plans[i].pop(0)) for i in live]
+        batch = pool.schedule(step, device="cuda")
+        rows = [(i, done[i], done[i] + n) for i, n in step]
+
+        def cat(attr):
+            return torch.cat([getattr(seqs[i][0], attr)[a:b] for i, a, b in rows])
+
+        args = (cat("q"), cat("k"), cat("v"), cat("iq"), cat("ik"),
+                torch.cat([seqs[i][1][a:b] for i, a, b in rows]), seqs[0][0].head_cls)
+        ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
+                                            return_routing=True)
+        out, sel = cuda.paged_dash_attention_cuda(*args, ker_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
+                                                  return_selected=True)
+        steps.append((out, sel, ref, ref_r))
+        for i, a, b in rows:
+            done[i] = b
+    return steps, ref_cache, ker_cache
+
+
+def check(steps, ref_cache, ker_cache, dtype):
+    worst = 0.0
+    for out, sel, ref, ref_r in steps:
+        assert out.dtype == ref.dtype
+        report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
+                                 P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()),
+                                 dtype=dtype)
+        assert report.ok, str(report)
+        worst = max(worst, report.max_abs_err)
+    atol, rtol = TOLERANCES[dtype]
+    # The cache is part of the contract: written in place, bit-for-bit where nothing is computed.
+    assert torch.equal(ker_cache.value, ref_cache.value)
+    assert torch.equal(ker_cache.image_page, ref_cache.image_page)
+    assert torch.equal(ker_cache.summary_pages, ref_cache.summary_pages)
+    torch.testing.assert_close(ker_cache.key, ref_cache.key, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ker_cache.index_key, ref_cache.index_key, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ker_cache.summary, ref_cache.summary, atol=2e-3, rtol=2e-3)
+    return worst
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+@pytest.mark.parametrize("kv_multiple", KV_MULTIPLES)
+def test_kernels_match_reference(dtype, head_dim, heads, kv_heads, kv_multiple):
+    gen = torch.Generator().manual_seed(head_dim + heads + kv_multiple)
+    cfg = make_config(16)
+    seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype)
+    plans = schedule(gen, seqs, 12)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 16 * kv_multiple, [None, None, None], gen, dtype)
+    check(steps, rc, kc, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("variant", ["prompt_length", "dense_layer", "topk_list", "truncate_mod", "local2"])
+def test_kernels_config_variants(dtype, seed, variant):
+    gen = torch.Generator().manual_seed(seed)
+    kw, layer, prompts = {}, 0, [None, None]
+    if variant == "dense_layer":
+        kw, layer = {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}, 1
+    elif variant == "topk_list":
+        kw, layer = {"sparse_topk_blocks": [2, 5]}, 1
+    elif variant == "truncate_mod":
+        kw = {"sparse_main_rope_tok_freq_mode": "truncate", "sparse_rope_tok_freq_mode": "truncate",
+              "sparse_rope_page_mod": 3, "sparse_rope_page_pairs": 1}
+    elif variant == "local2":
+        kw = {"sparse_local_block": 2, "sparse_topk_blocks": 4}
+    cfg = make_config(8, **kw)
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=32, dtype=dtype, response=20)
+    if variant == "prompt_length":
+        prompts = [seqs[0][0].length - 20, seqs[1][0].length - 27]  # second: mid-prompt
+    plans = schedule(gen, seqs, 20)
+    steps, rc, kc = run_both(cfg, layer, seqs, plans, 32, prompts, gen, dtype)
+    check(steps, rc, kc, dtype)
+
+
+def test_long_sequences_and_split_k():
+    """Over a thousand tokens per sequence; decode-only steps exercise split-K."""
+    gen = torch.Generator().manual_seed(9)
+    cfg = make_config(64, sparse_topk_blocks=16, sparse_page_bias=0.5)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 2, heads=32, kv_heads=8, head_dim=128, index_dim=128, dtype=dtype,
+                           pages=(10, 14), max_images=200, response=8)
+    assert min(x.length for x, _ in seqs) > 1000
+    plans = schedule(gen, seqs, 8)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype)
+    check(steps, rc, kc, dtype)
+
+
+def test_cuda_graph_replay_matches_eager():
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float16
+    cfg = make_config(16)
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=64, dtype=dtype, response=4)
+    x0, c0 = seqs[0]
+    x1, c1 = seqs[1]
+    num_blocks = 64
+    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 64, 64, 16, dtype, "cuda")
+    pool = P.KVBlockPool(num_blocks, 32)
+    pool.add(0), pool.add(1)
+    n0, n1 = x0.length - 4, x1.length - 4
+    batch = pool.schedule([(0, n0), (1, n1)], device="cuda")
+    cat = lambda a, b, s0, s1: torch.cat([a[s0], b[s1]])  # noqa: E731
+    args = [cat(getattr(x0, n), getattr(x1, n), slice(0, n0), slice(0, n1)) for n in ("q", "k", "v", "iq", "ik")]
+    cuda.paged_dash_attention_cuda(*args, cat(c0, c1, slice(0, n0), slice(0, n1)), x0.head_cls, cache,
+                                   **batch.kwargs(), sp=cfg, layer_idx=0)
+    # One mixed decode step for both sequences, captured once and replayed.
+    batch = pool.schedule([(0, 1), (1, 1)], device="cuda")
+    dargs = [cat(getattr(x0, n), getattr(x1, n), slice(n0, n0 + 1), slice(n1, n1 + 1))
+             for n in ("q", "k", "v", "iq", "ik")]
+    dcoords = cat(c0, c1, slice(n0, n0 + 1), slice(n1, n1 + 1))
+    eager_cache = cache.clone()
+    eager = cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, eager_cache, **batch.kwargs(), sp=cfg,
+                                           layer_idx=0)
+    static = batch.to("cuda")
+    graph_cache = cache.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, cache.clone(), **static.kwargs(), sp=cfg,
+                                       layer_idx=0, validate=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, graph_cache, **static.kwargs(),
+                                                  sp=cfg, layer_idx=0, validate=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert torch.equal(graph_cache.key, eager_cache.key)
+    assert torch.equal(graph_cache.summary, eager_cache.summary)
+
+
+def _small_call(**change):
+    gen = torch.Generator().manual_seed(0)
+    cfg = make_config(16)
+    (x, coords), = build_sequences(gen, 1, heads=4, kv_heads=2, head_dim=64, index_dim=32, dtype=torch.float16,
+                                   response=0)
+    cache = P.DashKVCache.allocate(16, 32, 2, 64, 32, 16, torch.float16, "cuda")
+    pool = P.KVBlockPool(16, 32)
+    pool.add(0)
+    batch = pool.schedule([(0, x.length)], device="cuda")
+    args = dict(q=x.q, k=x.k, v=x.v, iq=x.iq, ik=x.ik, coords=coords, head_cls=x.head_cls, cache=cache,
+                **batch.kwargs(), sp=cfg, layer_idx=0)
+    args.update({k: (v(args) if callable(v) else v) for k, v in change.items()})
+    return cuda.paged_dash_attention_cuda(**args)
+
+
+def test_unsupported_sizes_are_refused_clearly():
+    with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 96"):
+        _small_call(q=lambda a: torch.randn(a["q"].shape[0], 4, 96, device="cuda", dtype=torch.float16),
+                    k=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
+                    v=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
+                    cache=P.DashKVCache.allocate(16, 32, 2, 96, 32, 16, torch.float16, "cuda"))
+    with pytest.raises(cuda.DashKernelError, match="not a whole multiple of the sparse block size"):
+        _small_call(cache=P.DashKVCache.allocate(16, 24, 2, 64, 32, 16, torch.float16, "cuda"),
+                    block_tables=lambda a: torch.arange(16, dtype=torch.int32, device="cuda")[None])
+
+
+def test_bad_block_table_is_flagged_not_read():
+    """With host validation off (as under graph capture), a table entry outside the cache is
+    skipped by the kernels and reported through the data-error flag."""
+    def bad_table(a):
+        t = a["block_tables"].clone()
+        t[0, 0] = 10_000
+        return t
+
+    with pytest.raises(cuda.DashKernelError, match="outside the cache"):
+        _small_call(block_tables=bad_table, validate=False, check_errors=True)
+    with pytest.raises(ValueError, match="outside the cache"):
+        _small_call(block_tables=bad_table)

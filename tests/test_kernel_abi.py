@@ -1,0 +1,75 @@
+"""The kernel library's C ABI, on any machine where it was built (no GPU needed):
+the ctypes mirror of DashParams, supported sizes, and argument validation."""
+
+import ctypes
+
+import pytest
+
+cuda = pytest.importorskip("dash_trt.cuda")
+
+pytestmark = pytest.mark.skipif(cuda.library_path() is None, reason="kernel library not built (no CUDA compiler)")
+
+
+def _params(**kw):
+    base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
+                num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
+                sparse_local_block=1, topk=16, dense_layer=0, page_bias=0.0, rope_page_pairs=1,
+                rope_tok_theta=10000.0, rope_page_theta=256.0)
+    base.update(kw)
+    p = cuda.DashParams(**base)
+    for name in ("q", "k", "v", "iq", "ik", "coords", "head_cls", "block_tables", "seq_lens", "query_start_loc",
+                 "prompt_lens", "key_cache", "value_cache", "index_cache", "image_page_cache", "summary_cache",
+                 "summary_pages", "out"):
+        setattr(p, name, 256)  # never dereferenced by validation
+    return p
+
+
+def _validate(p):
+    lib = cuda._library()
+    lib.dash_validate.restype = ctypes.c_int
+    lib.dash_validate.argtypes = [ctypes.POINTER(cuda.DashParams)]
+    status = lib.dash_validate(ctypes.byref(p))
+    return status, lib.dash_last_error_message().decode()
+
+
+def test_binding_matches_the_header():
+    lib = cuda._library()  # checks the ABI version, struct size and every field offset
+    assert lib.dash_params_size() == ctypes.sizeof(cuda.DashParams)
+    assert cuda.supported_head_dims() == (64, 128, 256)
+
+
+def test_workspace_and_selected_width():
+    lib = cuda._library()
+    p = _params()
+    size = ctypes.c_size_t(0)
+    assert lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)) == 0
+    assert size.value > 0
+    assert lib.dash_max_selected(ctypes.byref(p)) == 4  # min(topk 16, 4 blocks of 64 in 4*64 tokens)
+    assert lib.dash_max_selected(ctypes.byref(_params(dense_layer=1, table_width=10))) == 10
+
+
+@pytest.mark.parametrize(
+    "change, status, message",
+    [
+        ({"head_dim": 96}, 2, "unsupported head dim: 96"),
+        ({"num_heads": 6, "num_kv_heads": 4}, 1, "must be a multiple of KV heads"),
+        ({"num_heads": 64, "num_kv_heads": 2}, 2, "unsupported GQA group size: 32"),
+        ({"block_size": 96}, 2, "KV block size 96 is not a whole multiple of the sparse block size 64"),
+        ({"index_dim": 7}, 2, "unsupported index dim: 7"),
+        ({"rope_page_pairs": 32, "index_dim": 64}, 1, "larger than twice sparse_rope_page_pairs"),
+        ({"page_bias": float("nan")}, 1, "page_bias must be finite"),
+        ({"rope_tok_theta": 0.0}, 1, "rope_tok_theta and rope_page_theta"),
+        ({"dtype": 7}, 2, "unsupported dtype code: 7"),
+        ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
+        ({"table_width": 100000}, 2, "context too long for the routing stage"),
+    ],
+)
+def test_validation_messages(change, status, message):
+    got, text = _validate(_params(**change))
+    assert got == status and message in text, text
+
+
+def test_null_tensor_is_refused():
+    p = _params()
+    p.q = None
+    assert _validate(p) == (1, "a tensor pointer is NULL")

@@ -7,11 +7,6 @@
 #include "../kernels/common.cuh"
 #include "dash/dash.h"
 
-namespace dash {
-size_t attend_smem_bytes(int group, int head_dim);
-int attend_max_group();
-}  // namespace dash
-
 namespace {
 
 thread_local std::string g_last_error;
@@ -22,10 +17,12 @@ DashStatus fail(DashStatus status, const std::string& message) {
 }
 
 constexpr int kSupportedHeadDims[] = DASH_HEAD_DIMS;
-constexpr int kMaxIndexDim = 512;
+constexpr int kMaxIndexDim = dash::kMaxIndexDimDevice;
 constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
 constexpr long kTargetCtas = 1024;       // split-K aims for this many attention CTAs
+constexpr int kFusedRouteTokens = 264;   // from this many tokens on, one routing CTA per token
+constexpr int kRouteBlocksPerCta = 128;  // blocks one split-routing CTA scores
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -46,16 +43,25 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (splits > plan.pieces) splits = plan.pieces;
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
-    plan.route_smem = align_up(sizeof(float) * (size_t)((p.index_dim + 3) & ~3)) +
-                      sizeof(uint64_t) * (size_t)plan.max_blocks;
+    const int route_warps = dash::route_threads() / 32;
+    plan.route_cand = route_warps * (p.topk > 0 ? p.topk : 1);
+    plan.route_splits = p.num_tokens >= kFusedRouteTokens
+                            ? 1
+                            : (plan.max_blocks + kRouteBlocksPerCta - 1) / kRouteBlocksPerCta;
+    if (plan.route_splits < 1) plan.route_splits = 1;
+    plan.route_blocks_per_cta = kRouteBlocksPerCta;
+    // keys [max_blocks] + candidates [route_cand] (+ the indexer query when fused)
+    plan.route_smem = sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand) +
+                      (plan.route_splits == 1 ? sizeof(float) * (size_t)p.index_dim : 0);
     plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
                           sizeof(int) * (size_t)p.sparse_block_size;
-    plan.attend_smem = dash::attend_smem_bytes(p.num_heads / p.num_kv_heads, p.head_dim);
+    const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
+    plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim);
     if (plan.route_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string((kMaxSmem - 4 * kMaxIndexDim) / 8));
+                        std::to_string((kMaxSmem - 4 * kMaxIndexDim) / 8 - plan.route_cand));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     const size_t t = (size_t)p.num_tokens;
@@ -69,6 +75,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
         plan.off_ml = off, off += align_up(rows * sizeof(float2));
     }
+    if (plan.route_splits > 1) plan.off_route_keys = off, off += align_up(t * plan.max_blocks * sizeof(uint64_t));
     plan.bytes = off;
     return DASH_OK;
 }
@@ -85,6 +92,7 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
     }
+    if (plan.route_splits > 1) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
     return ws;
 }
 

@@ -6,6 +6,8 @@
 // sparse_local_block pieces. Split-K spreads the pieces of one token over `splits` CTAs so a
 // single decoding sequence still fills the GPU; a combine kernel merges the partial softmaxes.
 // NOTE: logits, softmax and accumulation are float32; masked keys never enter the sums.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace dash {
@@ -13,8 +15,20 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTile = 64;       // key positions per tile
+// Key positions per tile: about 16 KB of K (and of V) per tile, between 16 and 64 rows, so a
+// thread keeps eight 16-byte loads of each in flight whatever the dtype and head dim.
+template <typename T, int D>
+__host__ __device__ constexpr int tile_rows() {
+    return 16384 / (D * (int)sizeof(T)) > 64 ? 64 : (16384 / (D * (int)sizeof(T)) < 16 ? 16 : 16384 / (D * (int)sizeof(T)));
+}
 constexpr int kMaxGroup = 16;   // H / Hkv supported
+
+// Shared-memory row stride of the K tile, in T elements: an odd number of 4-byte words, so that
+// threads reading different rows at the same column hit different banks.
+template <typename T, int D>
+__host__ __device__ constexpr int k_stride() {
+    return (D * (int)sizeof(T) / 4) % 2 == 1 ? D : D + 4 / (int)sizeof(T);
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, const Plan plan, Workspace ws) {
@@ -26,12 +40,19 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     const int sbs = p.sparse_block_size, local = p.sparse_local_block * sbs;
     const int prompt = p.prompt_lens[seq];
     const int hkv = p.num_kv_heads;
-    constexpr int kPerLane = D / 32;
+    constexpr int KS = k_stride<T, D>();
+    constexpr int kTile = tile_rows<T, D>();
+    constexpr int kChunk = 16 / (int)sizeof(T);       // elements per 16-byte load
+    constexpr int kChunksPerRow = D / kChunk;
+    constexpr int kLoads = kTile * kChunksPerRow / kThreads;  // 16-byte loads per thread per tensor
+    static_assert(kTile * kChunksPerRow % kThreads == 0, "tile loads must divide evenly");
 
-    extern __shared__ float smem[];
-    float* q_s = smem;                       // [G, D] rotated queries
-    float* logit = q_s + group * D;          // [G, kTile] logits, then probabilities
-    __shared__ int64_t row_slot[kTile];      // cache slot of each key row in the tile, -1 masked
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* v_s = reinterpret_cast<T*>(smem_raw);                 // [kTile, D]
+    T* k_s = v_s + kTile * D;                                 // [kTile, KS]
+    float* q_s = reinterpret_cast<float*>(k_s + kTile * KS); // [G, D] rotated queries
+    float* logit = q_s + group * D;                           // [G, kTile] logits, then probabilities
+    __shared__ int64_t row_slot[64];         // cache slot of each key row in the tile, -1 masked
     __shared__ float m_s[kMaxGroup], l_s[kMaxGroup], alpha_s[kMaxGroup];
 
     // Rotate the G queries (in T precision, like the reference) into shared memory.
@@ -69,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     for (int piece = first; piece < last; ++piece) {
         int base;       // first position of the piece
         float bias = 0.0f;
-        bool remote = piece < plan.kmax;
+        const bool remote = piece < plan.kmax;
         if (remote) {
             const int b = sel[piece];
             if (b < 0) continue;  // padding: fewer remote blocks than kmax
@@ -93,35 +114,67 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
                 row_slot[j] = slot;
             }
             __syncthreads();
-            // Logits: a warp per key row, lanes across D, all G heads per load.
-            for (int j = warp; j < n; j += kWarps) {
+            // Stage the K and V tiles in shared memory: all 16-byte loads in flight at once.
+            uint4 kreg[kLoads], vreg[kLoads];
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {
+                const int chunk = threadIdx.x + i * kThreads;
+                const int j = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
                 const int64_t slot = row_slot[j];
-                if (slot < 0) {
-                    if (lane < group) logit[lane * kTile + j] = -INFINITY;
-                    continue;
+                if (slot >= 0) {
+                    const int64_t off = (slot * hkv + h) * D + c * kChunk;
+                    kreg[i] = *reinterpret_cast<const uint4*>(kc + off);
+                    vreg[i] = *reinterpret_cast<const uint4*>(vc + off);
+                } else {
+                    kreg[i] = make_uint4(0, 0, 0, 0);
+                    vreg[i] = make_uint4(0, 0, 0, 0);
                 }
-                const T* krow = kc + (slot * hkv + h) * D;
-                float kv[kPerLane];
+            }
 #pragma unroll
-                for (int e = 0; e < kPerLane; ++e) kv[e] = to_f(krow[lane * kPerLane + e]);
-                for (int g = 0; g < group; ++g) {
-                    float dot = 0.0f;
+            for (int i = 0; i < kLoads; ++i) {
+                const int chunk = threadIdx.x + i * kThreads;
+                const int j = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
+                *reinterpret_cast<uint4*>(v_s + j * D + c * kChunk) = vreg[i];
+                const uint32_t* w = reinterpret_cast<const uint32_t*>(&kreg[i]);
+                uint32_t* dst = reinterpret_cast<uint32_t*>(k_s + j * KS + c * kChunk);
 #pragma unroll
-                    for (int e = 0; e < kPerLane; ++e) dot += q_s[g * D + lane * kPerLane + e] * kv[e];
-                    dot = warp_sum(dot);
-                    if (lane == 0) logit[g * kTile + j] = dot * scale + bias;
+                for (int e = 0; e < 4; ++e) dst[e] = w[e];
+            }
+            __syncthreads();
+            // Logits: thread -> key row j, heads g = half, half + 2, ...
+            {
+                const int j = threadIdx.x % kTile, half = threadIdx.x / kTile;
+                constexpr int kHeadsPerThread = kMaxGroup / (kThreads / kTile);
+                float dot[kHeadsPerThread];
+#pragma unroll
+                for (int e = 0; e < kHeadsPerThread; ++e) dot[e] = 0.0f;
+                const T* krow = k_s + j * KS;
+#pragma unroll 8
+                for (int d = 0; d < D; ++d) {
+                    const float kv = to_f(krow[d]);
+#pragma unroll
+                    for (int e = 0; e < kHeadsPerThread; ++e) {
+                        const int g = half + e * (kThreads / kTile);
+                        if (g < group) dot[e] += q_s[g * D + d] * kv;
+                    }
+                }
+                const bool valid = j < n && row_slot[j] >= 0;
+#pragma unroll
+                for (int e = 0; e < kHeadsPerThread; ++e) {
+                    const int g = half + e * (kThreads / kTile);
+                    if (g < group) logit[g * kTile + j] = valid ? dot[e] * scale + bias : -INFINITY;
                 }
             }
             __syncthreads();
             // Online softmax per head: a warp per head.
             for (int g = warp; g < group; g += kWarps) {
                 float mt = -INFINITY;
-                for (int j = lane; j < n; j += 32) mt = fmaxf(mt, logit[g * kTile + j]);
+                for (int j = lane; j < kTile; j += 32) mt = fmaxf(mt, logit[g * kTile + j]);
                 mt = warp_max(mt);
                 const float m_old = m_s[g];
                 const float m_new = fmaxf(m_old, mt);
                 float sum = 0.0f;
-                for (int j = lane; j < n; j += 32) {
+                for (int j = lane; j < kTile; j += 32) {
                     const float l = logit[g * kTile + j];
                     const float e = (m_new == -INFINITY || l == -INFINITY) ? 0.0f : expf(l - m_new);
                     logit[g * kTile + j] = e;
@@ -136,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
                 }
             }
             __syncthreads();
-            // P @ V: thread owns dims d for all heads; one V element load serves G heads.
+            // P @ V from shared memory: thread owns dims d for all heads.
 #pragma unroll
             for (int g = 0; g < kMaxGroup; ++g) {
                 if (g < group) {
@@ -144,15 +197,13 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
                     for (int c = 0; c < kCols; ++c) acc[g][c] *= alpha_s[g];
                 }
             }
-            for (int j = 0; j < n; ++j) {
-                const int64_t slot = row_slot[j];
-                if (slot < 0) continue;
-                const T* vrow = vc + (slot * hkv + h) * D;
+#pragma unroll 4
+            for (int j = 0; j < kTile; ++j) {
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
                     const int d = threadIdx.x + c * kThreads;
                     if (d < D) {
-                        const float vv = to_f(vrow[d]);
+                        const float vv = to_f(v_s[j * D + d]);
 #pragma unroll
                         for (int g = 0; g < kMaxGroup; ++g)
                             if (g < group) acc[g][c] += logit[g * kTile + j] * vv;
@@ -233,7 +284,12 @@ cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace
     });
 }
 
-size_t attend_smem_bytes(int group, int head_dim) { return sizeof(float) * (size_t)group * (head_dim + kTile); }
+size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim) {
+    // V tile + padded K tile (one extra 4-byte word per row at most) + queries + logits
+    const size_t rows = std::min<size_t>(64, std::max<size_t>(16, 16384 / ((size_t)head_dim * dtype_bytes)));
+    const size_t tile = rows * head_dim * dtype_bytes;
+    return 2 * tile + rows * 4 + sizeof(float) * (size_t)group * (head_dim + rows);
+}
 int attend_max_group() { return kMaxGroup; }
 
 }  // namespace dash

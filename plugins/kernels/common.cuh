@@ -127,7 +127,10 @@ struct Workspace {
     uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
+    uint64_t* route_keys; // [T, max_blocks] route keys (split routing only)
 };
+
+constexpr int kMaxIndexDimDevice = 512;
 
 struct Plan {
     int kmax;             // selected row width
@@ -135,11 +138,14 @@ struct Plan {
     int pieces;           // key pieces per token: kmax remote blocks + local window blocks
     int splits;           // split-K factor of the attention stage
     int pieces_per_split;
+    int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
+    int route_blocks_per_cta;
+    int route_cand;       // top-k candidates gathered per token: warps * topk
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
     size_t attend_smem;
     size_t bytes;         // workspace size
-    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml;
+    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml, off_route_keys;
 };
 
 // ------------------------------------------------------------------ stage launchers
@@ -150,6 +156,9 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
                          cudaStream_t stream);
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
+int route_threads();
+size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim);
+int attend_max_group();
 
 }  // namespace dash
 

@@ -2,13 +2,22 @@
 // exactly as SPEC.md's route_blocks: forced (same-page image) blocks first, then score
 // descending, ties to the lower block index. Output rows are fixed-size and padded with -1,
 // so nothing downstream depends on data read back to the host.
+//
+// Two shapes of launch, chosen by the plan from T alone:
+//   many tokens (prefill): one fused CTA per token scores its blocks into shared memory and
+//     selects from there;
+//   few tokens (decode): scoring is spread over route_splits CTAs per token (a long context has
+//     thousands of blocks), keys go through the workspace, then one CTA per token selects.
 #include "common.cuh"
 
 namespace dash {
 namespace {
 
+constexpr int kRouteThreads = 256;
+
 // Sort key whose maximum is the block route_blocks takes first:
 //   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
+// Never 0, so 0 marks "taken / empty".
 __device__ __forceinline__ uint64_t route_key(float score, bool forced, int block) {
     score += 0.0f;  // -0.0 -> +0.0: equal scores must tie and fall back to the block index
     uint32_t bits = __float_as_uint(score);
@@ -17,50 +26,33 @@ __device__ __forceinline__ uint64_t route_key(float score, bool forced, int bloc
            (uint64_t)(0x7fffffffu - (uint32_t)block);
 }
 
-__device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* scratch) {
+__device__ __forceinline__ int key_block(uint64_t key) { return (int)(0x7fffffffu - (uint32_t)(key & 0x7fffffffu)); }
+
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const uint64_t other = __shfl_xor_sync(0xffffffffu, v, o);
         v = other > v ? other : v;
     }
-    const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) scratch[warp] = v;
-    __syncthreads();
-    uint64_t best = scratch[0];
-    for (int w = 1; w < nwarps; ++w) best = scratch[w] > best ? scratch[w] : best;
-    return best;
+    return v;
 }
 
-// One CTA per query token.
-template <typename T>
-__global__ void route_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    const int t = blockIdx.x;
-    const int seq = ws.token_seq[t];
-    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* iq = reinterpret_cast<float*>(smem_raw);                              // [Di]
-    uint64_t* keys = reinterpret_cast<uint64_t*>(iq + ((p.index_dim + 3) & ~3));  // [max_blocks]
-    __shared__ uint64_t scratch[32];
-    if (seq < 0) {
-        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
-        return;
-    }
-    const int pos = ws.token_pos[t];
-    const int sbs = p.sparse_block_size, di = p.index_dim;
-    const int prompt = p.prompt_lens[seq];
-    // Remote blocks form a prefix: b <= pos / sbs - local_blocks, and b * sbs < prompt_length.
-    int n_remote = pos / sbs - p.sparse_local_block + 1;
-    if (prompt >= 0) n_remote = min(n_remote, (prompt + sbs - 1) / sbs);
-    n_remote = max(0, min(n_remote, plan.max_blocks));
+// Remote blocks form a prefix: b <= pos / sbs - local_blocks, and b * sbs < prompt_length.
+__device__ __forceinline__ int remote_blocks(const DashParams& p, const Plan& plan, int pos, int prompt) {
+    const int sbs = p.sparse_block_size;
+    int n = pos / sbs - p.sparse_local_block + 1;
+    if (prompt >= 0) n = min(n, (prompt + sbs - 1) / sbs);
+    return max(0, min(n, plan.max_blocks));
+}
 
-    // Rotated, finite, float32 indexer query.
+// Rotated, finite, float32 indexer query of token t into iq[Di].
+template <typename T>
+__device__ void load_index_query(const DashParams& p, int t, float* iq) {
     const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate,
                           p.rope_page_mod};
+    const int di = p.index_dim;
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-    const int qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
     const T* src = static_cast<const T*>(p.iq) + (int64_t)t * di;
     for (int i = threadIdx.x; i < di / 2; i += blockDim.x) {
         float lo, hi;
@@ -68,12 +60,16 @@ __global__ void route_kernel(const DashParams p, const Plan plan, Workspace ws) 
         iq[i] = finite_or_zero(lo);
         iq[i + di / 2] = finite_or_zero(hi);
     }
-    __syncthreads();
+}
 
-    // Scores: a warp per block. NOTE: clamp to +-1e4 like the reference; remote blocks only.
+// Keys of blocks [b0, b1) of token t (a warp per block). NOTE: scores are clamped to +-1e4 like
+// the reference.
+__device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
+                             int b0, int b1, uint64_t* keys, int key_offset) {
+    const int di = p.index_dim, sbs = p.sparse_block_size;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    const int lane = threadIdx.x % 32;
-    for (int b = threadIdx.x / 32; b < n_remote; b += blockDim.x / 32) {
+    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    for (int b = b0 + threadIdx.x / 32; b < b1; b += nwarps) {
         const int64_t si = summary_index(p, seq, b, ws.error);
         float acc = 0.0f;
         bool cand = false;
@@ -95,40 +91,127 @@ __global__ void route_kernel(const DashParams p, const Plan plan, Workspace ws) 
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) {
-            const float score = fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f);
-            keys[b] = route_key(score, cand, b);
-        }
+        if (lane == 0) keys[b - key_offset] = route_key(fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f), cand, b);
     }
-    __syncthreads();
+}
 
+// Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced.
+// Top-k in two rounds of warp work: every warp takes the k best of its slice, then warp 0 takes
+// the k best of those candidates, in route order.
+__device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
+                            int32_t* sel, uint8_t* forced) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     if (p.dense_layer) {
         // Every remote block is selected; the order inside a row does not change the output.
         for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) {
-            sel[j] = j < n_remote ? j : -1;
-            forced[j] = j < n_remote ? (uint8_t)(keys[j] >> 63) : 0;
+            sel[j] = j < n ? j : -1;
+            forced[j] = j < n ? (uint8_t)(keys[j] >> 63) : 0;
         }
-    } else {
-        const int k = min(p.topk, n_remote);
+        return;
+    }
+    const int k = min(p.topk, n);
+    const int slice = (n + nwarps - 1) / nwarps;
+    const int lo = warp * slice, hi = min(n, lo + slice);
+    for (int r = 0; r < k; ++r) {
+        uint64_t best = 0;
+        for (int b = lo + lane; b < hi; b += 32) best = keys[b] > best ? keys[b] : best;
+        best = warp_max_u64(best);
+        if (lane == 0) {
+            cand[warp * k + r] = best;
+            if (best != 0) keys[key_block(best)] = 0;  // taken
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int m = nwarps * k;
         for (int r = 0; r < k; ++r) {
             uint64_t best = 0;
-            for (int b = threadIdx.x; b < n_remote; b += blockDim.x) best = keys[b] > best ? keys[b] : best;
-            best = block_max_u64(best, scratch);
-            const int b = (int)(0x7fffffffu - (uint32_t)(best & 0x7fffffffu));
-            if (threadIdx.x == 0) {
-                sel[r] = b;
-                forced[r] = (uint8_t)(best >> 63);
-                keys[b] = 0;  // taken
+            int where = -1;
+            for (int i = lane; i < m; i += 32)
+                if (cand[i] > best) best = cand[i], where = i;
+            const uint64_t top = warp_max_u64(best);
+            if (best == top && top != 0) {  // exactly one lane holds the (unique) top key
+                cand[where] = 0;
+                sel[r] = key_block(top);
+                forced[r] = (uint8_t)(top >> 63);
             }
-            __syncthreads();
+            __syncwarp();
         }
-        for (int j = k + threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
     }
-    if (p.selected_out != nullptr) {
-        __syncthreads();
-        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x)
-            p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
+    for (int j = k + threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
+}
+
+__device__ void write_selected_out(const DashParams& p, const Plan& plan, int t, const int32_t* sel) {
+    if (p.selected_out == nullptr) return;
+    __syncthreads();
+    for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
+}
+
+// Fused: one CTA per token.
+template <typename T>
+__global__ void __launch_bounds__(kRouteThreads) route_fused_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int t = blockIdx.x;
+    const int seq = ws.token_seq[t];
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);            // [max_blocks]
+    uint64_t* cand = keys + plan.max_blocks;                           // [warps * topk]
+    float* iq = reinterpret_cast<float*>(cand + plan.route_cand);      // [Di]
+    if (seq < 0) {
+        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
+        return;
     }
+    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
+    load_index_query<T>(p, t, iq);
+    __syncthreads();
+    score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, 0, n, keys, 0);
+    __syncthreads();
+    select_topk(p, plan, keys, n, cand, sel, forced);
+    write_selected_out(p, plan, t, sel);
+}
+
+// Split scoring: grid (T, route_splits), keys to the workspace.
+template <typename T>
+__global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int t = blockIdx.x;
+    const int seq = ws.token_seq[t];
+    if (seq < 0) return;
+    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
+    const int b0 = blockIdx.y * plan.route_blocks_per_cta, b1 = min(n, b0 + plan.route_blocks_per_cta);
+    if (b0 >= b1) return;
+    __shared__ float iq[kMaxIndexDimDevice];
+    load_index_query<T>(p, t, iq);
+    __syncthreads();
+    score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,
+                 ws.route_keys + (int64_t)t * plan.max_blocks, 0);
+}
+
+__global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int t = blockIdx.x;
+    const int seq = ws.token_seq[t];
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
+    uint64_t* cand = keys + plan.max_blocks;
+    if (seq < 0) {
+        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
+        return;
+    }
+    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
+    const uint64_t* src = ws.route_keys + (int64_t)t * plan.max_blocks;
+    for (int b = threadIdx.x; b < n; b += blockDim.x) keys[b] = src[b];
+    __syncthreads();
+    select_topk(p, plan, keys, n, cand, sel, forced);
+    write_selected_out(p, plan, t, sel);
+}
+
+template <typename K>
+cudaError_t allow_smem(K kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
 }  // namespace
@@ -136,15 +219,20 @@ __global__ void route_kernel(const DashParams p, const Plan plan, Workspace ws) 
 cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
     if (p.num_tokens == 0) return cudaSuccess;
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
-        cudaError_t err = cudaSuccess;
-        if (plan.route_smem > 48 * 1024) {
-            err = cudaFuncSetAttribute(route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)plan.route_smem);
-            if (err != cudaSuccess) return err;
+        cudaError_t err;
+        if (plan.route_splits == 1) {
+            if ((err = allow_smem(route_fused_kernel<T>, plan.route_smem)) != cudaSuccess) return err;
+            route_fused_kernel<T><<<p.num_tokens, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
+            return cudaGetLastError();
         }
-        route_kernel<T><<<p.num_tokens, 128, plan.route_smem, stream>>>(p, plan, ws);
+        route_score_kernel<T><<<dim3(p.num_tokens, plan.route_splits), kRouteThreads, 0, stream>>>(p, plan, ws);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        if ((err = allow_smem(route_select_kernel, plan.route_smem)) != cudaSuccess) return err;
+        route_select_kernel<<<p.num_tokens, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
         return cudaGetLastError();
     });
 }
+
+int route_threads() { return kRouteThreads; }
 
 }  // namespace dash

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dash_trt import cuda as dcuda  # noqa: E402
+from dash_trt import cuda as dcuda  # noqa: E402,I001
 from dash_trt import paged as P  # noqa: E402
 from dash_trt.config import DashConfig  # noqa: E402
 

@@ -52,7 +52,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.route_blocks_per_cta = kRouteBlocksPerCta;
     // keys [max_blocks] + candidates [route_cand] (+ the indexer query when fused)
     plan.route_smem = sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand) +
-                      (plan.route_splits == 1 ? sizeof(float) * (size_t)p.index_dim : 0);
+                      (plan.route_splits == 1 ? sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) : 0);
     plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
                           sizeof(int) * (size_t)p.sparse_block_size;
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;

@@ -62,36 +62,40 @@ __device__ void load_index_query(const DashParams& p, int t, float* iq) {
     }
 }
 
-// Keys of blocks [b0, b1) of token t (a warp per block). NOTE: scores are clamped to +-1e4 like
-// the reference.
+// Keys of blocks [b0, b1) of token t into keys[b - key_offset]. A thread per block: each reads its
+// block's whole summary (contiguous 16-byte loads), so many loads are in flight at once.
+// NOTE: scores are clamped to +-1e4 like the reference.
 __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
                              int b0, int b1, uint64_t* keys, int key_offset) {
     const int di = p.index_dim, sbs = p.sparse_block_size;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-    for (int b = b0 + threadIdx.x / 32; b < b1; b += nwarps) {
+    for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
         const int64_t si = summary_index(p, seq, b, ws.error);
         float acc = 0.0f;
         bool cand = false;
         if (si >= 0) {
             const float* summ = p.summary_cache + si * di;
-            for (int i = lane; i < di; i += 32) acc += iq[i] * summ[i];
+            if (di % 4 == 0) {  // rows 16-byte aligned; iq is too (shared memory, aligned)
+                const float4* s4p = reinterpret_cast<const float4*>(summ);
+                const float4* q4p = reinterpret_cast<const float4*>(iq);
+                for (int i = 0; i < di / 4; ++i) {
+                    const float4 s4 = s4p[i], v4 = q4p[i];
+                    acc += v4.x * s4.x + v4.y * s4.y + v4.z * s4.z + v4.w * s4.w;
+                }
+            } else {
+                for (int i = 0; i < di; ++i) acc += iq[i] * summ[i];
+            }
             const int32_t* pg = p.summary_pages + si * 3;
             const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
             const bool inside = qp >= 0 && lo <= qp && qp <= hi;
             cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
-            if (inside && !cand) {
-                // A page strictly inside the block's range may have no image token here.
-                bool hit = false;
-                for (int j = lane; j < sbs; j += 32) {
-                    const int64_t slot = cache_slot(p, seq, b * sbs + j, ws.error);
-                    hit |= slot >= 0 && p.image_page_cache[slot] == qp;
-                }
-                cand = __any_sync(0xffffffffu, hit);
+            // A page strictly inside the block's range may have no image token here.
+            for (int j = 0; inside && !cand && j < sbs; ++j) {
+                const int64_t slot = cache_slot(p, seq, b * sbs + j, ws.error);
+                cand = slot >= 0 && p.image_page_cache[slot] == qp;
             }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) keys[b - key_offset] = route_key(fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f), cand, b);
+        keys[b - key_offset] = route_key(fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f), cand, b);
     }
 }
 
@@ -156,9 +160,9 @@ __global__ void __launch_bounds__(kRouteThreads) route_fused_kernel(const DashPa
     int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);            // [max_blocks]
-    uint64_t* cand = keys + plan.max_blocks;                           // [warps * topk]
-    float* iq = reinterpret_cast<float*>(cand + plan.route_cand);      // [Di]
+    float* iq = reinterpret_cast<float*>(smem_raw);                                         // [Di]
+    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw + 4 * ((p.index_dim + 3) / 4 * 4));  // [max_blocks]
+    uint64_t* cand = keys + plan.max_blocks;                                                // [warps * topk]
     if (seq < 0) {
         for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
         return;
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashPa
     const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
     const int b0 = blockIdx.y * plan.route_blocks_per_cta, b1 = min(n, b0 + plan.route_blocks_per_cta);
     if (b0 >= b1) return;
-    __shared__ float iq[kMaxIndexDimDevice];
+    __shared__ __align__(16) float iq[kMaxIndexDimDevice];
     load_index_query<T>(p, t, iq);
     __syncthreads();
     score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,

@@ -27,7 +27,9 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
     __shared__ int64_t s_sum_index;
     __shared__ int s_bad;
     __shared__ float s_max, s_total;
+    __shared__ int s_lo, s_hi, s_distinct;
     if (threadIdx.x == 0) {
+        s_lo = INT32_MAX, s_hi = -1, s_distinct = 0;
         s_bad = 0;
         s_sum_index = summary_index(p, seq, b, ws.error);
         if (s_sum_index < 0) s_bad = 1;
@@ -89,23 +91,23 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
         out[i] = finite_or_zero(acc);
     }
     // Image-page range of the block, and whether every page in it has an image token here.
+    for (int j = threadIdx.x; j < sbs; j += blockDim.x) {
+        const int pg = pages[j];
+        if (pg < 0) continue;
+        atomicMin(&s_lo, pg);
+        atomicMax(&s_hi, pg);
+        bool seen = false;
+        for (int i = 0; i < j && !seen; ++i) seen = pages[i] == pg;
+        if (!seen) atomicAdd(&s_distinct, 1);
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
-        int lo = INT32_MAX, hi = -1, distinct = 0;
-        for (int j = 0; j < sbs; ++j) {
-            const int pg = pages[j];
-            if (pg < 0) continue;
-            lo = min(lo, pg);
-            hi = max(hi, pg);
-            bool seen = false;
-            for (int i = 0; i < j && !seen; ++i) seen = pages[i] == pg;
-            distinct += seen ? 0 : 1;
-        }
         int32_t* dst = p.summary_pages + s_sum_index * 3;
-        if (hi < 0) {
+        if (s_hi < 0) {
             dst[DASH_PAGE_LO] = -1, dst[DASH_PAGE_HI] = -1, dst[DASH_PAGE_DENSE] = 1;
         } else {
-            dst[DASH_PAGE_LO] = lo, dst[DASH_PAGE_HI] = hi;
-            dst[DASH_PAGE_DENSE] = distinct == hi - lo + 1 ? 1 : 0;
+            dst[DASH_PAGE_LO] = s_lo, dst[DASH_PAGE_HI] = s_hi;
+            dst[DASH_PAGE_DENSE] = s_distinct == s_hi - s_lo + 1 ? 1 : 0;
         }
     }
     (void)s_max;

@@ -1,0 +1,18 @@
+"""One decode step (32 x 32k) and one 8k prefill, eagerly, for profilers (ncu / nsys)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import bench_dash as B  # noqa: E402
+
+gen = torch.Generator(device="cuda").manual_seed(0)
+which = sys.argv[1] if len(sys.argv) > 1 else "decode"
+if which == "decode":
+    B.time_ms = lambda fn, iters=20, warmup=3: (fn(), torch.cuda.synchronize(), 1.0)[-1]  # run once
+    B.graph_of = lambda fn: type("G", (), {"replay": staticmethod(fn)})
+    B.decode_case(32, 32768, False, gen)
+else:
+    B.time_ms = lambda fn, iters=20, warmup=3: (fn(), torch.cuda.synchronize(), 1.0)[-1]
+    B.prefill_case(8192, False, gen)

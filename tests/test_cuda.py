@@ -254,3 +254,22 @@ def test_bad_block_table_is_flagged_not_read():
         _small_call(block_tables=bad_table, validate=False, check_errors=True)
     with pytest.raises(ValueError, match="outside the cache"):
         _small_call(block_tables=bad_table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (128, 32, 8)])
+@pytest.mark.parametrize("prompt_mode", ["none", "prompt"])
+def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads, prompt_mode):
+    """Prefill attention by block (count, scan, fill, tensor-core tiles, combine), forced on
+    small inputs and split into several passes; mixed with decode tokens of another sequence."""
+    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS", "64")
+    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_CHUNK", "300")
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
+    seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
+                           pages=(6, 9), max_images=120, response=6)
+    plans = schedule(gen, seqs, 6)
+    prompts = [None] * 3 if prompt_mode == "none" else [x.length - 6 - 40 * i for i, (x, _) in enumerate(seqs)]
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype)
+    assert any(out.shape[0] >= 300 for out, *_ in steps)  # several block-major passes happened
+    check(steps, rc, kc, dtype)

@@ -1,7 +1,10 @@
 // The C ABI: validation, the launch plan (workspace, split-K) and dash_run over the stages.
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <climits>
 #include <string>
 
 #include "../kernels/common.cuh"
@@ -23,6 +26,24 @@ constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_
 constexpr long kTargetCtas = 1024;       // split-K aims for this many attention CTAs
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, one routing CTA per token
 constexpr int kRouteBlocksPerCta = 128;  // blocks one split-routing CTA scores
+constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
+constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
+
+// DASH_TRT_BLOCK_MAJOR_MIN_TOKENS overrides the threshold (tests use it to reach the path with
+// small inputs; 0 disables the path).
+int block_major_min_tokens() {
+    const char* env = std::getenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS");
+    if (env == nullptr || *env == '\0') return kBlockMajorMinTokens;
+    const long v = std::strtol(env, nullptr, 10);
+    return v <= 0 ? INT32_MAX : (int)v;
+}
+
+// DASH_TRT_BLOCK_MAJOR_CHUNK overrides the tokens per block-major pass (tests: several passes).
+int block_major_chunk() {
+    const char* env = std::getenv("DASH_TRT_BLOCK_MAJOR_CHUNK");
+    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
+    return v > 0 ? (int)v : kBlockMajorChunk;
+}
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -76,6 +97,23 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_ml = off, off += align_up(rows * sizeof(float2));
     }
     if (plan.route_splits > 1) plan.off_route_keys = off, off += align_up(t * plan.max_blocks * sizeof(uint64_t));
+    plan.block_major = p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p) ? 1 : 0;
+    if (plan.block_major) {
+        const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
+        const int dtype_bytes = 2;
+        plan.bm_chunk = (int)chunk;
+        plan.bm_slots = plan.kmax + 1;
+        plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
+        plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
+        plan.off_bm_counts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
+        plan.off_bm_cursor = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
+        plan.off_bm_offsets = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
+        plan.off_bm_entries = off, off += align_up(sizeof(int32_t) * chunk * plan.kmax);
+        plan.off_bm_qrot = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * p.head_dim);
+        plan.off_bm_part_o = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * plan.bm_slots * p.head_dim);
+        plan.off_bm_part_ml = off, off += align_up(sizeof(float2) * chunk * p.num_heads * plan.bm_slots);
+        plan.off_bm_scan = off, off += align_up(plan.bm_scan_bytes);
+    }
     plan.bytes = off;
     return DASH_OK;
 }
@@ -93,6 +131,16 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
     }
     if (plan.route_splits > 1) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
+    if (plan.block_major) {
+        ws.bm_counts = reinterpret_cast<int32_t*>(base + plan.off_bm_counts);
+        ws.bm_cursor = reinterpret_cast<int32_t*>(base + plan.off_bm_cursor);
+        ws.bm_offsets = reinterpret_cast<int32_t*>(base + plan.off_bm_offsets);
+        ws.bm_entries = reinterpret_cast<int32_t*>(base + plan.off_bm_entries);
+        ws.bm_qrot = base + plan.off_bm_qrot;
+        ws.bm_part_o = base + plan.off_bm_part_o;
+        ws.bm_part_ml = reinterpret_cast<float2*>(base + plan.off_bm_part_ml);
+        ws.bm_scan_temp = base + plan.off_bm_scan;
+    }
     return ws;
 }
 
@@ -221,7 +269,9 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
     if (err == cudaSuccess) err = dash::launch_write(*p, ws, stream);
     if (err == cudaSuccess) err = dash::launch_summarize(*p, plan, ws, stream);
     if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);
-    if (err == cudaSuccess) err = dash::launch_attend(*p, plan, ws, stream);
+    if (err == cudaSuccess && !plan.block_major) err = dash::launch_attend(*p, plan, ws, stream);
+    for (int t0 = 0; plan.block_major && err == cudaSuccess && t0 < p->num_tokens; t0 += plan.bm_chunk)
+        err = dash::launch_block_major(*p, plan, ws, t0, std::min(plan.bm_chunk, p->num_tokens - t0), stream);
     if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("CUDA launch failed: ") + cudaGetErrorString(err));
     return DASH_OK;
 }

@@ -128,6 +128,15 @@ struct Workspace {
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     uint64_t* route_keys; // [T, max_blocks] route keys (split routing only)
+    // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
+    int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
+    int32_t* bm_cursor;   // [bm_num_keys] fill cursors
+    int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
+    int32_t* bm_entries;  // [bm_chunk * kmax] (token, slot) entries grouped by block
+    void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T)
+    void* bm_part_o;      // [bm_chunk, H, bm_slots, D] normalised partial outputs (T)
+    float2* bm_part_ml;   // [bm_chunk, H, bm_slots] max and sum; sum 0 = empty slot
+    void* bm_scan_temp;   // cub scan scratch
 };
 
 constexpr int kMaxIndexDimDevice = 512;
@@ -141,11 +150,18 @@ struct Plan {
     int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
     int route_blocks_per_cta;
     int route_cand;       // top-k candidates gathered per token: warps * topk
+    int block_major;      // 1: prefill attention by block (block_attend.cu)
+    int bm_chunk;         // tokens per block-major pass
+    int bm_slots;         // partial slots per (token, head): kmax + 1 (local window)
+    int bm_num_keys;      // physical sparse blocks: NB * block_size / sbs
+    size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
     size_t attend_smem;
     size_t bytes;         // workspace size
     size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml, off_route_keys;
+    size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
+        off_bm_part_ml, off_bm_scan;
 };
 
 // ------------------------------------------------------------------ stage launchers
@@ -157,6 +173,12 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
 int route_threads();
+cudaError_t launch_attend_local(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
+                                cudaStream_t stream);
+bool block_major_supported(const DashParams& p);
+size_t block_major_scan_bytes(int num_items);
+cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
+                               cudaStream_t stream);
 size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim);
 int attend_max_group();
 

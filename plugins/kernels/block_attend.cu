@@ -1,0 +1,333 @@
+// Stage 4, prefill form: block-major attention over the selected blocks.
+//
+// In a long prefill every token selects its own top-k blocks, so a token-major kernel reads
+// (top-k x sbs) keys per token and KV head: hundreds of gigabytes at 64k tokens, with no reuse.
+// Here the work is turned around: for each sparse block, the list of (token, selection slot)
+// entries that selected it is built on the device (count, scan, fill), and one CTA per (block,
+// KV head) loads the block's keys and values once and serves all of its entries with tensor
+// cores (rows = entries x G heads). Each entry leaves a partial softmax (normalised output in
+// the input dtype, plus max and sum); the local window is done token-major into one more slot,
+// and a combine kernel merges the slots. Tokens are processed in chunks so that the partials
+// fit a fixed workspace. fp16/bf16 only; fp32 and dense layers keep the token-major path.
+#include <cuda_pipeline.h>
+#include <mma.h>
+
+#include <cub/device/device_scan.cuh>
+
+#include "common.cuh"
+
+namespace dash {
+namespace {
+
+constexpr int kBmThreads = 128;
+constexpr int kRows = 64;  // rows (entries x G) per tile
+
+// Entry e = t * kmax + j of the chunk: the j-th selected block of token t (chunk-relative t).
+__global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (int64_t)tn * plan.kmax) return;
+    const int t = t0 + (int)(e / plan.kmax);
+    const int seq = ws.token_seq[t];
+    const int b = ws.selected[(int64_t)t * plan.kmax + e % plan.kmax];
+    if (seq < 0 || b < 0) return;
+    const int64_t key = summary_index(p, seq, b, ws.error);
+    if (key >= 0) atomicAdd(ws.bm_counts + key, 1);
+}
+
+__global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (int64_t)tn * plan.kmax) return;
+    const int t = t0 + (int)(e / plan.kmax);
+    const int seq = ws.token_seq[t];
+    const int b = ws.selected[(int64_t)t * plan.kmax + e % plan.kmax];
+    if (seq < 0 || b < 0) return;
+    const int64_t key = summary_index(p, seq, b, ws.error);
+    if (key < 0) return;
+    const int at = ws.bm_offsets[key] + atomicAdd(ws.bm_cursor + key, 1);
+    ws.bm_entries[at] = (int32_t)e;
+}
+
+// Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D].
+template <typename T, int D>
+__global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
+    const int t = t0 + blockIdx.x;
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                          p.rope_page_mod};
+    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
+    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    const T* q = static_cast<const T*>(p.q) + (int64_t)t * p.num_heads * D;
+    T* dst = static_cast<T*>(ws.bm_qrot) + (int64_t)blockIdx.x * p.num_heads * D;
+    for (int idx = threadIdx.x; idx < p.num_heads * (D / 2); idx += blockDim.x) {
+        const int hh = idx / (D / 2), i = idx % (D / 2);
+        float lo, hi;
+        rope_pair<T>(to_f(q[hh * D + i]), to_f(q[hh * D + i + D / 2]), rope_angle(i, D, tok, page, rope), lo, hi);
+        dst[hh * D + i] = from_f<T>(lo);
+        dst[hh * D + i + D / 2] = from_f<T>(hi);
+    }
+}
+
+template <int D, typename T>
+struct BmLayout {
+    static constexpr int KS = D + 8;       // K / V / Q rows (elements)
+    static constexpr int SS = 64 + 4;      // S rows (floats)
+    static constexpr int PS = 64 + 8;      // P rows (elements)
+    static constexpr int OS = D + 4;       // O rows (floats)
+    static constexpr size_t k = 0;
+    static constexpr size_t v = k + (size_t)64 * KS * sizeof(T);
+    static constexpr size_t q = v + (size_t)64 * KS * sizeof(T);
+    static constexpr size_t s = q + (size_t)kRows * KS * sizeof(T);
+    // O reuses the Q and S space (both dead once P is formed).
+    static constexpr size_t o = q;
+    static constexpr size_t qs_end = s + (size_t)kRows * SS * sizeof(float);
+    static constexpr size_t o_end = o + (size_t)kRows * OS * sizeof(float);
+    static constexpr size_t pp = qs_end > o_end ? qs_end : o_end;
+    static constexpr size_t bytes = pp + (size_t)kRows * PS * sizeof(T);
+};
+
+// One CTA per (physical sparse block, KV head). Needs sparse_block_size == 64.
+template <typename T, int D>
+__global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                  int t0) {
+    using namespace nvcuda;
+    using L = BmLayout<D, T>;
+    const int key = blockIdx.x, h = blockIdx.y;
+    const int begin = ws.bm_offsets[key], count = ws.bm_offsets[key + 1] - begin;
+    if (count == 0) return;
+    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
+    const int per = p.block_size / p.sparse_block_size;
+    const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * p.sparse_block_size;
+    const int local = p.sparse_local_block * p.sparse_block_size;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* k_s = reinterpret_cast<T*>(smem + L::k);
+    T* v_s = reinterpret_cast<T*>(smem + L::v);
+    T* q_s = reinterpret_cast<T*>(smem + L::q);
+    float* s_s = reinterpret_cast<float*>(smem + L::s);
+    float* o_s = reinterpret_cast<float*>(smem + L::o);
+    T* p_s = reinterpret_cast<T*>(smem + L::pp);
+    __shared__ int row_pos[kRows], row_prompt[kRows], row_base[kRows];
+    __shared__ float row_bias[kRows], row_m[kRows], row_l[kRows];
+    __shared__ int64_t row_out[kRows];
+    constexpr int kChunk = 8;  // elements per 16-byte copy
+    // The block's keys and values, once.
+    const T* kc = static_cast<const T*>(p.key_cache);
+    const T* vc = static_cast<const T*>(p.value_cache);
+    for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kBmThreads) {
+        const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+        const int64_t off = ((first_slot + i) * hkv + h) * D + d;
+        __pipeline_memcpy_async(k_s + i * L::KS + d, kc + off, 16);
+        __pipeline_memcpy_async(v_s + i * L::KS + d, vc + off, 16);
+    }
+    __pipeline_commit();
+    const int per_tile = kRows / group;  // entries per tile
+    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    const int warp = threadIdx.x / 32;
+    for (int e0 = 0; e0 < count; e0 += per_tile) {
+        const int ne = min(per_tile, count - e0);
+        // Row metadata and the rotated queries of this tile's entries.
+        for (int r = threadIdx.x; r < kRows; r += kBmThreads) {
+            const int ei = r / group, g = r % group;
+            row_out[r] = -1;
+            row_pos[r] = -1;
+            if (ei < ne) {
+                const int e = ws.bm_entries[begin + e0 + ei];
+                const int tl = e / plan.kmax, j = e % plan.kmax;
+                const int t = t0 + tl;
+                const int seq = ws.token_seq[t];
+                row_pos[r] = ws.token_pos[t];
+                row_prompt[r] = p.prompt_lens[seq];
+                row_base[r] = ws.selected[(int64_t)t * plan.kmax + j] * p.sparse_block_size;
+                row_bias[r] = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
+                row_out[r] = ((int64_t)tl * p.num_heads + h * group + g) * plan.bm_slots + j;
+            }
+        }
+        for (int c = threadIdx.x; c < kRows * (D / kChunk); c += kBmThreads) {
+            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const int ei = r / group, g = r % group;
+            const T* src = static_cast<const T*>(ws.bm_qrot);
+            size_t zfill = 16;
+            int64_t off = 0;
+            if (ei < ne) {
+                const int e = ws.bm_entries[begin + e0 + ei];
+                off = ((int64_t)(e / plan.kmax) * p.num_heads + h * group + g) * D + d;
+                zfill = 0;
+            }
+            __pipeline_memcpy_async(q_s + r * L::KS + d, src + off, 16, zfill);
+        }
+        __pipeline_commit();
+        __pipeline_wait_prior(0);
+        __syncthreads();
+        // S = Q K^T: a warp per band of 16 rows, 64 keys.
+        {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < D; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+                wmma::load_matrix_sync(a, q_s + warp * 16 * L::KS + kk, L::KS);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+                    wmma::load_matrix_sync(b, k_s + n * 16 * L::KS + kk, L::KS);
+                    wmma::mma_sync(acc[n], a, b, acc[n]);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+                wmma::store_matrix_sync(s_s + warp * 16 * L::SS + n * 16, acc[n], L::SS, wmma::mem_row_major);
+        }
+        __syncthreads();
+        // Masked softmax per row (two threads per row). NOTE: float32; masked keys are -inf.
+        {
+            const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+            const int pos = row_pos[r], prompt = row_prompt[r], base = row_base[r];
+            float m = -INFINITY;
+            for (int i = half; i < 64; i += 2) {
+                const int kp = base + i;
+                const bool ok = pos >= 0 && kp <= pos - local && (prompt < 0 || kp < prompt);
+                const float l = ok ? s_s[r * L::SS + i] * scale + row_bias[r] : -INFINITY;
+                s_s[r * L::SS + i] = l;
+                m = fmaxf(m, l);
+            }
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            float sum = 0.0f;
+            for (int i = half; i < 64; i += 2) {
+                const float l = s_s[r * L::SS + i];
+                const float e = m == -INFINITY || l == -INFINITY ? 0.0f : expf(l - m);
+                p_s[r * L::PS + i] = from_f<T>(e);
+                sum += e;
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            if (half == 0) row_m[r] = m, row_l[r] = sum;
+        }
+        __syncthreads();
+        // O = P V: a warp per band of 16 rows, D columns (O overwrites Q and S).
+        {
+#pragma unroll
+            for (int n0 = 0; n0 < D / 16; n0 += 4) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+                for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
+#pragma unroll
+                for (int kk = 0; kk < 64; kk += 16) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+                    wmma::load_matrix_sync(a, p_s + warp * 16 * L::PS + kk, L::PS);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+                        wmma::load_matrix_sync(b, v_s + kk * L::KS + (n0 + n) * 16, L::KS);
+                        wmma::mma_sync(acc[n], a, b, acc[n]);
+                    }
+                }
+                // Q and S are dead once P is formed (no warp reads them during P V).
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+                    wmma::store_matrix_sync(o_s + warp * 16 * L::OS + (n0 + n) * 16, acc[n], L::OS,
+                                            wmma::mem_row_major);
+            }
+        }
+        __syncthreads();
+        // Partials: normalised output in T, (max, sum) in float.
+        for (int idx = threadIdx.x; idx < kRows * D; idx += kBmThreads) {
+            const int r = idx / D, d = idx % D;
+            const int64_t out = row_out[r];
+            if (out < 0) continue;
+            const float l = row_l[r];
+            static_cast<T*>(ws.bm_part_o)[out * D + d] = from_f<T>(l > 0.0f ? o_s[r * L::OS + d] / l : 0.0f);
+            if (d == 0) ws.bm_part_ml[out] = make_float2(row_m[r], l);
+        }
+        __syncthreads();
+    }
+}
+
+// Merge the slots of one (token, head): kmax selected blocks + the local window.
+template <typename T, int D>
+__global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
+    const int64_t th = blockIdx.x;  // chunk token * H + head
+    const int t = t0 + (int)(th / p.num_heads);
+    if (ws.token_seq[t] < 0) return;
+    const float2* ml = ws.bm_part_ml + th * plan.bm_slots;
+    const T* po = static_cast<const T*>(ws.bm_part_o) + th * plan.bm_slots * D;
+    float m = -INFINITY;
+    for (int s = 0; s < plan.bm_slots; ++s)
+        if (ml[s].y > 0.0f) m = fmaxf(m, ml[s].x);
+    float denom = 0.0f;
+    for (int s = 0; s < plan.bm_slots; ++s)
+        if (ml[s].y > 0.0f) denom += expf(ml[s].x - m) * ml[s].y;
+    T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + th % p.num_heads) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f;
+        for (int s = 0; s < plan.bm_slots; ++s)
+            if (ml[s].y > 0.0f) num += expf(ml[s].x - m) * ml[s].y * to_f(po[(int64_t)s * D + d]);
+        out[d] = from_f<T>(num / denom);
+    }
+}
+
+template <typename K>
+cudaError_t allow_smem(K kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+template <typename T>
+cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
+                             cudaStream_t stream) {
+    if constexpr (sizeof(T) != 2) {
+        return cudaErrorInvalidValue;  // fp32 never takes this path (block_major_supported)
+    } else {
+        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
+            rope_q_kernel<T, D><<<tn, 128, 0, stream>>>(p, ws, t0);
+            cudaError_t err = cudaGetLastError();
+            if (err != cudaSuccess) return err;
+            const size_t smem = BmLayout<D, T>::bytes;
+            if ((err = allow_smem(block_attend_kernel<T, D>, smem)) != cudaSuccess) return err;
+            block_attend_kernel<T, D><<<dim3(plan.bm_num_keys, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
+                                                                                                          t0);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            // The local window, token-major, into slot kmax.
+            if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
+            bm_combine_kernel<T, D><<<tn * p.num_heads, 128, 0, stream>>>(p, plan, ws, t0);
+            return cudaGetLastError();
+        });
+    }
+}
+
+}  // namespace
+
+bool block_major_supported(const DashParams& p) {
+    const int group = p.num_heads / p.num_kv_heads;
+    return p.dtype != DASH_FLOAT32 && !p.dense_layer && p.sparse_block_size == 64 && kRows % group == 0 &&
+           (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.topk > 0;
+}
+
+size_t block_major_scan_bytes(int num_items) {
+    size_t bytes = 0;
+    cub::DeviceScan::ExclusiveSum(nullptr, bytes, (int*)nullptr, (int*)nullptr, num_items);
+    return bytes;
+}
+
+cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
+                               cudaStream_t stream) {
+    cudaError_t err;
+    const int nbs = plan.bm_num_keys;
+    if ((err = cudaMemsetAsync(ws.bm_counts, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(ws.bm_cursor, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(ws.bm_part_ml, 0, sizeof(float2) * (size_t)tn * p.num_heads * plan.bm_slots,
+                               stream)) != cudaSuccess)
+        return err;
+    const int64_t entries = (int64_t)tn * plan.kmax;
+    const int grid = (int)((entries + 255) / 256);
+    count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    size_t temp = plan.bm_scan_bytes;
+    // Inclusive prefix in [1, nbs]: offsets[0] = 0 is set by the memset below.
+    if ((err = cudaMemsetAsync(ws.bm_offsets, 0, sizeof(int), stream)) != cudaSuccess) return err;
+    if ((err = cub::DeviceScan::InclusiveSum(ws.bm_scan_temp, temp, ws.bm_counts, ws.bm_offsets + 1, nbs, stream)) !=
+        cudaSuccess)
+        return err;
+    fill_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    return DASH_DISPATCH_DTYPE(p.dtype, T, [&] { return launch_bm_attend<T>(p, plan, ws, t0, tn, stream); });
+}
+
+}  // namespace dash

@@ -302,7 +302,7 @@ bool block_major_supported(const DashParams& p) {
 
 size_t block_major_scan_bytes(int num_items) {
     size_t bytes = 0;
-    cub::DeviceScan::ExclusiveSum(nullptr, bytes, (int*)nullptr, (int*)nullptr, num_items);
+    cub::DeviceScan::InclusiveSum(nullptr, bytes, (int*)nullptr, (int*)nullptr, num_items);
     return bytes;
 }
 

@@ -113,6 +113,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_bm_part_o = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * plan.bm_slots * p.head_dim);
         plan.off_bm_part_ml = off, off += align_up(sizeof(float2) * chunk * p.num_heads * plan.bm_slots);
         plan.off_bm_scan = off, off += align_up(plan.bm_scan_bytes);
+        plan.off_bm_parts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
+        plan.off_bm_work = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
     }
     plan.bytes = off;
     return DASH_OK;
@@ -140,6 +142,8 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.bm_part_o = base + plan.off_bm_part_o;
         ws.bm_part_ml = reinterpret_cast<float2*>(base + plan.off_bm_part_ml);
         ws.bm_scan_temp = base + plan.off_bm_scan;
+        ws.bm_parts = reinterpret_cast<int32_t*>(base + plan.off_bm_parts);
+        ws.bm_work = reinterpret_cast<int32_t*>(base + plan.off_bm_work);
     }
     return ws;
 }

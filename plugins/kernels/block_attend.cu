@@ -47,6 +47,15 @@ __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, i
     ws.bm_entries[at] = (int32_t)e;
 }
 
+// Work items: a block's entries are served by ceil(count / kEntriesPerCta) CTAs, so the early
+// blocks that almost every token selects do not serialise on one CTA.
+constexpr int kEntriesPerCta = 128;
+
+__global__ void parts_kernel(const Plan plan, Workspace ws) {
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < plan.bm_num_keys) ws.bm_parts[k] = (ws.bm_counts[k] + kEntriesPerCta - 1) / kEntriesPerCta;
+}
+
 // Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D].
 template <typename T, int D>
 __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
@@ -90,9 +99,18 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
                                                                   int t0) {
     using namespace nvcuda;
     using L = BmLayout<D, T>;
-    const int key = blockIdx.x, h = blockIdx.y;
-    const int begin = ws.bm_offsets[key], count = ws.bm_offsets[key + 1] - begin;
-    if (count == 0) return;
+    const int w = blockIdx.x, h = blockIdx.y;
+    if (w >= ws.bm_work[plan.bm_num_keys]) return;
+    // The block this work item belongs to: bm_work[key] <= w < bm_work[key + 1].
+    int lo = 0, hi = plan.bm_num_keys - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (ws.bm_work[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int key = lo, part = w - ws.bm_work[key];
+    const int begin = ws.bm_offsets[key] + part * kEntriesPerCta;
+    const int count = min(kEntriesPerCta, ws.bm_offsets[key + 1] - begin);
+    if (count <= 0) return;
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
     const int per = p.block_size / p.sparse_block_size;
     const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * p.sparse_block_size;
@@ -246,20 +264,31 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
     const int64_t th = blockIdx.x;  // chunk token * H + head
     const int t = t0 + (int)(th / p.num_heads);
     if (ws.token_seq[t] < 0) return;
+    extern __shared__ float weight[];  // [bm_slots]
     const float2* ml = ws.bm_part_ml + th * plan.bm_slots;
     const T* po = static_cast<const T*>(ws.bm_part_o) + th * plan.bm_slots * D;
-    float m = -INFINITY;
-    for (int s = 0; s < plan.bm_slots; ++s)
-        if (ml[s].y > 0.0f) m = fmaxf(m, ml[s].x);
-    float denom = 0.0f;
-    for (int s = 0; s < plan.bm_slots; ++s)
-        if (ml[s].y > 0.0f) denom += expf(ml[s].x - m) * ml[s].y;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int s = threadIdx.x; s < plan.bm_slots; s += 32)
+            if (ml[s].y > 0.0f) m = fmaxf(m, ml[s].x);
+        m = warp_max(m);
+        float denom = 0.0f;
+        for (int s = threadIdx.x; s < plan.bm_slots; s += 32) {
+            const float w = ml[s].y > 0.0f ? expf(ml[s].x - m) * ml[s].y : 0.0f;
+            weight[s] = w;
+            denom += w;
+        }
+        denom = warp_sum(denom);
+        __syncwarp();
+        for (int s = threadIdx.x; s < plan.bm_slots; s += 32) weight[s] /= denom;
+    }
+    __syncthreads();
     T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + th % p.num_heads) * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float num = 0.0f;
         for (int s = 0; s < plan.bm_slots; ++s)
-            if (ml[s].y > 0.0f) num += expf(ml[s].x - m) * ml[s].y * to_f(po[(int64_t)s * D + d]);
-        out[d] = from_f<T>(num / denom);
+            if (weight[s] != 0.0f) num += weight[s] * to_f(po[(int64_t)s * D + d]);
+        out[d] = from_f<T>(num);
     }
 }
 
@@ -281,12 +310,14 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             if (err != cudaSuccess) return err;
             const size_t smem = BmLayout<D, T>::bytes;
             if ((err = allow_smem(block_attend_kernel<T, D>, smem)) != cudaSuccess) return err;
-            block_attend_kernel<T, D><<<dim3(plan.bm_num_keys, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
-                                                                                                          t0);
+            // Upper bound of the work items: every block's last CTA may be partly full.
+            const int64_t items = ((int64_t)tn * plan.kmax + kEntriesPerCta - 1) / kEntriesPerCta + plan.bm_num_keys;
+            block_attend_kernel<T, D><<<dim3((unsigned)items, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
+                                                                                                        t0);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // The local window, token-major, into slot kmax.
             if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
-            bm_combine_kernel<T, D><<<tn * p.num_heads, 128, 0, stream>>>(p, plan, ws, t0);
+            bm_combine_kernel<T, D><<<tn * p.num_heads, D, sizeof(float) * plan.bm_slots, stream>>>(p, plan, ws, t0);
             return cudaGetLastError();
         });
     }
@@ -327,6 +358,13 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
         return err;
     fill_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    parts_kernel<<<(nbs + 255) / 256, 256, 0, stream>>>(plan, ws);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(ws.bm_work, 0, sizeof(int), stream)) != cudaSuccess) return err;
+    temp = plan.bm_scan_bytes;
+    if ((err = cub::DeviceScan::InclusiveSum(ws.bm_scan_temp, temp, ws.bm_parts, ws.bm_work + 1, nbs, stream)) !=
+        cudaSuccess)
+        return err;
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] { return launch_bm_attend<T>(p, plan, ws, t0, tn, stream); });
 }
 

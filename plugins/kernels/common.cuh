@@ -133,6 +133,8 @@ struct Workspace {
     int32_t* bm_cursor;   // [bm_num_keys] fill cursors
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
     int32_t* bm_entries;  // [bm_chunk * kmax] (token, slot) entries grouped by block
+    int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
+    int32_t* bm_work;     // [bm_num_keys + 1] exclusive prefix of bm_parts
     void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T)
     void* bm_part_o;      // [bm_chunk, H, bm_slots, D] normalised partial outputs (T)
     float2* bm_part_ml;   // [bm_chunk, H, bm_slots] max and sum; sum 0 = empty slot
@@ -161,7 +163,7 @@ struct Plan {
     size_t bytes;         // workspace size
     size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
-        off_bm_part_ml, off_bm_scan;
+        off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };
 
 // ------------------------------------------------------------------ stage launchers

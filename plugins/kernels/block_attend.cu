@@ -93,6 +93,13 @@ struct BmLayout {
     static constexpr size_t bytes = pp + (size_t)kRows * PS * sizeof(T);
 };
 
+// local_tile_kernel keeps Q for every key tile: its O tile goes after P instead of over Q and S.
+template <int D, typename T>
+struct LocalLayout : BmLayout<D, T> {
+    static constexpr size_t o = BmLayout<D, T>::bytes;
+    static constexpr size_t bytes = o + (size_t)kRows * BmLayout<D, T>::OS * sizeof(float);
+};
+
 // One CTA per (physical sparse block, KV head). Needs sparse_block_size == 64.
 template <typename T, int D>
 __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
@@ -258,6 +265,190 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     }
 }
 
+
+// The local window of the block-major path, tiled over consecutive tokens: a CTA serves
+// 64 / G consecutive tokens of the batch and one KV head, loading the union of their windows
+// (local + tokens - 1 positions) in 64-key tiles, with tensor cores and an online softmax
+// whose output accumulator stays in registers. Tokens of different sequences in one tile are
+// served in turn. Writes slot kmax of the partials. D <= 128 (D = 256 uses the token-major
+// kernel for this slot).
+template <typename T, int D>
+__global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                int t0, int tn) {
+    using namespace nvcuda;
+    using L = LocalLayout<D, T>;
+    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
+    const int tokens = kRows / group;
+    const int tile_t0 = t0 + blockIdx.x * tokens, h = blockIdx.y;
+    const int local = p.sparse_local_block * p.sparse_block_size;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* k_s = reinterpret_cast<T*>(smem + L::k);
+    T* v_s = reinterpret_cast<T*>(smem + L::v);
+    T* q_s = reinterpret_cast<T*>(smem + L::q);
+    float* s_s = reinterpret_cast<float*>(smem + L::s);
+    T* p_s = reinterpret_cast<T*>(smem + L::pp);
+    float* o_s = reinterpret_cast<float*>(smem + L::o);
+    __shared__ int row_seq[kRows], row_pos[kRows];
+    __shared__ float row_m[kRows], row_l[kRows], row_alpha[kRows];
+    __shared__ int64_t key_slot[64];
+    __shared__ int s_seq, s_lo, s_hi;
+    constexpr int kChunk = 8;
+    constexpr int kPer = kRows * D / kBmThreads;  // accumulator elements per thread
+    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    const int warp = threadIdx.x / 32;
+    const T* kc = static_cast<const T*>(p.key_cache);
+    const T* vc = static_cast<const T*>(p.value_cache);
+
+    for (int r = threadIdx.x; r < kRows; r += kBmThreads) {
+        const int t = tile_t0 + r / group;
+        const bool in = t < t0 + tn;
+        row_seq[r] = in ? ws.token_seq[t] : -1;
+        row_pos[r] = in ? ws.token_pos[t] : -1;
+    }
+    // Rotated queries of the tile's tokens (zero rows past the chunk).
+    for (int c = threadIdx.x; c < kRows * (D / kChunk); c += kBmThreads) {
+        const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+        const int tl = blockIdx.x * tokens + r / group;
+        const bool in = tile_t0 + r / group < t0 + tn;
+        const int64_t off = in ? ((int64_t)tl * p.num_heads + h * group + r % group) * D + d : 0;
+        __pipeline_memcpy_async(q_s + r * L::KS + d, static_cast<const T*>(ws.bm_qrot) + off, 16, in ? 0 : 16);
+    }
+    __pipeline_commit();
+    __syncthreads();
+    while (true) {
+        // Next sequence to serve in this tile, and the union of its rows' windows.
+        if (threadIdx.x == 0) {
+            s_seq = -1;
+            for (int r = 0; r < kRows && s_seq < 0; ++r) s_seq = row_seq[r];
+            s_lo = INT32_MAX, s_hi = -1;
+            for (int r = 0; r < kRows; ++r)
+                if (row_seq[r] == s_seq && s_seq >= 0) {
+                    s_lo = min(s_lo, max(0, row_pos[r] - local + 1));
+                    s_hi = max(s_hi, row_pos[r]);
+                }
+        }
+        __syncthreads();
+        const int seq = s_seq;
+        if (seq < 0) break;
+        for (int r = threadIdx.x; r < kRows; r += kBmThreads) row_m[r] = -INFINITY, row_l[r] = 0.0f;
+        float acc[kPer];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;
+        for (int k0 = s_lo; k0 <= s_hi; k0 += 64) {
+            for (int j = threadIdx.x; j < 64; j += kBmThreads)
+                key_slot[j] = k0 + j <= s_hi ? cache_slot(p, seq, k0 + j, ws.error) : -1;
+            __syncthreads();
+            for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kBmThreads) {
+                const int j = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+                const int64_t slot = key_slot[j];
+                const int64_t off = slot >= 0 ? (slot * hkv + h) * D + d : 0;
+                __pipeline_memcpy_async(k_s + j * L::KS + d, kc + off, 16, slot >= 0 ? 0 : 16);
+                __pipeline_memcpy_async(v_s + j * L::KS + d, vc + off, 16, slot >= 0 ? 0 : 16);
+            }
+            __pipeline_commit();
+            __pipeline_wait_prior(0);
+            __syncthreads();
+            {  // S = Q K^T
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> c4[4];
+#pragma unroll
+                for (int n = 0; n < 4; ++n) wmma::fill_fragment(c4[n], 0.0f);
+#pragma unroll
+                for (int kk = 0; kk < D; kk += 16) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+                    wmma::load_matrix_sync(a, q_s + warp * 16 * L::KS + kk, L::KS);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+                        wmma::load_matrix_sync(b, k_s + n * 16 * L::KS + kk, L::KS);
+                        wmma::mma_sync(c4[n], a, b, c4[n]);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+                    wmma::store_matrix_sync(s_s + warp * 16 * L::SS + n * 16, c4[n], L::SS, wmma::mem_row_major);
+            }
+            __syncthreads();
+            {  // masked online softmax, two threads per row
+                const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+                const int pos = row_pos[r];
+                const bool mine = row_seq[r] == seq;
+                float m = -INFINITY;
+                for (int i = half; i < 64; i += 2) {
+                    const int kp = k0 + i;
+                    const bool ok = mine && key_slot[i] >= 0 && kp <= pos && kp >= pos - local + 1;
+                    const float l = ok ? s_s[r * L::SS + i] * scale : -INFINITY;
+                    s_s[r * L::SS + i] = l;
+                    m = fmaxf(m, l);
+                }
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                const float m_old = row_m[r];
+                const float m_new = fmaxf(m_old, m);
+                float sum = 0.0f;
+                for (int i = half; i < 64; i += 2) {
+                    const float l = s_s[r * L::SS + i];
+                    const float e = m_new == -INFINITY || l == -INFINITY ? 0.0f : expf(l - m_new);
+                    p_s[r * L::PS + i] = from_f<T>(e);
+                    sum += e;
+                }
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                __syncwarp();
+                if (half == 0) {
+                    const float a = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+                    row_alpha[r] = a;
+                    row_l[r] = row_l[r] * a + sum;
+                    row_m[r] = m_new;
+                }
+            }
+            __syncthreads();
+            {  // O_tile = P V
+#pragma unroll
+                for (int n0 = 0; n0 < D / 16; n0 += 4) {
+                    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c4[4];
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) wmma::fill_fragment(c4[n], 0.0f);
+#pragma unroll
+                    for (int kk = 0; kk < 64; kk += 16) {
+                        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+                        wmma::load_matrix_sync(a, p_s + warp * 16 * L::PS + kk, L::PS);
+#pragma unroll
+                        for (int n = 0; n < 4; ++n) {
+                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+                            wmma::load_matrix_sync(b, v_s + kk * L::KS + (n0 + n) * 16, L::KS);
+                            wmma::mma_sync(c4[n], a, b, c4[n]);
+                        }
+                    }
+#pragma unroll
+                    for (int n = 0; n < 4; ++n)
+                        wmma::store_matrix_sync(o_s + warp * 16 * L::OS + (n0 + n) * 16, c4[n], L::OS,
+                                                wmma::mem_row_major);
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) {
+                const int idx = threadIdx.x + i * kBmThreads, r = idx / D, d = idx % D;
+                acc[i] = acc[i] * row_alpha[r] + o_s[r * L::OS + d];
+            }
+            __syncthreads();
+        }
+        // Slot kmax of this sequence's rows; then they are done.
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+            const int idx = threadIdx.x + i * kBmThreads, r = idx / D, d = idx % D;
+            if (row_seq[r] != seq) continue;
+            const int tl = blockIdx.x * tokens + r / group;
+            const int64_t row = ((int64_t)tl * p.num_heads + h * group + r % group) * plan.bm_slots + plan.kmax;
+            const float l = row_l[r];
+            static_cast<T*>(ws.bm_part_o)[row * D + d] = from_f<T>(l > 0.0f ? acc[i] / l : 0.0f);
+            if (d == 0) ws.bm_part_ml[row] = make_float2(row_m[r], l);
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < kRows; r += kBmThreads)
+            if (row_seq[r] == seq) row_seq[r] = -1;
+        __syncthreads();
+    }
+}
+
 // Merge the slots of one (token, head): kmax selected blocks + the local window.
 template <typename T, int D>
 __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
@@ -315,8 +506,18 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             block_attend_kernel<T, D><<<dim3((unsigned)items, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
                                                                                                         t0);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
-            // The local window, token-major, into slot kmax.
-            if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
+            // The local window into slot kmax: tiled over consecutive tokens where the accumulator
+            // fits in registers, token-major otherwise.
+            if constexpr (D <= 128) {
+                const size_t lsmem = LocalLayout<D, T>::bytes;
+                if ((err = allow_smem(local_tile_kernel<T, D>, lsmem)) != cudaSuccess) return err;
+                const int tokens = kRows / (p.num_heads / p.num_kv_heads);
+                local_tile_kernel<T, D><<<dim3((tn + tokens - 1) / tokens, p.num_kv_heads), kBmThreads, lsmem, stream>>>(
+                    p, plan, ws, t0, tn);
+                if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            } else {
+                if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
+            }
             bm_combine_kernel<T, D><<<tn * p.num_heads, D, sizeof(float) * plan.bm_slots, stream>>>(p, plan, ws, t0);
             return cudaGetLastError();
         });

@@ -146,37 +146,44 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     const int per_tile = kRows / group;  // entries per tile
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int warp = threadIdx.x / 32;
+    // Every entry's metadata up front (one round of scattered loads instead of one per tile).
+    __shared__ int ent_tl[kEntriesPerCta], ent_j[kEntriesPerCta], ent_pos[kEntriesPerCta],
+        ent_prompt[kEntriesPerCta], ent_base[kEntriesPerCta];
+    __shared__ float ent_bias[kEntriesPerCta];
+    for (int i = threadIdx.x; i < count; i += kBmThreads) {
+        const int e = ws.bm_entries[begin + i];
+        const int tl = e / plan.kmax, j = e % plan.kmax;
+        const int t = t0 + tl;
+        ent_tl[i] = tl;
+        ent_j[i] = j;
+        ent_pos[i] = ws.token_pos[t];
+        ent_prompt[i] = p.prompt_lens[ws.token_seq[t]];
+        ent_base[i] = ws.selected[(int64_t)t * plan.kmax + j] * p.sparse_block_size;
+        ent_bias[i] = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
+    }
+    __syncthreads();
     for (int e0 = 0; e0 < count; e0 += per_tile) {
         const int ne = min(per_tile, count - e0);
         // Row metadata and the rotated queries of this tile's entries.
         for (int r = threadIdx.x; r < kRows; r += kBmThreads) {
-            const int ei = r / group, g = r % group;
+            const int ei = r / group, g = r % group, i = e0 + ei;
             row_out[r] = -1;
             row_pos[r] = -1;
             if (ei < ne) {
-                const int e = ws.bm_entries[begin + e0 + ei];
-                const int tl = e / plan.kmax, j = e % plan.kmax;
-                const int t = t0 + tl;
-                const int seq = ws.token_seq[t];
-                row_pos[r] = ws.token_pos[t];
-                row_prompt[r] = p.prompt_lens[seq];
-                row_base[r] = ws.selected[(int64_t)t * plan.kmax + j] * p.sparse_block_size;
-                row_bias[r] = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
-                row_out[r] = ((int64_t)tl * p.num_heads + h * group + g) * plan.bm_slots + j;
+                row_pos[r] = ent_pos[i];
+                row_prompt[r] = ent_prompt[i];
+                row_base[r] = ent_base[i];
+                row_bias[r] = ent_bias[i];
+                row_out[r] = ((int64_t)ent_tl[i] * p.num_heads + h * group + g) * plan.bm_slots + ent_j[i];
             }
         }
         for (int c = threadIdx.x; c < kRows * (D / kChunk); c += kBmThreads) {
             const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
             const int ei = r / group, g = r % group;
             const T* src = static_cast<const T*>(ws.bm_qrot);
-            size_t zfill = 16;
-            int64_t off = 0;
-            if (ei < ne) {
-                const int e = ws.bm_entries[begin + e0 + ei];
-                off = ((int64_t)(e / plan.kmax) * p.num_heads + h * group + g) * D + d;
-                zfill = 0;
-            }
-            __pipeline_memcpy_async(q_s + r * L::KS + d, src + off, 16, zfill);
+            const bool in = ei < ne;
+            const int64_t off = in ? ((int64_t)ent_tl[e0 + ei] * p.num_heads + h * group + g) * D + d : 0;
+            __pipeline_memcpy_async(q_s + r * L::KS + d, src + off, 16, in ? 0 : 16);
         }
         __pipeline_commit();
         __pipeline_wait_prior(0);

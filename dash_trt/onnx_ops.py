@@ -85,6 +85,7 @@ __all__ = [
     "node_config",
     "single_node_model",
     "run_function_ort",
+    "ort_session_options",
 ]
 
 DOMAIN = "dash_trt"
@@ -332,7 +333,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     heads, head_dim = g.dim(q, 1), g.dim(q, 2)
     kv_heads = g.dim(k, 1)
     idx_dim = g.dim(iq, 1)
-    n_kv_blocks, bsz = g.dim(key_c, 0), g.dim(key_c, 1)
+    bsz = g.dim(key_c, 1)
     bsz_s = g.scalar(bsz)
     width = g.dim(tables, 1)
     inv_sqrt_di = _inv_sqrt(g, idx_dim)
@@ -588,11 +589,23 @@ def single_node_model(attrs: dict, dtype: int = TensorProto.FLOAT, index_dtype: 
     return model
 
 
+def ort_session_options():
+    """ONNX Runtime options for checking runs: quiet, and threads that sleep when idle
+    (by default they spin after each run and slow down everything else in the process)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
 def run_function_ort(model: onnx.ModelProto) -> Callable:
     """An ONNX Runtime session over ``model`` as a function of numpy inputs."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), ort_session_options(), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     return lambda *arrays: sess.run(None, dict(zip(names, arrays)))
 

@@ -195,3 +195,15 @@ def test_forward_rejects_wrong_cache_count(small):
         small(torch.zeros(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.int32),
               *[torch.zeros(1, 1, dtype=torch.int32)] + [torch.zeros(1, dtype=torch.int32)] * 3,
               *state.tensors()[:-1])
+
+
+def test_example_configs_in_export_folder_are_valid():
+    folder = os.path.join(os.path.dirname(__file__), "..", "export", "configs")
+    demo = M.load_model_config(os.path.join(folder, "demo.json"))
+    assert demo == M.DashModelConfig.from_dict(M.DEMO_CONFIG)
+    bench = M.load_model_config(os.path.join(folder, "benchmark.json"))
+    # the kernel benchmark's attention shape
+    assert (bench.num_attention_heads, bench.num_key_value_heads, bench.head_dim, bench.index_head_dim) == (
+        32, 8, 128, 128)
+    d = bench.dash
+    assert (d.sparse_block_size, d.sparse_local_block, d.topk_for(0)) == (64, 1, 16)

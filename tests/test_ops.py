@@ -98,6 +98,24 @@ def test_op_under_torch_export_is_one_node_with_dynamic_tokens():
     assert all(isinstance(v.shape[0], torch.SymInt) for v in vals[1:])
 
 
+def test_op_under_torch_compile():
+    """fullgraph with aot_eager: the fake implementation carries the op through
+    Dynamo and AOT functionalization; results equal eager."""
+    args, cfg, _ = _batch(1)
+
+    def f(*a):
+        out = torch.ops.dash_trt.paged_attention(*a, **A.encode(cfg, 0))
+        return out[0] * 2, out[5]
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    want = f(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_attribute_table_is_generated_from_config():
     names = [a.name for a in A.CONFIG_ATTRIBUTES]
     assert names == [f.name for f in dataclasses.fields(DashConfig)]

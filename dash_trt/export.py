@@ -70,6 +70,7 @@ __all__ = [
     "VERIFY_TOLERANCES",
     "ExportError",
     "Progress",
+    "exporter_available",
     "export_program",
     "export_onnx",
     "check_onnx",
@@ -202,11 +203,26 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(lv)
 
 
+def exporter_available() -> str | None:
+    """None if this torch has the dynamo ONNX exporter with custom translations,
+    else the reason (torch >= 2.4 runs the rest of the package; export needs more)."""
+    import inspect
+
+    params = inspect.signature(torch.onnx.export).parameters
+    if "dynamo" not in params or "custom_translation_table" not in params:
+        return (f"torch {torch.__version__} has no dynamo ONNX exporter with custom_translation_table; "
+                f"dash-export needs a newer torch (developed and tested with torch 2.13)")
+    return None
+
+
 def export_program(model: DashForCausalLM, *, kv_block_size: int = 16):
     """Export ``model`` to an ``torch.onnx.ONNXProgram`` with the DashAttention
     function attached (nothing written)."""
     import onnx_ir as ir
 
+    reason = exporter_available()
+    if reason:
+        raise ExportError(reason)
     model = model.eval()
     args = _example_inputs(model, kv_block_size)
     with _quiet_exporter(), torch.no_grad():
@@ -452,6 +468,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         print(f"dash-export: error: {msg}", file=err, flush=True)
         return code
 
+    if exporter_available():
+        return fail(EXIT_EXPORT_FAILED, exporter_available())
     try:
         out = _check_output_path(a.out)
         with progress.step("loading the model"):

@@ -19,8 +19,8 @@ How the exporter is made to do this (torch 2.13, onnx 1.23, onnxscript 0.7; meas
   the bare custom node; a translation that calls an onnxscript function instead gets
   inlined by the exporter's passes (the function disappears, or the inliner fails on
   a multi-output call);
-- :func:`dash_attention_function` builds the ``FunctionProto``, which the exporter
-  attaches to the model after export (``attach_function``).
+- :func:`dash_attention_function` builds the ``FunctionProto``, which
+  :func:`dash_trt.export.export_program` adds to the model's functions after export.
 
 The function body is built with ``onnx.helper`` from small Python helpers (RoPE is
 used four times) instead of onnxscript's script mode, where each helper would become a
@@ -339,7 +339,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     inv_sqrt_di = _inv_sqrt(g, idx_dim)
     inv_sqrt_d = _inv_sqrt(g, head_dim)
 
-    # ---- stage 0: token -> sequence, position, slot
+    # ---- 1a: token -> sequence, position, slot
     c64 = g.cast(coords, I64)
     tok, page, img_page, q_page = (g.col(c64, j) for j in range(4))
     table = g.cast(tables, I64)
@@ -368,7 +368,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     page_m = g.op("Where", g.op("Greater", mod, g.i(0)), g.op("Mod", page, g.op("Max", mod, g.i(1))), page)
     tok_f, page_f = g.cast(tok, F32), g.cast(page_m, F32)
 
-    # ---- stage 1: write rotated keys, values, index keys, image pages
+    # ---- 1b: write rotated keys, values, index keys, image pages
     k_rot = _rope(g, k, 3, tok_f, page_f, "sparse_main_rope_tok_freq_mode")
     ik_rot = g.nan_to_num(_rope(g, ik, 2, tok_f, page_f, "sparse_rope_tok_freq_mode"), ik)
     key_shape, ikey_shape, img_shape = g.op("Shape", key_c), g.op("Shape", ikey_c), g.op("Shape", img_c)
@@ -382,7 +382,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     g.nodes.append(helper.make_node("Reshape", [ikey_flat, ikey_shape], ["index_key_cache_out"], name=g.fresh()))
     g.nodes.append(helper.make_node("Reshape", [img_flat, img_shape], ["image_page_cache_out"], name=g.fresh()))
 
-    # ---- stage 2: summaries of the sparse blocks this call completes
+    # ---- 2: summaries of the sparse blocks this call completes
     completes = g.op("Equal", g.op("Mod", g.op("Add", pos, g.i(1)), sbs), g.i(0))
     done = g.sq(g.op("NonZero", completes), 0)  # [C]
     c_seq = g.op("Gather", seq, done)
@@ -420,7 +420,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     g.nodes.append(helper.make_node("Identity", [summ_new], ["summary_cache_out"], name=g.fresh()))
     g.nodes.append(helper.make_node("Identity", [spages_new], ["summary_pages_cache_out"], name=g.fresh()))
 
-    # ---- stage 3: scores and candidates over every sequence's complete blocks
+    # ---- 3: scores and candidates over every sequence's complete blocks
     n_max = g.op("Div", g.op("ReduceMax", lens, keepdims=1), sbs)  # [1]
     n_cols = g.op("Add", n_max, g.i([1]))  # one extra, never remote
     j = g.arange(g.scalar(n_cols))  # [N']
@@ -469,7 +469,7 @@ def dash_attention_function() -> onnx.FunctionProto:
                                  g.i([1]), keepdims=0), g.i(0))
     cand = g.op("ScatterND", cand, u_idx, u_hit)
 
-    # ---- stage 4: route (forced first, score descending, lower index on ties)
+    # ---- 4: route (forced first, score descending, lower index on ties)
     forced = g.op("And", cand, remote)
     layer = g.attr("layer_idx")
     dense_layers = g.cat(g.attr("sparse_dense_layers"), g.i([-1]))  # never empty
@@ -494,7 +494,7 @@ def dash_attention_function() -> onnx.FunctionProto:
     sel_forced = g.op("GatherElements", forced, selected, axis=1)
     bias = g.op("Where", sel_forced, g.attr("sparse_page_bias"), g.f(0.0))
 
-    # ---- stage 5: attend selected blocks + local window (float32 softmax, GQA)
+    # ---- 5: attend selected blocks + local window (float32 softmax, GQA)
     offs = g.arange(sbs)
     r_pos = g.op("Reshape", g.op("Add", g.unsq(g.op("Mul", selected, sbs), 2), g.unsq(offs, 0, 1)),
                  g.cat(t_len, g.i([-1])))  # [T, (K+1)*sbs]

@@ -396,3 +396,11 @@ def test_cli_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         E.main(["--demo", "--out", str(tmp_path / "m.onnx"), "--kv-block-size", "0"])
     assert e.value.code == 2 and "--kv-block-size must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_old_torch_is_told_clearly(tmp_path, capsys, monkeypatch):
+    assert E.exporter_available() is None  # this torch can export
+    monkeypatch.setattr(E, "exporter_available", lambda: "torch 2.4.0 has no dynamo ONNX exporter")
+    code, _, stderr = _run(["--demo", "--out", str(tmp_path / "m.onnx")], capsys)
+    assert code == E.EXIT_EXPORT_FAILED and "torch 2.4.0 has no dynamo ONNX exporter" in stderr
+    assert os.listdir(tmp_path) == []

@@ -92,6 +92,10 @@ def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None) -> No
     index, and returns ``(out, key, value, index_key, image_page, summary,
     summary_pages)``. The returned caches must be new tensors (the op is functional:
     it may not return or modify its inputs); the usual kernel writes into clones.
+
+    A C++ binding that registers its own torch ops should use
+    ``TORCH_LIBRARY_FRAGMENT(dash_trt, m)`` (this module defines ``dash_trt`` ops from
+    Python) and op names other than ``paged_attention``.
     """
     global _cuda_impl
     if fn is not None and not callable(fn):

@@ -1,0 +1,180 @@
+"""The DASH attention attributes, declared once.
+
+Every front end that carries the configuration as flat scalars reads this table:
+the torch custom op's schema (:mod:`dash_trt.ops`), the ONNX ``dash_trt.DashAttention``
+node, its ``OpSchema`` and its local function (:mod:`dash_trt.onnx_ops`), and later the
+TensorRT plugin creator's field list. The table is generated from the fields of
+:class:`~dash_trt.config.DashConfig` (plus the per-call ``layer_idx``), so a new config
+key shows up everywhere at once and no front end repeats a name as a string literal.
+
+Encoding (ONNX attributes have no "optional" or "int or list"):
+
+======================  ============  ==================================================
+DashConfig kind         ONNX type     encoding
+======================  ============  ==================================================
+int                     INT           as is
+opt_int (None allowed)  INT           ``-1`` for None (token ids are never negative)
+int_or_list             INTS          an int ``n`` is ``[n]``; a per-layer list as is
+int_list                INTS          as is (may be empty)
+float, pos_float        FLOAT         as is
+mode (None allowed)     STRING        ``""`` for None
+======================  ============  ==================================================
+
+``decode(encode(cfg, layer)) == (cfg, layer)`` for every valid config, except that a
+one-entry per-layer ``sparse_topk_blocks`` list decodes as that int (the same value for
+every layer it is defined for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DashConfig
+
+__all__ = [
+    "Attribute",
+    "CONFIG_ATTRIBUTES",
+    "CALL_ATTRIBUTES",
+    "OP_ATTRIBUTES",
+    "NODE_ATTRIBUTES",
+    "PLUGIN_VERSION",
+    "encode",
+    "decode",
+    "torch_schema_args",
+]
+
+#: Version string of the DASH attention node/plugin contract (ONNX attribute
+#: ``plugin_version``; the TensorRT plugin creator registers the same version).
+PLUGIN_VERSION = "1"
+
+#: ONNX attribute type names (``onnx.AttributeProto.AttributeType`` members).
+_ONNX_TYPE = {
+    "int": "INT",
+    "opt_int": "INT",
+    "int_or_list": "INTS",
+    "int_list": "INTS",
+    "float": "FLOAT",
+    "pos_float": "FLOAT",
+    "mode": "STRING",
+}
+
+#: torch schema type of each ONNX attribute type.
+_TORCH_TYPE = {"INT": "int", "INTS": "int[]", "FLOAT": "float", "STRING": "str"}
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """One flat attribute of the DASH attention op."""
+
+    name: str
+    onnx_type: str  #: "INT", "INTS", "FLOAT" or "STRING"
+    default: Any  #: encoded default; ``None`` when the attribute is required
+    doc: str
+    kind: str  #: DashConfig kind ("int", "mode", ...) or "call" for per-call attributes
+
+    @property
+    def torch_type(self) -> str:
+        return _TORCH_TYPE[self.onnx_type]
+
+    @property
+    def required(self) -> bool:
+        return self.default is None
+
+
+def _encode_value(kind: str, value: Any) -> Any:
+    if kind == "opt_int":
+        return -1 if value is None else int(value)
+    if kind == "int_or_list":
+        return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)]
+    if kind == "int_list":
+        return [int(v) for v in value]
+    if kind in ("float", "pos_float"):
+        return float(value)
+    if kind == "mode":
+        return "" if value is None else str(value)
+    return int(value)
+
+
+def _decode_value(kind: str, value: Any) -> Any:
+    if kind == "opt_int":
+        return None if int(value) < 0 else int(value)
+    if kind == "int_or_list":
+        vals = [int(v) for v in value]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+    if kind == "int_list":
+        return tuple(int(v) for v in value)
+    if kind in ("float", "pos_float"):
+        return float(value)
+    if kind == "mode":
+        if isinstance(value, bytes):
+            value = value.decode()
+        return None if value == "" else str(value)
+    return int(value)
+
+
+def _config_attributes() -> tuple[Attribute, ...]:
+    out = []
+    for f in dataclasses.fields(DashConfig):
+        kind = f.metadata["kind"]
+        if f.default is not dataclasses.MISSING:
+            default = _encode_value(kind, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = _encode_value(kind, f.default_factory())
+        else:
+            default = None
+        out.append(Attribute(f.name, _ONNX_TYPE[kind], default, f.metadata["doc"], kind))
+    return tuple(out)
+
+
+#: One attribute per :class:`DashConfig` field, in field order.
+CONFIG_ATTRIBUTES: tuple[Attribute, ...] = _config_attributes()
+
+#: Attributes of one call that are not configuration.
+CALL_ATTRIBUTES: tuple[Attribute, ...] = (
+    Attribute("layer_idx", "INT", None, "index of the decoder layer (selects the per-layer "
+              "top-k and dense-layer routing)", "call"),
+)
+
+#: What the torch custom op takes as scalar arguments.
+OP_ATTRIBUTES: tuple[Attribute, ...] = CONFIG_ATTRIBUTES + CALL_ATTRIBUTES
+
+#: What the ONNX node carries: the op's attributes plus the contract version.
+NODE_ATTRIBUTES: tuple[Attribute, ...] = OP_ATTRIBUTES + (
+    Attribute("plugin_version", "STRING", PLUGIN_VERSION,
+              "version of the DashAttention node/plugin contract", "version"),
+)
+
+
+def encode(sp: DashConfig | Mapping[str, Any], layer_idx: int) -> dict[str, Any]:
+    """Flat attribute values (:data:`OP_ATTRIBUTES` order) of one call."""
+    cfg = sp if isinstance(sp, DashConfig) else DashConfig.from_dict(sp)
+    if isinstance(layer_idx, bool) or int(layer_idx) < 0:
+        raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
+    attrs = {a.name: _encode_value(a.kind, getattr(cfg, a.name)) for a in CONFIG_ATTRIBUTES}
+    attrs["layer_idx"] = int(layer_idx)
+    return attrs
+
+
+def decode(attrs: Mapping[str, Any]) -> tuple[DashConfig, int]:
+    """Inverse of :func:`encode` (missing optional attributes take their defaults).
+
+    Raises :class:`~dash_trt.config.DashConfigError` for bad values (validated by
+    :class:`DashConfig`) and ``ValueError`` for a missing required attribute.
+    """
+    sp = {}
+    for a in CONFIG_ATTRIBUTES:
+        if a.name in attrs:
+            sp[a.name] = _decode_value(a.kind, attrs[a.name])
+        elif a.required:
+            raise ValueError(f"DASH attention attribute '{a.name}' is required")
+    if "layer_idx" not in attrs:
+        raise ValueError("DASH attention attribute 'layer_idx' is required")
+    return DashConfig.from_dict(sp), int(attrs["layer_idx"])
+
+
+def torch_schema_args() -> str:
+    """The op's keyword-only scalar arguments as a torch schema fragment."""
+    return ", ".join(f"{a.torch_type} {a.name}" for a in OP_ATTRIBUTES)

@@ -1,0 +1,572 @@
+"""``dash-export``: a DASH model checkpoint to ONNX, checked against PyTorch.
+
+``dash-export model.pt --out model.onnx`` (or ``--demo`` for the built-in random demo
+model) exports with the dynamo ``torch.onnx`` exporter. Every DASH attention call
+becomes one ``dash_trt.DashAttention`` node with the configuration as attributes, and
+the file carries the model-local function of that name (:mod:`dash_trt.onnx_ops`), so
+ONNX Runtime runs it as is and TensorRT can run the plugin instead.
+
+Graph interface (T new tokens, B sequences, NB KV blocks, W block-table width; all
+four dynamic; the KV block size is fixed at export, ``--kv-block-size``):
+
+inputs  ``input_ids`` [T] int64, ``coords`` [T, 4] int32, ``block_tables`` [B, W] int32,
+        ``seq_lens`` [B] int32, ``query_start_loc`` [B+1] int32, ``prompt_lens`` [B] int32,
+        ``past.{layer}.{key,value,index_key,image_page,summary,summary_pages}``
+outputs ``logits`` [T, vocab] float32, ``present.{layer}.{...}`` (the updated caches)
+
+The file is written atomically: everything goes to a temporary folder beside the
+output, is checked there (``onnx.checker`` full check, then ONNX Runtime against
+PyTorch on random prompts: chunked prefill and decode steps with the caches threaded
+through), and only then renamed into place. Exit codes: 0 success, 1 the ONNX model
+does not reproduce PyTorch, 2 bad input (arguments, checkpoint, config, output path),
+3 the export itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from . import onnx_ops
+from .config import DashConfigError
+from .model import (
+    DTYPES,
+    MODEL_INPUTS,
+    CheckpointError,
+    DashForCausalLM,
+    ModelConfigError,
+    PagedState,
+    demo_model,
+    document_prompt,
+    generate,
+    load_checkpoint,
+    load_model_config,
+    random_model,
+    save_checkpoint,
+    token_roles,
+)
+from .paged import sequence_coords
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_MISMATCH",
+    "EXIT_BAD_INPUT",
+    "EXIT_EXPORT_FAILED",
+    "VERIFY_TOLERANCES",
+    "ExportError",
+    "Progress",
+    "exporter_available",
+    "export_program",
+    "export_onnx",
+    "check_onnx",
+    "verify_onnx",
+    "VerifyReport",
+    "main",
+]
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_EXPORT_FAILED = 0, 1, 2, 3
+
+#: Largest model (bytes of weights) written as one file; protobuf caps a file at 2 GiB.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+#: (atol, rtol) of ONNX Runtime against PyTorch, same dtype, for logits and float caches.
+#: fp32: summation order only. fp16/bf16: both runtimes round every op to the low
+#: precision dtype, in different places (ORT fuses and reorders), and errors compound
+#: over the layers; the check is against gross errors (a wrong block, a wrong slot),
+#: which are O(1).
+VERIFY_TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (5e-2, 5e-2),
+    torch.bfloat16: (2e-1, 1e-1),
+}
+
+
+class ExportError(RuntimeError):
+    """The exporter failed (not the user's input)."""
+
+
+class BadInput(Exception):
+    """A user error with a message to print (exit code 2)."""
+
+
+# -------------------------------------------------------------------------- progress
+class Progress:
+    """Step-by-step progress on a stream (stderr): ``[i/n] title ... done (1.2 s)``.
+    On a terminal, a long step shows its elapsed time while it runs."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True):
+        self.total, self.index = total, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+
+    def note(self, msg: str) -> None:
+        if self.enabled:
+            print(f"      {msg}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def step(self, title: str) -> Iterator[None]:
+        self.index += 1
+        head = f"[{self.index}/{self.total}] {title}"
+        t0 = time.perf_counter()
+        stop = threading.Event()
+        ticker = None
+        tty = self.enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        if self.enabled:
+            print(head + " ...", file=self.stream, end="" if tty else "\n", flush=True)
+        if tty:
+            def tick() -> None:
+                while not stop.wait(0.5):
+                    print(f"\r{head} ... {time.perf_counter() - t0:5.1f} s", file=self.stream, end="", flush=True)
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            if self.enabled:
+                took = time.perf_counter() - t0
+                status = "done" if ok else "FAILED"
+                print(("\r" if tty else "") + f"{head}: {status} ({took:.1f} s)", file=self.stream, flush=True)
+
+
+# ---------------------------------------------------------------------------- export
+def _example_inputs(model: DashForCausalLM, kv_block_size: int):
+    """A real ragged batch (two sequences, prefill chunks) as export example. Every
+    dynamic size is >= 2 and distinct, so the exporter specialises none of them."""
+    cfg = model.config
+    prompts = [document_prompt([5], "ab", cfg), document_prompt([3], "", cfg)]  # 8 + 4 tokens
+    n = [len(p) for p in prompts]
+    need = [-(-x // kv_block_size) for x in n]
+    width = max(need) + 2
+    width += width == len(prompts) + 1  # keep W apart from B + 1
+    state = PagedState(model, num_blocks=sum(need) + 5, kv_block_size=kv_block_size)
+    for i, p in enumerate(prompts):
+        state.pool.add(i, prompt_length=len(p))
+    batch = state.pool.schedule([(0, n[0]), (1, n[1])], device=model.device, table_width=width)
+    coords = torch.cat([sequence_coords(token_roles(p, cfg)) for p in prompts]).to(model.device)
+    ids = torch.tensor(prompts[0] + prompts[1], dtype=torch.long, device=model.device)
+    return (ids, coords, *batch.kwargs().values(), *state.tensors())
+
+
+def _dynamic_shapes(model: DashForCausalLM):
+    Dim = torch.export.Dim
+    tokens = Dim("num_tokens", min=1)
+    seqs = Dim("num_seqs", min=1)
+    blocks = Dim("num_kv_blocks", min=1)
+    width = Dim("block_table_width", min=1)
+    per_input = {
+        "input_ids": {0: tokens},
+        "coords": {0: tokens},
+        "block_tables": {0: seqs, 1: width},
+        "seq_lens": {0: seqs},
+        "query_start_loc": {0: seqs + 1},
+        "prompt_lens": {0: seqs},
+    }
+    # forward(*inputs, *caches): torch.export sees the caches as one varargs tuple
+    return (*(per_input[n] for n in MODEL_INPUTS), tuple({0: blocks} for _ in model.cache_names("past")))
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter logs and warns a lot about things that are fine here."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript",
+                                                "torch.fx.experimental.symbolic_shapes", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(sys.stderr):
+                yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def exporter_available() -> str | None:
+    """None if this torch has the dynamo ONNX exporter with custom translations,
+    else the reason (torch >= 2.4 runs the rest of the package; export needs more)."""
+    import inspect
+
+    params = inspect.signature(torch.onnx.export).parameters
+    if "dynamo" not in params or "custom_translation_table" not in params:
+        return (f"torch {torch.__version__} has no dynamo ONNX exporter with custom_translation_table; "
+                f"dash-export needs a newer torch (developed and tested with torch 2.13)")
+    return None
+
+
+def export_program(model: DashForCausalLM, *, kv_block_size: int = 16):
+    """Export ``model`` to an ``torch.onnx.ONNXProgram`` with the DashAttention
+    function attached (nothing written)."""
+    import onnx_ir as ir
+
+    reason = exporter_available()
+    if reason:
+        raise ExportError(reason)
+    model = model.eval()
+    args = _example_inputs(model, kv_block_size)
+    with _quiet_exporter(), torch.no_grad():
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamo=True,
+            dynamic_shapes=_dynamic_shapes(model),
+            input_names=[*MODEL_INPUTS, *model.cache_names("past")],
+            output_names=["logits", *model.cache_names("present")],
+            opset_version=onnx_ops.OPSET,
+            custom_translation_table=onnx_ops.translation_table(),
+            optimize=True,
+            verbose=False,
+        )
+    fn = ir.serde.deserialize_function(onnx_ops.dash_attention_function())
+    program.model.functions[fn.identifier()] = fn
+    program.model.opset_imports.setdefault(onnx_ops.DOMAIN, onnx_ops.DOMAIN_VERSION)
+    program.model.producer_name = "dash-trt"
+    return program
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.state_dict().values())
+
+
+def export_onnx(model: DashForCausalLM, path: str | os.PathLike, *, kv_block_size: int = 16,
+                external_data: bool | None = None) -> str:
+    """Export ``model`` to ``path`` (written non-atomically; :func:`main` wraps this).
+    ``external_data`` None decides by size (weights over ~1.8 GB go to ``path.data``).
+    Returns the path."""
+    path = os.fspath(path)
+    if external_data is None:
+        external_data = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    program = export_program(model, kv_block_size=kv_block_size)
+    with _quiet_exporter():
+        program.save(path, external_data=external_data)
+    return path
+
+
+def check_onnx(path: str | os.PathLike) -> None:
+    """``onnx.checker`` full check (strict shape inference through the function), and
+    the structural contract: DashAttention nodes and their local function."""
+    import onnx
+
+    path = os.fspath(path)
+    onnx_ops.register_schema()
+    onnx.checker.check_model(path, full_check=True)
+    model = onnx.load(path, load_external_data=False)
+    nodes = [n for n in model.graph.node if n.domain == onnx_ops.DOMAIN]
+    if not nodes or any(n.op_type != onnx_ops.OP_TYPE for n in nodes):
+        raise ExportError(f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found "
+                          f"{sorted({(n.domain, n.op_type) for n in nodes})}")
+    if not any(f.domain == onnx_ops.DOMAIN and f.name == onnx_ops.OP_TYPE for f in model.functions):
+        raise ExportError(f"the model has no local function {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE}")
+
+
+# ---------------------------------------------------------------------------- verify
+@dataclass
+class VerifyReport:
+    steps: int = 0
+    tokens: int = 0
+    max_logit_err: float = 0.0
+    max_cache_err: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, int, int, int]] = field(default_factory=list)  #: (T, B, NB, W) per step
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        caches = ", ".join(f"{k} {v:.2e}" for k, v in self.max_cache_err.items())
+        return (f"{self.steps} steps, {self.tokens} tokens: max |logits err| {self.max_logit_err:.3e}; "
+                f"max cache err: {caches}")
+
+
+def _ort_session(path: str):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(path, onnx_ops.ort_session_options(), providers=["CPUExecutionProvider"])
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.detach().cpu().numpy()
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_size: int = 16, seed: int = 0,
+                prompts: Sequence[Sequence[int]] | None = None, decode_steps: int = 3,
+                prefill_chunk: int | None = 40, num_blocks: int | None = None,
+                progress: Progress | None = None) -> VerifyReport:
+    """Run the ONNX file in ONNX Runtime next to PyTorch on the same steps (chunked
+    prefill and decode of random document prompts, caches threaded through each
+    runtime separately) and compare the logits and every cache tensor."""
+    path = os.fspath(path)
+    cfg = model.config
+    dtype = model.dtype
+    atol, rtol = VERIFY_TOLERANCES[dtype]
+    if prompts is None:
+        gen = torch.Generator().manual_seed(seed)
+
+        def pages(n):
+            return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
+
+        prompts = [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
+                   document_prompt(pages(2), "Title?", cfg)]
+    sess = _ort_session(path)
+    in_names = [i.name for i in sess.get_inputs()]
+    report = VerifyReport()
+    ort_caches: list[np.ndarray] | None = None
+    names = model.cache_names("present")
+
+    def forward(inputs: dict, caches: list):
+        nonlocal ort_caches
+        with torch.no_grad():
+            out = model(*inputs.values(), *caches)
+        if ort_caches is None:
+            ort_caches = [_to_numpy(c) for c in caches]
+        feed = dict(zip(in_names, [_to_numpy(v) for v in inputs.values()] + ort_caches))
+        res = sess.run(None, feed)
+        t, b = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
+        report.shapes.append((t, b, caches[0].shape[0], inputs["block_tables"].shape[1]))
+        report.steps += 1
+        report.tokens += t
+        got = _to_torch(res[0]).float()
+        err = (got - out[0].float()).abs()
+        report.max_logit_err = max(report.max_logit_err, float(err.max()))
+        if not torch.allclose(got, out[0].float(), atol=atol, rtol=rtol):
+            report.failures.append(f"step {report.steps}: logits differ by up to {float(err.max()):.3e}")
+        for name, a, want in zip(names, res[1:], out[1:]):
+            got_c = _to_torch(a)
+            kind = name.split(".")[-1]
+            if got_c.shape != want.shape or got_c.dtype != want.dtype:
+                report.failures.append(f"step {report.steps}: {name} is {got_c.dtype}{list(got_c.shape)}, "
+                                       f"expected {want.dtype}{list(want.shape)}")
+                continue
+            if want.dtype.is_floating_point:
+                e = float((got_c.float() - want.float()).abs().max()) if want.numel() else 0.0
+                bad = not torch.allclose(got_c.float(), want.float(), atol=atol, rtol=rtol)
+            else:
+                e = float((got_c.long() - want.long()).abs().max()) if want.numel() else 0.0
+                bad = e != 0
+            report.max_cache_err[kind] = max(report.max_cache_err.get(kind, 0.0), e)
+            if bad:
+                report.failures.append(f"step {report.steps}: {name} differs by up to {e:.3e}")
+        ort_caches = res[1:]
+        if progress is not None:
+            progress.note(f"step {report.steps}: {t} new tokens in {b} sequences, max |logits err| "
+                          f"{float(err.max()):.2e}")
+        return out[0], out[1:]
+
+    generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
+             num_blocks=num_blocks, stop_at_eos=False, forward=forward)
+    return report
+
+
+# ------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dash-export",
+        description="Export a DASH attention model checkpoint (model.pt) to ONNX: one "
+                    "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
+                    "the file with onnx.checker and against PyTorch in ONNX Runtime.",
+        epilog="Exit codes: 0 ok, 1 ONNX Runtime does not reproduce PyTorch, 2 bad input, "
+               "3 export failed. See export/README.md.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("checkpoint", nargs="?", help="model.pt: {'config': config.json dict, 'state_dict': ...}")
+    src.add_argument("--demo", action="store_true", help="export the built-in random demo model")
+    src.add_argument("--random-init", metavar="CONFIG_JSON",
+                     help="export a model of this config.json with random weights (for engine builds and "
+                          "benchmarks, see export/configs)")
+    p.add_argument("--out", "-o", required=True, help="output .onnx path")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="config.json to use instead of the checkpoint's own (for a bare state dict)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="export dtype (default: the checkpoint's; float32 for --demo)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block (fixed in the graph)")
+    p.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
+                   help="weights in OUT.data beside the model (auto: when over ~1.8 GB)")
+    p.add_argument("--unsafe-load", action="store_true",
+                   help="allow unpickling arbitrary Python objects from the checkpoint (runs code from the "
+                        "file: only for files you trust)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the ONNX Runtime comparison (the checker still runs)")
+    p.add_argument("--decode-steps", type=int, default=3, help="decode steps of the ONNX Runtime check")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and check prompts")
+    p.add_argument("--save-checkpoint", metavar="MODEL_PT",
+                   help="also write the exported model's weights as model.pt (with --demo / --random-init)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    return p
+
+
+def _check_output_path(out: str) -> str:
+    out = os.path.abspath(out)
+    if os.path.isdir(out):
+        raise BadInput(f"cannot write {out}: it is a directory")
+    folder = os.path.dirname(out)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise BadInput(f"cannot write {out}: {folder} is a file, not a folder")
+    if not os.path.isdir(folder):
+        raise BadInput(f"cannot write {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write {out}: folder {folder} is not writable")
+    return out
+
+
+def _load(a) -> DashForCausalLM:
+    dtype = DTYPES[a.dtype] if a.dtype else None
+    if a.demo:
+        return demo_model(seed=a.seed, dtype=dtype or torch.float32)
+    if a.random_init:
+        return random_model(load_model_config(a.random_init), seed=a.seed, dtype=dtype)
+    config = load_model_config(a.config) if a.config else None
+    model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, config=config)
+    return model.to(dtype) if dtype else model
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+    """``dash-export``: results on stdout, progress and errors on stderr."""
+    parser = _parser()
+    a = parser.parse_args(argv)
+    out_stream = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    if not (a.checkpoint or a.demo or a.random_init):
+        parser.error("give a checkpoint (model.pt), --demo or --random-init CONFIG_JSON")
+    if a.kv_block_size < 1 or a.decode_steps < 0:
+        parser.error("--kv-block-size must be >= 1 and --decode-steps >= 0")
+    progress = Progress(total=4 if a.no_verify else 5, stream=err, enabled=not a.quiet)
+
+    def fail(code: int, msg: str) -> int:
+        print(f"dash-export: error: {msg}", file=err, flush=True)
+        return code
+
+    if exporter_available():
+        return fail(EXIT_EXPORT_FAILED, exporter_available())
+    try:
+        out = _check_output_path(a.out)
+        with progress.step("loading the model"):
+            model = _load(a)
+        c = model.config
+        progress.note(f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
+                      f"{c.num_key_value_heads} x {c.head_dim}, indexer {c.index_head_dim}, {model.dtype}, "
+                      f"KV blocks of {a.kv_block_size}")
+        if a.save_checkpoint:
+            save_checkpoint(model, a.save_checkpoint)
+    except (BadInput, CheckpointError, ModelConfigError, DashConfigError) as exc:
+        return fail(EXIT_BAD_INPUT, str(exc))
+    except (OSError, ValueError) as exc:
+        return fail(EXIT_BAD_INPUT, f"{type(exc).__name__}: {exc}")
+
+    external = {"auto": None, "always": True, "never": False}[a.external_data]
+    base = os.path.basename(out)
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".dash-export-", dir=os.path.dirname(out))
+    except OSError as exc:
+        return fail(EXIT_BAD_INPUT, f"cannot write {out}: {exc}")
+    tmp = os.path.join(tmpdir, base)
+    try:
+        try:
+            with progress.step(f"exporting to ONNX (torch {torch.__version__}, opset {onnx_ops.OPSET})"):
+                export_onnx(model, tmp, kv_block_size=a.kv_block_size, external_data=external)
+            with progress.step("onnx.checker (full check)"):
+                check_onnx(tmp)
+        except OSError as exc:
+            return fail(EXIT_BAD_INPUT, f"cannot write {out}: {exc}")
+        except Exception as exc:
+            return fail(EXIT_EXPORT_FAILED, f"export failed: {type(exc).__name__}: {_short(exc)}")
+        if not a.no_verify:
+            with progress.step("ONNX Runtime vs PyTorch (prefill + decode)"):
+                try:
+                    report, checked = _verify_with_fallback(tmp, model, a, progress)
+                except Exception as exc:
+                    return fail(EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: "
+                                                    f"{type(exc).__name__}: {_short(exc)}")
+            print(f"ONNX Runtime vs PyTorch ({checked}): {report.summary()}", file=out_stream, flush=True)
+            if not report.ok:
+                for f in report.failures[:10]:
+                    print(f"  {f}", file=out_stream, flush=True)
+                return fail(EXIT_MISMATCH, f"the ONNX model does not reproduce PyTorch (tolerance "
+                                           f"{VERIFY_TOLERANCES[model.dtype]}); {out} was not written")
+        with progress.step(f"writing {out}"):
+            data = tmp + ".data"
+            has_data = os.path.exists(data)
+            if has_data:
+                os.replace(data, out + ".data")
+            os.replace(tmp, out)  # the commit point: the .onnx appears complete or not at all
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    nodes = _count_dash_nodes(out)
+    print(f"wrote {out} ({_size(out, has_data)}; {nodes} {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes"
+          + (f", weights in {base}.data" if has_data else "") + ")", file=out_stream, flush=True)
+    print("RESULT: " + ("exported; the checker and ONNX Runtime agree with PyTorch" if not a.no_verify
+                        else "exported; the checker passed (ONNX Runtime check skipped)"),
+          file=out_stream, flush=True)
+    return EXIT_OK
+
+
+def _verify_with_fallback(path: str, model: DashForCausalLM, a, progress: Progress):
+    """Verify ``path``; for bfloat16, where ONNX Runtime's CPU provider has no kernels
+    (NOT_IMPLEMENTED for Mul and others), verify a float32 export of the same weights
+    instead: the graph is the same, only the dtype differs. Returns (report, what was
+    checked)."""
+    kwargs = dict(kv_block_size=a.kv_block_size, seed=a.seed, decode_steps=a.decode_steps, progress=progress)
+    try:
+        return verify_onnx(path, model, **kwargs), f"{model.dtype}"
+    except Exception as exc:
+        if model.dtype != torch.bfloat16 or "NOT_IMPLEMENTED" not in str(exc):
+            raise
+    progress.note("ONNX Runtime's CPU provider has no bfloat16 kernels: checking a float32 export of the same "
+                  "weights instead (the bfloat16 file passed onnx.checker)")
+    f32 = copy.deepcopy(model).float()
+    f32_path = os.path.join(os.path.dirname(path), "float32-check.onnx")
+    export_onnx(f32, f32_path, kv_block_size=a.kv_block_size, external_data=None)
+    return verify_onnx(f32_path, f32, **kwargs), "torch.bfloat16 weights, checked as a float32 export"
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = str(exc).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _size(path: str, has_data: bool) -> str:
+    n = os.path.getsize(path) + (os.path.getsize(path + ".data") if has_data else 0)
+    return f"{n / 1e6:.1f} MB"
+
+
+def _count_dash_nodes(path: str) -> int:
+    import onnx
+
+    m = onnx.load(path, load_external_data=False)
+    return sum(1 for n in m.graph.node if n.domain == onnx_ops.DOMAIN and n.op_type == onnx_ops.OP_TYPE)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

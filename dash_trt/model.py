@@ -1,0 +1,702 @@
+"""A small but real decoder that uses DASH attention, its checkpoint format and greedy
+generation over the paged cache.
+
+Architecture (Llama-like): token embeddings; ``num_hidden_layers`` decoder layers, each
+RMSNorm -> q/k/v projections plus the indexer projections ``iq``/``ik`` and the learned
+``head_cls`` -> DASH attention (the torch custom op, :mod:`dash_trt.ops`) -> output
+projection, residual; RMSNorm -> gated MLP (SiLU) -> residual; final RMSNorm; logits.
+Image tokens are embedded from the token table: a real vision-language model would put
+its vision encoder's features there; the attention and the cache do not care.
+
+The configuration is a Hugging-Face-style ``config.json`` (:class:`DashModelConfig`)
+whose ``dash_attention_config`` section is the :class:`~dash_trt.config.DashConfig`.
+A checkpoint ``model.pt`` is ``{"config": <config.json dict>, "state_dict": ...}``
+and is read with ``torch.load(weights_only=True)``; unpickling arbitrary objects (a
+whole pickled module) needs ``allow_pickle=True`` (``dash-export --unsafe-load``).
+
+The forward pass is the exported graph: ``forward(input_ids, coords, block_tables,
+seq_lens, query_start_loc, prompt_lens, *caches) -> (logits, *new_caches)`` over a ragged
+batch of new tokens, six cache tensors per layer (:data:`dash_trt.ops.CACHE_FIELDS`)
+in, updated ones out. :func:`generate` drives it: prefill (optionally chunked, mixed
+with other sequences' decode steps in one batch) then greedy decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CONFIG_SECTION, DashConfig, DashConfigError
+from .ops import CACHE_FIELDS, paged_attention
+from .paged import DashKVCache, KVBlockPool, sequence_coords
+from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
+
+__all__ = [
+    "DashModelConfig",
+    "ModelConfigError",
+    "CheckpointError",
+    "DashForCausalLM",
+    "MODEL_INPUTS",
+    "DTYPES",
+    "DEMO_CONFIG",
+    "demo_model",
+    "random_model",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model_config",
+    "tokenize",
+    "detokenize",
+    "document_prompt",
+    "token_roles",
+    "PagedState",
+    "Generation",
+    "generate",
+    "reference_generate",
+]
+
+#: Names of the forward pass's non-cache inputs, in order (also the ONNX input names).
+MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+ARCHITECTURE = "DashForCausalLM"
+MODEL_TYPE = "dash_decoder"
+
+
+class ModelConfigError(ValueError):
+    """A model ``config.json`` is missing a key or holds a bad value."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read (missing, corrupt, unsafe or inconsistent)."""
+
+
+# --------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DashModelConfig:
+    """The decoder's ``config.json`` (Hugging-Face style)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    index_head_dim: int
+    intermediate_size: int
+    dash: DashConfig
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    eos_token_id: int | None = None
+    torch_dtype: str = "float32"
+
+    _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "index_head_dim", "intermediate_size")
+
+    def __post_init__(self) -> None:
+        for name in self._REQUIRED:
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ModelConfigError(f"model config key '{name}' must be a positive integer, got {val!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
+                and self.rms_norm_eps > 0):
+            raise ModelConfigError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if self.torch_dtype not in DTYPES:
+            raise ModelConfigError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
+        try:
+            self.dash.check_head_dim(self.head_dim, "head_dim")
+            self.dash.check_head_dim(self.index_head_dim, "index_head_dim")
+        except DashConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+        for name in ("image_token_id", "page_token_id"):
+            tid = getattr(self.dash, name)
+            if tid is None:
+                raise ModelConfigError(f"'{CONFIG_SECTION}' must set {name} (prompts are built from it)")
+            if not 0 <= tid < self.vocab_size:
+                raise ModelConfigError(f"{name} {tid} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.dash.image_token_id == self.dash.page_token_id:
+            raise ModelConfigError("image_token_id and page_token_id must differ")
+        topk = self.dash.sparse_topk_blocks
+        if isinstance(topk, tuple) and len(topk) < self.num_hidden_layers:
+            raise ModelConfigError(
+                f"sparse_topk_blocks lists {len(topk)} layers, the model has {self.num_hidden_layers}")
+
+    @property
+    def image_token_id(self) -> int:
+        return self.dash.image_token_id
+
+    @property
+    def page_token_id(self) -> int:
+        return self.dash.page_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.torch_dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` content."""
+        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for f in dataclasses.fields(self):
+            if f.name != "dash":
+                out[f.name] = getattr(self, f.name)
+        out[CONFIG_SECTION] = self.dash.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], *, source: str = "model config") -> DashModelConfig:
+        if not isinstance(config, Mapping):
+            raise ModelConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
+        if CONFIG_SECTION not in config:
+            raise ModelConfigError(
+                f"{source} has no '{CONFIG_SECTION}' section: it does not describe a DASH attention "
+                f"model (add the section with the sparse_* keys, see export/README.md)")
+        try:
+            dash = DashConfig.from_model_config(config)
+        except DashConfigError as exc:
+            raise ModelConfigError(f"{source}: {exc}") from None
+        missing = [k for k in cls._REQUIRED if k not in config]
+        if missing:
+            raise ModelConfigError(f"{source} is missing key(s): {', '.join(missing)}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"dash"}
+        values = {k: config[k] for k in names if k in config}
+        return cls(dash=dash, **values)
+
+    def replace(self, **changes) -> DashModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_model_config(path: str | os.PathLike) -> DashModelConfig:
+    """Read a ``config.json``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ModelConfigError(f"model config not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"model config {path} is not valid JSON: {exc}") from None
+    return DashModelConfig.from_dict(data, source=path)
+
+
+#: The built-in demo model: small enough to export and check in seconds on a CPU,
+#: with the benchmark's routing shape scaled down (per-layer top-k, page bias).
+DEMO_CONFIG: dict[str, Any] = {
+    "architectures": [ARCHITECTURE],
+    "model_type": MODEL_TYPE,
+    "vocab_size": 320,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "index_head_dim": 32,
+    "intermediate_size": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "eos_token_id": 258,
+    "torch_dtype": "float32",
+    CONFIG_SECTION: {
+        "sparse_block_size": 16,
+        "sparse_local_block": 1,
+        "sparse_topk_blocks": [4, 2],
+        "sparse_page_bias": 0.5,
+        "sparse_rope_page_pairs": 1,
+        "page_token_id": 256,
+        "image_token_id": 257,
+    },
+}
+
+
+# ------------------------------------------------------------------------ tokenizer
+#: Byte-level text tokens are the byte values 0..255; special tokens come from the config.
+_SPECIAL = re.compile(r"<PAGE>|<image(?:\*(\d+))?>")
+
+
+def tokenize(text: str, config: DashModelConfig) -> list[int]:
+    """Token ids of ``text``: UTF-8 bytes, with ``<PAGE>`` and ``<image>`` (or
+    ``<image*N>`` for N image tokens) as the special tokens."""
+    ids: list[int] = []
+    pos = 0
+    for m in _SPECIAL.finditer(text):
+        ids += list(text[pos:m.start()].encode("utf-8"))
+        if m.group(0) == "<PAGE>":
+            ids.append(config.page_token_id)
+        else:
+            ids += [config.image_token_id] * int(m.group(1) or 1)
+        pos = m.end()
+    ids += list(text[pos:].encode("utf-8"))
+    if any(i >= config.vocab_size for i in ids):
+        raise ValueError(f"vocab_size {config.vocab_size} is too small for byte-level text")
+    return ids
+
+
+def detokenize(ids: Sequence[int], config: DashModelConfig) -> str:
+    out, raw = [], bytearray()
+    for i in ids:
+        if 0 <= i < 256:
+            raw.append(i)
+            continue
+        out.append(raw.decode("utf-8", "replace"))
+        raw = bytearray()
+        out.append({config.page_token_id: "<PAGE>", config.image_token_id: "<image>"}.get(i, f"<{i}>"))
+    out.append(raw.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+def document_prompt(image_tokens_per_page: Sequence[int], question: str, config: DashModelConfig,
+                    preamble: str = "") -> list[int]:
+    """``preamble <PAGE><image>... <PAGE><image>... question``."""
+    pages = "".join(f"<PAGE><image*{n}>" for n in image_tokens_per_page)
+    return tokenize(preamble + pages + question, config)
+
+
+def token_roles(ids: Sequence[int] | torch.Tensor, config: DashModelConfig) -> torch.Tensor:
+    """Roles [S] (text 0, image 1, ``<PAGE>`` 2) of token ids."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    roles = torch.full_like(ids, ROLE_TEXT)
+    roles[ids == config.image_token_id] = ROLE_IMAGE
+    roles[ids == config.page_token_id] = ROLE_PAGE
+    return roles
+
+
+# --------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in float32 whatever the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+class DashAttention(nn.Module):
+    """Projections around the DASH attention op for one layer."""
+
+    def __init__(self, cfg: DashModelConfig, layer_idx: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.index_dim = cfg.index_head_dim
+        self.sp = cfg.dash
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.iq_proj = nn.Linear(h, self.index_dim, bias=False)
+        self.ik_proj = nn.Linear(h, self.index_dim, bias=False)
+        self.head_cls = nn.Parameter(torch.zeros(self.index_dim))
+
+    def project(self, x: torch.Tensor):
+        t = x.shape[0]
+        return (
+            self.q_proj(x).view(t, self.num_heads, self.head_dim),
+            self.k_proj(x).view(t, self.num_kv_heads, self.head_dim),
+            self.v_proj(x).view(t, self.num_kv_heads, self.head_dim),
+            self.iq_proj(x),
+            self.ik_proj(x),
+        )
+
+    def forward(self, x, coords, caches, block_tables, seq_lens, query_start_loc, prompt_lens):
+        q, k, v, iq, ik = self.project(x)
+        out, new = paged_attention(q, k, v, iq, ik, coords, self.head_cls, caches, block_tables, seq_lens,
+                                   query_start_loc, prompt_lens, self.sp, self.layer_idx)
+        return self.o_proj(out.reshape(x.shape[0], -1)), new
+
+    def reference(self, x, roles, prompt_length):
+        """Dense reference: the whole sequence at once (:func:`reference.dash_attention`)."""
+        q, k, v, iq, ik = self.project(x)
+        out = dash_attention(q, k, v, iq, ik, roles, self.head_cls, self.sp, self.layer_idx, prompt_length)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DashModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DashAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, coords, caches, *meta):
+        a, new = self.self_attn(self.input_layernorm(x), coords, caches, *meta)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), new
+
+    def reference(self, x, roles, prompt_length):
+        x = x + self.self_attn.reference(self.input_layernorm(x), roles, prompt_length)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DashForCausalLM(nn.Module):
+    """The decoder. ``forward`` is the exported graph (see the module docstring)."""
+
+    def __init__(self, config: DashModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def cache_names(self, prefix: str) -> list[str]:
+        """Flat names of the cache tensors (``{prefix}.{layer}.{field}``)."""
+        return [f"{prefix}.{i}.{f}" for i in range(len(self.layers)) for f in CACHE_FIELDS]
+
+    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, *caches):
+        """Logits [T, vocab] (float32) of the new tokens and the updated caches."""
+        n = len(CACHE_FIELDS)
+        if len(caches) != n * len(self.layers):
+            raise ValueError(f"expected {n * len(self.layers)} cache tensors ({n} per layer), got {len(caches)}")
+        x = self.embed_tokens(input_ids)
+        new: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer(x, coords, caches[n * i:n * (i + 1)], block_tables, seq_lens, query_start_loc, prompt_lens)
+            new.extend(c)
+        return (self.lm_head(self.norm(x)).float(), *new)
+
+    def reference_logits(self, ids: Sequence[int] | torch.Tensor, prompt_length: int | None = None) -> torch.Tensor:
+        """Logits [S, vocab] of a whole sequence without a cache (dense reference
+        attention, :func:`dash_trt.reference.dash_attention`)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        roles = token_roles(ids.cpu(), self.config).to(self.device)
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer.reference(x, roles, prompt_length)
+        return self.lm_head(self.norm(x)).float()
+
+    def allocate_cache(self, num_blocks: int, kv_block_size: int) -> list[DashKVCache]:
+        c = self.config
+        return [DashKVCache.allocate(num_blocks, kv_block_size, c.num_key_value_heads, c.head_dim,
+                                     c.index_head_dim, c.dash.sparse_block_size, dtype=self.dtype,
+                                     device=self.device) for _ in self.layers]
+
+
+def _init_weights(model: DashForCausalLM, gen: torch.Generator) -> None:
+    """Random weights with O(1) activations and logits (fan-in scaled), so that greedy
+    decoding and top-k routing are not decided by float rounding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 2 and "embed_tokens" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def random_model(config: DashModelConfig | Mapping[str, Any], *, seed: int = 0,
+                 dtype: torch.dtype | None = None) -> DashForCausalLM:
+    """A model of ``config`` with random weights (for demos, tests and benchmarks)."""
+    if not isinstance(config, DashModelConfig):
+        config = DashModelConfig.from_dict(config)
+    model = DashForCausalLM(config)
+    _init_weights(model, torch.Generator().manual_seed(seed))
+    return model.to(dtype or config.dtype).eval()
+
+
+def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DashForCausalLM:
+    """The built-in random demo model (:data:`DEMO_CONFIG`)."""
+    return random_model(DEMO_CONFIG, seed=seed, dtype=dtype)
+
+
+# ------------------------------------------------------------------------ checkpoint
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Write through a temporary file in the same folder, then rename it into place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_checkpoint(model: DashForCausalLM, path: str | os.PathLike, *, config_json: bool = False) -> None:
+    """Write ``model.pt`` = ``{"config": ..., "state_dict": ...}`` atomically (and a
+    ``config.json`` beside it if asked)."""
+    path = os.fspath(path)
+    config = model.config.replace(torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype)).to_dict()
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    _atomic_write(path, lambda tmp: torch.save({"config": config, "state_dict": state}, tmp))
+    if config_json:
+        target = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+
+        def dump(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(config, fh, indent=2)
+                fh.write("\n")
+
+        _atomic_write(target, dump)
+
+
+def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
+                    config: DashModelConfig | Mapping[str, Any] | None = None) -> DashForCausalLM:
+    """Read ``model.pt``. ``config`` (a ``config.json`` dict or :class:`DashModelConfig`)
+    overrides the checkpoint's own, so a bare state dict plus a ``config.json`` works too.
+
+    Uses ``torch.load(weights_only=True)``: tensors and plain containers only. A file
+    holding other Python objects (e.g. a pickled module) is refused unless
+    ``allow_pickle=True``: unpickling can run arbitrary code, only do it for files you
+    trust. Raises :class:`CheckpointError` or :class:`ModelConfigError` with a message
+    that says what is wrong.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a directory, expected a model.pt file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        # The weights-only unpickler names the first class it refused ("Unsupported
+        # global: GLOBAL pkg.Class"); any other unpickling error is a damaged file.
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise CheckpointError(
+                f"{path} holds pickled Python objects ({found.group(1)}; for example a whole nn.Module), which the safe "
+                f"loader (torch.load(weights_only=True)) refuses. Save it as "
+                f"{{'config': ..., 'state_dict': ...}} (dash_trt.model.save_checkpoint), or, only if you "
+                f"trust the file, pass --unsafe-load (allow_pickle=True): unpickling can run arbitrary "
+                f"code.") from None
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
+                              f"{_first_line(exc)}") from None
+    except Exception as exc:  # zip errors, EOF, bad magic number, ...
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+    if isinstance(obj, DashForCausalLM):  # only reachable with allow_pickle
+        model = obj
+        if config is not None:
+            raise CheckpointError(f"{path} holds a whole model; a separate config cannot be applied to it")
+        return model.eval()
+    if isinstance(obj, nn.Module):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a {ARCHITECTURE}")
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}; expected a dict with 'config' and "
+                              f"'state_dict'")
+    if "state_dict" in obj:
+        state, ckpt_config = obj["state_dict"], obj.get("config")
+    elif all(isinstance(v, torch.Tensor) for v in obj.values()) and obj:
+        state, ckpt_config = obj, None  # a bare state dict
+    else:
+        raise CheckpointError(f"{path} has no 'state_dict' entry (keys: {sorted(map(str, obj))[:8]})")
+    if config is None:
+        if ckpt_config is None:
+            raise CheckpointError(f"{path} has no 'config' entry; pass the model's config.json "
+                                  f"(dash-export --config)")
+        config = ckpt_config
+    if not isinstance(config, DashModelConfig):
+        config = DashModelConfig.from_dict(config, source=f"config of {path}")
+    model = DashForCausalLM(config)
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{path}: weights do not match the config: missing {_few(result.missing_keys)}, "
+            f"unexpected {_few(result.unexpected_keys)}")
+    dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    return model.to(dtypes.pop() if len(dtypes) == 1 else config.dtype).eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _few(keys: Sequence[str], n: int = 5) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+# ----------------------------------------------------------------------- generation
+class PagedState:
+    """The paged cache of every layer (one :class:`DashKVCache` each, one
+    :class:`KVBlockPool` and so one block table shared by all layers)."""
+
+    def __init__(self, model: DashForCausalLM, num_blocks: int, kv_block_size: int):
+        self.pool = KVBlockPool(num_blocks, kv_block_size)
+        self.caches = model.allocate_cache(num_blocks, kv_block_size)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+
+    def update(self, tensors: Sequence[torch.Tensor]) -> None:
+        n = len(CACHE_FIELDS)
+        if len(tensors) != n * len(self.caches):
+            raise ValueError(f"expected {n * len(self.caches)} cache tensors, got {len(tensors)}")
+        for i, c in enumerate(self.caches):
+            for j, f in enumerate(CACHE_FIELDS):
+                setattr(c, f, tensors[n * i + j])
+
+
+#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [T, V], new caches)
+ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
+
+
+@dataclass
+class Generation:
+    """Result of :func:`generate`: per sequence, the generated ids and the logits
+    [n, vocab] that chose each of them."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]
+    steps: int = 0
+    batches: list[list[tuple[int, int]]] = field(default_factory=list)  #: (sequence, new tokens) per step
+    blocks_in_use: int = 0  #: KV blocks still held at the end (0 once every sequence finished)
+
+
+def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
+    # Image tokens come from the vision encoder, never from the decoder: a generated
+    # image token would also move the prompt/response boundary of page_coordinates.
+    masked = logits.clone()
+    masked[config.image_token_id] = -torch.inf
+    return int(masked.argmax())
+
+
+def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             prefill_chunk: int | None = None, kv_block_size: int = 16, num_blocks: int | None = None,
+             stop_at_eos: bool = True, forward: ForwardFn | None = None) -> Generation:
+    """Greedy generation over the paged cache.
+
+    Every step is one batch: each sequence contributes its next prefill chunk (of up to
+    ``prefill_chunk`` tokens; the whole prompt if None) or its next decode token, so
+    prefill chunks and decode steps of different sequences mix. ``forward`` replaces
+    the model call (used by the ONNX check to run another runtime on the same steps).
+    """
+    cfg = model.config
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one non-empty prompt")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if num_blocks is None:
+        num_blocks = sum(-(-(len(p) + max_new_tokens) // kv_block_size) for p in prompts) + 1
+    state = PagedState(model, num_blocks, kv_block_size)
+    device = model.device
+    if forward is None:
+        def forward(inputs, caches):
+            with torch.no_grad():
+                out = model(*inputs.values(), *caches)
+            return out[0], out[1:]
+
+    n = len(prompts)
+    history = [list(p) for p in prompts]
+    prompt_coords = [sequence_coords(token_roles(p, cfg)) for p in prompts]
+    fed = [0] * n  # tokens already in the cache
+    generated: list[list[int]] = [[] for _ in range(n)]
+    logits_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    finished = [max_new_tokens <= 0] * n
+    for i, p in enumerate(prompts):
+        state.pool.add(i, prompt_length=len(p))
+    result = Generation([], [])
+    while True:
+        plan = []
+        for i in range(n):
+            if finished[i] or fed[i] == len(history[i]):
+                continue
+            left = len(history[i]) - fed[i]
+            plan.append((i, left if prefill_chunk is None else min(left, prefill_chunk)))
+        if not plan:
+            break
+        batch = state.pool.schedule(plan, device=device)
+        ids, coords = [], []
+        for i, cnt in plan:
+            ids += history[i][fed[i]:fed[i] + cnt]
+            if fed[i] + cnt <= len(prompts[i]):
+                coords.append(prompt_coords[i][fed[i]:fed[i] + cnt])
+            else:
+                full = sequence_coords(token_roles(history[i][:fed[i] + cnt], cfg))
+                coords.append(full[fed[i]:fed[i] + cnt])
+        inputs = {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+                  "coords": torch.cat(coords).to(device), **batch.kwargs()}
+        logits, caches = forward(inputs, state.tensors())
+        state.update(list(caches))
+        result.steps += 1
+        result.batches.append(plan)
+        qsl = batch.query_start_loc.tolist()
+        for j, (i, cnt) in enumerate(plan):
+            fed[i] += cnt
+            if fed[i] < len(history[i]):
+                continue  # more prompt to prefill
+            last = logits[qsl[j + 1] - 1].float().cpu()
+            tok = _greedy(last, cfg)
+            generated[i].append(tok)
+            logits_out[i].append(last)
+            history[i].append(tok)
+            if len(generated[i]) >= max_new_tokens or (stop_at_eos and tok == cfg.eos_token_id):
+                finished[i] = True
+                state.pool.free(i)
+    result.tokens = generated
+    result.blocks_in_use = state.pool.num_blocks - state.pool.num_free_blocks
+    result.logits = [torch.stack(x) if x else torch.empty(0, cfg.vocab_size) for x in logits_out]
+    return result
+
+
+def reference_generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       stop_at_eos: bool = True) -> Generation:
+    """Step-by-step reference for :func:`generate`: every token re-runs the whole
+    sequence through the dense reference attention, no cache."""
+    cfg = model.config
+    tokens, logits = [], []
+    for p in prompts:
+        hist, gen, lg = list(p), [], []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                last = model.reference_logits(hist, len(p))[-1].float().cpu()
+                tok = _greedy(last, cfg)
+                gen.append(tok)
+                lg.append(last)
+                hist.append(tok)
+                if stop_at_eos and tok == cfg.eos_token_id:
+                    break
+        tokens.append(gen)
+        logits.append(torch.stack(lg) if lg else torch.empty(0, cfg.vocab_size))
+    return Generation(tokens, logits)

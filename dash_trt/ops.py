@@ -1,0 +1,168 @@
+"""The paged DASH operator as a PyTorch custom op: ``torch.ops.dash_trt.paged_attention``.
+
+Why a *functional* op (the cache tensors go in, updated copies come out) when the paged
+operator (:func:`dash_trt.paged.paged_dash_attention`) writes the cache in place:
+``torch.export`` rewrites a mutating custom op into ``auto_functionalized_v2(...)`` and
+the ONNX exporter (torch 2.13, dynamo) has no translation for that wrapper, so export
+fails ("Error when translating node %auto_functionalized_v2", measured). A functional
+op exports as one node whose outputs are the new caches, which is also what an ONNX or
+TensorRT graph with caches as inputs and outputs needs. The price in eager PyTorch is
+a copy of the six cache tensors per call; serving code that wants the in-place form
+calls :func:`dash_trt.paged.paged_dash_attention` (or the CUDA kernels) directly.
+
+Schema (``T`` new tokens, ``B`` sequences; shapes and layouts as in ``docs/api.md``)::
+
+    dash_trt::paged_attention(
+        Tensor q, Tensor k, Tensor v, Tensor iq, Tensor ik, Tensor coords, Tensor head_cls,
+        Tensor key_cache, Tensor value_cache, Tensor index_key_cache,
+        Tensor image_page_cache, Tensor summary_cache, Tensor summary_pages_cache,
+        Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor prompt_lens,
+        *, <one scalar per entry of dash_trt.attributes.OP_ATTRIBUTES>)
+      -> (Tensor out, Tensor key_cache, Tensor value_cache, Tensor index_key_cache,
+          Tensor image_page_cache, Tensor summary_cache, Tensor summary_pages_cache)
+
+The configuration travels as plain scalars (``int``, ``float``, ``str``, ``int[]``)
+generated from :class:`~dash_trt.config.DashConfig` by :mod:`dash_trt.attributes`, the
+same table the ONNX node and the TensorRT plugin creator use.
+
+Implementations: a fake (meta) one for tracing (``torch.export``, ``torch.compile``,
+the ONNX exporter), and one for CPU and CUDA tensors that clones the caches and runs the
+paged PyTorch operator. CUDA kernels plug in through :func:`register_cuda_impl`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import attributes as A
+from .config import DashConfig
+from .paged import DashKVCache, paged_dash_attention
+
+__all__ = [
+    "OP_NAMESPACE",
+    "OP_NAME",
+    "CACHE_FIELDS",
+    "TENSOR_INPUTS",
+    "OUTPUTS",
+    "paged_attention",
+    "paged_attention_op",
+    "register_cuda_impl",
+]
+
+OP_NAMESPACE = "dash_trt"
+OP_NAME = "paged_attention"
+QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
+
+#: The six cache tensors, in op argument order (``DashKVCache`` field names).
+CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_pages")
+
+#: Tensor inputs of the op (and of the ONNX node), in order.
+TENSOR_INPUTS = (
+    "q", "k", "v", "iq", "ik", "coords", "head_cls",
+    *(f"{f}_cache" for f in CACHE_FIELDS),
+    "block_tables", "seq_lens", "query_start_loc", "prompt_lens",
+)
+
+#: Outputs of the op (and of the ONNX node), in order.
+OUTPUTS = ("out", *(f"{f}_cache_out" for f in CACHE_FIELDS))
+
+_SCHEMA = (
+    "(" + ", ".join(f"Tensor {n}" for n in TENSOR_INPUTS) + ", *, " + A.torch_schema_args() + ") -> ("
+    + ", ".join("Tensor" for _ in OUTPUTS) + ")"
+)
+
+torch.library.define(QUALNAME, _SCHEMA)
+
+
+# --------------------------------------------------------------- CUDA kernel hook
+#: The CUDA implementation, or None to run the PyTorch paged operator on CUDA too.
+_cuda_impl: Callable[..., tuple[torch.Tensor, ...]] | None = None
+
+
+def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None) -> None:
+    """Plug the CUDA kernels into the op (``None`` restores the PyTorch fallback).
+
+    ``fn(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary,
+    summary_pages, block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx)``
+    receives the op's 17 tensors (all on one CUDA device, layouts as in
+    ``docs/api.md``), the decoded :class:`~dash_trt.config.DashConfig` and the layer
+    index, and returns ``(out, key, value, index_key, image_page, summary,
+    summary_pages)``. The returned caches must be new tensors (the op is functional:
+    it may not return or modify its inputs); the usual kernel writes into clones.
+
+    A C++ binding that registers its own torch ops should use
+    ``TORCH_LIBRARY_FRAGMENT(dash_trt, m)`` (this module defines ``dash_trt`` ops from
+    Python) and op names other than ``paged_attention``.
+    """
+    global _cuda_impl
+    if fn is not None and not callable(fn):
+        raise TypeError(f"register_cuda_impl expects a callable or None, got {type(fn).__name__}")
+    _cuda_impl = fn
+
+
+# ------------------------------------------------------------------ implementations
+def _split(args: tuple) -> tuple[tuple, tuple, tuple]:
+    return args[:7], args[7:13], args[13:]
+
+
+@torch.library.register_kernel(QUALNAME, ("cpu", "cuda"))
+def _paged_attention_impl(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
+    cfg, layer_idx = A.decode(attrs)
+    inputs, caches, batch = _split(args)
+    if inputs[0].device.type == "cuda" and _cuda_impl is not None:
+        return tuple(_cuda_impl(*inputs, *caches, *batch, cfg, layer_idx))
+    cache = DashKVCache(*(c.clone() for c in caches), sparse_block_size=cfg.sparse_block_size)
+    out = paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
+    return (out, *(getattr(cache, f) for f in CACHE_FIELDS))
+
+
+@torch.library.register_fake(QUALNAME)
+def _paged_attention_fake(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
+    # Shapes only: the output has q's shape and dtype, each cache keeps its own.
+    inputs, caches, _ = _split(args)
+    q = inputs[0]
+    if q.dim() != 3 or len(caches) != len(CACHE_FIELDS):
+        raise ValueError(f"{QUALNAME}: q must be [T, H, D], got {q.dim()} dims")
+    return (torch.empty_like(q), *(torch.empty_like(c) for c in caches))
+
+
+# ------------------------------------------------------------------------ front ends
+def paged_attention_op() -> torch._ops.OpOverload:
+    """``torch.ops.dash_trt.paged_attention.default``."""
+    return torch.ops.dash_trt.paged_attention.default
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    coords: torch.Tensor,
+    head_cls: torch.Tensor,
+    cache: DashKVCache | tuple[torch.Tensor, ...],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    sp: DashConfig | Mapping[str, Any],
+    layer_idx: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Call the op with a :class:`DashKVCache` (or its six tensors in
+    :data:`CACHE_FIELDS` order) and a config; returns ``(out, new_cache_tensors)``.
+
+    Same inputs and result as :func:`dash_trt.paged.paged_dash_attention`, except that
+    the cache is returned updated instead of written in place.
+    """
+    tensors = tuple(getattr(cache, f) for f in CACHE_FIELDS) if isinstance(cache, DashKVCache) else tuple(cache)
+    if len(tensors) != len(CACHE_FIELDS):
+        raise ValueError(f"cache must hold {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), "
+                         f"got {len(tensors)}")
+    res = paged_attention_op()(
+        q, k, v, iq, ik, coords, head_cls, *tensors, block_tables, seq_lens, query_start_loc,
+        prompt_lens, **A.encode(sp, layer_idx),
+    )
+    return res[0], tuple(res[1:])

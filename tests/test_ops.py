@@ -1,0 +1,195 @@
+"""The torch custom op ``dash_trt::paged_attention`` and the attribute table."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dash_trt import attributes as A
+from dash_trt import ops
+from dash_trt.config import DashConfig, DashConfigError
+from dash_trt.paged import DashKVCache, KVBlockPool, paged_dash_attention, sequence_coords
+from dash_trt.testing import TOLERANCES, random_config, random_inputs, random_roles
+
+HEADS, KV_HEADS, D, DI = 4, 2, 16, 16
+SEEDS = [0, 1, 2]
+
+
+def _batch(seed, dtype=torch.float32, block_size=8, sbs=4, layer=0):
+    """Two sequences: one prefilled in two chunks, one decoding, in a shared cache
+    already holding earlier tokens. Returns (op args without attrs, cfg, cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = random_config(gen, sparse_block_size=sbs, sparse_dense_layers=[1])
+    head_cls = torch.randn(DI, generator=gen).to(dtype)
+    seqs = []
+    for pages, response in ((3, 0), (2, 4)):
+        roles = random_roles(gen, pages, response=response, max_images=10)
+        seqs.append((random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI,
+                                   dtype=dtype, head_cls=head_cls), sequence_coords(roles), response))
+    num_blocks = sum(-(-x.length // block_size) for x, _, _ in seqs) + 2
+    pool = KVBlockPool(num_blocks, block_size)
+    cache = DashKVCache.allocate(num_blocks, block_size, KV_HEADS, D, DI, sbs, dtype=dtype)
+    for i, (x, _, response) in enumerate(seqs):
+        pool.add(i, prompt_length=x.length - response)
+    # step 1 (in place, to fill the cache): the first 60% of seq 0, all but one token of seq 1
+    n0, n1 = int(seqs[0][0].length * 0.6), seqs[1][0].length - 1
+    first = pool.schedule([(0, n0), (1, n1)])
+
+    def rows(spec):
+        return [torch.cat([getattr(seqs[i][0], f)[a:b] for i, a, b in spec]) for f in ("q", "k", "v", "iq", "ik")] + [
+            torch.cat([seqs[i][1][a:b] for i, a, b in spec])]
+
+    paged_dash_attention(*rows([(0, 0, n0), (1, 0, n1)]), head_cls, cache, **first.kwargs(), sp=cfg,
+                         layer_idx=layer)
+    # step 2 (the one under test): the rest of seq 0 (prefill chunk) + one decode token of seq 1
+    second = pool.schedule([(1, 1), (0, seqs[0][0].length - n0)])
+    q, k, v, iq, ik, coords = rows([(1, n1, n1 + 1), (0, n0, seqs[0][0].length)])
+    tensors = (q, k, v, iq, ik, coords, head_cls, *(getattr(cache, f) for f in ops.CACHE_FIELDS),
+               *second.kwargs().values())
+    return tensors, cfg, cache
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_opcheck(seed, dtype):
+    args, cfg, _ = _batch(seed, dtype)
+    result = torch.library.opcheck(ops.paged_attention_op(), args, A.encode(cfg, seed % 2))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("layer", [0, 1])
+def test_op_equals_paged_operator_and_leaves_inputs_alone(seed, layer):
+    args, cfg, cache = _batch(seed, layer=layer)
+    before = [t.clone() for t in args]
+    out, new_cache = ops.paged_attention(*args[:7], cache, *args[13:], cfg, layer)
+    # the op is functional: nothing it was given changed
+    for a, b in zip(args, before):
+        assert torch.equal(a, b)
+    ref_cache = cache.clone()
+    want = paged_dash_attention(*args[:7], ref_cache, *args[13:], sp=cfg, layer_idx=layer)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    changed = 0
+    for name, got in zip(ops.CACHE_FIELDS, new_cache):
+        assert torch.equal(got, getattr(ref_cache, name)), name
+        changed += not torch.equal(got, getattr(cache, name))
+    assert changed == len(ops.CACHE_FIELDS), "every cache tensor is written by this step"
+
+
+def test_op_under_torch_export_is_one_node_with_dynamic_tokens():
+    args, cfg, _ = _batch(0)
+
+    class M(torch.nn.Module):
+        def forward(self, *a):
+            return torch.ops.dash_trt.paged_attention(*a, **A.encode(cfg, 1))
+
+    tokens = torch.export.Dim("tokens", min=1)
+    blocks = torch.export.Dim("blocks", min=1)
+    shapes = tuple([{0: tokens}] * 6 + [None] + [{0: blocks}] * 6 + [None] * 4)
+    ep = torch.export.export(M(), args, dynamic_shapes=(shapes,))
+    import operator
+
+    calls = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert [str(n.target) for n in calls] == ["dash_trt.paged_attention.default"]
+    assert calls[0].kwargs["layer_idx"] == 1
+    # the fake implementation keeps the sizes symbolic: out [T, H, D], caches [NB, ...]
+    vals = calls[0].meta["val"]
+    assert isinstance(vals[0].shape[0], torch.SymInt) and vals[0].shape[1:] == args[0].shape[1:]
+    assert all(isinstance(v.shape[0], torch.SymInt) for v in vals[1:])
+
+
+def test_op_under_torch_compile():
+    """fullgraph with aot_eager: the fake implementation carries the op through
+    Dynamo and AOT functionalization; results equal eager."""
+    args, cfg, _ = _batch(1)
+
+    def f(*a):
+        out = torch.ops.dash_trt.paged_attention(*a, **A.encode(cfg, 0))
+        return out[0] * 2, out[5]
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(*args)
+    finally:
+        torch._dynamo.reset()
+    want = f(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_attribute_table_is_generated_from_config():
+    names = [a.name for a in A.CONFIG_ATTRIBUTES]
+    assert names == [f.name for f in dataclasses.fields(DashConfig)]
+    assert [a.name for a in A.OP_ATTRIBUTES] == names + ["layer_idx"]
+    assert A.NODE_ATTRIBUTES[-1].name == "plugin_version"
+    assert {a.onnx_type for a in A.NODE_ATTRIBUTES} == {"INT", "INTS", "FLOAT", "STRING"}
+    by_name = {a.name: a for a in A.OP_ATTRIBUTES}
+    assert by_name["sparse_topk_blocks"].onnx_type == "INTS" and by_name["sparse_topk_blocks"].default == [16]
+    assert by_name["sparse_block_size"].required and by_name["layer_idx"].required
+    assert by_name["sparse_main_rope_tok_freq_mode"].default == ""
+    assert by_name["image_token_id"].default == -1
+    # the op schema is built from the same table
+    schema = str(ops.paged_attention_op()._schema)
+    for a in A.OP_ATTRIBUTES:
+        assert f"{a.torch_type} {a.name}" in schema
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attributes_round_trip(seed):
+    gen = torch.Generator().manual_seed(seed)
+    extra = [{}, {"sparse_topk_blocks": [3, 1, 4]}, {"image_token_id": 7, "page_token_id": 9}][seed % 3]
+    cfg = random_config(gen, **extra)
+    attrs = A.encode(cfg, 2)
+    assert all(isinstance(v, (int, float, str, list)) for v in attrs.values())
+    back, layer = A.decode(attrs)
+    assert layer == 2
+    assert back == cfg
+
+
+def test_attribute_errors():
+    cfg = random_config(torch.Generator().manual_seed(0))
+    attrs = A.encode(cfg, 0)
+    with pytest.raises(ValueError, match="layer_idx"):
+        A.encode(cfg, -1)
+    with pytest.raises(ValueError, match="sparse_block_size"):
+        A.decode({k: v for k, v in attrs.items() if k != "sparse_block_size"})
+    with pytest.raises(DashConfigError, match="sparse_local_block"):
+        A.decode({**attrs, "sparse_local_block": 0})
+    with pytest.raises(DashConfigError, match="sparse_rope_tok_freq_mode"):
+        A.decode({**attrs, "sparse_rope_tok_freq_mode": "linear"})
+
+
+def test_cuda_hook_registration():
+    with pytest.raises(TypeError):
+        ops.register_cuda_impl(42)
+    calls = []
+    ops.register_cuda_impl(lambda *a: calls.append(a))
+    try:
+        # CPU tensors never go to the CUDA implementation
+        args, cfg, cache = _batch(0)
+        out, _ = ops.paged_attention(*args[:7], cache, *args[13:], cfg, 0)
+        assert out.shape == args[0].shape and not calls
+    finally:
+        ops.register_cuda_impl(None)
+    assert ops._cuda_impl is None
+
+
+@pytest.mark.gpu
+def test_op_on_cuda_uses_the_registered_kernel_and_falls_back_without_one():
+    args, cfg, cache = _batch(0)
+    cuda_args = [t.cuda() for t in args]
+    out, _ = ops.paged_attention(*cuda_args[:7], cuda_args[7:13], *cuda_args[13:], cfg, 0)
+    want = paged_dash_attention(*args[:7], cache.clone(), *args[13:], sp=cfg, layer_idx=0)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out.cpu(), want, atol=atol, rtol=rtol)
+    seen = []
+
+    def fake_kernel(*a):
+        seen.append(a[-1])
+        return (torch.zeros_like(a[0]), *(t.clone() for t in a[7:13]))
+
+    ops.register_cuda_impl(fake_kernel)
+    try:
+        out, _ = ops.paged_attention(*cuda_args[:7], cuda_args[7:13], *cuda_args[13:], cfg, 0)
+    finally:
+        ops.register_cuda_impl(None)
+    assert seen == [0] and not bool(out.any())

@@ -255,3 +255,34 @@ def paged_dash_attention_cuda(
     if return_selected:
         return out, selected.long()
     return out
+
+
+_warned_fallback = False
+
+
+def op_impl(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary, summary_pages,
+            block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx):
+    """The CUDA implementation of the functional torch op ``dash_trt::paged_attention``
+    (see :func:`dash_trt.ops.register_cuda_impl`): the kernels write into clones of the
+    caches, which are returned. Sizes the kernels do not support (a KV block that is not a
+    whole multiple of the sparse block, a head dim outside :func:`supported_head_dims`) run
+    the PyTorch paged operator instead, with a warning the first time."""
+    global _warned_fallback
+    cache = DashKVCache(key.clone(), value.clone(), index_key.clone(), image_page.clone(), summary.clone(),
+                        summary_pages.clone(), sparse_block_size=cfg.sparse_block_size)
+    try:
+        out = paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                                        query_start_loc, prompt_lens, cfg, layer_idx)
+    except DashKernelError as exc:
+        if "DASH_ERR_UNSUPPORTED" not in str(exc):
+            raise
+        if not _warned_fallback:
+            import warnings
+
+            warnings.warn(f"DASH CUDA kernels: {exc}; running the PyTorch paged operator instead", stacklevel=2)
+            _warned_fallback = True
+        from .paged import paged_dash_attention
+
+        out = paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                                   query_start_loc, prompt_lens, cfg, layer_idx)
+    return (out, cache.key, cache.value, cache.index_key, cache.image_page, cache.summary, cache.summary_pages)

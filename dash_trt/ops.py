@@ -166,3 +166,15 @@ def paged_attention(
         prompt_lens, **A.encode(sp, layer_idx),
     )
     return res[0], tuple(res[1:])
+
+
+def _register_kernels_if_built() -> None:
+    """Eager PyTorch users get the CUDA kernels whenever the kernel library was built
+    (``pip install .`` with nvcc); CPU tensors keep the PyTorch paged operator."""
+    from . import cuda as _cuda  # no import cycle: cuda does not import ops
+
+    if _cuda.library_path() is not None:
+        register_cuda_impl(_cuda.op_impl)
+
+
+_register_kernels_if_built()

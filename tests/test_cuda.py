@@ -273,3 +273,29 @@ def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads,
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype)
     assert any(out.shape[0] >= 300 for out, *_ in steps)  # several block-major passes happened
     check(steps, rc, kc, dtype)
+
+
+def test_torch_op_runs_the_kernels_on_cuda():
+    """dash_trt.ops on CUDA tensors goes through the kernels (registered at import when the
+    library is built) and returns updated caches without touching its inputs."""
+    from dash_trt import ops
+
+    assert ops._cuda_impl is cuda.op_impl
+    gen = torch.Generator().manual_seed(21)
+    dtype = torch.bfloat16
+    cfg = make_config(16)
+    (x, coords), = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=0)
+    cache = P.DashKVCache.allocate(32, 32, 2, 128, 64, 16, dtype, "cuda")
+    pool = P.KVBlockPool(32, 32)
+    pool.add(0)
+    batch = pool.schedule([(0, x.length)], device="cuda")
+    before = cache.clone()
+    out, new = ops.paged_attention(x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls, cache, *batch.kwargs().values(),
+                                   cfg, 0)
+    assert torch.equal(cache.key, before.key)  # functional: inputs untouched
+    ref_cache = before.clone()
+    ref, ref_r = P.paged_dash_attention(x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls, ref_cache, **batch.kwargs(),
+                                        sp=cfg, layer_idx=0, return_routing=True)
+    report = compare_outputs(out, ref, None, None, dtype=dtype)
+    assert report.ok, str(report)
+    torch.testing.assert_close(new[1], ref_cache.value, atol=0, rtol=0)

@@ -775,6 +775,11 @@ def test_enqueue_matches_reference(harness, dtype, shape, index_variant, cache_m
     _run_case(harness, dtype=dtype, shape=shape, index_variant=index_variant, cache_mode=cache_mode)
 
 
+def _prompt_lengths(seqs):
+    """The response (last 8 tokens) is outside the prompt; the second prompt ends mid-prompt."""
+    return [x.length - (8 if i != 1 else 15) for i, (x, _) in enumerate(seqs)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["prompt_length", "dense_layer", "topk_list", "truncate_mod", "float32"])
 def test_enqueue_config_variants(harness, variant):
@@ -791,9 +796,7 @@ def test_enqueue_config_variants(harness, variant):
     elif variant == "float32":
         dtype = torch.float32
     if variant == "prompt_length":
-        # the response (last 8 tokens) is outside the prompt; the second prompt ends mid-prompt
-        def prompts(seqs):
-            return [x.length - (8 if i != 1 else 15) for i, (x, _) in enumerate(seqs)]
+        prompts = _prompt_lengths
     cfg = make_config(8, **kw)
     shape = (8, 2, 64, 32, 4)
     _run_case(harness, dtype=dtype, shape=shape, index_variant="int64", cache_mode="in_place", cfg=cfg, layer=layer,

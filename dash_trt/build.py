@@ -1,0 +1,611 @@
+"""``dash-build``: an exported DASH model (ONNX) to a TensorRT engine that runs the DashAttention
+plugin.
+
+::
+
+    dash-build model.onnx --plugin build/plugins/trt/libdash_trt_plugin.so --out model.plan \\
+        --max-tokens 1,256,8192 --max-seqs 1,16,64 --max-context 32768
+
+Steps: load the plugin library into TensorRT's plugin registry (``load_library``: the library's
+``getCreators`` entry point), parse the ONNX file (TensorRT >= 10.7 prefers the registered
+plugin over the node's ONNX function), build one optimization profile from the model's dynamic
+dims and the limits below, turn on aliased plugin I/O (``PreviewFeature.ALIASED_PLUGIN_IO_10_03``)
+when the network has plugin layers, so the paged caches are written in place, build, save the
+plan and the timing cache, and print the engine's layer summary (engine inspector).
+
+Dynamic dims are recognised by their ONNX names (:data:`DIM_ROLES`, what ``dash-export`` writes;
+``name + k`` is understood, as in ``query_start_loc`` [num_seqs + 1]):
+
+==============  ======================================  ============================================
+role            limit option (``MAX`` or ``MIN,OPT,MAX``)  default
+==============  ======================================  ============================================
+tokens          ``--max-tokens``                        ``1,256,8192`` new tokens per step
+seqs            ``--max-seqs``                          ``1,16,64`` sequences per step
+width           ``--max-table-width``                   ``ceil(--max-context / KV block size)``
+blocks          ``--max-blocks``                        ``1, seqs.opt * width.opt, seqs.max * width.max``
+==============  ======================================  ============================================
+
+Any other dynamic input needs ``--shape NAME:MIN:OPT:MAX`` (dims as ``AxB``, trtexec style).
+The DASH configuration is read from the ONNX ``metadata_props`` (key ``dash_attention_config``,
+a JSON object) or the DashAttention nodes' attributes when the ``onnx`` package is installed,
+else from ``--config config.json``; it is used to check the KV block size and printed.
+
+Types: strongly typed by default (every type from the ONNX model); ``--fp16``/``--bf16`` build a
+weakly typed network on TensorRT 10 (TensorRT 11 is always strongly typed and refuses them).
+
+``--print-trtexec`` prints the equivalent ``trtexec`` command line and exits; it needs the
+``onnx`` package (to read the inputs) but not TensorRT.
+
+Exit codes: 0 built (or command printed); 1 TensorRT could not parse the model or build the
+engine; 2 bad arguments or files, or TensorRT (>= 10.8) not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import CONFIG_SECTION, DashConfig, DashConfigError
+
+__all__ = [
+    "DIM_ROLES",
+    "Limit",
+    "InputSpec",
+    "ProfileError",
+    "derive_limits",
+    "profile_shapes",
+    "trtexec_command",
+    "summarize_engine",
+    "main",
+]
+
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE = 0, 1, 2
+MIN_TENSORRT = (10, 8)
+PLUGIN_NAME, PLUGIN_VERSION = "DashAttention", "1"
+ONNX_OP = ("dash_trt", "DashAttention")
+
+#: ONNX dim names -> role. The names ``dash-export`` gives its dynamic dims (plus aliases).
+DIM_ROLES: dict[str, str] = {
+    "num_tokens": "tokens",
+    "num_seqs": "seqs",
+    "num_kv_blocks": "blocks",
+    "num_blocks": "blocks",
+    "block_table_width": "width",
+    "table_width": "width",
+}
+ROLES = ("tokens", "seqs", "width", "blocks")
+
+NOT_FOUND = (
+    "TensorRT not found: pip install tensorrt (TensorRT >= 10.8; e.g. 'pip install tensorrt-cu12' for "
+    "CUDA 12), or build with trtexec: 'dash-build ... --print-trtexec' prints the equivalent command "
+    "line (README.md, 'Build a TensorRT engine')."
+)
+
+_DIM_EXPR = re.compile(r"^\(?\s*([A-Za-z_][\w.]*)\s*(?:([+-])\s*(\d+))?\s*\)?$")
+
+
+class ProfileError(ValueError):
+    """The optimization profile cannot be derived (unknown dynamic dim, bad limits)."""
+
+
+# ------------------------------------------------------------------------------------ limits
+@dataclass(frozen=True)
+class Limit:
+    """min / opt / max of one dynamic quantity."""
+
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min <= self.opt <= self.max or self.max < 1:
+            raise ValueError(f"need 0 <= min <= opt <= max and max >= 1, got {self.min},{self.opt},{self.max}")
+
+    @classmethod
+    def parse(cls, text: str, *, default_opt=None) -> Limit:
+        """``MAX`` (min 1, opt ``default_opt(max)`` or max) or ``MIN,OPT,MAX``."""
+        parts = [p.strip() for p in str(text).split(",")]
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"expected MAX or MIN,OPT,MAX (integers), got {text!r}") from None
+        if len(values) == 1:
+            top = values[0]
+            if top < 1:
+                raise ValueError(f"the maximum must be >= 1, got {top}")
+            return cls(1, min(top, default_opt(top)) if default_opt else top, top)
+        if len(values) != 3:
+            raise ValueError(f"expected MAX or MIN,OPT,MAX, got {text!r}")
+        return cls(*values)
+
+    def shifted(self, k: int) -> Limit:
+        return Limit(max(0, self.min + k), max(0, self.opt + k), max(1, self.max + k))
+
+    def __str__(self) -> str:
+        return f"{self.min},{self.opt},{self.max}"
+
+
+def _limit_type(default_opt):
+    def parse(text: str) -> Limit:
+        try:
+            return Limit.parse(text, default_opt=default_opt)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _shape_override(text: str) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """``NAME:MIN:OPT:MAX`` with each shape ``AxBxC`` (``x``-separated, trtexec style)."""
+    parts = text.rsplit(":", 3)
+    if len(parts) != 4 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"expected NAME:MIN:OPT:MAX (shapes as AxB), got {text!r}")
+    try:
+        shapes = tuple(tuple(int(x) for x in p.split("x")) if p else () for p in parts[1:])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes must be integers separated by 'x', got {text!r}") from None
+    if len({len(s) for s in shapes}) != 1:
+        raise argparse.ArgumentTypeError(f"min, opt and max of {parts[0]} have different ranks: {text!r}")
+    for lo, op, hi in zip(*shapes):
+        if not 0 <= lo <= op <= hi:
+            raise argparse.ArgumentTypeError(f"{parts[0]}: need min <= opt <= max in every dim, got {text!r}")
+    return parts[0], shapes
+
+
+# ---------------------------------------------------------------------------------- profiles
+@dataclass(frozen=True)
+class InputSpec:
+    """A network input: its shape (-1 where dynamic) and the ONNX names of its dims."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str | None, ...] = ()
+
+    def dim_name(self, axis: int) -> str | None:
+        return self.dim_names[axis] if axis < len(self.dim_names) else None
+
+
+def dim_role(name: str | None) -> tuple[str, int] | None:
+    """(role, offset) of a dim name such as ``num_seqs`` or ``num_seqs + 1``; None if unknown."""
+    if not name:
+        return None
+    m = _DIM_EXPR.match(name)
+    if not m or m.group(1) not in DIM_ROLES:
+        return None
+    offset = int(m.group(3) or 0) * (-1 if m.group(2) == "-" else 1)
+    return DIM_ROLES[m.group(1)], offset
+
+
+def kv_block_size(inputs: Sequence[InputSpec]) -> int | None:
+    """The static KV block size: dim 1 of the rank-4 cache inputs [num_kv_blocks, bsz, Hkv, D]."""
+    sizes = set()
+    for spec in inputs:
+        role = dim_role(spec.dim_name(0)) if spec.shape else None
+        if len(spec.shape) == 4 and role and role[0] == "blocks" and spec.shape[1] > 0:
+            sizes.add(spec.shape[1])
+    if len(sizes) > 1:
+        raise ProfileError(f"the cache inputs disagree on the KV block size: {sorted(sizes)}")
+    return sizes.pop() if sizes else None
+
+
+def derive_limits(inputs: Sequence[InputSpec], *, tokens: Limit | None = None, seqs: Limit | None = None,
+                  width: Limit | None = None, blocks: Limit | None = None, max_context: int = 32768,
+                  config: DashConfig | None = None) -> dict[str, Limit]:
+    """Limits of every role from the user's limits, the defaults and the model."""
+    tokens = tokens or Limit(1, 256, 8192)
+    seqs = seqs or Limit(1, 16, 64)
+    bsz = kv_block_size(inputs)
+    if config is not None and bsz is not None and bsz % config.sparse_block_size:
+        raise ProfileError(f"the model's KV block size {bsz} is not a whole multiple of sparse_block_size "
+                           f"{config.sparse_block_size}: the DashAttention kernels cannot run it")
+    if width is None:
+        if bsz is None:
+            raise ProfileError("cannot derive the block-table width: no cache input with a static KV block size "
+                               "(dim 1 of [num_kv_blocks, block_size, Hkv, D]); pass --max-table-width")
+        if max_context < 1:
+            raise ProfileError(f"--max-context must be >= 1, got {max_context}")
+        top = math.ceil(max_context / bsz)
+        width = Limit(1, min(top, math.ceil(min(max_context, 4096) / bsz)), top)
+    if blocks is None:
+        blocks = Limit(1, max(1, seqs.opt * width.opt), max(1, seqs.max * width.max))
+    return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks}
+
+
+def profile_shapes(inputs: Sequence[InputSpec], limits: Mapping[str, Limit],
+                   overrides: Mapping[str, tuple[tuple[int, ...], ...]] | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) shape of every network input that has a dynamic dim."""
+    overrides = dict(overrides or {})
+    unknown_names = sorted(set(overrides) - {s.name for s in inputs})
+    if unknown_names:
+        raise ProfileError(f"--shape names inputs the model does not have: {', '.join(unknown_names)}")
+    out = {}
+    for spec in inputs:
+        if spec.name in overrides:
+            shapes = overrides[spec.name]
+            if len(shapes[0]) != len(spec.shape):
+                raise ProfileError(f"--shape {spec.name}: rank {len(shapes[0])}, the input has rank {len(spec.shape)}")
+            for axis, (lo, hi) in enumerate(zip(shapes[0], shapes[2])):
+                if spec.shape[axis] >= 0 and not lo == hi == spec.shape[axis]:
+                    raise ProfileError(f"--shape {spec.name}: dim {axis} is fixed at {spec.shape[axis]} in the model")
+            out[spec.name] = shapes
+            continue
+        if all(d >= 0 for d in spec.shape):
+            continue
+        lo, op, hi = [], [], []
+        for axis, d in enumerate(spec.shape):
+            if d >= 0:
+                lo.append(d), op.append(d), hi.append(d)
+                continue
+            role = dim_role(spec.dim_name(axis))
+            if role is None:
+                raise ProfileError(
+                    f"input {spec.name} dim {axis} (named {spec.dim_name(axis)!r}) is dynamic and not one of the "
+                    f"known dims ({', '.join(sorted(DIM_ROLES))}); pass --shape {spec.name}:MIN:OPT:MAX")
+            lim = limits[role[0]].shifted(role[1])
+            lo.append(lim.min), op.append(lim.opt), hi.append(lim.max)
+        out[spec.name] = (tuple(lo), tuple(op), tuple(hi))
+    return out
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else ""
+
+
+def trtexec_command(model: str, plugin: str, out: str,
+                    shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], *,
+                    strongly_typed: bool = True, fp16: bool = False, bf16: bool = False, aliasing: bool = True,
+                    timing_cache: str | None = None, workspace_mib: int | None = None) -> str:
+    """The trtexec command line that builds the same engine as dash-build."""
+
+    def spec(k: int) -> str:
+        return ",".join(f"{name}:{_shape_text(s[k])}" for name, s in shapes.items())
+
+    parts = ["trtexec", f"--onnx={model}", f"--dynamicPlugins={plugin}"]
+    if shapes:
+        parts += [f"--minShapes={spec(0)}", f"--optShapes={spec(1)}", f"--maxShapes={spec(2)}"]
+    if strongly_typed:
+        parts.append("--stronglyTyped")
+    parts += ["--fp16"] if fp16 else []
+    parts += ["--bf16"] if bf16 else []
+    if aliasing:
+        parts.append("--preview=+aliasedPluginIO1003")
+    if timing_cache:
+        parts.append(f"--timingCacheFile={timing_cache}")
+    if workspace_mib:
+        parts.append(f"--memPoolSize=workspace:{workspace_mib}M")
+    parts += ["--profilingVerbosity=detailed", "--dumpLayerInfo", "--skipInference", f"--saveEngine={out}"]
+    return " \\\n    ".join(parts)
+
+
+# ------------------------------------------------------------------------------ engine summary
+def summarize_engine(info: Mapping[str, Any] | str) -> list[str]:
+    """Lines describing an engine from IEngineInspector.get_engine_information(JSON): layer count by
+    type, the DashAttention plugin layers, and every layer that copies or reformats a tensor (the
+    copies TensorRT may insert around aliased plugin I/O show up here)."""
+    if isinstance(info, str):
+        info = json.loads(info)
+    layers = info.get("Layers", []) if isinstance(info, Mapping) else []
+    if not layers:
+        return ["engine inspector: no layer information"]
+    if all(isinstance(layer, str) for layer in layers):  # profiling verbosity below DETAILED: names only
+        return [f"{len(layers)} layers (names only; build with detailed profiling verbosity for types)"]
+
+    def ltype(layer) -> str:
+        return str(layer.get("LayerType", "?"))
+
+    def tensors(layer, key) -> list[str]:
+        return [t.get("Name", "?") if isinstance(t, Mapping) else str(t) for t in layer.get(key, []) or []]
+
+    counts = Counter(ltype(layer) for layer in layers)
+    lines = [f"{len(layers)} layers: " + ", ".join(f"{n} {t}" for t, n in counts.most_common())]
+    plugins = [layer for layer in layers if "plugin" in ltype(layer).lower() or PLUGIN_NAME in str(layer.get("Name"))]
+    lines.append(f"DashAttention plugin layers: {len(plugins)}")
+    copies = [layer for layer in layers
+              if any(w in ltype(layer).lower() for w in ("reformat", "copy")) or "copy" in str(layer.get("Name")).lower()]
+    if copies:
+        lines.append(f"copy/reformat layers: {len(copies)}")
+        for layer in copies:
+            lines.append(f"  {layer.get('Name')} [{ltype(layer)}]: {', '.join(tensors(layer, 'Inputs'))} -> "
+                         f"{', '.join(tensors(layer, 'Outputs'))}")
+    else:
+        lines.append("copy/reformat layers: none")
+    return lines
+
+
+# --------------------------------------------------------------------------------- ONNX side
+def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
+    """Inputs, the DASH configuration and the number of DashAttention nodes, read with the
+    ``onnx`` package (ImportError without it); weights are not loaded."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = []
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
+        names = tuple(d.dim_param if d.HasField("dim_param") else None for d in dims)
+        inputs.append(InputSpec(vi.name, shape, names))
+    nodes = [n for n in model.graph.node if (n.domain, n.op_type) == ONNX_OP]
+    config = None
+    meta = {p.key: p.value for p in model.metadata_props}
+    if CONFIG_SECTION in meta:
+        try:
+            config = DashConfig.from_dict(json.loads(meta[CONFIG_SECTION]))
+        except (json.JSONDecodeError, DashConfigError) as exc:
+            raise DashConfigError(f"{path}: metadata '{CONFIG_SECTION}' is not a valid DASH config: {exc}") from None
+    elif nodes:
+        config = _config_from_node(nodes[0])
+    return inputs, config, len(nodes)
+
+
+def _config_from_node(node) -> DashConfig | None:
+    """The DASH configuration from a DashAttention node's attributes (encoded as in
+    plugins/trt/dash_attributes.def: INTS lists, -1 for unset ids, "" for unset modes)."""
+    import onnx
+
+    keys = set(DashConfig.keys())
+    sp = {}
+    for attr in node.attribute:
+        if attr.name not in keys:
+            continue
+        value = onnx.helper.get_attribute_value(attr)
+        if isinstance(value, bytes):
+            value = value.decode()
+        if attr.name in ("image_token_id", "page_token_id"):
+            value = None if int(value) < 0 else int(value)
+        elif attr.name.endswith("_freq_mode"):
+            value = value or None
+        elif attr.name == "sparse_topk_blocks" and isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        sp[attr.name] = value
+    try:
+        return DashConfig.from_dict(sp)
+    except DashConfigError:
+        return None  # the plugin validates the attributes itself; this copy is informational
+
+
+# ------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dash-build",
+        description="Build a TensorRT engine (plan) from a DASH ONNX model with the DashAttention plugin. "
+                    "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT.",
+    )
+    p.add_argument("model", type=Path, help="the exported ONNX model (dash-export)")
+    p.add_argument("--plugin", type=Path, required=True, help="libdash_trt_plugin.so")
+    p.add_argument("--out", type=Path, help="engine file to write (required unless --print-trtexec)")
+    p.add_argument("--config", type=Path, help="model config.json with a dash_attention_config section, used when "
+                                               "the ONNX file carries none")
+    p.add_argument("--max-tokens", type=_limit_type(lambda m: 256), help="new tokens per step: MAX or MIN,OPT,MAX "
+                   "[default 1,256,8192]")
+    p.add_argument("--max-seqs", type=_limit_type(lambda m: 16), help="sequences per step [default 1,16,64]")
+    p.add_argument("--max-table-width", type=_limit_type(lambda m: m), help="block-table columns "
+                   "[default from --max-context]")
+    p.add_argument("--max-blocks", type=_limit_type(lambda m: m), help="KV blocks in each cache "
+                   "[default seqs x table width]")
+    p.add_argument("--max-context", type=int, default=32768, help="longest sequence (tokens), for the default "
+                   "table width [default 32768]")
+    p.add_argument("--shape", type=_shape_override, action="append", default=[], metavar="NAME:MIN:OPT:MAX",
+                   help="explicit profile of one input (shapes AxB); repeatable")
+    p.add_argument("--fp16", action="store_true", help="allow float16 kernels (weakly typed network)")
+    p.add_argument("--bf16", action="store_true", help="allow bfloat16 kernels (weakly typed network)")
+    p.add_argument("--strongly-typed", action="store_true", help="take every type from the ONNX model "
+                   "(the default when neither --fp16 nor --bf16 is given)")
+    p.add_argument("--no-aliasing", action="store_true", help="do not turn on aliased plugin I/O; bind each "
+                   "present.* output to its past.* input buffer instead (the plugin then works in place too)")
+    p.add_argument("--timing-cache", type=Path, help="timing cache file: read if it exists, written after the build")
+    p.add_argument("--workspace", type=int, metavar="MIB", help="workspace memory pool limit (MiB)")
+    p.add_argument("--verbose", action="store_true", help="TensorRT verbose logging")
+    p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec command and exit "
+                   "(needs the onnx package, not TensorRT)")
+    return p
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"dash-build: error: {message}", file=sys.stderr)
+    return code
+
+
+def _check_arguments(args) -> str | None:
+    if not args.model.is_file():
+        return f"model not found: {args.model}"
+    if not args.print_trtexec and not args.plugin.is_file():
+        return f"plugin library not found: {args.plugin} (build it with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)"
+    if not args.print_trtexec:
+        if args.out is None:
+            return "--out is required"
+        if not args.out.resolve().parent.is_dir():
+            return f"the folder of --out does not exist: {args.out.resolve().parent}"
+    if args.strongly_typed and (args.fp16 or args.bf16):
+        return "--strongly-typed takes every type from the model; drop --fp16/--bf16 (or drop --strongly-typed)"
+    if args.config is not None and not args.config.is_file():
+        return f"config not found: {args.config}"
+    if args.workspace is not None and args.workspace < 1:
+        return f"--workspace must be >= 1 MiB, got {args.workspace}"
+    return None
+
+
+def _limits_from_args(args, inputs, config) -> dict[str, Limit]:
+    return derive_limits(inputs, tokens=args.max_tokens, seqs=args.max_seqs, width=args.max_table_width,
+                         blocks=args.max_blocks, max_context=args.max_context, config=config)
+
+
+def _print_profile(shapes, limits, out=sys.stdout) -> None:
+    print("optimization profile (min / opt / max):", file=out)
+    for role in ROLES:
+        print(f"  {role:<7} {limits[role]}", file=out)
+    width = max((len(n) for n in shapes), default=0)
+    for name, (lo, op, hi) in shapes.items():
+        print(f"  {name:<{width}}  {_shape_text(lo) or '-'} / {_shape_text(op) or '-'} / {_shape_text(hi) or '-'}",
+              file=out)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    problem = _check_arguments(args)
+    if problem:
+        return _fail(problem)
+    config = None
+    if args.config is not None:
+        try:
+            config = DashConfig.from_model_config(args.config)
+        except DashConfigError as exc:
+            return _fail(str(exc))
+    strongly_typed = args.strongly_typed or not (args.fp16 or args.bf16)
+
+    if args.print_trtexec:
+        try:
+            inputs, onnx_config, _ = read_onnx(args.model)
+        except ImportError:
+            return _fail("--print-trtexec reads the model's inputs with the onnx package: pip install onnx")
+        except DashConfigError as exc:
+            return _fail(str(exc))
+        except Exception as exc:  # onnx raises its own DecodeError types
+            return _fail(f"cannot read {args.model}: {exc}")
+        try:
+            limits = _limits_from_args(args, inputs, onnx_config or config)
+            shapes = profile_shapes(inputs, limits, dict(args.shape))
+        except (ProfileError, ValueError) as exc:
+            return _fail(str(exc))
+        print(trtexec_command(str(args.model), str(args.plugin), str(args.out or "model.plan"), shapes,
+                              strongly_typed=strongly_typed, fp16=args.fp16, bf16=args.bf16,
+                              aliasing=not args.no_aliasing,
+                              timing_cache=str(args.timing_cache) if args.timing_cache else None,
+                              workspace_mib=args.workspace))
+        return EXIT_OK
+
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return _fail(NOT_FOUND)
+    version = getattr(trt, "__version__", "0")
+    if _version_tuple(version)[:2] < MIN_TENSORRT:
+        return _fail(f"TensorRT {version} is installed; the DashAttention plugin needs TensorRT >= "
+                     f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]}")
+    if _version_tuple(version)[0] >= 11 and (args.fp16 or args.bf16):
+        return _fail(f"TensorRT {version} builds strongly typed networks only (the types come from the ONNX "
+                     "model); --fp16/--bf16 are TensorRT 10 options")
+    return _build(trt, args, config, strongly_typed, _version_tuple(version)[0])
+
+
+def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: int) -> int:  # pragma: no cover
+    t0 = time.perf_counter()
+    logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    registry = builder.get_plugin_registry()
+    try:
+        handle = registry.load_library(str(args.plugin))
+    except Exception as exc:  # the bindings raise on some failures, return None on others
+        return _fail(f"TensorRT could not load {args.plugin}: {exc}")
+    if handle is None:
+        return _fail(f"TensorRT could not load {args.plugin} (see the TensorRT log above)")
+    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, "") is None:
+        return _fail(f"{args.plugin} is loaded but registers no {PLUGIN_NAME} v{PLUGIN_VERSION} creator")
+
+    # TensorRT 11 is always strongly typed (its STRONGLY_TYPED flag is deprecated and ignored).
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed and major < 11 else 0
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(args.model)):
+        for i in range(parser.num_errors):
+            print(f"dash-build: ONNX parser: {parser.get_error(i)}", file=sys.stderr)
+        return _fail(f"TensorRT could not parse {args.model}", EXIT_BUILD_FAILED)
+
+    onnx_names: dict[str, tuple[str | None, ...]] = {}
+    try:
+        onnx_inputs, onnx_config, _ = read_onnx(args.model)
+        config = onnx_config or config
+        onnx_names = {spec.name: spec.dim_names for spec in onnx_inputs}
+    except Exception:  # onnx missing or unreadable: TensorRT parsed it, carry on without
+        pass
+    inputs = []
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        shape = tuple(int(d) for d in t.shape)
+        # The ONNX parser names dims after their dim_param; the onnx package reads the same names.
+        named = getattr(t, "get_dimension_name", None)
+        names = tuple(named(a) for a in range(len(shape))) if named else ()
+        if not any(names):
+            names = onnx_names.get(t.name, ())
+        inputs.append(InputSpec(t.name, shape, names))
+    try:
+        limits = _limits_from_args(args, inputs, config)
+        shapes = profile_shapes(inputs, limits, dict(args.shape))
+    except (ProfileError, ValueError) as exc:
+        return _fail(str(exc))
+    if config is not None:
+        print(f"DASH config: {json.dumps(config.to_dict())}")
+    _print_profile(shapes, limits)
+
+    plugin_layers = sum(1 for i in range(network.num_layers)
+                        if network.get_layer(i).type == trt.LayerType.PLUGIN_V3)
+    if plugin_layers == 0:
+        print("dash-build: warning: the network has no plugin layer: TensorRT imported the DashAttention ONNX "
+              "function instead of the plugin (TensorRT < 10.7, or the plugin was not registered)", file=sys.stderr)
+
+    bconfig = builder.create_builder_config()
+    if args.fp16:
+        bconfig.set_flag(trt.BuilderFlag.FP16)
+    if args.bf16:
+        bconfig.set_flag(trt.BuilderFlag.BF16)
+    aliasing = plugin_layers > 0 and not args.no_aliasing
+    if aliasing:
+        bconfig.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    if args.workspace:
+        bconfig.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, args.workspace << 20)
+    bconfig.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    profile = builder.create_optimization_profile()
+    for name, (lo, op, hi) in shapes.items():
+        profile.set_shape(name, lo, op, hi)
+    bconfig.add_optimization_profile(profile)
+    cache = None
+    if args.timing_cache:
+        data = args.timing_cache.read_bytes() if args.timing_cache.is_file() else b""
+        cache = bconfig.create_timing_cache(data)
+        bconfig.set_timing_cache(cache, ignore_mismatch=False)
+
+    print(f"building: {plugin_layers} DashAttention plugin layer(s), "
+          f"{'strongly typed' if strongly_typed else 'fp16' * args.fp16 + ' bf16' * args.bf16}, "
+          f"aliased plugin I/O {'on' if aliasing else 'off'}")
+    serialized = builder.build_serialized_network(network, bconfig)
+    if serialized is None:
+        return _fail("TensorRT could not build the engine (see the TensorRT log above)", EXIT_BUILD_FAILED)
+    with open(args.out, "wb") as fh:
+        fh.write(serialized)
+    if cache is not None:
+        with open(args.timing_cache, "wb") as fh:
+            fh.write(cache.serialize())
+
+    try:
+        runtime = trt.Runtime(logger)
+        engine = runtime.deserialize_cuda_engine(serialized)
+        inspector = engine.create_engine_inspector()
+        info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+        for line in summarize_engine(info):
+            print(line)
+    except Exception as exc:
+        print(f"dash-build: warning: no layer summary ({exc})", file=sys.stderr)
+    size_mb = Path(args.out).stat().st_size / 2**20
+    print(f"wrote {args.out} ({size_mb:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""dash-build without TensorRT: argument errors, the no-TensorRT message, profile derivation,
+the equivalent trtexec command and the engine summary. Building itself needs TensorRT and a
+GPU and is not tested here (the ``trt`` marker would select it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dash_trt import build as B
+from dash_trt.build import InputSpec, Limit, ProfileError
+
+# The export interface (dash_trt/export.py on the export branch): T tokens, B sequences,
+# NB KV blocks of 16 tokens, W block-table width.
+EXPORT_INPUTS = [
+    InputSpec("input_ids", (-1,), ("num_tokens",)),
+    InputSpec("coords", (-1, 4), ("num_tokens", None)),
+    InputSpec("block_tables", (-1, -1), ("num_seqs", "block_table_width")),
+    InputSpec("seq_lens", (-1,), ("num_seqs",)),
+    InputSpec("query_start_loc", (-1,), ("num_seqs + 1",)),
+    InputSpec("prompt_lens", (-1,), ("num_seqs",)),
+    InputSpec("past.0.key", (-1, 16, 2, 64), ("num_kv_blocks", None, None, None)),
+    InputSpec("past.0.image_page", (-1, 16), ("num_kv_blocks", None)),
+    InputSpec("past.0.summary_pages", (-1, 1, 3), ("num_kv_blocks", None, None)),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = tmp_path / "model.onnx"
+    plugin = tmp_path / "libdash_trt_plugin.so"
+    model.write_bytes(b"not parsed before TensorRT is found")
+    plugin.write_bytes(b"\x7fELF")
+    return model, plugin, tmp_path / "model.plan"
+
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+
+
+def test_without_tensorrt_a_message_and_exit_code_2(files, no_tensorrt, capsys):
+    model, plugin, out = files
+    assert B.main([str(model), "--plugin", str(plugin), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT not found: pip install tensorrt" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_console_script_without_tensorrt(files):
+    """The installed entry point, in a fresh interpreter: no traceback, exit code 2."""
+    model, plugin, out = files
+    code = ("import sys; sys.modules['tensorrt'] = None; from dash_trt.build import main; "
+            f"sys.exit(main([{str(model)!r}, '--plugin', {str(plugin)!r}, '--out', {str(out)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "TensorRT not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    if "dash-build" not in scripts:
+        pytest.skip("package metadata predates dash-build (reinstall with pip install -e .)")
+    assert scripts["dash-build"] == "dash_trt.build:main"
+
+
+@pytest.mark.parametrize(
+    "version, extra, message",
+    [
+        ("10.7.0.23", [], "TensorRT 10.7.0.23 is installed; the DashAttention plugin needs TensorRT >= 10.8"),
+        ("11.1.0.106", ["--fp16"], "builds strongly typed networks only"),
+    ],
+)
+def test_unusable_tensorrt_versions(files, monkeypatch, capsys, version, extra, message):
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version))
+    model, plugin, out = files
+    assert B.main([str(model), "--plugin", str(plugin), "--out", str(out), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["missing.onnx", "--plugin", "{plugin}", "--out", "{out}"], "model not found: missing.onnx"),
+        (["{model}", "--plugin", "nope.so", "--out", "{out}"], "plugin library not found: nope.so"),
+        (["{model}", "--plugin", "{plugin}"], "--out is required"),
+        (["{model}", "--plugin", "{plugin}", "--out", "/no/such/dir/m.plan"], "the folder of --out does not exist"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--fp16", "--strongly-typed"], "--strongly-typed"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--config", "nope.json"], "config not found"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--workspace", "0"], "--workspace must be >= 1"),
+    ],
+)
+def test_argument_errors_exit_2(files, no_tensorrt, capsys, argv, message):
+    model, plugin, out = files
+    argv = [a.format(model=model, plugin=plugin, out=out) for a in argv]
+    assert B.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["0", "a", "1,2", "8,4,16", "-1,1,2", "1,2,3,4"])
+def test_bad_limits_are_usage_errors(files, capsys, bad):
+    model, plugin, out = files
+    with pytest.raises(SystemExit) as e:
+        B.main([str(model), "--plugin", str(plugin), "--out", str(out), "--max-tokens", bad])
+    assert e.value.code == 2
+    assert "--max-tokens" in capsys.readouterr().err
+
+
+def test_bad_shape_override_is_a_usage_error(files, capsys):
+    model, plugin, out = files
+    for bad in ("x:1:2", "x:1x2:1:1", "x:4:2:8", "x:a:b:c"):
+        with pytest.raises(SystemExit) as e:
+            B.main([str(model), "--plugin", str(plugin), "--out", str(out), "--shape", bad])
+        assert e.value.code == 2
+
+
+def test_limit_parsing():
+    assert Limit.parse("8192", default_opt=lambda m: 256) == Limit(1, 256, 8192)
+    assert Limit.parse("100", default_opt=lambda m: 256) == Limit(1, 100, 100)
+    assert Limit.parse("2,16,64") == Limit(2, 16, 64)
+    assert Limit(1, 2, 3).shifted(1) == Limit(2, 3, 4)
+    with pytest.raises(ValueError):
+        Limit.parse("64,16,4")
+
+
+def test_dim_roles():
+    assert B.dim_role("num_tokens") == ("tokens", 0)
+    assert B.dim_role("num_seqs + 1") == ("seqs", 1)
+    assert B.dim_role("(num_seqs+1)") == ("seqs", 1)
+    assert B.dim_role("num_kv_blocks") == ("blocks", 0)
+    assert B.dim_role("block_table_width") == ("width", 0)
+    assert B.dim_role("s0") is None and B.dim_role(None) is None
+
+
+def test_profile_from_the_export_interface():
+    limits = B.derive_limits(EXPORT_INPUTS, tokens=Limit(1, 64, 4096), seqs=Limit(1, 8, 32), max_context=1000)
+    assert limits["width"] == Limit(1, 63, 63)  # ceil(1000 / 16): 4096 > 1000, so opt = max
+    assert limits["blocks"] == Limit(1, 8 * 63, 32 * 63)
+    shapes = B.profile_shapes(EXPORT_INPUTS, limits)
+    assert shapes["input_ids"] == ((1,), (64,), (4096,))
+    assert shapes["coords"] == ((1, 4), (64, 4), (4096, 4))
+    assert shapes["block_tables"] == ((1, 1), (8, 63), (32, 63))
+    assert shapes["query_start_loc"] == ((2,), (9,), (33,))
+    assert shapes["past.0.key"] == ((1, 16, 2, 64), (504, 16, 2, 64), (2016, 16, 2, 64))
+    assert shapes["past.0.summary_pages"][2] == (2016, 1, 3)
+
+
+def test_default_limits_and_context():
+    limits = B.derive_limits(EXPORT_INPUTS)
+    assert limits["tokens"] == Limit(1, 256, 8192) and limits["seqs"] == Limit(1, 16, 64)
+    assert limits["width"] == Limit(1, 4096 // 16, 32768 // 16)
+
+
+def test_config_checks_the_kv_block_size():
+    cfg = B.DashConfig.from_dict({"sparse_block_size": 32, "sparse_local_block": 1})
+    with pytest.raises(ProfileError, match="KV block size 16 is not a whole multiple of sparse_block_size 32"):
+        B.derive_limits(EXPORT_INPUTS, config=cfg)
+
+
+def test_unknown_dynamic_dims_need_an_explicit_shape():
+    inputs = EXPORT_INPUTS + [InputSpec("pixel_values", (-1, 3), ("s7", None))]
+    limits = B.derive_limits(EXPORT_INPUTS)
+    with pytest.raises(ProfileError, match=r"input pixel_values dim 0 \(named 's7'\).*--shape pixel_values"):
+        B.profile_shapes(inputs, limits)
+    shapes = B.profile_shapes(inputs, limits, {"pixel_values": ((1, 3), (2, 3), (4, 3))})
+    assert shapes["pixel_values"] == ((1, 3), (2, 3), (4, 3))
+    with pytest.raises(ProfileError, match="fixed at 3"):
+        B.profile_shapes(inputs, limits, {"pixel_values": ((1, 2), (2, 3), (4, 3))})
+    with pytest.raises(ProfileError, match="does not have: nope"):
+        B.profile_shapes(inputs, limits, {"nope": ((1,), (1,), (1,))})
+
+
+def test_table_width_needs_a_cache_input_or_a_limit():
+    inputs = [s for s in EXPORT_INPUTS if not s.name.startswith("past.")]
+    with pytest.raises(ProfileError, match="--max-table-width"):
+        B.derive_limits(inputs)
+    assert B.derive_limits(inputs, width=Limit(1, 4, 8))["blocks"] == Limit(1, 64, 512)
+
+
+def test_trtexec_command():
+    limits = B.derive_limits(EXPORT_INPUTS, tokens=Limit(1, 64, 4096), seqs=Limit(1, 8, 32), max_context=1000)
+    shapes = B.profile_shapes(EXPORT_INPUTS[:3], limits)
+    cmd = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, timing_cache="t.cache", workspace_mib=4096)
+    flat = cmd.replace(" \\\n    ", " ")
+    assert flat.startswith("trtexec --onnx=m.onnx --dynamicPlugins=lib.so ")
+    assert "--minShapes=input_ids:1,coords:1x4,block_tables:1x1 " in flat
+    assert "--optShapes=input_ids:64,coords:64x4,block_tables:8x63 " in flat
+    assert "--maxShapes=input_ids:4096,coords:4096x4,block_tables:32x63 " in flat
+    for flag in ("--stronglyTyped", "--preview=+aliasedPluginIO1003", "--timingCacheFile=t.cache",
+                 "--memPoolSize=workspace:4096M", "--skipInference", "--saveEngine=m.plan"):
+        assert flag in flat
+    weak = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, strongly_typed=False, fp16=True, aliasing=False)
+    assert "--fp16" in weak and "--stronglyTyped" not in weak and "--preview" not in weak
+
+
+def test_engine_summary():
+    info = {"Layers": [
+        {"Name": "/layers.0/attn/DashAttention", "LayerType": "PluginV3", "Inputs": [{"Name": "q"}],
+         "Outputs": [{"Name": "out"}]},
+        {"Name": "copy of past.0.key", "LayerType": "Reformat", "Inputs": [{"Name": "past.0.key"}],
+         "Outputs": [{"Name": "past.0.key copy"}]},
+        {"Name": "matmul", "LayerType": "Myelin"},
+    ]}
+    lines = B.summarize_engine(json.dumps(info))
+    assert lines[0] == "3 layers: 1 PluginV3, 1 Reformat, 1 Myelin"
+    assert "DashAttention plugin layers: 1" in lines
+    assert "copy/reformat layers: 1" in lines
+    assert any("past.0.key -> past.0.key copy" in line for line in lines)
+    assert B.summarize_engine({"Layers": ["a", "b"]})[0].startswith("2 layers (names only")
+    assert B.summarize_engine({})[0] == "engine inspector: no layer information"
+
+
+# ------------------------------------------------------------------- with the onnx package
+def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    def vi(name, elem, dims):
+        return helper.make_tensor_value_info(name, elem, dims)
+
+    inputs = [vi("input_ids", TensorProto.INT64, ["num_tokens"]),
+              vi("coords", TensorProto.INT32, ["num_tokens", 4]),
+              vi("block_tables", TensorProto.INT32, ["num_seqs", "block_table_width"]),
+              vi("query_start_loc", TensorProto.INT32, ["num_seqs + 1"]),
+              vi("past.0.key", TensorProto.FLOAT16, ["num_kv_blocks", kv_block, 2, 64])]
+    outputs = [vi("ids_out", TensorProto.INT64, ["num_tokens"])]
+    nodes = [helper.make_node("Identity", ["input_ids"], ["ids_out"])]
+    if node:
+        nodes.append(helper.make_node("DashAttention", ["coords"], ["unused"], domain="dash_trt",
+                                      sparse_block_size=32, sparse_local_block=1, sparse_topk_blocks=[4],
+                                      layer_idx=0, sparse_main_rope_tok_freq_mode="", plugin_version="1"))
+    graph = helper.make_graph(nodes, "tiny", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("dash_trt", 1)])
+    if metadata:
+        helper.set_model_props(model, {"dash_attention_config": json.dumps(
+            {"sparse_block_size": 16, "sparse_local_block": 1})})
+    onnx.save(model, str(path))
+    return path
+
+
+def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt):
+    model = _tiny_onnx(tmp_path / "tiny.onnx")
+    code = B.main([str(model), "--plugin", "build/libdash_trt_plugin.so", "--print-trtexec", "--out", "t.plan",
+                   "--max-tokens", "1,32,512", "--max-seqs", "4", "--max-context", "256"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    flat = out.replace(" \\\n    ", " ")
+    assert "--dynamicPlugins=build/libdash_trt_plugin.so" in flat
+    assert ("--maxShapes=input_ids:512,coords:512x4,block_tables:4x16,query_start_loc:5,"
+            "past.0.key:64x16x2x64 ") in flat
+    assert "--saveEngine=t.plan" in flat
+
+
+@pytest.mark.parametrize("source", ["metadata", "node"])
+def test_print_trtexec_checks_the_config(tmp_path, capsys, source):
+    model = _tiny_onnx(tmp_path / "tiny.onnx", kv_block=24, metadata=source == "metadata", node=source == "node")
+    assert B.main([str(model), "--plugin", "x.so", "--print-trtexec"]) == 2
+    sbs = 16 if source == "metadata" else 32
+    assert f"KV block size 24 is not a whole multiple of sparse_block_size {sbs}" in capsys.readouterr().err
+
+
+def test_print_trtexec_without_onnx(files, monkeypatch, capsys):
+    model, plugin, _ = files
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    assert B.main([str(model), "--plugin", str(plugin), "--print-trtexec"]) == 2
+    assert "pip install onnx" in capsys.readouterr().err
+
+
+@pytest.mark.trt
+def test_real_tensorrt_refuses_a_missing_plugin(files):
+    """With TensorRT installed: the argument checks run before TensorRT is touched."""
+    model, _, out = files
+    assert B.main([str(model), "--plugin", os.fspath(out) + ".so", "--out", str(out)]) == 2

@@ -456,13 +456,15 @@ __global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams
     }
 }
 
+__host__ __device__ constexpr int combine_weight_floats(int slots) { return (slots + 3) / 4 * 4 + 4; }
+
 // Merge the slots of one (token, head): kmax selected blocks + the local window.
 template <typename T, int D>
 __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
     const int64_t th = blockIdx.x;  // chunk token * H + head
     const int t = t0 + (int)(th / p.num_heads);
     if (ws.token_seq[t] < 0) return;
-    extern __shared__ float weight[];  // [bm_slots]
+    extern __shared__ float weight[];  // [combine_weight_floats(bm_slots)], zero past bm_slots
     const float2* ml = ws.bm_part_ml + th * plan.bm_slots;
     const T* po = static_cast<const T*>(ws.bm_part_o) + th * plan.bm_slots * D;
     if (threadIdx.x < 32) {
@@ -479,6 +481,9 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
         denom = warp_sum(denom);
         __syncwarp();
         for (int s = threadIdx.x; s < plan.bm_slots; s += 32) weight[s] /= denom;
+        // memcheck saw the weight loop below read 12 bytes past bm_slots (vectorised loads):
+        // keep a zeroed tail so any such read stays inside the allocation.
+        for (int s = plan.bm_slots + threadIdx.x; s < combine_weight_floats(plan.bm_slots); s += 32) weight[s] = 0.0f;
     }
     __syncthreads();
     T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + th % p.num_heads) * D;
@@ -525,7 +530,8 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             } else {
                 if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
             }
-            bm_combine_kernel<T, D><<<tn * p.num_heads, D, sizeof(float) * plan.bm_slots, stream>>>(p, plan, ws, t0);
+            bm_combine_kernel<T, D><<<tn * p.num_heads, D, sizeof(float) * combine_weight_floats(plan.bm_slots), stream>>>(
+                p, plan, ws, t0);
             return cudaGetLastError();
         });
     }

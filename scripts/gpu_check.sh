@@ -30,9 +30,17 @@ harness=$(find build-gpu -name libdash_trt_plugin_harness.so | head -1)
 [ -n "$harness" ] && export DASH_TRT_HARNESS=$PWD/$harness
 status=0
 case " $what " in *" tests "*|*" all "*)
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py tests/test_trt_harness.py \
-    tests/test_ops.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-  status=$(( status | ${PIPESTATUS[0]} ));;
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py tests/test_ops.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -25
+  status=$(( status | ${PIPESTATUS[0]} ))
+  # Separate process: on the H200 image the harness library crashed (SIGSEGV inside iostream
+  # formatting in dash_harness_creator_info; see plugins/trt/README.md), which must not take
+  # the kernel results down with it.
+  if [ -n "${DASH_TRT_HARNESS:-}" ]; then
+    python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_trt_harness.py 2>&1 \
+      | tee "$OUT/trt_harness.log" | tail -15
+    status=$(( status | ${PIPESTATUS[0]} ))
+  fi;;
 esac
 case " $what " in *" sanitize "*|*" all "*)
   # The caching allocator would hide out-of-bounds accesses inside its large blocks. Without

@@ -8,5 +8,9 @@
   (copied into the repository, not imported here).
 - :mod:`~dash_trt.triton.server`: starts the ``tritonserver`` that the ``nvidia-pytriton``
   wheel ships, on 127.0.0.1 (``dash-triton serve``, the tests).
+- :mod:`~dash_trt.triton.client`: ``dash-client`` and :class:`~dash_trt.triton.client.DashClient`.
+- :mod:`~dash_trt.triton.loadtest`: concurrent requests checked against offline generation.
 - :mod:`~dash_trt.triton.protocol`: the generation model's inputs, outputs and parameters.
+
+See ``docs/triton.md``.
 """

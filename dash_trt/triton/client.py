@@ -389,7 +389,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             stop = False if a.no_stop_at_eos else None
             cfg = client.model_config()
             pages = sum(1 for i in ids if i == cfg.page_token_id)
-            print(f"prompt: {len(ids)} tokens, {pages} page(s); model '{client.model}' at {client.url} "
+            served_by = client.stream_model if a.stream else client.model
+            print(f"prompt: {len(ids)} tokens, {pages} page(s); model '{served_by}' at {client.url} "
                   f"({protocol})", file=err, flush=True)
             if a.stream:
                 state = {"last": -1, "first": True}

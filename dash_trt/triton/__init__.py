@@ -1,0 +1,16 @@
+"""Triton Inference Server deployment of a DASH model.
+
+- :mod:`~dash_trt.triton.engine`: the generation engine (continuous batching of greedy
+  generation over one paged KV pool); no Triton needed.
+- :mod:`~dash_trt.triton.repository`: ``dash-triton write``, the model repository (Python
+  backend generation models, the ``tensorrt_plan`` model of the exported graph).
+- ``python_backend_model.py``: the Triton Python-backend ``model.py`` wrapping the engine
+  (copied into the repository, not imported here).
+- :mod:`~dash_trt.triton.server`: starts the ``tritonserver`` that the ``nvidia-pytriton``
+  wheel ships, on 127.0.0.1 (``dash-triton serve``, the tests).
+- :mod:`~dash_trt.triton.client`: ``dash-client`` and :class:`~dash_trt.triton.client.DashClient`.
+- :mod:`~dash_trt.triton.loadtest`: concurrent requests checked against offline generation.
+- :mod:`~dash_trt.triton.protocol`: the generation model's inputs, outputs and parameters.
+
+See ``docs/triton.md``.
+"""

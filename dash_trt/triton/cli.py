@@ -1,0 +1,172 @@
+"""``dash-triton``: write a Triton model repository for a DASH model, and serve it.
+
+    dash-triton write model.pt --out repo [--onnx model.onnx --plan model.plan --plugin libdash.so]
+    dash-triton write --demo --out repo          # the built-in random demo model
+    dash-triton serve repo                       # the tritonserver of nvidia-pytriton, on 127.0.0.1
+
+Exit codes: 0 ok; 2 bad input (arguments, checkpoint, ONNX file, existing output);
+3 the server could not start (``serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TextIO
+
+from ..config import DashConfigError
+from ..model import CheckpointError, ModelConfigError, demo_model, load_checkpoint
+from . import protocol as P
+from .engine import EngineConfig, EngineConfigError
+from .repository import RepositoryError, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dash-triton", description="Triton Inference Server deployment of a DASH model.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser(
+        "write", help="write a model repository",
+        description="Write a Triton model repository: a Python-backend generation service that owns a paged KV "
+                    "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
+                    "graph.")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("checkpoint", nargs="?", help="model.pt ({'config': ..., 'state_dict': ...})")
+    src.add_argument("--demo", action="store_true", help="the built-in random demo model")
+    w.add_argument("--seed", type=int, default=0, help="seed of the demo model's random weights (with --demo)")
+    w.add_argument("--out", "-o", required=True, help="repository folder to create")
+    w.add_argument("--force", action="store_true", help="replace --out if it exists")
+    w.add_argument("--name", default=P.DEFAULT_NAME,
+                   help="model name: NAME (unary), NAME_stream (streaming), NAME_plan (default %(default)s)")
+    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the generation models run (KIND_CPU / KIND_GPU instances)")
+    w.add_argument("--no-stream-model", action="store_true", help="do not write the decoupled streaming model")
+    w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
+    e = w.add_argument_group("generation engine (per model instance)")
+    d = EngineConfig()
+    e.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks in the pool (%(default)s)")
+    e.add_argument("--kv-block-size", type=int, default=None,
+                   help=f"tokens per KV block (default: the ONNX file's, else {d.kv_block_size})")
+    e.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="(%(default)s)")
+    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="(%(default)s)")
+    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(%(default)s)")
+    e.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens,
+                   help="default per request (%(default)s)")
+    e.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit, help="(%(default)s)")
+    e.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at model load")
+    e.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads in the model (0: default)")
+    t = w.add_argument_group("TensorRT model")
+    t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
+    t.add_argument("--plan", help="TensorRT engine built from --onnx")
+    t.add_argument("--plugin", help="the DASH TensorRT plugin library the engine needs")
+    t.add_argument("--plan-instances", type=int, default=1, help="instances per GPU (%(default)s)")
+    t.add_argument("--plan-gpus", help="comma-separated GPU ids (default: all)")
+
+    s = sub.add_parser(
+        "serve", help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
+        description="Start the Triton server shipped in the nvidia-pytriton wheel on a repository, bound to "
+                    "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
+                    "the repository's README.md).")
+    s.add_argument("repository")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=None, help="enable metrics on this port")
+    s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
+    s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the models to load")
+    return p
+
+
+def _engine_config(a, kv_block_size: int) -> EngineConfig:
+    return EngineConfig(num_blocks=a.num_blocks, kv_block_size=kv_block_size, prefill_chunk=a.prefill_chunk,
+                        max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
+                        default_max_new_tokens=a.max_new_tokens, max_new_tokens_limit=a.max_new_tokens_limit)
+
+
+def write_main(a, out: TextIO, err: TextIO) -> int:
+    if not (a.checkpoint or a.demo):
+        print("dash-triton write: error: give a checkpoint (model.pt) or --demo", file=err)
+        return EXIT_BAD_INPUT
+    try:
+        kv = a.kv_block_size
+        if a.onnx and kv is None:
+            kv = onnx_kv_block_size(onnx_io(a.onnx)[0])
+        engine = _engine_config(a, kv or EngineConfig().kv_block_size)
+        model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load)
+        gpus = [int(g) for g in a.plan_gpus.split(",")] if a.plan_gpus else None
+        written = write_repository(
+            a.out, model, checkpoint=None if a.demo or a.unsafe_load else a.checkpoint, engine=engine,
+            name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
+            plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
+            torch_num_threads=a.torch_threads, force=a.force)
+    except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError) as exc:
+        print(f"dash-triton write: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    except (OSError, ValueError) as exc:
+        print(f"dash-triton write: error: {type(exc).__name__}: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    for m in written.messages:
+        print(f"note: {m}", file=err)
+    print(f"wrote {written.path}: models {', '.join(written.models)}; KV pool per generation model "
+          f"{engine.num_blocks} blocks x {engine.kv_block_size} tokens ({pool_bytes(model, engine) / 2**20:.1f} MiB)",
+          file=out)
+    print(f"serve it: dash-triton serve {written.path}", file=out)
+    return EXIT_OK
+
+
+def serve_main(a, out: TextIO, err: TextIO) -> int:
+    from .server import TritonServer, TritonStartError, TritonUnavailable
+
+    try:
+        server = TritonServer(a.repository, http_port=a.http_port, grpc_port=a.grpc_port,
+                              metrics_port=a.metrics_port, log_path=a.log, verbose=a.verbose)
+    except FileNotFoundError as exc:
+        print(f"dash-triton serve: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    except TritonUnavailable as exc:
+        print(f"dash-triton serve: error: {exc}", file=err)
+        return EXIT_SERVER
+    print(f"starting tritonserver on 127.0.0.1 (log {server.log_path}) ...", file=err, flush=True)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            server.start(timeout=a.timeout)
+        except TritonStartError as exc:
+            print(f"dash-triton serve: error: {exc}", file=err)
+            return EXIT_SERVER
+        print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}"
+              + (f", metrics 127.0.0.1:{server.metrics_port}" if server.metrics_port else "")
+              + "; Ctrl-C stops", file=out, flush=True)
+        while not stop.wait(0.5):
+            if not server.alive():
+                print(f"dash-triton serve: error: tritonserver exited:\n{server.log_tail()}", file=err)
+                return EXIT_SERVER
+        print("stopping ...", file=err, flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.cleanup()
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    a = _parser().parse_args(argv)
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    if a.command == "write":
+        return write_main(a, out, err)
+    if not os.path.isdir(a.repository):
+        print(f"dash-triton serve: error: model repository not found: {a.repository}", file=err)
+        return EXIT_BAD_INPUT
+    return serve_main(a, out, err)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""``dash-client``: send a document prompt to the DASH generation service on Triton
+and print the generated tokens (tritonclient, HTTP or gRPC).
+
+Python API::
+
+    from dash_trt.triton.client import DashClient
+    with DashClient("127.0.0.1:8000") as c:               # or protocol="grpc", url ":8001"
+        ids = c.encode("<PAGE><image*64>What is the title?")
+        out = c.generate(ids, max_new_tokens=16)          # Generation: tokens, text, seconds
+        out = c.stream(ids, 16, on_progress=print)        # gRPC + the *_stream model: progress, tokens
+
+The client reads the model's ``config.json`` from the server (the
+``dash_model_config`` parameter of the model's config.pbtxt), so it tokenizes with
+exactly :func:`dash_trt.model.tokenize` and needs no local files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import numpy as np
+
+from ..model import DashModelConfig, detokenize, document_prompt, tokenize
+from . import protocol as P
+
+__all__ = ["DashClient", "DashClientError", "Generation", "main"]
+
+PROTOCOLS = ("http", "grpc")
+DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
+
+
+class DashClientError(RuntimeError):
+    """The server refused or failed a request (``status``: HTTP status or gRPC code, if known),
+    or could not be reached."""
+
+    def __init__(self, message: str, status: str | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    seconds: float
+
+
+def _module(protocol: str):
+    if protocol == "http":
+        import tritonclient.http as mod
+    elif protocol == "grpc":
+        import tritonclient.grpc as mod
+    else:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return mod
+
+
+def _error(exc: Exception) -> DashClientError:
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(exc, InferenceServerException):
+        return DashClientError(exc.message() or str(exc), exc.status())
+    return DashClientError(f"{type(exc).__name__}: {exc}")
+
+
+class DashClient:
+    """One connection to a Triton server holding the DASH generation models."""
+
+    def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = P.DEFAULT_NAME,
+                 stream_model: str | None = None, timeout: float = 600.0, concurrency: int = 1):
+        self.protocol = protocol
+        self.mod = _module(protocol)
+        self.url = url or DEFAULT_URLS[protocol]
+        self.model = model
+        self.stream_model = stream_model or model + P.STREAM_SUFFIX
+        self.timeout = timeout
+        try:
+            if protocol == "http":
+                self.client = self.mod.InferenceServerClient(self.url, concurrency=concurrency,
+                                                             connection_timeout=timeout, network_timeout=timeout)
+            else:
+                self.client = self.mod.InferenceServerClient(self.url)
+        except Exception as exc:
+            raise _error(exc) from None
+        self._config: DashModelConfig | None = None
+
+    # ------------------------------------------------------------- server info
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.client.is_server_ready() and self.client.is_model_ready(self.model):
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise DashClientError(f"model '{self.model}' not ready at {self.url} after {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def model_config(self) -> DashModelConfig:
+        """The served model's config.json (cached)."""
+        if self._config is None:
+            try:
+                raw = self.client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc"
+                                                                   else {}))
+            except Exception as exc:
+                raise _error(exc) from None
+            raw = raw.get("config", raw)
+            params = raw.get("parameters", {})
+            if P.PARAM_MODEL_CONFIG not in params:
+                raise DashClientError(f"model '{self.model}' at {self.url} is not a DASH generation model "
+                                      f"(no '{P.PARAM_MODEL_CONFIG}' parameter)")
+            text = params[P.PARAM_MODEL_CONFIG].get("string_value", params[P.PARAM_MODEL_CONFIG].get("stringValue"))
+            self._config = DashModelConfig.from_dict(json.loads(text), source=f"model '{self.model}'")
+        return self._config
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: text with ``<PAGE>``, ``<image>``, ``<image*N>`` (see
+        :func:`dash_trt.model.tokenize`), or ids as they are."""
+        if isinstance(prompt, str):
+            return tokenize(prompt, self.model_config())
+        return [int(i) for i in prompt]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return detokenize(ids, self.model_config())
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's pool and queue statistics (see ``GenerationEngine.stats``)."""
+        inputs = self._inputs([], None, None, stats=True)
+        try:
+            res = self.client.infer(self.model, inputs, **self._timeout_kw())
+        except Exception as exc:
+            raise _error(exc) from None
+        raw = res.as_numpy(P.STATS).reshape(-1)[0]
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+    # -------------------------------------------------------------- generation
+    def _timeout_kw(self) -> dict:
+        return {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
+
+    def _inputs(self, ids, max_new_tokens, stop_at_eos, *, stats=False, ids_dtype="INT64"):
+        mod = self.mod
+        arr = np.asarray(ids, dtype=np.int64 if ids_dtype == "INT64" else None)
+        if arr.ndim == 1 and arr.size == 0:
+            arr = arr.astype(np.int64)
+        x = mod.InferInput(P.INPUT_IDS, list(arr.shape), ids_dtype)
+        x.set_data_from_numpy(arr)
+        inputs = [x]
+        if max_new_tokens is not None:
+            m = mod.InferInput(P.MAX_NEW_TOKENS, [1], "INT32")
+            m.set_data_from_numpy(np.array([max_new_tokens], dtype=np.int32))
+            inputs.append(m)
+        if stop_at_eos is not None:
+            s = mod.InferInput(P.STOP_AT_EOS, [1], "BOOL")
+            s.set_data_from_numpy(np.array([bool(stop_at_eos)]))
+            inputs.append(s)
+        if stats:
+            g = mod.InferInput(P.GET_STATS, [1], "BOOL")
+            g.set_data_from_numpy(np.array([True]))
+            inputs.append(g)
+        return inputs
+
+    def _outputs(self):
+        return [self.mod.InferRequestedOutput(P.OUTPUT_IDS), self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE)]
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
+                 stop_at_eos: bool | None = None) -> Generation:
+        """One request to the unary model; blocks until the tokens come back."""
+        ids = self.encode(prompt)
+        t0 = time.perf_counter()
+        try:
+            res = self.client.infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos),
+                                    outputs=self._outputs(), **self._timeout_kw())
+        except Exception as exc:
+            raise _error(exc) from None
+        tokens = [int(t) for t in res.as_numpy(P.OUTPUT_IDS).reshape(-1)]
+        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0)
+
+    def generate_async(self, ids: Sequence[int], max_new_tokens: int | None, callback: Callable[[Any], None], *,
+                       stop_at_eos: bool | None = None) -> None:
+        """gRPC only: send without waiting; ``callback(Generation | DashClientError)``
+        runs on the client's thread when the answer arrives (used by the load test)."""
+        if self.protocol != "grpc":
+            raise DashClientError("generate_async needs protocol='grpc'")
+        ids = [int(i) for i in ids]
+        t0 = time.perf_counter()
+
+        def done(result, error):
+            dt = time.perf_counter() - t0
+            if error is not None:
+                callback(_error(error))
+            else:
+                tokens = [int(t) for t in result.as_numpy(P.OUTPUT_IDS).reshape(-1)]
+                callback(Generation(len(ids), tokens, "", dt))
+
+        try:
+            self.client.async_infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos), done,
+                                    outputs=self._outputs(), client_timeout=self.timeout)
+        except Exception as exc:
+            raise _error(exc) from None
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
+               stop_at_eos: bool | None = None, on_progress: Callable[[int, int], None] | None = None,
+               on_token: Callable[[int], None] | None = None) -> Generation:
+        """gRPC streaming through the decoupled model: ``on_progress(done, total)`` after each
+        prefill chunk, ``on_token(id)`` for each new token; returns when the final response
+        arrives."""
+        if self.protocol != "grpc":
+            raise DashClientError("streaming needs protocol='grpc' (Triton's HTTP endpoint does not serve "
+                                  "decoupled models)")
+        ids = self.encode(prompt)
+        answers: queue.Queue = queue.Queue()
+        t0 = time.perf_counter()
+        try:
+            self.client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                                     stream_timeout=self.timeout)
+        except Exception as exc:
+            raise _error(exc) from None
+        tokens: list[int] = []
+        try:
+            self.client.async_stream_infer(self.stream_model, self._inputs(ids, max_new_tokens, stop_at_eos),
+                                           outputs=self._outputs(), enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = answers.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise DashClientError(f"no answer from '{self.stream_model}' in {self.timeout:.0f} s") from None
+                if error is not None:
+                    raise _error(error)
+                response = result.get_response()
+                new = result.as_numpy(P.OUTPUT_IDS)
+                done = result.as_numpy(P.PROMPT_TOKENS_DONE)
+                if done is not None and on_progress is not None and (new is None or new.size == 0):
+                    on_progress(int(done.reshape(-1)[0]), len(ids))
+                if new is not None:
+                    for t in new.reshape(-1).tolist():
+                        tokens.append(int(t))
+                        if on_token is not None:
+                            on_token(int(t))
+                final = response.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+        except DashClientError:
+            raise
+        except Exception as exc:
+            raise _error(exc) from None
+        finally:
+            self.client.stop_stream()
+        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0)
+
+    def _text(self, tokens: Sequence[int]) -> str:
+        try:
+            return self.decode(tokens)
+        except DashClientError:
+            return ""
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> DashClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dash-client",
+        description="Send a document prompt to the DASH generation model on a Triton server and print the "
+                    "generated tokens.",
+        epilog="Prompt text: bytes, <PAGE> (a page marker), <image> or <image*N> (N image tokens), e.g. "
+               "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
+               "2 bad arguments, 3 server not reachable.",
+    )
+    p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="http")
+    p.add_argument("--model", default=P.DEFAULT_NAME, help="generation model name (default %(default)s)")
+    p.add_argument("--stream", action="store_true",
+                   help="stream prefill progress and tokens from the decoupled MODEL_stream model (implies grpc)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text with <PAGE> and <image*N> tokens")
+    src.add_argument("--pages", help="comma-separated image tokens per page, e.g. 64,64,32 (with --question)")
+    src.add_argument("--ids", help="comma-separated token ids")
+    p.add_argument("--question", default="", help="text after the pages (with --pages)")
+    p.add_argument("--preamble", default="", help="text before the pages (with --pages)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's")
+    p.add_argument("--no-stop-at-eos", action="store_true", help="generate max-new-tokens even past EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stats", action="store_true", help="print the engine's pool statistics and exit")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="first wait up to this many seconds for the server and model to be ready (a server "
+                        "just started takes a while to load the models)")
+    p.add_argument("--progress-threshold", type=int, default=512,
+                   help="prompts of at least this many tokens show progress while waiting (default %(default)s)")
+    return p
+
+
+class _Ticker:
+    """Prints 'waiting' lines on a long unary request (the unary model answers once)."""
+
+    def __init__(self, stream: TextIO, n_tokens: int, every: float = 2.0):
+        self.stream, self.n, self.every = stream, n_tokens, every
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        print(f"  waiting for the answer to a {self.n}-token prompt (the unary model answers once; --stream shows "
+              f"prefill progress)", file=self.stream, flush=True)
+        while not self._stop.wait(self.every):
+            print(f"  ... {time.perf_counter() - self._t0:.0f} s, prompt of {self.n} tokens being processed",
+                  file=self.stream, flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    a = _parser().parse_args(argv)
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    protocol = "grpc" if a.stream else a.protocol
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        print("dash-client: error: --max-new-tokens must be >= 1", file=err)
+        return 2
+    try:
+        client = DashClient(a.url, protocol=protocol, model=a.model, timeout=a.timeout)
+    except DashClientError as exc:
+        print(f"dash-client: error: cannot connect: {exc}", file=err)
+        return 3
+    with client:
+        if a.wait > 0:
+            try:
+                client.wait_ready(a.wait)
+            except DashClientError as exc:
+                print(f"dash-client: error: {exc}", file=err)
+                return 3
+        try:
+            ready = client.client.is_server_live()
+        except Exception as exc:
+            print(f"dash-client: error: no Triton server at {client.url} ({protocol}): {_error(exc)}", file=err)
+            return 3
+        if not ready:
+            print(f"dash-client: error: the server at {client.url} is not live", file=err)
+            return 3
+        try:
+            if a.stats:
+                print(json.dumps(client.stats(), indent=None if a.json else 2), file=out)
+                return 0
+            if a.ids:
+                try:
+                    ids = [int(x) for x in a.ids.split(",") if x.strip()]
+                except ValueError:
+                    print(f"dash-client: error: --ids must be comma-separated integers, got {a.ids!r}", file=err)
+                    return 2
+            elif a.pages:
+                try:
+                    pages = [int(x) for x in a.pages.split(",") if x.strip()]
+                except ValueError:
+                    print(f"dash-client: error: --pages must be comma-separated integers, got {a.pages!r}",
+                          file=err)
+                    return 2
+                ids = document_prompt(pages, a.question, client.model_config(), preamble=a.preamble)
+            elif a.prompt is not None:
+                ids = client.encode(a.prompt)
+            else:
+                print("dash-client: error: give --prompt, --pages or --ids", file=err)
+                return 2
+            stop = False if a.no_stop_at_eos else None
+            cfg = client.model_config()
+            pages = sum(1 for i in ids if i == cfg.page_token_id)
+            served_by = client.stream_model if a.stream else client.model
+            print(f"prompt: {len(ids)} tokens, {pages} page(s); model '{served_by}' at {client.url} "
+                  f"({protocol})", file=err, flush=True)
+            if a.stream:
+                state = {"last": -1, "first": True}
+
+                def progress(done, total):
+                    pct = 100 * done // max(total, 1)
+                    if pct != state["last"]:
+                        state["last"] = pct
+                        print(f"  prefill {done}/{total} tokens ({pct}%)", file=err, flush=True)
+
+                def token(t):
+                    if not a.json:
+                        if state["first"]:
+                            print("tokens:", end="", file=out)
+                            state["first"] = False
+                        print(f" {t}", end="", file=out, flush=True)
+
+                gen = client.stream(ids, a.max_new_tokens, stop_at_eos=stop, on_progress=progress, on_token=token)
+                if not a.json:
+                    print(file=out)
+            elif len(ids) >= a.progress_threshold:
+                with _Ticker(err, len(ids)):
+                    gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop)
+            else:
+                gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop)
+        except DashClientError as exc:
+            print(f"dash-client: error: {exc}", file=err)
+            return 1
+    if a.json:
+        print(json.dumps({"prompt_tokens": gen.prompt_tokens, "tokens": gen.tokens, "text": gen.text,
+                          "seconds": round(gen.seconds, 4)}), file=out)
+    else:
+        if not a.stream:
+            print("tokens: " + " ".join(map(str, gen.tokens)), file=out)
+        print(f"text: {gen.text!r}", file=out)
+        rate = len(gen.tokens) / gen.seconds if gen.seconds > 0 else 0.0
+        print(f"{len(gen.tokens)} tokens in {gen.seconds:.2f} s ({rate:.1f} tokens/s)", file=err)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""Continuous-batching greedy generation over one paged KV pool.
+
+This is the serving logic of the Triton generation model, kept free of Triton so it
+runs (and is tested) in a plain Python process; the Python-backend ``model.py`` only
+parses requests, calls :meth:`GenerationEngine.submit` and turns :class:`Event` s into
+responses, while an :class:`EngineRunner` thread calls :meth:`GenerationEngine.step`.
+
+One step is one call of the model's forward pass (:class:`~dash_trt.model.DashForCausalLM`,
+the exported graph) over a ragged batch, built exactly like
+:func:`dash_trt.model.generate` builds its batches, so the served tokens are the
+tokens offline generation gives: every running sequence contributes either its next
+decode token or its next prefill chunk (at most ``prefill_chunk`` tokens, within the
+step's ``max_batch_tokens``), so prefill chunks and decode steps of different requests
+share a step, and requests that arrive while others are decoding join at the next
+step (continuous batching).
+
+Admission reserves a request's worst case up front: ``ceil((prompt + max_new_tokens - 1)
+/ kv_block_size)`` KV blocks (the last generated token is never written to the cache).
+A running sequence therefore never runs out of blocks, and nothing is ever preempted or
+recomputed; the price is that a request that stops early at EOS held more than it used.
+Requests that do not fit wait in FIFO order (a large request is not overtaken forever
+by small ones) and are admitted as finished sequences free their blocks. A request that
+could never fit, even in an empty pool, is refused at :meth:`~GenerationEngine.submit`.
+
+Threading: :meth:`~GenerationEngine.submit`, :meth:`~GenerationEngine.stats` and
+:meth:`~GenerationEngine.close` may be called from any thread; :meth:`~GenerationEngine.step`
+from one thread at a time (the runner's). Only that thread touches the pool and the
+cache. Event callbacks run on the stepping thread and must not block for long.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model import MODEL_INPUTS, DashForCausalLM, ForwardFn, PagedState, token_roles
+from ..model import _greedy as greedy_token  # the exact rule generate() uses (image tokens masked)
+from ..paged import CacheFullError, sequence_coords
+
+__all__ = [
+    "EngineConfig",
+    "EngineConfigError",
+    "RequestError",
+    "Event",
+    "Request",
+    "GenerationEngine",
+    "EngineRunner",
+    "INVALID_ARGUMENT",
+    "UNAVAILABLE",
+    "CANCELLED",
+    "INTERNAL",
+]
+
+log = logging.getLogger("dash_trt.triton")
+
+#: Error codes of failed requests (the Triton model maps them to TritonError codes).
+INVALID_ARGUMENT, UNAVAILABLE, CANCELLED, INTERNAL = "invalid_argument", "unavailable", "cancelled", "internal"
+
+
+class EngineConfigError(ValueError):
+    """An :class:`EngineConfig` field is out of range."""
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; nothing was queued. ``code`` is one of the error codes."""
+
+    def __init__(self, message: str, code: str = INVALID_ARGUMENT):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the pool and of a step."""
+
+    num_blocks: int = 512           #: KV blocks in the pool (shared by all layers' caches)
+    kv_block_size: int = 16         #: tokens per KV block
+    prefill_chunk: int = 256        #: most prompt tokens of one sequence in one step
+    max_batch_tokens: int = 512     #: most new tokens in one step (decode tokens + prefill chunks)
+    max_num_seqs: int = 64          #: most sequences running at once (the rest wait)
+    default_max_new_tokens: int = 32  #: when a request does not say
+    max_new_tokens_limit: int = 4096  #: the most a request may ask for
+
+    def __post_init__(self) -> None:
+        for f in ("num_blocks", "kv_block_size", "prefill_chunk", "max_batch_tokens", "max_num_seqs",
+                  "default_max_new_tokens", "max_new_tokens_limit"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise EngineConfigError(f"engine config '{f}' must be a positive integer, got {v!r}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise EngineConfigError(f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                                    f"max_new_tokens_limit ({self.max_new_tokens_limit})")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineConfigError(f"engine config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise EngineConfigError(f"engine config must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise EngineConfigError(f"unknown engine config key(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-int(tokens) // self.kv_block_size)
+
+
+@dataclass(eq=False)  # requests compare by identity (the queues hold them)
+class Request:
+    """One generation request and its state. Fields after ``tokens`` change while it runs."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_at_eos: bool
+    blocks_reserved: int
+    on_event: Callable[[Event], None] | None = None
+    is_cancelled: Callable[[], bool] | None = None
+    tag: Any = None  #: caller's data (the Triton model keeps the response sender here)
+    tokens: list[int] = field(default_factory=list)  #: generated so far
+    status: str = "queued"  #: queued -> waiting -> running -> done | failed
+    error: str | None = None
+    error_code: str | None = None
+    prompt_done: int = 0  #: prompt tokens already in the cache
+    t_submit: float = 0.0
+    t_admit: float | None = None
+    t_first_token: float | None = None
+    t_end: float | None = None
+    # engine-internal
+    _coords: torch.Tensor | None = field(default=None, repr=False)
+    _history: list[int] = field(default_factory=list, repr=False)
+    _fed: int = 0
+    _waited: bool = False
+    _finished: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request is done or failed; False on timeout."""
+        return self._finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The generated ids; raises :class:`RequestError` if the request failed."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        if self.status != "done":
+            raise RequestError(self.error or "failed", self.error_code or INTERNAL)
+        return list(self.tokens)
+
+
+@dataclass(frozen=True)
+class Event:
+    """What happened to a request in a step.
+
+    ``kind``: ``"progress"`` (a prefill chunk is in the cache: ``request.prompt_done``),
+    ``"token"`` (``tokens`` holds the one new token), ``"done"`` (finished; its blocks are
+    free; ``tokens`` holds all generated ids) or ``"error"`` (failed; ``error`` says why).
+    Exactly one of ``done``/``error`` ends every request.
+    """
+
+    kind: str
+    request: Request
+    tokens: tuple[int, ...] = ()
+    error: str | None = None
+    code: str | None = None
+    step: int = 0  #: the engine step it happened in (0: outside a step)
+
+
+class GenerationEngine:
+    """Greedy generation for many requests at once over one :class:`~dash_trt.model.PagedState`.
+
+    ``forward`` replaces the model call, as in :func:`dash_trt.model.generate`
+    (``forward(inputs, caches) -> (logits, new_caches)``), so another runtime
+    (ONNX Runtime, a TensorRT engine) can run the same steps.
+    """
+
+    def __init__(self, model: DashForCausalLM, config: EngineConfig | None = None, *,
+                 forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2):
+        self.model = model
+        # Asking Triton whether a request was cancelled is a round trip to the server
+        # process: do it at most this often (seconds), not on every step.
+        self.cancel_poll_interval = cancel_poll_interval
+        self._last_cancel_poll = float("-inf")
+        self.config = config or EngineConfig()
+        self.model_config = model.config
+        self.state = PagedState(model, self.config.num_blocks, self.config.kv_block_size)
+        if forward is None:
+            def forward(inputs, caches):
+                with torch.no_grad():
+                    out = model(*(inputs[k] for k in MODEL_INPUTS), *caches)
+                return out[0], out[1:]
+        self._forward = forward
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._incoming: deque[Request] = deque()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._reserved = 0
+        self._closed: str | None = None
+        self._step_no = 0  # steps run so far (not reset with the counters)
+        self._ids = itertools.count()
+        self.counters = {"submitted": 0, "refused": 0, "done": 0, "failed": 0, "steps": 0, "tokens_generated": 0,
+                         "prompt_tokens": 0, "peak_running": 0, "peak_waiting": 0, "waited": 0,
+                         "peak_blocks_in_use": 0}
+
+    # ----------------------------------------------------------------- requests
+    def check(self, prompt: Any, max_new_tokens: Any = None) -> tuple[list[int], int, torch.Tensor]:
+        """Validate a request; returns (prompt ids, max_new_tokens, prompt coords) or raises
+        :class:`RequestError` with a message that says what is wrong."""
+        cfg, ecfg = self.model_config, self.config
+        ids = _as_id_list(prompt)
+        if not ids:
+            raise RequestError("input_ids is empty: a prompt needs at least one document page "
+                               f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids holds {len(bad)} id(s) outside the vocabulary 0..{cfg.vocab_size - 1}: "
+                               f"{bad[:5]}")
+        try:
+            coords = sequence_coords(token_roles(ids, cfg))
+        except ValueError as exc:
+            raise RequestError(f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
+                               f"<image> is id {cfg.image_token_id})") from None
+        if max_new_tokens is None:
+            max_new = ecfg.default_max_new_tokens
+        else:
+            max_new = _as_int("max_new_tokens", max_new_tokens)
+        if not 1 <= max_new <= ecfg.max_new_tokens_limit:
+            raise RequestError(f"max_new_tokens must be 1..{ecfg.max_new_tokens_limit}, got {max_new}")
+        need = ecfg.blocks_for(len(ids) + max_new - 1)
+        if need > ecfg.num_blocks:
+            raise RequestError(
+                f"request too long for the KV pool: a prompt of {len(ids)} tokens plus up to {max_new} new tokens "
+                f"needs {need} KV blocks of {ecfg.kv_block_size} tokens, the pool has {ecfg.num_blocks} in all "
+                f"({ecfg.num_blocks * ecfg.kv_block_size} tokens); shorten the prompt or max_new_tokens, or give "
+                f"the model a larger pool (dash-triton write --num-blocks)")
+        return ids, max_new, coords
+
+    def submit(self, prompt: Any, max_new_tokens: Any = None, *, stop_at_eos: bool = True,
+               on_event: Callable[[Event], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
+               tag: Any = None) -> Request:
+        """Queue a request (any thread). Raises :class:`RequestError` (nothing queued) if it
+        is invalid or the engine is closed; otherwise its events follow from
+        :meth:`step` and ``request.result()`` gives the tokens."""
+        try:
+            ids, max_new, coords = self.check(prompt, max_new_tokens)
+        except RequestError:
+            with self._lock:
+                self.counters["refused"] += 1
+            raise
+        req = Request(id=-1, prompt=ids, max_new_tokens=max_new, stop_at_eos=bool(stop_at_eos),
+                      blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1), on_event=on_event,
+                      is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter())
+        req._coords, req._history = coords, list(ids)
+        with self._work:
+            if self._closed is not None:
+                self.counters["refused"] += 1
+                raise RequestError(self._closed, UNAVAILABLE)
+            req.id = next(self._ids)
+            self._incoming.append(req)
+            self.counters["submitted"] += 1
+            self._work.notify_all()
+        return req
+
+    # --------------------------------------------------------------------- steps
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._waiting or self._running)
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a request arrives (or ``timeout``); True if there is work."""
+        with self._work:
+            if not (self._incoming or self._waiting or self._running or self._closed):
+                self._work.wait(timeout)
+            return bool(self._incoming or self._waiting or self._running)
+
+    def step(self) -> bool:
+        """Admit what fits, run one model step, dispatch events. Returns False when idle."""
+        with self._lock:
+            while self._incoming:
+                req = self._incoming.popleft()
+                req.status = "waiting"
+                self._waiting.append(req)
+        self._drop_cancelled()
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return False
+        self._run(plan)
+        return True
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step until every queued request has finished; returns the number of steps."""
+        n = 0
+        while self.step():
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                break
+        return n
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
+                 stop_at_eos: bool = True) -> list[list[int]]:
+        """Offline convenience: submit every prompt, run until done, return the tokens."""
+        reqs = [self.submit(p, max_new_tokens, stop_at_eos=stop_at_eos) for p in prompts]
+        self.run_until_idle()
+        return [r.result(timeout=0) for r in reqs]
+
+    def close(self, reason: str = "the generation engine is shutting down") -> int:
+        """Refuse new requests and fail every queued or running one with ``reason``
+        (code ``unavailable``). Call it with no step in progress (the runner's
+        :meth:`EngineRunner.stop` does). Returns how many requests were failed."""
+        with self._work:
+            self._closed = reason
+            pending = list(self._incoming) + list(self._waiting)
+            self._incoming.clear()
+            self._waiting.clear()
+            self._work.notify_all()
+        running = list(self._running)
+        for req in pending + running:
+            self._fail(req, reason, UNAVAILABLE)
+        return len(pending) + len(running)
+
+    # ------------------------------------------------------------------ internals
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_poll < self.cancel_poll_interval:
+            return
+        self._last_cancel_poll = now
+        for req in list(self._waiting) + list(self._running):
+            if req.is_cancelled is None:
+                continue
+            try:
+                cancelled = bool(req.is_cancelled())
+            except Exception:  # a dead request handle counts as cancelled
+                cancelled = True
+            if cancelled:
+                self._fail(req, "request cancelled by the client", CANCELLED)
+
+    def _admit(self) -> None:
+        cap, limit = self.config.num_blocks, self.config.max_num_seqs
+        while self._waiting and len(self._running) < limit:
+            req = self._waiting[0]
+            if self._reserved + req.blocks_reserved > cap:
+                break  # FIFO: the head waits for blocks; the ones behind it wait for the head
+            self._waiting.popleft()
+            self._reserved += req.blocks_reserved
+            self.state.pool.add(req.id, prompt_length=len(req.prompt))
+            req.status, req.t_admit = "running", time.perf_counter()
+            if req._waited:
+                self.counters["waited"] += 1
+            self._running.append(req)
+        for req in self._waiting:  # left waiting for blocks or a sequence slot
+            req._waited = True
+        c = self.counters
+        c["peak_running"] = max(c["peak_running"], len(self._running))
+        c["peak_waiting"] = max(c["peak_waiting"], len(self._waiting))
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """Decode tokens first (one per decoding sequence), then prefill chunks in
+        admission order within what is left of ``max_batch_tokens``."""
+        ecfg = self.config
+        decode = [r for r in self._running if r._fed >= len(r.prompt)]
+        plan = [(r, 1) for r in decode]
+        budget = ecfg.max_batch_tokens - len(decode)
+        for r in self._running:
+            if r._fed >= len(r.prompt):
+                continue
+            if budget <= 0:
+                break
+            n = min(len(r._history) - r._fed, ecfg.prefill_chunk, budget)
+            plan.append((r, n))
+            budget -= n
+        return plan
+
+    def _coords(self, req: Request, n: int) -> torch.Tensor:
+        a = req._fed
+        if a + n <= len(req.prompt):
+            return req._coords[a:a + n]
+        # A generated token's coordinates depend on the whole sequence (as in generate()).
+        return sequence_coords(token_roles(req._history[:a + n], self.model_config))[a:a + n]
+
+    def _run(self, plan: list[tuple[Request, int]]) -> None:
+        cfg = self.model_config
+        device = self.model.device
+        try:
+            batch = self.state.pool.schedule([(r.id, n) for r, n in plan], device=device)
+        except CacheFullError as exc:  # cannot happen with reservations; fail loudly, keep serving
+            for r, _ in plan:
+                self._fail(r, f"internal error: {exc}", INTERNAL)
+            return
+        self.counters["steps"] += 1
+        self._step_no += 1
+        used = self.state.pool.num_blocks - self.state.pool.num_free_blocks
+        self.counters["peak_blocks_in_use"] = max(self.counters["peak_blocks_in_use"], used)
+        ids: list[int] = []
+        coords = []
+        for r, n in plan:
+            ids += r._history[r._fed:r._fed + n]
+            coords.append(self._coords(r, n))
+        inputs = {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+                  "coords": torch.cat(coords).to(device), **batch.kwargs()}
+        try:
+            logits, caches = self._forward(inputs, self.state.tensors())
+            self.state.update(list(caches))
+        except Exception as exc:
+            # The planned sequences' cache rows are now undefined: fail them, keep the rest.
+            log.exception("model step failed")
+            for r, _ in plan:
+                self._fail(r, f"internal error in the model step: {type(exc).__name__}: {exc}", INTERNAL)
+            return
+        qsl = batch.query_start_loc.tolist()
+        for j, (r, n) in enumerate(plan):
+            r._fed += n
+            if r._fed <= len(r.prompt):
+                r.prompt_done = r._fed
+                self.counters["prompt_tokens"] += n
+                self._emit(Event("progress", r, step=self._step_no))
+            if r._fed < len(r._history):
+                continue  # more prompt to prefill
+            tok = greedy_token(logits[qsl[j + 1] - 1].float().cpu(), cfg)
+            if r.t_first_token is None:
+                r.t_first_token = time.perf_counter()
+            r.tokens.append(tok)
+            r._history.append(tok)
+            self.counters["tokens_generated"] += 1
+            self._emit(Event("token", r, (tok,), step=self._step_no))
+            if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == cfg.eos_token_id):
+                self._finish(r)
+
+    def _release(self, req: Request) -> None:
+        if req in self._running:
+            self._running.remove(req)
+            self._reserved -= req.blocks_reserved
+            self.state.pool.free(req.id)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+
+    def _finish(self, req: Request) -> None:
+        self._release(req)
+        req.status, req.t_end = "done", time.perf_counter()
+        with self._lock:
+            self.counters["done"] += 1
+        self._emit(Event("done", req, tuple(req.tokens), step=self._step_no))
+        req._finished.set()
+
+    def _fail(self, req: Request, message: str, code: str) -> None:
+        if req.finished:
+            return
+        self._release(req)
+        req.status, req.error, req.error_code, req.t_end = "failed", message, code, time.perf_counter()
+        with self._lock:
+            self.counters["failed"] += 1
+        self._emit(Event("error", req, tuple(req.tokens), message, code, step=self._step_no))
+        req._finished.set()
+
+    def _emit(self, event: Event) -> None:
+        if event.request.on_event is None:
+            return
+        try:
+            event.request.on_event(event)
+        except Exception:  # a broken callback must not stop the other requests
+            log.exception("event callback of request %s failed", event.request.id)
+
+    # ---------------------------------------------------------------- monitoring
+    def reset_counters(self) -> None:
+        """Zero the counters (after a warm-up run, say); the pool state is unaffected."""
+        with self._lock:
+            self.counters = dict.fromkeys(self.counters, 0)
+
+    def stats(self) -> dict[str, Any]:
+        """Pool and queue state and counters (any thread)."""
+        pool = self.state.pool
+        with self._lock:
+            out = dict(self.counters)
+            out.update(
+                kv_blocks_total=pool.num_blocks,
+                kv_blocks_free=pool.num_free_blocks,
+                kv_blocks_reserved=self._reserved,
+                kv_block_size=pool.block_size,
+                running=len(self._running),
+                waiting=len(self._waiting) + len(self._incoming),
+                closed=self._closed is not None,
+            )
+        return out
+
+
+class EngineRunner:
+    """Steps a :class:`GenerationEngine` on a background thread while there is work."""
+
+    def __init__(self, engine: GenerationEngine, *, name: str = "dash-engine", idle_timeout: float = 0.5):
+        self.engine = engine
+        self._stop = threading.Event()
+        self._idle_timeout = idle_timeout
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> EngineRunner:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.engine.step():
+                    self.engine.wait_for_work(self._idle_timeout)
+            except Exception as exc:  # a bug in the engine itself: fail what runs, keep serving
+                self.error = exc
+                log.exception("generation engine step failed")
+                for req in list(self.engine._running):
+                    self.engine._fail(req, f"internal error in the engine: {type(exc).__name__}: {exc}", INTERNAL)
+
+    def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> int:
+        """Stop stepping (after the current step) and fail whatever is still queued or
+        running with ``reason``. Returns how many requests were failed."""
+        self._stop.set()
+        with self.engine._work:
+            self.engine._work.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return self.engine.close(reason)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+# -------------------------------------------------------------------- helpers
+def _as_id_list(prompt: Any) -> list[int]:
+    """Token ids from a list, a 1-D integer numpy array or tensor; RequestError otherwise."""
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.detach().cpu().numpy()
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise RequestError(f"input_ids must be 1-D [num_tokens], got shape {list(prompt.shape)}")
+        if prompt.dtype.kind not in "iu":
+            raise RequestError(f"input_ids must hold integer token ids, got dtype {prompt.dtype}")
+        return [int(x) for x in prompt.tolist()]
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError("input_ids must be token ids, got a string (tokenize it first: dash_trt.model.tokenize)")
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise RequestError(f"input_ids must be a sequence of token ids, got {type(prompt).__name__}") from None
+    out = []
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise RequestError(f"input_ids must hold integer token ids, found {x!r} ({type(x).__name__})")
+        out.append(int(x))
+    return out
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        arr = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
+        if arr.size != 1:
+            raise RequestError(f"{name} must be one integer, got shape {list(arr.shape)}")
+        if arr.dtype.kind not in "iu":
+            raise RequestError(f"{name} must be an integer, got dtype {arr.dtype}")
+        return int(arr.reshape(-1)[0])
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    return int(value)

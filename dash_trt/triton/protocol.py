@@ -1,0 +1,66 @@
+"""The generation model's interface, declared once: the repository writer puts it in
+``config.pbtxt``, the Python-backend ``model.py`` reads requests with it and the
+client builds requests with it.
+
+Inputs (``max_batch_size: 0``: no batch dimension, the engine batches on its own):
+
+==================  ===========  ======  ========  ====================================================
+name                Triton type  dims    optional  meaning
+==================  ===========  ======  ========  ====================================================
+``input_ids``       TYPE_INT64   [-1]    no        the prompt's token ids (text bytes, ``<PAGE>``, ``<image>``)
+``max_new_tokens``  TYPE_INT32   [1]     yes       tokens to generate (default: the model's parameter)
+``stop_at_eos``     TYPE_BOOL    [1]     yes       stop at ``eos_token_id`` (default true)
+``get_stats``       TYPE_BOOL    [1]     yes       true: answer with the pool's statistics only
+                                                   (``input_ids`` is then ignored and may be empty)
+==================  ===========  ======  ========  ====================================================
+
+Outputs:
+
+======================  ============  ====  =====================================================
+name                    Triton type   dims  meaning
+======================  ============  ====  =====================================================
+``output_ids``          TYPE_INT64    [-1]  generated token ids (all of them; in the streaming model
+                                            the ones new since the previous response)
+``prompt_tokens_done``  TYPE_INT64    [1]   prompt tokens prefilled so far (progress)
+``stats``               TYPE_STRING   [1]   JSON statistics, only in answers to ``get_stats``
+======================  ============  ====  =====================================================
+"""
+
+from __future__ import annotations
+
+INPUT_IDS = "input_ids"
+MAX_NEW_TOKENS = "max_new_tokens"
+STOP_AT_EOS = "stop_at_eos"
+GET_STATS = "get_stats"
+
+OUTPUT_IDS = "output_ids"
+PROMPT_TOKENS_DONE = "prompt_tokens_done"
+STATS = "stats"
+
+#: (name, Triton data type, dims, optional)
+INPUTS = (
+    (INPUT_IDS, "TYPE_INT64", (-1,), False),
+    (MAX_NEW_TOKENS, "TYPE_INT32", (1,), True),
+    (STOP_AT_EOS, "TYPE_BOOL", (1,), True),
+    (GET_STATS, "TYPE_BOOL", (1,), True),
+)
+
+#: (name, Triton data type, dims)
+OUTPUTS = (
+    (OUTPUT_IDS, "TYPE_INT64", (-1,)),
+    (PROMPT_TOKENS_DONE, "TYPE_INT64", (1,)),
+    (STATS, "TYPE_STRING", (1,)),
+)
+
+#: Keys of the generation models' ``parameters`` (all strings in config.pbtxt).
+PARAM_CHECKPOINT = "checkpoint"          # file name of model.pt in the version folder
+PARAM_DEVICE = "device"                  # cpu | cuda | auto
+PARAM_ENGINE = "engine_config"           # JSON of EngineConfig
+PARAM_MODEL_CONFIG = "dash_model_config"  # JSON of the model's config.json (the client tokenizes with it)
+PARAM_WARMUP = "warmup"                  # "true": one tiny generation before the model reports ready
+PARAM_TORCH_THREADS = "torch_num_threads"  # "0": torch's default
+
+#: Default model names written by ``dash-triton write --name dash``.
+DEFAULT_NAME = "dash"
+STREAM_SUFFIX = "_stream"
+PLAN_SUFFIX = "_plan"

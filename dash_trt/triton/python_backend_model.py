@@ -1,0 +1,149 @@
+"""Triton Python-backend model: DASH greedy generation over a paged KV pool.
+
+``dash-triton write`` copies this file to ``<repo>/<model>/1/model.py`` next to the
+checkpoint ``model.pt``; it is not imported as part of the package (it needs Triton's
+``triton_python_backend_utils``, which exists only inside the server's backend stub).
+The Python that runs it needs ``dash-trt`` and ``torch`` installed.
+
+How it works: :meth:`TritonPythonModel.initialize` loads the checkpoint and starts a
+:class:`~dash_trt.triton.engine.GenerationEngine` with its own paged KV pool and an
+:class:`~dash_trt.triton.engine.EngineRunner` thread. :meth:`execute` only validates
+each request and hands it to the engine, then returns ``None`` at once; responses go
+out through each request's response sender from the engine thread when the engine
+reports them. Because ``execute`` never waits for generation, Triton keeps delivering
+new requests while others are decoding, and the engine batches all of them.
+
+- Unary model (``decoupled: false``, HTTP and gRPC): exactly one response per request,
+  sent when it finishes (all ``output_ids``) or fails (an error).
+- Streaming model (``decoupled: true``, gRPC streaming): a response per prefill chunk
+  (``prompt_tokens_done``), one per new token (``output_ids`` = that token), then an
+  empty response flagged final; or an error, flagged final.
+
+Errors: an invalid request gets an ``INVALID_ARG`` error response at once (the others
+are not affected); requests still queued at shutdown get ``UNAVAILABLE``; a failed model
+step fails only the sequences in that step (``INTERNAL``).
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import torch
+
+        from dash_trt.model import document_prompt, load_checkpoint
+        from dash_trt.triton import protocol as P
+        from dash_trt.triton.engine import (
+            CANCELLED,
+            INTERNAL,
+            INVALID_ARGUMENT,
+            UNAVAILABLE,
+            EngineConfig,
+            EngineRunner,
+            GenerationEngine,
+            RequestError,
+        )
+
+        self.P = P
+        self.RequestError = RequestError
+        self.codes = {
+            INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
+            UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+            CANCELLED: pb_utils.TritonError.CANCELLED,
+            INTERNAL: pb_utils.TritonError.INTERNAL,
+        }
+        config = json.loads(args["model_config"])
+        self.name = config["name"]
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        threads = int(params.get(P.PARAM_TORCH_THREADS, "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+
+        device = params.get(P.PARAM_DEVICE, "cpu")
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        elif device == "cuda":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        checkpoint = os.path.join(version_dir, params.get(P.PARAM_CHECKPOINT, "model.pt"))
+        model = load_checkpoint(checkpoint).to(device)
+        engine_config = EngineConfig.from_json(params[P.PARAM_ENGINE]) if P.PARAM_ENGINE in params else EngineConfig()
+        self.engine = GenerationEngine(model, engine_config)
+        if params.get(P.PARAM_WARMUP, "true") == "true":
+            # The first call of the op imports torch's compile machinery (seconds): pay it
+            # before the model reports ready, not in the first request's latency.
+            self.engine.generate([document_prompt([1], "", model.config)], 1)
+            self.engine.reset_counters()
+        self.runner = EngineRunner(self.engine, name=f"{self.name}-engine").start()
+        pb_utils.Logger.log_info(
+            f"{self.name}: {'decoupled' if self.decoupled else 'unary'} DASH generation on {device}; "
+            f"KV pool {engine_config.num_blocks} blocks x {engine_config.kv_block_size} tokens; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    # ------------------------------------------------------------------ requests
+    def execute(self, requests):
+        P = self.P
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                if self._flag(request, P.GET_STATS, False):
+                    stats = np.array([json.dumps(self.engine.stats()).encode()], dtype=np.object_)
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(P.STATS, stats)]),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
+                ids = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS).as_numpy()
+                max_new = self._optional(request, P.MAX_NEW_TOKENS)
+                self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
+                                   on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender)
+            except self.RequestError as exc:
+                self._send_error(sender, str(exc), exc.code)
+            except Exception as exc:  # never let one request take the model down
+                self._send_error(sender, f"{type(exc).__name__}: {exc}", "internal")
+        return None
+
+    def _optional(self, request, name):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy()
+
+    def _flag(self, request, name, default):
+        arr = self._optional(request, name)
+        if arr is None:
+            return default
+        if arr.size != 1:
+            raise self.RequestError(f"{name} must hold one boolean, got shape {list(arr.shape)}")
+        return bool(arr.reshape(-1)[0])
+
+    # -------------------------------------------------------------- responses
+    def _outputs(self, tokens, prompt_done):
+        P = self.P
+        return [pb_utils.Tensor(P.OUTPUT_IDS, np.asarray(tokens, dtype=np.int64).reshape(-1)),
+                pb_utils.Tensor(P.PROMPT_TOKENS_DONE, np.array([prompt_done], dtype=np.int64))]
+
+    def _send_error(self, sender, message, code):
+        error = pb_utils.TritonError(f"{self.name}: {message}", self.codes.get(code, pb_utils.TritonError.INTERNAL))
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _on_event(self, event):
+        """Runs on the engine thread."""
+        req, sender = event.request, event.request.tag
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if event.kind == "error":
+            self._send_error(sender, event.error, event.code)
+        elif not self.decoupled:
+            if event.kind == "done":
+                sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req.prompt_done)), flags=final)
+        elif event.kind == "progress":
+            sender.send(pb_utils.InferenceResponse(self._outputs([], req.prompt_done)))
+        elif event.kind == "token":
+            sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req.prompt_done)))
+        elif event.kind == "done":
+            sender.send(flags=final)
+
+    def finalize(self):
+        failed = self.runner.stop(f"{self.name} is shutting down")
+        pb_utils.Logger.log_info(f"{self.name}: engine stopped ({failed} unfinished request(s) failed)")

@@ -1,0 +1,446 @@
+"""Write a Triton model repository for a DASH model (``dash-triton write``).
+
+Layout (model names from ``--name``, default ``dash``)::
+
+    REPO/
+      README.md                 how to serve it (written for this repository)
+      dash/                     Python backend, unary (HTTP and gRPC): the generation service
+        config.pbtxt
+        1/model.py              dash_trt/triton/python_backend_model.py, copied
+        1/model.pt              the checkpoint
+      dash_stream/              the same service, decoupled: progress and tokens as they come (gRPC streaming)
+        config.pbtxt
+        1/model.py, 1/model.pt
+      dash_plan/                only with --plan (and --onnx): the TensorRT engine, one forward step
+        config.pbtxt            inputs/outputs and dims read from the ONNX file, dynamic axes -1
+        1/model.plan
+        1/<plugin>.so           the DASH plugin library, loaded with LD_PRELOAD or
+                                --backend-config=tensorrt,plugins=...
+
+Every ``config.pbtxt`` is plain protobuf text of Triton's ``inference.ModelConfig``
+(the tests parse each one with the schema shipped in ``tritonclient``).
+
+The repository is built in a temporary folder beside ``REPO`` and renamed into place,
+so it appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model import DashForCausalLM, save_checkpoint
+from ..ops import CACHE_FIELDS
+from . import protocol as P
+from .engine import EngineConfig
+
+__all__ = [
+    "RepositoryError",
+    "TensorSpec",
+    "Enum",
+    "to_pbtxt",
+    "onnx_io",
+    "python_model_config",
+    "plan_model_config",
+    "write_repository",
+    "WrittenRepository",
+    "PYTHON_MODEL_SOURCE",
+    "NO_PLAN_MESSAGE",
+]
+
+#: The Python-backend model file copied into each generation model's version folder.
+PYTHON_MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_backend_model.py")
+
+NO_PLAN_MESSAGE = (
+    "no --plan given: the tensorrt_plan model was not written. Build a TensorRT engine from the ONNX file "
+    "(with the DASH plugin, against the TensorRT version of your Triton server) and pass --plan model.plan "
+    "--onnx model.onnx --plugin libdash_plugin.so; TensorRT is not installed on this project's CPU machines."
+)
+
+
+class RepositoryError(ValueError):
+    """Bad input for the repository (missing file, inconsistent ONNX and checkpoint, ...)."""
+
+
+# --------------------------------------------------------------------- pbtxt
+class Enum(str):
+    """An enum value: written bare (``KIND_CPU``), not quoted."""
+
+
+def _quote(s: str) -> str:
+    out = ['"']
+    for b in s.encode("utf-8"):
+        c = chr(b)
+        if c == '"':
+            out.append('\\"')
+        elif c == "\\":
+            out.append("\\\\")
+        elif c == "\n":
+            out.append("\\n")
+        elif 32 <= b < 127:
+            out.append(c)
+        else:  # octal escapes are valid protobuf text for any byte
+            out.append(f"\\{b:03o}")
+    out.append('"')
+    return "".join(out)
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, Enum):
+        return str(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return _quote(v)
+    raise TypeError(f"cannot write {type(v).__name__} to pbtxt")
+
+
+def to_pbtxt(message: Mapping[str, Any], indent: int = 0) -> str:
+    """Protobuf text of a message given as a dict: dicts are messages, lists of
+    dicts repeated messages, lists of scalars repeated scalars, :class:`Enum`
+    values bare identifiers; ``None`` values are left out; keys starting with
+    ``#`` become comments."""
+    pad = "  " * indent
+    lines = []
+    for key, val in message.items():
+        if val is None:
+            continue
+        if key.startswith("#"):
+            lines += [f"{pad}# {line}".rstrip() for line in str(val).splitlines()]
+        elif isinstance(val, Mapping):
+            lines.append(f"{pad}{key} {{\n{to_pbtxt(val, indent + 1)}{pad}}}")
+        elif isinstance(val, (list, tuple)) and val and all(isinstance(x, Mapping) for x in val):
+            items = [f"{pad}  {{\n{to_pbtxt(x, indent + 2)}{pad}  }}" for x in val]
+            lines.append(f"{pad}{key} [\n" + ",\n".join(items) + f"\n{pad}]")
+        elif isinstance(val, (list, tuple)):
+            lines.append(f"{pad}{key}: [ " + ", ".join(_scalar(x) for x in val) + " ]")
+        else:
+            lines.append(f"{pad}{key}: {_scalar(val)}")
+    return "".join(line + "\n" for line in lines)
+
+
+# ---------------------------------------------------------------------- ONNX
+@dataclass(frozen=True)
+class TensorSpec:
+    """A model input or output as Triton declares it."""
+
+    name: str
+    data_type: str  #: TYPE_*
+    dims: tuple[int, ...]  #: -1 for a dynamic axis
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "data_type": Enum(self.data_type), "dims": list(self.dims)}
+
+
+#: ONNX TensorProto element type name -> Triton data type.
+ONNX_TO_TRITON = {
+    "FLOAT": "TYPE_FP32", "FLOAT16": "TYPE_FP16", "BFLOAT16": "TYPE_BF16", "DOUBLE": "TYPE_FP64",
+    "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
+    "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32", "UINT64": "TYPE_UINT64",
+    "BOOL": "TYPE_BOOL", "STRING": "TYPE_STRING",
+}
+
+
+def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Graph inputs and outputs of an ONNX file (weights are not loaded): names,
+    Triton data types, dims with every symbolic or unknown axis as -1."""
+    try:
+        import onnx
+    except ImportError:  # pragma: no cover - onnx is a dependency of the export and triton extras
+        raise RepositoryError("reading the ONNX file needs the 'onnx' package (pip install onnx)") from None
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise RepositoryError(f"ONNX file not found: {path}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as exc:
+        raise RepositoryError(f"{path} is not a readable ONNX model: {type(exc).__name__}: {exc}") from None
+    initializers = {t.name for t in model.graph.initializer}
+
+    def spec(v) -> TensorSpec:
+        t = v.type
+        if t.WhichOneof("value") != "tensor_type":
+            raise RepositoryError(f"{path}: graph input/output '{v.name}' is not a tensor")
+        elem = onnx.TensorProto.DataType.Name(t.tensor_type.elem_type)
+        if elem not in ONNX_TO_TRITON:
+            raise RepositoryError(f"{path}: '{v.name}' has ONNX type {elem}, which Triton cannot serve")
+        if not t.tensor_type.HasField("shape"):
+            raise RepositoryError(f"{path}: '{v.name}' has no shape (rank unknown); Triton needs dims")
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
+                     for d in t.tensor_type.shape.dim)
+        return TensorSpec(v.name, ONNX_TO_TRITON[elem], dims)
+
+    inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
+    outputs = [spec(v) for v in model.graph.output]
+    if not inputs or not outputs:
+        raise RepositoryError(f"{path}: the graph has no inputs or no outputs")
+    return inputs, outputs
+
+
+def _check_onnx_matches(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                        model: DashForCausalLM, kv_block_size: int, onnx_path: str) -> None:
+    """The ONNX graph and the checkpoint must be the same model: layer count, vocabulary,
+    KV block size."""
+    cfg = model.config
+    names = {s.name: s for s in list(inputs) + list(outputs)}
+    layers = sum(1 for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}"))
+    problems = []
+    if layers and layers != cfg.num_hidden_layers:
+        problems.append(f"{layers} layers of cache inputs, the checkpoint has {cfg.num_hidden_layers} layers")
+    logits = names.get("logits")
+    if logits is not None and logits.dims[-1] not in (-1, cfg.vocab_size):
+        problems.append(f"logits of {logits.dims[-1]} classes, the checkpoint's vocab_size is {cfg.vocab_size}")
+    key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
+    if key is not None and len(key.dims) > 1 and key.dims[1] not in (-1, kv_block_size):
+        problems.append(f"KV blocks of {key.dims[1]} tokens, the generation models use {kv_block_size} "
+                        f"(pass --kv-block-size {key.dims[1]})")
+    if problems:
+        raise RepositoryError(f"{onnx_path} does not match the checkpoint: " + "; ".join(problems))
+
+
+def onnx_kv_block_size(inputs: Sequence[TensorSpec]) -> int | None:
+    """The KV block size fixed in an exported graph (dim 1 of ``past.0.key``), if any."""
+    key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
+    if key is None or len(key.dims) < 2 or key.dims[1] < 1:
+        return None
+    return key.dims[1]
+
+
+# ----------------------------------------------------------------- configs
+def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig, *, streaming: bool,
+                        device: str = "cpu", checkpoint: str = "model.pt", warmup: bool = True,
+                        torch_num_threads: int = 0) -> dict[str, Any]:
+    """config.pbtxt (as a dict) of a Python-backend generation model."""
+    if device not in ("cpu", "cuda"):
+        raise RepositoryError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    inputs = []
+    for iname, dtype, dims, optional in P.INPUTS:
+        spec = {"name": iname, "data_type": Enum(dtype), "dims": list(dims)}
+        if optional:
+            spec["optional"] = True
+        inputs.append(spec)
+    outputs = [{"name": oname, "data_type": Enum(dtype), "dims": list(dims)} for oname, dtype, dims in P.OUTPUTS]
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    mode = ("decoupled: progress and each new token are sent as they come (gRPC streaming only)" if streaming
+            else "unary: one response per request (HTTP and gRPC)")
+    return {
+        "# ": (f"DASH generation service ({mode}), written by dash-triton.\n"
+               "One instance owns one paged KV pool; its engine thread batches every request in flight\n"
+               "(continuous batching), so requests are not batched by Triton (max_batch_size 0)."),
+        "name": name,
+        "backend": "python",
+        "max_batch_size": 0,
+        "model_transaction_policy": {"decoupled": bool(streaming)},
+        "input": inputs,
+        "output": outputs,
+        # One instance per device: a second instance would be a second process with a
+        # second pool, halving what each can admit. With KIND_GPU, Triton starts one per GPU.
+        "instance_group": [{"kind": Enum(kind), "count": 1}],
+        "parameters": [
+            {"key": P.PARAM_CHECKPOINT, "value": {"string_value": checkpoint}},
+            {"key": P.PARAM_DEVICE, "value": {"string_value": device}},
+            {"key": P.PARAM_ENGINE, "value": {"string_value": engine.to_json()}},
+            {"key": P.PARAM_MODEL_CONFIG, "value": {"string_value": json.dumps(model.config.to_dict(),
+                                                                               sort_keys=True)}},
+            {"key": P.PARAM_WARMUP, "value": {"string_value": "true" if warmup else "false"}},
+            {"key": P.PARAM_TORCH_THREADS, "value": {"string_value": str(int(torch_num_threads))}},
+        ],
+    }
+
+
+def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], *,
+                      plugin: str, instances: int = 1, gpus: Sequence[int] | None = None) -> dict[str, Any]:
+    """config.pbtxt (as a dict) of the ``tensorrt_plan`` model: one forward step of
+    the exported graph; the caller owns the cache (it passes ``past.*`` in and gets
+    ``present.*`` back) and the block tables."""
+    if instances < 1:
+        raise RepositoryError(f"plan instances must be >= 1, got {instances}")
+    group: dict[str, Any] = {"kind": Enum("KIND_GPU"), "count": int(instances)}
+    if gpus:
+        group["gpus"] = [int(g) for g in gpus]
+    return {
+        "# ": ("TensorRT engine of the exported DASH graph, written by dash-triton. It needs the DASH\n"
+               f"plugin library ({plugin}, in the version folder) loaded into tritonserver:\n"
+               f"  LD_PRELOAD=<repo>/{name}/1/{plugin} tritonserver --model-repository=<repo>\n"
+               f"or tritonserver --backend-config=tensorrt,plugins=<repo>/{name}/1/{plugin} ...\n"
+               "Build plan and plugin against the TensorRT version of the server.\n"
+               "Inputs/outputs and dims come from the ONNX graph (dynamic axes are -1); no batch\n"
+               "dimension: the graph takes ragged batches of tokens with their block tables."),
+        "name": name,
+        "platform": "tensorrt_plan",
+        "max_batch_size": 0,
+        "default_model_filename": "model.plan",
+        "input": [s.to_config() for s in inputs],
+        "output": [s.to_config() for s in outputs],
+        "instance_group": [group],
+    }
+
+
+# ---------------------------------------------------------------- the writer
+@dataclass
+class WrittenRepository:
+    path: str
+    models: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoint: str | None = None,
+                     engine: EngineConfig | None = None, name: str = P.DEFAULT_NAME, device: str = "cpu",
+                     streaming: bool = True, onnx: str | None = None, plan: str | None = None,
+                     plugin: str | None = None, plan_instances: int = 1, plan_gpus: Sequence[int] | None = None,
+                     warmup: bool = True, torch_num_threads: int = 0, force: bool = False) -> WrittenRepository:
+    """Write the repository at ``out``.
+
+    ``model`` is the loaded checkpoint (its config goes into the parameters);
+    ``checkpoint`` the ``model.pt`` to copy (written from ``model`` when None).
+    The plan model needs ``plan``, ``onnx`` and ``plugin`` together.
+    """
+    out = os.path.abspath(os.fspath(out))
+    engine = engine or EngineConfig()
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise RepositoryError(f"model name must be letters, digits, '_' or '-', got {name!r}")
+    if os.path.exists(out) and not force:
+        raise RepositoryError(f"{out} already exists (pass --force to replace it)")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise RepositoryError(f"cannot write {out}: folder {parent} does not exist")
+    if checkpoint is not None and not os.path.isfile(checkpoint):
+        raise RepositoryError(f"checkpoint not found: {checkpoint}")
+
+    messages: list[str] = []
+    plan_cfg = None
+    if plan is not None or plugin is not None:
+        if plan is None or onnx is None or plugin is None:
+            raise RepositoryError("the tensorrt_plan model needs --plan, --onnx (for its inputs and outputs) and "
+                                  "--plugin (the DASH plugin library the engine was built with) together")
+        for what, p in (("plan", plan), ("plugin library", plugin)):
+            if not os.path.isfile(p) or os.path.getsize(p) == 0:
+                raise RepositoryError(f"{what} not found or empty: {p}")
+    if onnx is not None:
+        inputs, outputs = onnx_io(onnx)
+        _check_onnx_matches(inputs, outputs, model, engine.kv_block_size, onnx)
+        if plan is not None:
+            plan_cfg = plan_model_config(name + P.PLAN_SUFFIX, inputs, outputs,
+                                         plugin=os.path.basename(plugin), instances=plan_instances, gpus=plan_gpus)
+    if plan_cfg is None:
+        messages.append(NO_PLAN_MESSAGE)
+
+    tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
+    try:
+        models = []
+        names = [(name, False)] + ([(name + P.STREAM_SUFFIX, True)] if streaming else [])
+        first_ckpt = None
+        for model_name, stream in names:
+            vdir = os.path.join(tmp, model_name, "1")
+            os.makedirs(vdir)
+            shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
+            ckpt = os.path.join(vdir, "model.pt")
+            if first_ckpt is not None:
+                _link_or_copy(first_ckpt, ckpt)
+            elif checkpoint is not None:
+                shutil.copyfile(checkpoint, ckpt)
+            else:
+                save_checkpoint(model, ckpt)
+            first_ckpt = first_ckpt or ckpt
+            cfg = python_model_config(model_name, model, engine, streaming=stream, device=device,
+                                      warmup=warmup, torch_num_threads=torch_num_threads)
+            _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
+            models.append(model_name)
+        if plan_cfg is not None:
+            vdir = os.path.join(tmp, plan_cfg["name"], "1")
+            os.makedirs(vdir)
+            shutil.copyfile(plan, os.path.join(vdir, "model.plan"))
+            shutil.copyfile(plugin, os.path.join(vdir, os.path.basename(plugin)))
+            _write(os.path.join(tmp, plan_cfg["name"], "config.pbtxt"), to_pbtxt(plan_cfg))
+            models.append(plan_cfg["name"])
+            messages.append(f"{plan_cfg['name']}: load the plugin with LD_PRELOAD={out}/{plan_cfg['name']}/1/"
+                            f"{os.path.basename(plugin)} or --backend-config=tensorrt,plugins=<same path>")
+        _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg, plugin))
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return WrittenRepository(out, models, messages)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def pool_bytes(model: DashForCausalLM, engine: EngineConfig) -> int:
+    """Memory of the KV pool of one generation model instance."""
+    c = model.config
+    elt = model.embed_tokens.weight.element_size()
+    per_tok = c.num_key_value_heads * c.head_dim * 2 * elt + c.index_head_dim * elt + 4
+    per_block = engine.kv_block_size * per_tok
+    summaries = -(-engine.kv_block_size // c.dash.sparse_block_size)
+    per_block += summaries * (c.index_head_dim * 4 + 3 * 4)
+    return per_block * engine.num_blocks * c.num_hidden_layers
+
+
+def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model: DashForCausalLM,
+            plan_cfg: dict | None, plugin: str | None) -> str:
+    c = model.config
+    lines = [
+        "# DASH model repository (written by dash-triton)",
+        "",
+        "| model | backend | what |",
+        "| --- | --- | --- |",
+        f"| `{name}` | python | greedy generation, one response per request (HTTP and gRPC) |",
+    ]
+    if name + P.STREAM_SUFFIX in models:
+        lines.append(f"| `{name}{P.STREAM_SUFFIX}` | python, decoupled | the same, streaming prefill progress and "
+                     f"tokens (gRPC streaming) |")
+    if plan_cfg is not None:
+        lines.append(f"| `{plan_cfg['name']}` | tensorrt_plan | one forward step of the exported graph (caller owns "
+                     f"the cache) |")
+    lines += [
+        "",
+        f"Model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+        f"`<PAGE>` = {c.page_token_id}, `<image>` = {c.image_token_id}, EOS = {c.eos_token_id}.",
+        f"KV pool per generation model: {engine.num_blocks} blocks of {engine.kv_block_size} tokens "
+        f"({pool_bytes(model, engine) / 2**20:.1f} MiB); engine: `{engine.to_json()}`.",
+        "",
+        "## Serve",
+        "",
+        "On this machine, with the Triton server that the `nvidia-pytriton` wheel ships (CPU, 127.0.0.1):",
+        "",
+        "```bash",
+        f"dash-triton serve {out}",
+        "dash-client --prompt '<PAGE><image*32>What is the title?'",
+        "```",
+        "",
+        "In a Triton container: install dash-trt (and torch) into the Python that the Python backend",
+        f"uses, then `tritonserver --model-repository={out}`.",
+    ]
+    if plan_cfg is not None:
+        lib = f"{out}/{plan_cfg['name']}/1/{os.path.basename(plugin)}"
+        lines += [
+            "",
+            "The TensorRT model needs the DASH plugin library in the server process, either way:",
+            "",
+            "```bash",
+            f"LD_PRELOAD={lib} tritonserver --model-repository={out}",
+            f"tritonserver --model-repository={out} --backend-config=tensorrt,plugins={lib}",
+            "```",
+            "",
+            "The plan and the plugin must be built against the TensorRT version of the server.",
+        ]
+    return "\n".join(lines) + "\n"

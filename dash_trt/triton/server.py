@@ -1,0 +1,266 @@
+"""Start the Triton Inference Server that the ``nvidia-pytriton`` wheel ships
+(``pytriton/tritonserver/bin/tritonserver``, Triton 2.51) on a model repository,
+bound to 127.0.0.1 (``dash-triton serve`` and the tests).
+
+What launching that binary directly needs (PyTriton does the same in its own launcher):
+
+- a backend folder with the Python backend (``libtriton_python.so``,
+  ``triton_python_backend_utils.py``) and the backend *stub* built for the running
+  Python version (the wheel keeps one per version under ``python_backend_stubs/``);
+  it is assembled in a scratch folder, the wheel is left untouched;
+- ``LD_LIBRARY_PATH`` with the wheel's ``nvidia_pytriton.libs`` (the server's own
+  shared libraries) and the running interpreter's ``lib`` folder: the stub links
+  ``libpython3.X.so`` and must get this interpreter's, not another one on the system;
+- ``PATH`` starting with this interpreter's ``bin`` folder: the embedded interpreter
+  in the stub finds its ``sys.prefix`` (and so this virtual environment's
+  site-packages, with torch and dash-trt) through ``python3`` on ``PATH``;
+  ``PYTHONPATH`` also gets the folder holding ``dash_trt``.
+
+No GPU is needed; the server logs that it found no CUDA device and serves CPU models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["TritonUnavailable", "TritonStartError", "TritonDist", "find_tritonserver", "free_ports", "TritonServer"]
+
+HOST = "127.0.0.1"
+
+
+class TritonUnavailable(RuntimeError):
+    """The bundled tritonserver is not installed or cannot run on this machine."""
+
+
+class TritonStartError(RuntimeError):
+    """The server started but exited or did not become ready; the message holds its log tail."""
+
+
+@dataclass(frozen=True)
+class TritonDist:
+    """Where the wheel's server pieces are."""
+
+    root: str  #: .../pytriton/tritonserver
+    binary: str
+    python_backend: str  #: folder with libtriton_python.so and triton_python_backend_utils.py
+    stub: str  #: triton_python_backend_stub for this Python version
+    libs: str  #: nvidia_pytriton.libs
+
+
+def find_tritonserver() -> TritonDist:
+    """Locate the server of the installed ``nvidia-pytriton`` wheel, or raise
+    :class:`TritonUnavailable` saying what is missing."""
+    try:
+        import pytriton
+    except ImportError:
+        raise TritonUnavailable("the 'nvidia-pytriton' package (which ships the tritonserver binary) is not "
+                                "installed: pip install nvidia-pytriton") from None
+    if not sys.platform.startswith("linux"):
+        raise TritonUnavailable(f"the bundled tritonserver runs on Linux only, this is {sys.platform}")
+    pkg = os.path.dirname(os.path.abspath(pytriton.__file__))
+    root = os.path.join(pkg, "tritonserver")
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    dist = TritonDist(
+        root=root,
+        binary=os.path.join(root, "bin", "tritonserver"),
+        python_backend=os.path.join(root, "backends", "python"),
+        stub=os.path.join(root, "python_backend_stubs", version, "triton_python_backend_stub"),
+        libs=os.path.join(os.path.dirname(pkg), "nvidia_pytriton.libs"),
+    )
+    for what, path in (("tritonserver binary", dist.binary), ("Python backend", dist.python_backend),
+                       (f"Python backend stub for Python {version}", dist.stub)):
+        if not os.path.exists(path):
+            raise TritonUnavailable(f"nvidia-pytriton has no {what} at {path}")
+    if not os.access(dist.binary, os.X_OK):
+        raise TritonUnavailable(f"{dist.binary} is not executable")
+    return dist
+
+
+def prepare_backends(dist: TritonDist, folder: str) -> str:
+    """Assemble ``folder/python`` (backend library, utils, this Python's stub); returns
+    the backend directory to pass as ``--backend-directory``."""
+    py = os.path.join(folder, "python")
+    os.makedirs(py, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(os.path.join(dist.python_backend, name), os.path.join(py, name))
+    shutil.copy2(dist.stub, os.path.join(py, "triton_python_backend_stub"))
+    return folder
+
+
+def server_env(dist: TritonDist, base: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR") or os.path.join(sys.base_prefix, "lib")
+    parts = [p for p in (dist.libs, libdir, env.get("LD_LIBRARY_PATH", "")) if p]
+    env["LD_LIBRARY_PATH"] = ":".join(parts)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (free when asked; another process may
+    take one before the server binds it, then :meth:`TritonServer.start` retries)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class TritonServer:
+    """A ``tritonserver`` process on 127.0.0.1 serving ``repository``.
+
+    ``http_port``/``grpc_port`` 0 pick free ports. Use as a context manager, or
+    :meth:`start` then :meth:`stop`. The server's log goes to ``log_path`` (a file in
+    a scratch folder by default; :meth:`log_tail` reads it).
+    """
+
+    def __init__(self, repository: str, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int | None = None,
+                 log_path: str | None = None, verbose: int = 0, exit_timeout: int = 10,
+                 extra_args: Sequence[str] = ()):
+        self.repository = os.path.abspath(repository)
+        if not os.path.isdir(self.repository):
+            raise FileNotFoundError(f"model repository not found: {self.repository}")
+        self.dist = find_tritonserver()
+        self._want = (http_port, grpc_port, metrics_port)
+        self.http_port = self.grpc_port = 0
+        self.metrics_port = metrics_port
+        self.verbose, self.exit_timeout, self.extra_args = verbose, exit_timeout, list(extra_args)
+        self._scratch = tempfile.mkdtemp(prefix="dash-tritonserver-")
+        self.log_path = log_path or os.path.join(self._scratch, "tritonserver.log")
+        self.backends = prepare_backends(self.dist, os.path.join(self._scratch, "backends"))
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # ------------------------------------------------------------------ urls
+    @property
+    def http_url(self) -> str:
+        return f"{HOST}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.dist.binary,
+            f"--model-repository={self.repository}",
+            f"--backend-directory={self.backends}",
+            f"--http-address={HOST}", f"--http-port={self.http_port}",
+            f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--log-verbose={self.verbose}",
+        ]
+        if self.metrics_port is None:
+            cmd.append("--allow-metrics=false")
+        else:
+            cmd += ["--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={HOST}",
+                    f"--metrics-port={self.metrics_port}"]
+        return cmd + self.extra_args
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 180.0) -> TritonServer:
+        """Start and wait until the server and every model are ready. Retries once with
+        other ports if one was taken in the meantime."""
+        for attempt in range(2):
+            http, grpc, metrics = self._want
+            if not http or not grpc:
+                ports = free_ports(3)
+                http, grpc = http or ports[0], grpc or ports[1]
+                if metrics == 0:
+                    metrics = ports[2]
+            self.http_port, self.grpc_port, self.metrics_port = http, grpc, metrics
+            self._log = open(self.log_path, "ab")
+            self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=server_env(self.dist),
+                                         start_new_session=True)
+            try:
+                self.wait_ready(timeout)
+                return self
+            except TritonStartError:
+                taken = "already in use" in self.log_tail(4000).lower()
+                self.stop()
+                if not (taken and attempt == 0 and not all(self._want[:2])):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            code = self.proc.poll() if self.proc else -1
+            if code is not None:
+                raise TritonStartError(f"tritonserver exited with code {code} before it was ready; log "
+                                       f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s; log {self.log_path}:\n"
+                               f"{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (Triton unloads the models, whose ``finalize`` answers what is still
+        queued), then SIGKILL if it does not exit within ``timeout``. Returns the exit code."""
+        proc, self.proc = self.proc, None
+        code = None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+            code = proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - chars))
+                return fh.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def cleanup(self) -> None:
+        """Stop and remove the scratch folder (keeps a log_path given by the caller)."""
+        self.stop()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

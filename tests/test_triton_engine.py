@@ -1,0 +1,261 @@
+"""The generation engine behind the Triton model, without a server: continuous batching
+gives exactly the tokens of offline greedy generation (dash_trt.model.generate), requests
+that do not fit wait and none is dropped, blocks come back, bad requests are refused with
+a message, failures stay with the requests they belong to."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dash_trt import model as M
+from dash_trt.triton.engine import (
+    CANCELLED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    UNAVAILABLE,
+    EngineConfig,
+    EngineConfigError,
+    EngineRunner,
+    GenerationEngine,
+    RequestError,
+)
+
+#: Seed of the demo model's weights: with it, greedy outputs differ from prompt to prompt.
+WEIGHTS_SEED = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    # Small steps on a 2-core shared machine run several times faster single-threaded.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M.demo_model(seed=WEIGHTS_SEED)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    cfg = model.config
+    return [
+        M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
+        M.document_prompt([30], "Title?", cfg),
+        M.document_prompt([5, 5, 5, 5], "", cfg),
+        M.document_prompt([40, 3], "Who?", cfg),
+        M.document_prompt([2], "x", cfg),
+    ]
+
+
+MAX_NEW = [6, 3, 5, 1, 7]
+
+
+@pytest.fixture(scope="module")
+def offline(model, prompts):
+    return [M.generate(model, [p], n).tokens[0] for p, n in zip(prompts, MAX_NEW)]
+
+
+def _record(events):
+    return lambda e: events.append(e)
+
+
+@pytest.mark.parametrize("config", [
+    # a pool for roughly two requests at a time: the rest wait, chunked prefill mixes with decode
+    EngineConfig(num_blocks=14, kv_block_size=8, prefill_chunk=24, max_batch_tokens=40),
+    # everything fits at once, the whole prompt in one chunk, odd block size
+    EngineConfig(num_blocks=64, kv_block_size=5, prefill_chunk=512, max_batch_tokens=1024),
+])
+def test_engine_equals_offline_generation(model, prompts, offline, config):
+    engine = GenerationEngine(model, config)
+    events = []
+    reqs = [engine.submit(p, n, on_event=_record(events)) for p, n in zip(prompts, MAX_NEW)]
+    engine.run_until_idle()
+    assert [r.result(timeout=0) for r in reqs] == offline
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == config.num_blocks
+    assert stats["kv_blocks_reserved"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["done"] == len(prompts) and stats["failed"] == 0
+    assert stats["peak_blocks_in_use"] <= config.num_blocks
+    # every request ends with exactly one "done", after its tokens
+    for r in reqs:
+        mine = [e for e in events if e.request is r]
+        assert [e.kind for e in mine].count("done") == 1 and mine[-1].kind == "done"
+        assert [t for e in mine if e.kind == "token" for t in e.tokens] == r.tokens
+        assert mine[-1].tokens == tuple(r.tokens)
+    if config.num_blocks == 14:
+        assert stats["waited"] > 0 and stats["peak_waiting"] > 0
+        # some step mixed one request's prefill chunk with another's decode token
+        by_step = {}
+        for e in events:
+            by_step.setdefault(e.step, {}).setdefault(e.kind, set()).add(e.request.id)
+        assert any(("progress" in k and "token" in k and (k["token"] - k["progress"])) for k in by_step.values())
+        # prefill went in chunks
+        assert max(sum(1 for e in events if e.request is r and e.kind == "progress") for r in reqs) >= 2
+
+
+def test_requests_join_while_others_decode(model, prompts, offline):
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16))
+    first = engine.submit(prompts[0], MAX_NEW[0])
+    engine.step()
+    engine.step()  # first is decoding now
+    assert len(first.tokens) == 2 and not first.finished
+    events = []
+    late = engine.submit(prompts[1], MAX_NEW[1], on_event=_record(events))
+    engine.step()
+    assert events[0].kind == "progress" and not first.finished  # joined the running batch
+    engine.run_until_idle()
+    assert first.result(0) == offline[0] and late.result(0) == offline[1]
+
+
+def test_fifo_wait_when_the_pool_is_full(model, prompts, offline):
+    # room for one request at a time: each waits for the one before it to free its blocks
+    need = max(-(-(len(p) + n - 1) // 8) for p, n in zip(prompts, MAX_NEW))
+    engine = GenerationEngine(model, EngineConfig(num_blocks=need, kv_block_size=8))
+    reqs = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
+    engine.run_until_idle()
+    assert [r.result(0) for r in reqs] == offline
+    admitted = sorted(reqs, key=lambda r: r.t_admit)
+    assert admitted == reqs  # first come, first admitted
+    assert engine.stats()["waited"] >= 3 and engine.stats()["peak_running"] <= 2
+    assert engine.stats()["kv_blocks_free"] == need
+
+
+def test_max_num_seqs_limits_running(model, prompts, offline):
+    engine = GenerationEngine(model, EngineConfig(num_blocks=128, max_num_seqs=2))
+    reqs = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
+    engine.run_until_idle()
+    assert [r.result(0) for r in reqs] == offline
+    assert engine.stats()["peak_running"] == 2
+
+
+def _bad_requests(cfg, engine_cfg):
+    page, image = cfg.page_token_id, cfg.image_token_id
+    return [
+        ([], None, "input_ids is empty"),
+        (M.tokenize("no document here", cfg), None, "no image token"),
+        ([image, image, 65], None, "no <PAGE> marker before its image tokens"),
+        ([page, image, cfg.vocab_size + 3, -1], None, r"outside the vocabulary 0\.\.319: \[323, -1\]"),
+        (np.array([page, image], dtype=np.float32), None, "integer token ids, got dtype float32"),
+        (np.array([[page, image]], dtype=np.int64), None, r"1-D \[num_tokens\], got shape \[1, 2\]"),
+        ("<PAGE><image>", None, "got a string"),
+        ([page, image, True], None, "integer token ids"),
+        ([page, image], 0, "max_new_tokens must be 1..16"),
+        ([page, image], 17, "max_new_tokens must be 1..16"),
+        ([page, image], np.array([2, 3], dtype=np.int32), r"one integer, got shape \[2\]"),
+        ([page] + [image] * (engine_cfg.num_blocks * engine_cfg.kv_block_size), 1,
+         "too long for the KV pool.*needs 9 KV blocks of 8 tokens, the pool has 8"),
+        ([page] + [image] * 50, 16, "too long for the KV pool: a prompt of 51 tokens plus up to 16"),
+    ]
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, prompts, offline):
+    ecfg = EngineConfig(num_blocks=8, kv_block_size=8, max_new_tokens_limit=16, default_max_new_tokens=4)
+    engine = GenerationEngine(model, ecfg)
+    good = engine.submit(prompts[4], MAX_NEW[4])
+    cases = _bad_requests(model.config, ecfg)
+    for prompt, max_new, match in cases:
+        with pytest.raises(RequestError, match=match) as e:
+            engine.submit(prompt, max_new)
+        assert e.value.code == INVALID_ARGUMENT
+    engine.run_until_idle()
+    assert good.result(0) == offline[4]
+    stats = engine.stats()
+    assert stats["refused"] == len(cases) and stats["submitted"] == 1 and stats["kv_blocks_free"] == 8
+    # the default max_new_tokens applies when a request does not say
+    assert len(engine.generate([prompts[4]], stop_at_eos=False)[0]) == 4
+
+
+def test_cancelled_request_frees_its_blocks(model, prompts, offline):
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64), cancel_poll_interval=0)
+    events = []
+    flag = {"cancel": False}
+    victim = engine.submit(prompts[0], 50, on_event=_record(events), is_cancelled=lambda: flag["cancel"])
+    other = engine.submit(prompts[1], MAX_NEW[1])
+    engine.step()
+    engine.step()
+    flag["cancel"] = True
+    engine.run_until_idle()
+    assert victim.status == "failed" and victim.error_code == CANCELLED
+    assert events[-1].kind == "error" and "cancelled" in events[-1].error
+    assert other.result(0) == offline[1]
+    assert engine.stats()["kv_blocks_free"] == 64
+
+
+def test_a_failing_step_fails_only_its_requests(model, prompts, offline):
+    calls = {"n": 0}
+
+    def flaky(inputs, caches):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        with torch.no_grad():
+            out = model(*(inputs[k] for k in M.MODEL_INPUTS), *caches)
+        return out[0], out[1:]
+
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64), forward=flaky)
+    first = engine.submit(prompts[0], MAX_NEW[0])
+    engine.step()  # fails
+    later = engine.submit(prompts[1], MAX_NEW[1])
+    engine.run_until_idle()
+    assert first.status == "failed" and first.error_code == INTERNAL and "device lost" in first.error
+    with pytest.raises(RequestError, match="device lost"):
+        first.result(0)
+    assert later.result(0) == offline[1]
+    assert engine.stats()["kv_blocks_free"] == 64
+
+
+def test_a_broken_callback_does_not_stop_others(model, prompts, offline):
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64))
+
+    def boom(event):
+        raise ValueError("callback bug")
+
+    a = engine.submit(prompts[1], MAX_NEW[1], on_event=boom)
+    b = engine.submit(prompts[4], MAX_NEW[4])
+    engine.run_until_idle()
+    assert a.result(0) == offline[1] and b.result(0) == offline[4]
+
+
+def test_runner_serves_concurrent_submitters_then_shuts_down(model, prompts, offline):
+    engine = GenerationEngine(model, EngineConfig(num_blocks=24, kv_block_size=8, prefill_chunk=16))
+    runner = EngineRunner(engine).start()
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = engine.submit(prompts[i], MAX_NEW[i]).result(timeout=120)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results == offline
+    assert engine.stats()["kv_blocks_free"] == 24
+    # shutdown: a request that cannot start before the stop is answered, not dropped
+    runner._stop.set()  # stop stepping first, so the request stays queued
+    runner._thread.join(10)
+    queued = engine.submit(prompts[0], 4)
+    assert runner.stop("going away") == 1
+    assert queued.status == "failed" and queued.error_code == UNAVAILABLE and queued.error == "going away"
+    with pytest.raises(RequestError, match="going away") as e:
+        engine.submit(prompts[0], 4)
+    assert e.value.code == UNAVAILABLE
+    assert engine.stats()["kv_blocks_free"] == 24 and engine.stats()["closed"]
+
+
+def test_engine_config_validation_and_json():
+    cfg = EngineConfig(num_blocks=10, kv_block_size=4)
+    assert EngineConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(EngineConfigError, match="'num_blocks' must be a positive integer"):
+        EngineConfig(num_blocks=0)
+    with pytest.raises(EngineConfigError, match="exceeds max_new_tokens_limit"):
+        EngineConfig(default_max_new_tokens=10, max_new_tokens_limit=5)
+    with pytest.raises(EngineConfigError, match="unknown engine config key"):
+        EngineConfig.from_json('{"num_blockz": 3}')
+    with pytest.raises(EngineConfigError, match="not valid JSON"):
+        EngineConfig.from_json("{")

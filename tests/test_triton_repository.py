@@ -1,0 +1,253 @@
+"""dash-triton write: the model repository, every config.pbtxt parsed with Triton's own
+ModelConfig schema (tritonclient ships it), the tensorrt_plan model's I/O from the ONNX
+file, and the errors a user can run into."""
+
+import filecmp
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from dash_trt import model as M
+from dash_trt.ops import CACHE_FIELDS
+from dash_trt.triton import cli
+from dash_trt.triton import protocol as P
+from dash_trt.triton.engine import EngineConfig
+from dash_trt.triton.repository import (
+    NO_PLAN_MESSAGE,
+    PYTHON_MODEL_SOURCE,
+    Enum,
+    RepositoryError,
+    onnx_io,
+    to_pbtxt,
+    write_repository,
+)
+
+onnx = pytest.importorskip("onnx")
+model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
+                                       reason="tritonclient[grpc] ships Triton's model-config schema")
+from google.protobuf import text_format  # noqa: E402  (protobuf comes with tritonclient[grpc])
+
+
+def parse_config(path) -> "model_config_pb2.ModelConfig":
+    """Parse with Triton's schema: unknown fields, bad enums or types raise ParseError."""
+    with open(path, encoding="utf-8") as fh:
+        return text_format.Parse(fh.read(), model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M.demo_model(seed=1)
+
+
+def fake_export(model, path, kv_block_size=16, dtype=onnx.TensorProto.FLOAT):
+    """An ONNX file with the exported graph's interface (dash_trt.export): names, types,
+    symbolic axes; Identity nodes stand in for the model."""
+    from onnx import TensorProto, helper
+
+    c = model.config
+    sbs = c.dash.sparse_block_size
+    per = -(-kv_block_size // sbs)
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["num_tokens"]),
+        helper.make_tensor_value_info("coords", TensorProto.INT32, ["num_tokens", 4]),
+        helper.make_tensor_value_info("block_tables", TensorProto.INT32, ["num_seqs", "block_table_width"]),
+        helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["num_seqs"]),
+        helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["num_seqs + 1"]),
+        helper.make_tensor_value_info("prompt_lens", TensorProto.INT32, ["num_seqs"]),
+    ]
+    shapes = {"key": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
+              "value": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
+              "index_key": (dtype, [kv_block_size, c.index_head_dim]),
+              "image_page": (TensorProto.INT32, [kv_block_size]),
+              "summary": (TensorProto.FLOAT, [per, c.index_head_dim]),
+              "summary_pages": (TensorProto.INT32, [per, 3])}
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_tokens", c.vocab_size])]
+    nodes = [helper.make_node("Identity", ["input_ids"], ["ids_copy"])]
+    for layer in range(c.num_hidden_layers):
+        for f in CACHE_FIELDS:
+            t, dims = shapes[f]
+            inputs.append(helper.make_tensor_value_info(f"past.{layer}.{f}", t, ["num_kv_blocks", *dims]))
+            outputs.append(helper.make_tensor_value_info(f"present.{layer}.{f}", t, ["num_kv_blocks", *dims]))
+            nodes.append(helper.make_node("Identity", [f"past.{layer}.{f}"], [f"present.{layer}.{f}"]))
+    nodes.append(helper.make_node("Cast", ["ids_copy"], ["ids_f"], to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Expand", ["ids_f", "shape"], ["logits"]))
+    graph = helper.make_graph(nodes, "dash", inputs, outputs,
+                              initializer=[helper.make_tensor("shape", TensorProto.INT64, [2], [1, c.vocab_size])])
+    onnx.save(helper.make_model(graph), str(path))
+    return str(path)
+
+
+def test_generation_models_parse_with_triton_schema(tmp_path, model):
+    engine = EngineConfig(num_blocks=40, kv_block_size=8, prefill_chunk=32)
+    written = write_repository(tmp_path / "repo", model, engine=engine)
+    assert written.models == ["dash", "dash_stream"]
+    assert NO_PLAN_MESSAGE in written.messages
+    for name, decoupled in (("dash", False), ("dash_stream", True)):
+        cfg = parse_config(tmp_path / "repo" / name / "config.pbtxt")
+        assert cfg.name == name and cfg.backend == "python" and cfg.max_batch_size == 0
+        assert cfg.model_transaction_policy.decoupled is decoupled
+        assert [(i.name, model_config_pb2.DataType.Name(i.data_type), list(i.dims), i.optional) for i in cfg.input] \
+            == [(n, t, list(d), o) for n, t, d, o in P.INPUTS]
+        assert [(o.name, model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output] \
+            == [(n, t, list(d)) for n, t, d in P.OUTPUTS]
+        assert len(cfg.instance_group) == 1
+        assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+        assert cfg.instance_group[0].count == 1
+        params = {k: v.string_value for k, v in cfg.parameters.items()}
+        assert EngineConfig.from_json(params[P.PARAM_ENGINE]) == engine
+        assert M.DashModelConfig.from_dict(json.loads(params[P.PARAM_MODEL_CONFIG])) == model.config
+        assert params[P.PARAM_CHECKPOINT] == "model.pt" and params[P.PARAM_DEVICE] == "cpu"
+        vdir = tmp_path / "repo" / name / "1"
+        assert filecmp.cmp(vdir / "model.py", PYTHON_MODEL_SOURCE, shallow=False)
+        loaded = M.load_checkpoint(vdir / "model.pt")
+        assert loaded.config == model.config
+        for k, v in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[k], v), k
+    assert "dash-triton serve" in (tmp_path / "repo" / "README.md").read_text()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".dash-triton-")]  # no scratch left
+
+
+def test_cuda_device_and_no_stream_model(tmp_path, model):
+    written = write_repository(tmp_path / "repo", model, device="cuda", streaming=False, name="ocr")
+    assert written.models == ["ocr"]
+    cfg = parse_config(tmp_path / "repo" / "ocr" / "config.pbtxt")
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    assert not (tmp_path / "repo" / "ocr_stream").exists()
+
+
+@pytest.mark.parametrize("dtype, triton_type", [(onnx.TensorProto.FLOAT, "TYPE_FP32"),
+                                                (onnx.TensorProto.FLOAT16, "TYPE_FP16"),
+                                                (onnx.TensorProto.BFLOAT16, "TYPE_BF16")])
+def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
+    onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=16, dtype=dtype)
+    (tmp_path / "model.plan").write_bytes(b"not a real engine: TensorRT is not installed here")
+    (tmp_path / "libdash_plugin.so").write_bytes(b"\x7fELF stand-in")
+    written = write_repository(tmp_path / "repo", model, onnx=onnx_path, plan=str(tmp_path / "model.plan"),
+                               plugin=str(tmp_path / "libdash_plugin.so"), plan_instances=2, plan_gpus=[0, 1])
+    assert written.models == ["dash", "dash_stream", "dash_plan"]
+    assert NO_PLAN_MESSAGE not in written.messages
+    assert any("LD_PRELOAD=" in m and "--backend-config=tensorrt,plugins=" in m for m in written.messages)
+    plan_dir = tmp_path / "repo" / "dash_plan"
+    cfg = parse_config(plan_dir / "config.pbtxt")
+    assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 0 and cfg.default_model_filename == "model.plan"
+    ins = {i.name: (model_config_pb2.DataType.Name(i.data_type), list(i.dims)) for i in cfg.input}
+    outs = {o.name: (model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output}
+    c = model.config
+    assert list(ins)[:6] == list(M.MODEL_INPUTS)
+    assert ins["input_ids"] == ("TYPE_INT64", [-1])
+    assert ins["coords"] == ("TYPE_INT32", [-1, 4])
+    assert ins["block_tables"] == ("TYPE_INT32", [-1, -1])
+    assert ins["query_start_loc"] == ("TYPE_INT32", [-1])
+    assert ins["past.1.key"] == (triton_type, [-1, 16, c.num_key_value_heads, c.head_dim])
+    assert ins["past.0.summary"] == ("TYPE_FP32", [-1, 1, c.index_head_dim])
+    assert len(ins) == 6 + 6 * c.num_hidden_layers and len(outs) == 1 + 6 * c.num_hidden_layers
+    assert outs["logits"] == ("TYPE_FP32", [-1, c.vocab_size])
+    assert outs["present.0.image_page"] == ("TYPE_INT32", [-1, 16])
+    group = cfg.instance_group[0]
+    assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    assert group.count == 2 and list(group.gpus) == [0, 1]
+    assert (plan_dir / "1" / "model.plan").read_bytes().startswith(b"not a real engine")
+    assert (plan_dir / "1" / "libdash_plugin.so").exists()
+    text = (plan_dir / "config.pbtxt").read_text()
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    for doc in (text, readme):
+        assert "LD_PRELOAD=" in doc and "--backend-config=tensorrt,plugins=" in doc
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dash_trt.export") is None,
+                    reason="dash_trt.export (dash-export) comes with the export branch")
+def test_plan_model_from_a_real_export(tmp_path, model):  # pragma: no cover - runs once export is merged
+    from dash_trt.export import export_onnx
+
+    path = str(tmp_path / "model.onnx")
+    export_onnx(model, path, kv_block_size=16)
+    ins, outs = onnx_io(path)
+    want_in, want_out = onnx_io(fake_export(model, tmp_path / "fake.onnx"))
+    assert ins == want_in and outs == want_out
+
+
+def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model):
+    plan = tmp_path / "model.plan"
+    plan.write_bytes(b"x")
+    plugin = tmp_path / "libdash_plugin.so"
+    plugin.write_bytes(b"x")
+    with pytest.raises(RepositoryError, match="needs --plan, --onnx .* and --plugin"):
+        write_repository(tmp_path / "a", model, plan=str(plan), plugin=str(plugin))
+    with pytest.raises(RepositoryError, match="needs --plan, --onnx .* and --plugin"):
+        write_repository(tmp_path / "a", model, plan=str(plan), onnx=fake_export(model, tmp_path / "m.onnx"))
+    # an ONNX file of another model (3 layers, other vocabulary, KV blocks of 32)
+    other = M.random_model({**M.DEMO_CONFIG, "num_hidden_layers": 3, "vocab_size": 400,
+                            M.CONFIG_SECTION: {**M.DEMO_CONFIG[M.CONFIG_SECTION], "sparse_topk_blocks": 2}})
+    with pytest.raises(RepositoryError, match="3 layers of cache inputs.*400 classes.*KV blocks of 32 tokens"):
+        write_repository(tmp_path / "a", model, onnx=fake_export(other, tmp_path / "o.onnx", kv_block_size=32),
+                         plan=str(plan), plugin=str(plugin))
+    with pytest.raises(RepositoryError, match="plan not found or empty"):
+        write_repository(tmp_path / "a", model, onnx=fake_export(model, tmp_path / "m.onnx"),
+                         plan=str(tmp_path / "missing.plan"), plugin=str(plugin))
+    with pytest.raises(RepositoryError, match="ONNX file not found"):
+        onnx_io(tmp_path / "nope.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"\x00\x01 not protobuf")
+    with pytest.raises(RepositoryError, match="not a readable ONNX model"):
+        onnx_io(tmp_path / "junk.onnx")
+    assert not (tmp_path / "a").exists()
+
+
+def test_existing_output_and_atomic_failure(tmp_path, model, monkeypatch):
+    out = tmp_path / "repo"
+    write_repository(out, model, streaming=False)
+    with pytest.raises(RepositoryError, match="already exists .*--force"):
+        write_repository(out, model)
+    # a failure half-way leaves the old repository as it was and no scratch folder
+    import dash_trt.triton.repository as R
+
+    def broken(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(R, "to_pbtxt", broken)
+    with pytest.raises(OSError, match="disk full"):
+        write_repository(out, model, force=True)
+    assert parse_config(out / "dash" / "config.pbtxt").name == "dash"
+    assert sorted(os.listdir(tmp_path)) == ["repo"]
+    monkeypatch.undo()
+    write_repository(out, model, force=True)
+    assert (out / "dash_stream" / "config.pbtxt").exists()
+
+
+def test_pbtxt_strings_round_trip(tmp_path):
+    tricky = 'quote " backslash \\ newline \n tab \t unicode é 页 {"json": [1, 2]}'
+    text = to_pbtxt({"# ": "a comment\nover two lines", "name": tricky, "backend": "python", "max_batch_size": 0,
+                     "input": [{"name": "x", "data_type": Enum("TYPE_INT64"), "dims": [-1, 4], "optional": True}],
+                     "parameters": [{"key": "k", "value": {"string_value": tricky}}]})
+    cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert cfg.name == tricky and cfg.parameters["k"].string_value == tricky
+    assert list(cfg.input[0].dims) == [-1, 4] and cfg.input[0].optional
+
+
+def test_cli_write(tmp_path, model, capsys):
+    ckpt = tmp_path / "model.pt"
+    M.save_checkpoint(model, ckpt)
+    onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=8)
+    rc = cli.main(["write", str(ckpt), "--out", str(tmp_path / "repo"), "--onnx", onnx_path, "--num-blocks", "99",
+                   "--max-new-tokens", "7"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "no --plan given" in captured.err and "models dash, dash_stream" in captured.out
+    engine = EngineConfig.from_json(parse_config(tmp_path / "repo" / "dash" / "config.pbtxt")
+                                    .parameters[P.PARAM_ENGINE].string_value)
+    assert engine.kv_block_size == 8  # taken from the ONNX graph
+    assert engine.num_blocks == 99 and engine.default_max_new_tokens == 7
+    assert filecmp.cmp(ckpt, tmp_path / "repo" / "dash" / "1" / "model.pt", shallow=False)
+    # errors: exit code 2 with a message
+    assert cli.main(["write", str(ckpt), "--out", str(tmp_path / "repo")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["write", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "r2")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    assert cli.main(["write", "--demo", "--out", str(tmp_path / "r3"), "--num-blocks", "0"]) == 2
+    assert "'num_blocks' must be a positive integer" in capsys.readouterr().err
+    assert cli.main(["write", "--out", str(tmp_path / "r4")]) == 2
+    assert "give a checkpoint" in capsys.readouterr().err
+    assert cli.main(["serve", str(tmp_path / "missing")]) == 2
+    assert "model repository not found" in capsys.readouterr().err

@@ -1,0 +1,273 @@
+"""A real Triton Inference Server (the tritonserver binary of nvidia-pytriton, on CPU,
+127.0.0.1, random free ports) serving the repository that dash-triton writes: the client
+gets exactly the tokens of offline greedy generation over HTTP, gRPC and gRPC streaming;
+32 concurrent requests of mixed lengths are all answered correctly with the KV pool
+free afterwards; bad requests get clear errors while the others are served.
+
+Marked ``triton``: deselect with ``-m 'not triton'``. Skipped with the reason when the
+server cannot run on the machine; with ``DASH_REQUIRE_TRITON=1`` (set by ``.ci/run``)
+that is a failure instead.
+"""
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dash_trt import model as M
+from dash_trt.triton import client as C
+from dash_trt.triton import protocol as P
+from dash_trt.triton.engine import EngineConfig
+from dash_trt.triton.loadtest import expected_tokens, make_cases, run_load
+from dash_trt.triton.repository import write_repository
+
+pytestmark = pytest.mark.triton
+
+#: Weights seed of the served demo model (greedy outputs vary from prompt to prompt).
+WEIGHTS_SEED = 2
+#: A small pool (64 blocks of 16 tokens) so that the load test's requests must wait.
+ENGINE = EngineConfig(num_blocks=64, kv_block_size=16, prefill_chunk=48, max_batch_tokens=256,
+                      default_max_new_tokens=5, max_new_tokens_limit=64)
+
+
+def _unavailable(reason: str):
+    if os.environ.get("DASH_REQUIRE_TRITON") == "1":
+        pytest.fail(f"DASH_REQUIRE_TRITON=1 but the Triton server cannot run: {reason}")
+    pytest.skip(f"Triton server not available: {reason}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M.demo_model(seed=WEIGHTS_SEED)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model):
+    try:
+        import tritonclient.grpc  # noqa: F401
+        import tritonclient.http  # noqa: F401
+
+        from dash_trt.triton.server import TritonServer, TritonStartError, TritonUnavailable
+    except ImportError as exc:
+        _unavailable(f"{exc} (pip install '.[test]')")
+    root = tmp_path_factory.mktemp("triton")
+    ckpt = root / "model.pt"
+    M.save_checkpoint(model, ckpt)
+    write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE)
+    try:
+        srv = TritonServer(str(root / "repo"), log_path=str(root / "tritonserver.log"))
+    except TritonUnavailable as exc:
+        _unavailable(str(exc))
+    try:
+        srv.start(timeout=240)
+    except TritonStartError as exc:
+        srv.cleanup()
+        _unavailable(str(exc))
+    yield srv
+    code = srv.stop()
+    srv.cleanup()
+    assert code == 0, f"tritonserver exit code {code}:\n{srv.log_tail()}"
+
+
+@pytest.fixture
+def http(server):
+    with C.DashClient(server.http_url, protocol="http") as c:
+        yield c
+
+
+@pytest.fixture
+def grpc(server):
+    with C.DashClient(server.grpc_url, protocol="grpc") as c:
+        yield c
+
+
+def offline(model, prompts, max_new):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [M.generate(model, [p], n).tokens[0] for p, n in zip(prompts, max_new)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    cfg = model.config
+    return [M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
+            M.document_prompt([30], "Title?", cfg),
+            M.document_prompt([5, 5, 5, 5], "", cfg)]
+
+
+MAX_NEW = [8, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def want(model, prompts):
+    return offline(model, prompts, MAX_NEW)
+
+
+def test_http_and_grpc_give_offline_tokens(http, grpc, model, prompts, want):
+    assert http.model_config() == model.config  # read from the server's config.pbtxt
+    for client in (http, grpc):
+        got = [client.generate(p, n) for p, n in zip(prompts, MAX_NEW)]
+        assert [g.tokens for g in got] == want
+        assert [g.prompt_tokens for g in got] == [len(p) for p in prompts]
+        assert got[0].text == M.detokenize(want[0], model.config)
+    # text prompts are tokenized with the model's own tokenizer
+    text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
+    assert http.encode(text) == prompts[0]
+    assert http.generate(text, MAX_NEW[0]).tokens == want[0]
+    # the model's default max_new_tokens (5), and generation past EOS
+    assert len(grpc.generate(prompts[1], stop_at_eos=False).tokens) == ENGINE.default_max_new_tokens
+    assert grpc.stats()["kv_blocks_free"] == ENGINE.num_blocks
+
+
+def test_streaming_reports_progress_and_tokens(grpc, model):
+    prompt = M.document_prompt([40, 40, 30], "Which page has the table?", model.config)
+    [expect] = offline(model, [prompt], [6])
+    progress, tokens = [], []
+    got = grpc.stream(prompt, 6, on_progress=lambda done, total: progress.append((done, total)),
+                      on_token=tokens.append)
+    assert got.tokens == tokens == expect
+    # chunked prefill of 48 tokens reported chunk by chunk, ending at the prompt length
+    dones = [d for d, _ in progress]
+    assert len(dones) == -(-len(prompt) // ENGINE.prefill_chunk) and dones == sorted(dones)
+    assert dones[-1] == len(prompt) and all(t == len(prompt) for _, t in progress)
+
+
+def test_client_command(server, model, prompts, want, capsys):
+    url = server.http_url
+    text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
+    assert C.main(["--url", url, "--prompt", text, "--max-new-tokens", str(MAX_NEW[0])]) == 0
+    out, err = capsys.readouterr()
+    assert f"tokens: {' '.join(map(str, want[0]))}" in out
+    assert f"prompt: {len(prompts[0])} tokens, 3 page(s)" in err
+    # --pages builds the same prompt as document_prompt; --json for scripts
+    assert C.main(["--url", url, "--pages", "30", "--question", "Title?", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want[1]
+    # gRPC streaming shows prefill progress on a long prompt and the tokens as they come
+    assert C.main(["--url", server.grpc_url, "--stream", "--pages", "60,60,60", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "prefill 48/183 tokens (26%)" in err and "prefill 183/183 tokens (100%)" in err
+    assert out.startswith("tokens: ")
+    # a long unary prompt prints progress lines while it waits
+    assert C.main(["--url", url, "--pages", "60,60,60", "--max-new-tokens", "2", "--progress-threshold", "10"]) == 0
+    assert "waiting for the answer to a 183-token prompt" in capsys.readouterr().err
+    assert C.main(["--url", url, "--stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_blocks_total"] == ENGINE.num_blocks
+    # a refused request: exit 1 with the server's message
+    assert C.main(["--url", url, "--prompt", "no pages here"]) == 1
+    assert "no image token" in capsys.readouterr().err
+    # no server there: exit 3
+    from dash_trt.triton.server import free_ports
+
+    assert C.main(["--url", f"127.0.0.1:{free_ports(1)[0]}", "--prompt", "<PAGE><image>", "--timeout", "5"]) == 3
+    assert "no Triton server" in capsys.readouterr().err
+
+
+def _raw_infer(server, protocol, arrays):
+    """Send arbitrary tensors (wrong dtypes and shapes included) with plain tritonclient."""
+    mod = C._module(protocol)
+    url = server.http_url if protocol == "http" else server.grpc_url
+    client = mod.InferenceServerClient(url)
+    try:
+        inputs = []
+        for name, (arr, dtype) in arrays.items():
+            x = mod.InferInput(name, list(arr.shape), dtype)
+            x.set_data_from_numpy(arr)
+            inputs.append(x)
+        return client.infer("dash", inputs)
+    finally:
+        client.close()
+
+
+def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, prompts, want):
+    cfg = model.config
+    page, image = cfg.page_token_id, cfg.image_token_id
+    # a good request in flight during all the bad ones
+    box, arrived = {}, threading.Event()
+
+    def keep(result):
+        box["r"] = result
+        arrived.set()
+
+    grpc.generate_async(prompts[0], MAX_NEW[0], keep)
+    ids = np.array(prompts[1], dtype=np.int64)
+    bad = [
+        # (protocol, tensors, expected status, message fragment)
+        ("http", {P.INPUT_IDS: (np.array(M.tokenize("What is the title?", cfg), dtype=np.int64), "INT64")},
+         "400", "no image token"),
+        ("grpc", {P.INPUT_IDS: (np.array([image, 65, 66], dtype=np.int64), "INT64")},
+         "StatusCode.INVALID_ARGUMENT", "no <PAGE> marker before its image tokens"),
+        ("http", {P.INPUT_IDS: (np.array([page] + [image] * 1100, dtype=np.int64), "INT64")},
+         "400", "too long for the KV pool: a prompt of 1101 tokens plus up to 5 new tokens needs 70 KV blocks"),
+        ("http", {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([100], dtype=np.int32), "INT32")},
+         "400", "max_new_tokens must be 1..64"),
+        ("http", {P.INPUT_IDS: (np.zeros(0, dtype=np.int64), "INT64")}, "400", "input_ids is empty"),
+        ("http", {P.INPUT_IDS: (np.array([page, image, 999], dtype=np.int64), "INT64")}, "400",
+         "outside the vocabulary"),
+        # wrong dtype and shape: Triton itself checks them against config.pbtxt
+        ("http", {P.INPUT_IDS: (ids.astype(np.int32), "INT32")}, "400",
+         "input 'input_ids' data-type is 'INT32', but model 'dash' expects 'INT64'"),
+        ("grpc", {P.INPUT_IDS: (ids.astype(np.float32), "FP32")}, "StatusCode.INVALID_ARGUMENT",
+         "data-type is 'FP32', but model 'dash' expects 'INT64'"),
+        ("http", {P.INPUT_IDS: (ids.reshape(1, -1), "INT64")}, "400",
+         "unexpected shape for input 'input_ids' for model 'dash'. Expected [-1], got [1,"),
+        ("http", {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([[1, 2]], dtype=np.int32), "INT32")},
+         "400", "unexpected shape for input 'max_new_tokens'"),
+    ]
+    from tritonclient.utils import InferenceServerException
+
+    for protocol, arrays, status, fragment in bad:
+        with pytest.raises(InferenceServerException) as e:
+            _raw_infer(server, protocol, arrays)
+        assert fragment in e.value.message(), (protocol, e.value.message())
+        assert str(e.value.status()) == status, (protocol, fragment, e.value.status())
+    with pytest.raises(C.DashClientError, match="no <PAGE> marker before its image tokens") as e:
+        grpc.generate("<image> without a page marker, then text")
+    assert e.value.status == "StatusCode.INVALID_ARGUMENT"
+    # the server kept serving: the request in flight and new ones are answered correctly
+    assert arrived.wait(120) and box["r"].tokens == want[0]
+    assert grpc.generate(prompts[2], MAX_NEW[2]).tokens == want[2]
+    stats = grpc.stats()
+    assert stats["refused"] >= 7 and stats["kv_blocks_free"] == ENGINE.num_blocks
+
+
+def test_load_32_concurrent_requests(grpc, model, capsys):
+    cases = make_cases(model.config, 36, seed=7, pages=(1, 4), images=(4, 48), max_new_tokens=(1, 8))
+    expected = expected_tokens(model, cases, kv_block_size=ENGINE.kv_block_size)
+    before = grpc.stats()
+    report = run_load(grpc, cases, expected)
+    with capsys.disabled():
+        print("\n" + report.summary())
+    assert report.correct == len(cases) and not report.wrong and not report.errors and not report.missing
+    assert report.pool_free and report.ok
+    s = report.stats_after
+    assert s["done"] - before["done"] == len(cases)
+    # the pool could not hold them all: some waited, many ran at once
+    assert s["waited"] > before["waited"] and s["peak_running"] >= 8
+    assert sum(len(c.ids) for c in cases) > ENGINE.num_blocks * ENGINE.kv_block_size
+
+
+def test_client_deadline_cancels_the_request_and_frees_its_blocks(server, model):
+    import time
+
+    before = None
+    with C.DashClient(server.grpc_url, protocol="grpc", timeout=0.3) as hasty:
+        before = hasty.stats()
+        prompt = M.document_prompt([48, 48], "Describe everything.", model.config)
+        with pytest.raises(C.DashClientError) as e:
+            hasty.generate(prompt, ENGINE.max_new_tokens_limit, stop_at_eos=False)
+        assert e.value.status == "StatusCode.DEADLINE_EXCEEDED"
+    with C.DashClient(server.grpc_url, protocol="grpc") as c:
+        deadline = time.monotonic() + 60
+        while (s := c.stats())["running"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # Triton passed the gRPC cancellation to the model: the engine dropped the sequence
+    # before its 64 tokens and gave its blocks back
+    assert s["running"] == 0 and s["kv_blocks_free"] == ENGINE.num_blocks
+    assert s["failed"] == before["failed"] + 1
+    assert s["tokens_generated"] - before["tokens_generated"] < ENGINE.max_new_tokens_limit

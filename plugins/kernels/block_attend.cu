@@ -100,6 +100,58 @@ struct LocalLayout : BmLayout<D, T> {
     static constexpr size_t bytes = o + (size_t)kRows * BmLayout<D, T>::OS * sizeof(float);
 };
 
+// The two products of a 64-row tile, a warp per band of 16 rows (4 warps):
+//   S [64 rows x 64 keys] = Q [rows x D] . K^T, into s (float, row stride ss);
+//   O [64 rows x D]      = P [rows x 64 keys] . V, into o (float, row stride os).
+// K, V and Q rows are ks elements apart, P rows ps.
+template <typename T, int D>
+__device__ __forceinline__ void tile_qk(const T* q, const T* k, int ks, float* s, int ss) {
+    using namespace nvcuda;
+    const int warp = threadIdx.x / 32;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+        wmma::load_matrix_sync(a, q + warp * 16 * ks + kk, ks);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+            wmma::load_matrix_sync(b, k + n * 16 * ks + kk, ks);
+            wmma::mma_sync(acc[n], a, b, acc[n]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) wmma::store_matrix_sync(s + warp * 16 * ss + n * 16, acc[n], ss, wmma::mem_row_major);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void tile_pv(const T* p, int ps, const T* v, int ks, float* o, int os) {
+    using namespace nvcuda;
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int n0 = 0; n0 < D / 16; n0 += 4) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < 64; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+            wmma::load_matrix_sync(a, p + warp * 16 * ps + kk, ps);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+                wmma::load_matrix_sync(b, v + kk * ks + (n0 + n) * 16, ks);
+                wmma::mma_sync(acc[n], a, b, acc[n]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+            wmma::store_matrix_sync(o + warp * 16 * os + (n0 + n) * 16, acc[n], os, wmma::mem_row_major);
+    }
+}
+
 // One CTA per (physical sparse block, KV head). Needs sparse_block_size == 64.
 template <typename T, int D>
 __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
@@ -145,7 +197,6 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     __pipeline_commit();
     const int per_tile = kRows / group;  // entries per tile
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
-    const int warp = threadIdx.x / 32;
     // Every entry's metadata up front (one round of scattered loads instead of one per tile).
     __shared__ int ent_tl[kEntriesPerCta], ent_j[kEntriesPerCta], ent_pos[kEntriesPerCta],
         ent_prompt[kEntriesPerCta], ent_base[kEntriesPerCta];
@@ -188,26 +239,8 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         __pipeline_commit();
         __pipeline_wait_prior(0);
         __syncthreads();
-        // S = Q K^T: a warp per band of 16 rows, 64 keys.
-        {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-#pragma unroll
-            for (int kk = 0; kk < D; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                wmma::load_matrix_sync(a, q_s + warp * 16 * L::KS + kk, L::KS);
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                    wmma::load_matrix_sync(b, k_s + n * 16 * L::KS + kk, L::KS);
-                    wmma::mma_sync(acc[n], a, b, acc[n]);
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-                wmma::store_matrix_sync(s_s + warp * 16 * L::SS + n * 16, acc[n], L::SS, wmma::mem_row_major);
-        }
+        // S = Q K^T.
+        tile_qk<T, D>(q_s, k_s, L::KS, s_s, L::SS);
         __syncthreads();
         // Masked softmax per row (two threads per row). NOTE: float32; masked keys are -inf.
         {
@@ -233,31 +266,8 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
             if (half == 0) row_m[r] = m, row_l[r] = sum;
         }
         __syncthreads();
-        // O = P V: a warp per band of 16 rows, D columns (O overwrites Q and S).
-        {
-#pragma unroll
-            for (int n0 = 0; n0 < D / 16; n0 += 4) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-#pragma unroll
-                for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-#pragma unroll
-                for (int kk = 0; kk < 64; kk += 16) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::load_matrix_sync(a, p_s + warp * 16 * L::PS + kk, L::PS);
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                        wmma::load_matrix_sync(b, v_s + kk * L::KS + (n0 + n) * 16, L::KS);
-                        wmma::mma_sync(acc[n], a, b, acc[n]);
-                    }
-                }
-                // Q and S are dead once P is formed (no warp reads them during P V).
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-                    wmma::store_matrix_sync(o_s + warp * 16 * L::OS + (n0 + n) * 16, acc[n], L::OS,
-                                            wmma::mem_row_major);
-            }
-        }
+        // O = P V (O overwrites Q and S: both are dead once P is formed).
+        tile_pv<T, D>(p_s, L::PS, v_s, L::KS, o_s, L::OS);
         __syncthreads();
         // Partials: normalised output in T, (max, sum) in float.
         for (int idx = threadIdx.x; idx < kRows * D; idx += kBmThreads) {
@@ -302,7 +312,6 @@ __global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams
     constexpr int kChunk = 8;
     constexpr int kPer = kRows * D / kBmThreads;  // accumulator elements per thread
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
-    const int warp = threadIdx.x / 32;
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
 
@@ -355,25 +364,7 @@ __global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams
             __pipeline_commit();
             __pipeline_wait_prior(0);
             __syncthreads();
-            {  // S = Q K^T
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> c4[4];
-#pragma unroll
-                for (int n = 0; n < 4; ++n) wmma::fill_fragment(c4[n], 0.0f);
-#pragma unroll
-                for (int kk = 0; kk < D; kk += 16) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::load_matrix_sync(a, q_s + warp * 16 * L::KS + kk, L::KS);
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                        wmma::load_matrix_sync(b, k_s + n * 16 * L::KS + kk, L::KS);
-                        wmma::mma_sync(c4[n], a, b, c4[n]);
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-                    wmma::store_matrix_sync(s_s + warp * 16 * L::SS + n * 16, c4[n], L::SS, wmma::mem_row_major);
-            }
+            tile_qk<T, D>(q_s, k_s, L::KS, s_s, L::SS);  // S = Q K^T
             __syncthreads();
             {  // masked online softmax, two threads per row
                 const int r = threadIdx.x / 2, half = threadIdx.x % 2;
@@ -407,29 +398,7 @@ __global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams
                 }
             }
             __syncthreads();
-            {  // O_tile = P V
-#pragma unroll
-                for (int n0 = 0; n0 < D / 16; n0 += 4) {
-                    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c4[4];
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) wmma::fill_fragment(c4[n], 0.0f);
-#pragma unroll
-                    for (int kk = 0; kk < 64; kk += 16) {
-                        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                        wmma::load_matrix_sync(a, p_s + warp * 16 * L::PS + kk, L::PS);
-#pragma unroll
-                        for (int n = 0; n < 4; ++n) {
-                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                            wmma::load_matrix_sync(b, v_s + kk * L::KS + (n0 + n) * 16, L::KS);
-                            wmma::mma_sync(c4[n], a, b, c4[n]);
-                        }
-                    }
-#pragma unroll
-                    for (int n = 0; n < 4; ++n)
-                        wmma::store_matrix_sync(o_s + warp * 16 * L::OS + (n0 + n) * 16, c4[n], L::OS,
-                                                wmma::mem_row_major);
-                }
-            }
+            tile_pv<T, D>(p_s, L::PS, v_s, L::KS, o_s, L::OS);  // O_tile = P V
             __syncthreads();
 #pragma unroll
             for (int i = 0; i < kPer; ++i) {

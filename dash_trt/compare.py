@@ -1,0 +1,349 @@
+"""``dash-compare``: every backend against the PyTorch reference, with polygraphy's comparator.
+
+Runners, on the same steps (chunked prefill and decode of random document prompts, each
+runner carrying its own caches from step to step):
+
+- ``pytorch``: the reference: the model on CPU, whose DASH layers run the PyTorch paged
+  operator;
+- ``onnxrt``: ONNX Runtime on the exported file (the model-local ONNX function);
+- ``pytorch-cuda``: the model on the GPU, DASH layers on the CUDA kernels (when a GPU and the
+  kernel library are present; ``--no-cuda`` leaves it out);
+- ``tensorrt``: an engine built by ``dash-build`` (``--engine``, with ``--plugin``), when the
+  TensorRT Python package is installed.
+
+Every runner's outputs at every step (logits and each ``present.*`` cache) are compared with
+the reference by ``polygraphy.comparator.Comparator.compare_accuracy``; per-output error
+statistics go to the terminal and, with ``--json``, to a report. Exit codes: 0 all match,
+1 a mismatch, 2 bad input or an unavailable backend.
+
+``--save-inputs`` / ``--save-outputs`` write the reference's per-step feeds and outputs in
+polygraphy's JSON format, so ``polygraphy run model.onnx --onnxrt --load-inputs inputs.json
+--load-outputs reference.json`` checks a backend without this tool (each saved feed carries the
+reference's caches of that step, so the steps are independent there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import DashForCausalLM, demo_model, document_prompt, generate, load_checkpoint
+
+__all__ = ["CompareReport", "compare", "main", "TorchRunner"]
+
+#: Tolerances against the float32 reference, by the exported dtype (the export check's).
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-2, 5e-2), torch.bfloat16: (2e-1, 1e-1)}
+
+
+class CompareError(Exception):
+    """Bad input or an unavailable backend (exit code 2)."""
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    from .export import _to_numpy as conv
+
+    return conv(t.detach().cpu())
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    from .export import _to_torch as conv
+
+    return conv(a)
+
+
+def _runner_base():
+    from polygraphy.backend.base import BaseRunner
+
+    return BaseRunner
+
+
+class TorchRunner(_runner_base()):  # type: ignore[misc]
+    """A polygraphy runner over :class:`DashForCausalLM` (feeds and outputs by ONNX name)."""
+
+    def __init__(self, model: DashForCausalLM, input_names: Sequence[str], output_names: Sequence[str],
+                 name: str):
+        super().__init__(name=name)
+        self.model = model
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+
+    def activate_impl(self):
+        pass
+
+    def deactivate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        from polygraphy.common import TensorMetadata
+
+        return TensorMetadata()
+
+    def infer_impl(self, feed_dict):
+        device = self.model.device
+        args = [_to_torch(feed_dict[n]).to(device) for n in self.input_names]
+        with torch.no_grad():
+            out = self.model(*args)
+        return OrderedDict((n, _to_numpy(t)) for n, t in zip(self.output_names, out))
+
+
+@dataclass
+class CompareReport:
+    runners: list[str]
+    steps: int = 0
+    passed: bool = True
+    #: runner -> output -> {"max_abs", "mean_abs", "max_rel", "passed"}
+    stats: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  #: runner -> why it did not run
+
+    def to_json(self) -> dict:
+        return {"runners": self.runners, "reference": self.runners[0], "steps": self.steps,
+                "passed": self.passed, "outputs": self.stats, "skipped": self.skipped}
+
+
+def _onnx_io(path: str):
+    import onnx
+
+    try:
+        m = onnx.load(path, load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+        raise CompareError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    ins = [i.name for i in m.graph.input]
+    outs = [o.name for o in m.graph.output]
+    key = next((i for i in m.graph.input if i.name.endswith(".key") and i.name.startswith("past.")), None)
+    if key is None or "input_ids" not in ins:
+        raise CompareError(f"{path}: not a dash-export model (no input_ids / past.*.key inputs)")
+    dims = key.type.tensor_type.shape.dim
+    if len(dims) != 4 or not dims[1].HasField("dim_value"):
+        raise CompareError(f"{path}: {key.name} must have a fixed KV block size (dimension 1)")
+    return ins, outs, int(dims[1].dim_value)
+
+
+def _onnxrt_runner(path: str):
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from .onnx_ops import ort_session_options
+
+    try:
+        sess = ort.InferenceSession(path, ort_session_options(), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - ONNX Runtime refuses the file
+        raise CompareError(f"{path}: ONNX Runtime cannot load it: {str(exc).splitlines()[0][:400]}") from None
+    return OnnxrtRunner(sess, name="onnxrt")
+
+
+def _tensorrt_runner(engine: str, plugin: str | None):
+    try:
+        import tensorrt as trt
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+    except ImportError:
+        raise CompareError("TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to compare "
+                           "an engine") from None
+    if plugin is None or not os.path.isfile(plugin):
+        raise CompareError(f"--engine needs --plugin pointing at libdash_trt_plugin.so (got {plugin!r})")
+    trt.get_plugin_registry().load_library(plugin)
+    with open(engine, "rb") as fh:
+        data = fh.read()
+    return TrtRunner(EngineFromBytes(data), name="tensorrt")
+
+
+def default_prompts(model: DashForCausalLM, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def pages(n):
+        return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
+
+    cfg = model.config
+    return [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
+            document_prompt(pages(2), "Title?", cfg)]
+
+
+def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None, plugin: str | None = None,
+            use_cuda: bool = True, seed: int = 0, decode_steps: int = 3, prefill_chunk: int | None = 40,
+            atol: float | None = None, rtol: float | None = None, save_inputs: str | None = None,
+            save_outputs: str | None = None, log=print) -> CompareReport:
+    """Run every available backend next to the reference and compare with polygraphy."""
+    from polygraphy.comparator import Comparator, IterationResult, RunResults
+
+    in_names, out_names, kv_block_size = _onnx_io(onnx_path)
+    model = model.eval().cpu()
+    tol = TOLERANCES.get(model.dtype, TOLERANCES[torch.float32])
+    atol = tol[0] if atol is None else atol
+    rtol = tol[1] if rtol is None else rtol
+    reference = TorchRunner(model, in_names, out_names, "pytorch")
+    runners = [reference, _onnxrt_runner(onnx_path)]
+    report = CompareReport(runners=[])
+    if use_cuda:
+        from . import cuda as dcuda
+
+        if not torch.cuda.is_available():
+            report.skipped["pytorch-cuda"] = "no CUDA device"
+        elif not dcuda.available():
+            report.skipped["pytorch-cuda"] = "kernel library not built"
+        else:
+            import copy
+
+            runners.append(TorchRunner(copy.deepcopy(model).cuda(), in_names, out_names, "pytorch-cuda"))
+    if engine is not None:
+        runners.append(_tensorrt_runner(engine, plugin))
+    else:
+        report.skipped["tensorrt"] = "no --engine given"
+    report.runners = [r.name for r in runners]
+    results = {r.name: [] for r in runners}
+    feeds: list[OrderedDict] = []
+    carried: dict[str, list[np.ndarray] | None] = {r.name: None for r in runners}
+    n_in = in_names.index(next(n for n in in_names if n.startswith("past.")))
+    for r in runners:
+        r.activate()
+    try:
+        def forward(inputs: dict, caches: list):
+            meta = [_to_numpy(v) for v in inputs.values()]
+            ref_caches = [_to_numpy(c) for c in caches]
+            out = None
+            for r in runners:
+                past = ref_caches if carried[r.name] is None else carried[r.name]
+                feed = OrderedDict(zip(in_names, meta[:n_in] + past))
+                if r is reference:
+                    feed = OrderedDict(zip(in_names, meta[:n_in] + ref_caches))
+                    feeds.append(feed)
+                res = r.infer(feed, check_inputs=False)
+                res = OrderedDict((n, np.array(res[n])) for n in out_names)
+                results[r.name].append(IterationResult(outputs=res, runner_name=r.name))
+                carried[r.name] = [res[n] for n in out_names[1:]]
+                if r is reference:
+                    out = res
+            report.steps += 1
+            log(f"  step {report.steps}: {inputs['input_ids'].shape[0]} new tokens in "
+                f"{inputs['seq_lens'].shape[0]} sequences through {len(runners)} runners")
+            return _to_torch(out[out_names[0]]), [_to_torch(out[n]) for n in out_names[1:]]
+
+        generate(model, default_prompts(model, seed), decode_steps, prefill_chunk=prefill_chunk,
+                 kv_block_size=kv_block_size, stop_at_eos=False, forward=forward)
+    finally:
+        for r in runners:
+            r.deactivate()
+
+    run_results = RunResults()
+    for r in runners:
+        run_results.append((r.name, results[r.name]))
+    with np.errstate(divide="ignore", invalid="ignore"):  # relative errors of integer caches at 0
+        accuracy = Comparator.compare_accuracy(
+            run_results, comparisons=[(0, i) for i in range(1, len(runners))],
+            compare_func=_simple_compare(atol, rtol))
+    report.passed = bool(accuracy)
+    for r in runners[1:]:
+        per = {}
+        for name in out_names:
+            errs, rels, ok = [], [], True
+            for got_it, want_it in zip(results[r.name], results[reference.name]):
+                got = np.asarray(got_it[name]).astype(np.float64)
+                want = np.asarray(want_it[name]).astype(np.float64)
+                if got.shape != want.shape:
+                    ok = False
+                    continue
+                err = np.abs(got - want)
+                errs.append(err)
+                rels.append(err / np.maximum(np.abs(want), 1e-12))
+                ok &= bool(np.all(err <= atol + rtol * np.abs(want)))
+            flat = np.concatenate([e.ravel() for e in errs]) if errs else np.zeros(1)
+            rel = np.concatenate([e.ravel() for e in rels]) if rels else np.zeros(1)
+            per[name] = {"max_abs": float(flat.max()), "mean_abs": float(flat.mean()),
+                         "max_rel": float(rel.max()), "passed": ok}
+        report.stats[r.name] = per
+    if save_inputs:
+        from polygraphy.json import save_json
+
+        save_json(feeds, save_inputs, description="dash-compare per-step inputs (reference caches)")
+    if save_outputs:
+        ref_only = RunResults()
+        ref_only.append((reference.name, results[reference.name]))
+        ref_only.save(save_outputs)
+    return report
+
+
+def _simple_compare(atol: float, rtol: float):
+    """polygraphy's element-wise comparison (SimpleCompareFunc from 0.53 on)."""
+    try:
+        from polygraphy.comparator import SimpleCompareFunc
+
+        return SimpleCompareFunc(atol=atol, rtol=rtol, check_shapes=True)
+    except ImportError:
+        from polygraphy.comparator import CompareFunc
+
+        return CompareFunc.simple(atol=atol, rtol=rtol, check_shapes=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dash-compare",
+        description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
+                    "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
+    p.add_argument("onnx", help="a model exported by dash-export")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="the model.pt the file was exported from")
+    src.add_argument("--demo", action="store_true", help="the built-in demo model (as dash-export --demo)")
+    p.add_argument("--seed", type=int, default=0, help="demo model seed (dash-export --seed) and prompt seed")
+    p.add_argument("--engine", help="a TensorRT engine built by dash-build")
+    p.add_argument("--plugin", help="libdash_trt_plugin.so (with --engine)")
+    p.add_argument("--no-cuda", action="store_true", help="leave out the CUDA kernels runner")
+    p.add_argument("--decode-steps", type=int, default=3)
+    p.add_argument("--prefill-chunk", type=int, default=40)
+    p.add_argument("--atol", type=float)
+    p.add_argument("--rtol", type=float)
+    p.add_argument("--json", help="write the per-output error report here")
+    p.add_argument("--save-inputs", help="polygraphy JSON of the reference's per-step feeds")
+    p.add_argument("--save-outputs", help="polygraphy RunResults JSON of the reference's outputs")
+    p.add_argument("--unsafe-load", action="store_true", help="allow unpickling arbitrary objects in --checkpoint")
+    p.add_argument("--verbose", action="store_true", help="polygraphy's per-output, per-step comparison log")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.INFO if a.verbose else G_LOGGER.ERROR
+    if a.decode_steps < 0 or a.prefill_chunk < 1:
+        _parser().error("--decode-steps must be >= 0 and --prefill-chunk >= 1")
+    try:
+        if not os.path.isfile(a.onnx):
+            raise CompareError(f"{a.onnx}: no such file")
+        if a.demo:
+            model = demo_model(seed=a.seed)
+        else:
+            try:
+                model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load)
+            except Exception as exc:  # noqa: BLE001 - reported as bad input
+                raise CompareError(f"{a.checkpoint}: {exc}") from None
+        if a.engine is not None and not os.path.isfile(a.engine):
+            raise CompareError(f"{a.engine}: no such file")
+        print(f"dash-compare: {a.onnx} against the PyTorch reference")
+        report = compare(a.onnx, model, engine=a.engine, plugin=a.plugin, use_cuda=not a.no_cuda, seed=a.seed,
+                         decode_steps=a.decode_steps, prefill_chunk=a.prefill_chunk, atol=a.atol, rtol=a.rtol,
+                         save_inputs=a.save_inputs, save_outputs=a.save_outputs)
+    except CompareError as exc:
+        print(f"dash-compare: error: {exc}", file=sys.stderr)
+        return 2
+    for name, why in report.skipped.items():
+        print(f"  {name}: not run ({why})")
+    for runner, per in report.stats.items():
+        worst = max(per.items(), key=lambda kv: kv[1]["max_abs"])
+        bad = [n for n, s in per.items() if not s["passed"]]
+        print(f"  {runner} vs pytorch: {len(per)} outputs x {report.steps} steps, worst {worst[0]} "
+              f"max |err| {worst[1]['max_abs']:.3e}" + (f"; MISMATCH in {', '.join(bad[:6])}" if bad else ""))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(report.to_json(), fh, indent=1)
+    print("RESULT: " + ("all backends match the reference" if report.passed else "MISMATCH"))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

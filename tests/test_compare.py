@@ -1,0 +1,101 @@
+"""dash-compare: the PyTorch reference vs ONNX Runtime through polygraphy's comparator, on the
+demo export; a corrupted or foreign file fails loudly."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from dash_trt import compare as C
+from dash_trt import export as E
+from dash_trt import model as M
+
+
+@pytest.fixture(scope="module")
+def demo_onnx(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cmp") / "demo.onnx")
+    E.export_onnx(M.demo_model(seed=0), path, kv_block_size=16)
+    return path
+
+
+def test_onnxrt_matches_the_reference(demo_onnx, tmp_path, capsys):
+    report, ins, outs = tmp_path / "r.json", tmp_path / "in.json", tmp_path / "ref.json"
+    rc = C.main([demo_onnx, "--demo", "--no-cuda", "--json", str(report), "--save-inputs", str(ins),
+                 "--save-outputs", str(outs)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "RESULT: all backends match the reference" in text
+    r = json.loads(report.read_text())
+    assert r["runners"] == ["pytorch", "onnxrt"] and r["reference"] == "pytorch" and r["passed"]
+    assert r["steps"] >= 4  # chunked prefill and decode steps
+    stats = r["outputs"]["onnxrt"]
+    assert set(stats) >= {"logits", "present.0.key", "present.1.summary_pages"}
+    assert stats["logits"]["max_abs"] < 1e-4 and stats["present.0.image_page"]["max_abs"] == 0
+    assert all(s["passed"] for s in stats.values())
+    assert "tensorrt" in r["skipped"]
+    # the saved feeds and reference outputs load with polygraphy, one per step
+    from polygraphy.comparator import RunResults
+    from polygraphy.json import load_json
+
+    feeds = load_json(str(ins))
+    ref = RunResults.load(str(outs))
+    assert len(feeds) == r["steps"] and len(ref[0][1]) == r["steps"]
+    assert set(feeds[0]) >= {"input_ids", "coords", "past.0.key"}
+
+
+def test_corrupted_weights_fail_loudly(demo_onnx, tmp_path, capsys):
+    m = onnx.load(demo_onnx)
+    biggest = max((i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT),
+                  key=lambda i: np.prod(i.dims))
+    arr = numpy_helper.to_array(biggest).copy()
+    arr += 0.05
+    biggest.CopyFrom(numpy_helper.from_array(arr, biggest.name))
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    report = tmp_path / "r.json"
+    rc = C.main([str(bad), "--demo", "--no-cuda", "--json", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH" in out
+    r = json.loads(report.read_text())
+    assert not r["passed"] and not r["outputs"]["onnxrt"]["logits"]["passed"]
+
+
+def test_a_different_model_is_a_mismatch(demo_onnx, capsys):
+    assert C.main([demo_onnx, "--demo", "--seed", "1", "--no-cuda"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case, match", [
+    ("truncated", "not a readable ONNX model|cannot load"),
+    ("missing", "no such file"),
+    ("engine", "no such file|TensorRT not found"),
+])
+def test_bad_input_is_exit_code_2(demo_onnx, tmp_path, capsys, case, match):
+    import re
+
+    args = [demo_onnx, "--demo", "--no-cuda"]
+    if case == "truncated":
+        data = open(demo_onnx, "rb").read()
+        (tmp_path / "t.onnx").write_bytes(data[: len(data) // 3])
+        args[0] = str(tmp_path / "t.onnx")
+    elif case == "missing":
+        args[0] = str(tmp_path / "nope.onnx")
+    else:
+        args += ["--engine", str(tmp_path / "model.plan")]
+    assert C.main(args) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_engine_without_tensorrt_is_a_clear_error(demo_onnx, tmp_path, capsys):
+    pytest.importorskip("polygraphy")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    plan = tmp_path / "model.plan"
+    plan.write_bytes(b"not an engine")
+    assert C.main([demo_onnx, "--demo", "--no-cuda", "--engine", str(plan), "--plugin", "x.so"]) == 2
+    assert "TensorRT not found" in capsys.readouterr().err

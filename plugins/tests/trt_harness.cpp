@@ -19,7 +19,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <sstream>
+#include "../trt/dash_text.h"
 #include <string>
 #include <vector>
 
@@ -318,7 +318,7 @@ DASH_HARNESS_API int32_t dash_harness_format_code(char const* name) {
 DASH_HARNESS_API int32_t dash_harness_creator_info(char* buf, int32_t cap) {
     nvinfer1::IPluginCreatorV3One* c = creator();
     if (c == nullptr) return -1;
-    std::ostringstream os;
+    dash::trt::Text os;
     nvinfer1::InterfaceInfo const info = c->getInterfaceInfo();
     os << "interface=" << info.kind << " " << info.major << "." << info.minor << "\n";
     os << "name=" << c->getPluginName() << "\nversion=" << c->getPluginVersion()
@@ -396,7 +396,7 @@ DASH_HARNESS_API void* dash_harness_clone(void* handle, int32_t mode) {
 DASH_HARNESS_API int32_t dash_harness_plugin_info(void* handle, char* buf, int32_t cap) {
     auto* h = static_cast<Handle*>(handle);
     if (h == nullptr) return -1;
-    std::ostringstream os;
+    dash::trt::Text os;
     nvinfer1::IPluginV3OneCore* core = h->core();
     os << "name=" << core->getPluginName() << "\nversion=" << core->getPluginVersion()
        << "\nnamespace=" << core->getPluginNamespace() << "\n";

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <sstream>
+#include "dash_text.h"
 
 namespace dash {
 namespace trt {
@@ -274,7 +274,7 @@ void DashAttributes::fillConfig(DashParams& p) const noexcept {
 }
 
 std::string DashAttributes::describe() const {
-    std::ostringstream os;
+    dash::trt::Text os;
     for (int32_t a = 0; a < kNbAttributes; ++a) {
         AttrSpec const& s = kSpecs[a];
         Value const& v = mValues[static_cast<size_t>(a)];

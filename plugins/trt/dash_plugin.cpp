@@ -7,7 +7,7 @@
 #include <array>
 #include <functional>
 #include <new>
-#include <sstream>
+#include "dash_text.h"
 #include <utility>
 
 #include "dash/dash.h"
@@ -139,7 +139,7 @@ std::string typeRule(int32_t pos) {
 bool checkRanks(std::function<int32_t(int32_t)> const& rankOf, std::string& error) {
     for (int32_t i = 0; i < kNbInputs; ++i) {
         if (rankOf(i) != kInputs[i].rank) {
-            std::ostringstream os;
+            dash::trt::Text os;
             os << "input " << i << " (" << kInputs[i].name << ") must have rank " << kInputs[i].rank << ", got "
                << rankOf(i);
             error = os.str();
@@ -169,7 +169,7 @@ bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, int64_t 
                 continue;
             }
             if (value[s] != got) {
-                std::ostringstream os;
+                dash::trt::Text os;
                 os << kInputs[i].name << " dim " << a << " is " << got << ", but ";
                 if (fromInput[s] >= 0)
                     os << kInputs[fromInput[s]].name << " dim " << fromAxis[s] << " (" << kSymNames[s] << ") is "
@@ -182,7 +182,7 @@ bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, int64_t 
         }
     }
     if (value[kB] >= 0 && value[kBP1] >= 0 && value[kBP1] != value[kB] + 1) {
-        std::ostringstream os;
+        dash::trt::Text os;
         os << "query_start_loc has " << value[kBP1] << " entries, but block_tables has " << value[kB]
            << " rows (B); it needs B + 1";
         error = os.str();
@@ -190,7 +190,7 @@ bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, int64_t 
     }
     if (value[kBSZ] >= 0 && value[kPER] >= 0 && sparseBlockSize > 0 &&
         value[kPER] != (value[kBSZ] + sparseBlockSize - 1) / sparseBlockSize) {
-        std::ostringstream os;
+        dash::trt::Text os;
         os << "summary_cache dim 1 is " << value[kPER] << ", but block_size " << value[kBSZ]
            << " / sparse_block_size " << sparseBlockSize << " needs " << (value[kBSZ] + sparseBlockSize - 1) / sparseBlockSize;
         error = os.str();
@@ -444,7 +444,7 @@ size_t DashAttentionPlugin::workspaceFor(DynamicPluginTensorDesc const* in, std:
     DataType const qType = in[kQ].desc.type;
     auto typeOf = [&](int32_t i) { return in[i].desc.type; };
 
-    std::ostringstream key;
+    dash::trt::Text key;
     key << maxSizes.T << ',' << maxSizes.H << ',' << maxSizes.D << ',' << maxSizes.Hkv << ',' << maxSizes.Di << ','
         << maxSizes.BSZ << ',' << maxSizes.B << ',' << maxSizes.W << ',' << minT << ',' << static_cast<int32_t>(qType);
     for (int32_t i : kIndexInputs) key << ',' << static_cast<int32_t>(typeOf(i));

@@ -205,3 +205,43 @@ def compare_outputs(
     bad_rows = ((err > limit).flatten(1).any(1) & same).nonzero().flatten().tolist()
     max_err = float(err[same].max()) if bool(same.any()) else 0.0
     return ComparisonReport(t, mismatch, ties, max_err, bad_rows)
+
+
+def random_sequences(
+    gen: torch.Generator,
+    n: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    index_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    pages: tuple[int, int] = (2, 6),
+    response: int = 12,
+    max_images: int = 40,
+) -> list[tuple[DashInputs, torch.Tensor]]:
+    """``n`` random document sequences sharing one ``head_cls`` (it is a layer weight), each
+    with its ``coords`` [S, 4] from the whole sequence: ``[(inputs, coords), ...]``."""
+    from .paged import sequence_coords
+
+    head_cls = torch.randn(index_dim, generator=gen).to(dtype)
+    seqs = []
+    for _ in range(n):
+        npages = int(torch.randint(pages[0], pages[1] + 1, (1,), generator=gen))
+        roles = random_roles(gen, npages, max_images=max_images, response=response, response_markers=2)
+        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
+                          dtype=dtype, device=device, head_cls=head_cls.to(device))
+        seqs.append((x, sequence_coords(roles).to(device)))
+    return seqs
+
+
+def prefill_then_decode(gen: torch.Generator, seqs, response: int) -> list[list[int]]:
+    """Per sequence: its prompt in 1-3 random chunks, then the ``response`` tokens one at a time."""
+    plans = []
+    for x, _ in seqs:
+        prompt = x.length - response
+        cuts = sorted(set(torch.randint(1, prompt, (2,), generator=gen).tolist()))
+        bounds = [0, *[c for c in cuts if 0 < c < prompt], prompt]
+        plans.append([b - a for a, b in zip(bounds, bounds[1:])] + [1] * response)
+    return plans

@@ -11,7 +11,7 @@ import torch
 from conftest import DTYPES
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import TOLERANCES, compare_outputs, random_inputs, random_roles
+from dash_trt.testing import TOLERANCES, compare_outputs, prefill_then_decode, random_sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -38,28 +38,11 @@ def make_config(sbs=16, **kw):
     return DashConfig.from_dict(sp)
 
 
-def build_sequences(gen, n, *, heads, kv_heads, head_dim, index_dim, dtype, pages=(2, 6), response=12,
-                    max_images=40):
-    head_cls = torch.randn(index_dim, generator=gen).to(dtype)
-    seqs = []
-    for _ in range(n):
-        npages = int(torch.randint(pages[0], pages[1] + 1, (1,), generator=gen))
-        roles = random_roles(gen, npages, max_images=max_images, response=response, response_markers=2)
-        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
-                          dtype=dtype, device="cuda", head_cls=head_cls.cuda())
-        seqs.append((x, P.sequence_coords(roles).cuda()))
-    return seqs
+def build_sequences(gen, n, **kw):
+    return random_sequences(gen, n, device="cuda", **kw)
 
 
-def schedule(gen, seqs, response):
-    """Per sequence: the prompt in 1-3 chunks, then the response one token at a time."""
-    plans = []
-    for x, _ in seqs:
-        prompt = x.length - response
-        cuts = sorted(set(torch.randint(1, prompt, (2,), generator=gen).tolist()))
-        bounds = [0, *[c for c in cuts if 0 < c < prompt], prompt]
-        plans.append([b - a for a, b in zip(bounds, bounds[1:])] + [1] * response)
-    return plans
+schedule = prefill_then_decode
 
 
 def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype):

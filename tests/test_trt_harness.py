@@ -28,7 +28,7 @@ import torch
 
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import TOLERANCES, compare_outputs, random_inputs, random_roles
+from dash_trt.testing import TOLERANCES, compare_outputs, prefill_then_decode, random_sequences
 
 HARNESS_NAME = "libdash_trt_plugin_harness.so"
 MAX_DIMS = 8
@@ -611,27 +611,11 @@ INDEX_VARIANTS = ["int32", "int64", "mixed"]
 CACHE_MODES = ["in_place", "separate_outputs"]
 
 
-def _build_sequences(gen, n, *, heads, kv_heads, head_dim, index_dim, dtype, response, pages=(2, 6)):
-    head_cls = torch.randn(index_dim, generator=gen).to(dtype)
-    seqs = []
-    for _ in range(n):
-        npages = int(torch.randint(pages[0], pages[1] + 1, (1,), generator=gen))
-        roles = random_roles(gen, npages, max_images=40, response=response, response_markers=2)
-        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
-                          dtype=dtype, device=DEVICE, head_cls=head_cls.to(DEVICE))
-        seqs.append((x, P.sequence_coords(roles).to(DEVICE)))
-    return seqs
+def _build_sequences(gen, n, **kw):
+    return random_sequences(gen, n, device=DEVICE, **kw)
 
 
-def _plans(gen, seqs, response):
-    """Per sequence: the prompt in 1-3 chunks, then the response one token at a time."""
-    plans = []
-    for x, _ in seqs:
-        prompt = x.length - response
-        cuts = sorted(set(torch.randint(1, prompt, (2,), generator=gen).tolist()))
-        bounds = [0, *[c for c in cuts if 0 < c < prompt], prompt]
-        plans.append([b - a for a, b in zip(bounds, bounds[1:])] + [1] * response)
-    return plans
+_plans = prefill_then_decode
 
 
 def _index_type(variant: str, name: str) -> torch.dtype:

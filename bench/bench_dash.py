@@ -60,6 +60,14 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e6
 
 
+def new_tokens(t: int, gen):
+    """Random q, k, v, iq, ik for ``t`` new tokens, and the layer's head_cls."""
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(DT)
+
+    return rnd(t, H, D), rnd(t, HKV, D), rnd(t, HKV, D), rnd(t, DI), rnd(t, DI), rnd(DI)
+
+
 def graph_of(fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -89,12 +97,7 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen) -> dict:
     batch = dict(block_tables=tables, seq_lens=torch.full((nseq,), ctx, dtype=torch.int32, device="cuda"),
                  query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"))
-    q = torch.randn(nseq, H, D, device="cuda", generator=gen).to(DT)
-    k = torch.randn(nseq, HKV, D, device="cuda", generator=gen).to(DT)
-    v = torch.randn(nseq, HKV, D, device="cuda", generator=gen).to(DT)
-    iq = torch.randn(nseq, DI, device="cuda", generator=gen).to(DT)
-    ik = torch.randn(nseq, DI, device="cuda", generator=gen).to(DT)
-    head_cls = torch.randn(DI, device="cuda", generator=gen).to(DT)
+    q, k, v, iq, ik, head_cls = new_tokens(nseq, gen)
     coords = torch.stack([torch.full((nseq,), ctx - 1), torch.full((nseq,), 3), torch.full((nseq,), -1),
                           torch.full((nseq,), 2)], -1).int().cuda()
 
@@ -141,12 +144,7 @@ def prefill_case(seq: int, run_reference: bool, gen) -> dict:
     batch = dict(block_tables=tables, seq_lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
                  query_start_loc=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.tensor([-1], dtype=torch.int32, device="cuda"))
-    q = torch.randn(seq, H, D, device="cuda", generator=gen).to(DT)
-    k = torch.randn(seq, HKV, D, device="cuda", generator=gen).to(DT)
-    v = torch.randn(seq, HKV, D, device="cuda", generator=gen).to(DT)
-    iq = torch.randn(seq, DI, device="cuda", generator=gen).to(DT)
-    ik = torch.randn(seq, DI, device="cuda", generator=gen).to(DT)
-    head_cls = torch.randn(DI, device="cuda", generator=gen).to(DT)
+    q, k, v, iq, ik, head_cls = new_tokens(seq, gen)
 
     def dash():
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,

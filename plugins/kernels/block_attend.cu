@@ -23,25 +23,27 @@ constexpr int kBmThreads = 128;
 constexpr int kRows = 64;  // rows (entries x G) per tile
 
 // Entry e = t * kmax + j of the chunk: the j-th selected block of token t (chunk-relative t).
-__global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
-    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (int64_t)tn * plan.kmax) return;
+// Its key is the physical sparse block it reads (summary_index), or -1 when it reads none.
+__device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
+                                             int64_t e) {
     const int t = t0 + (int)(e / plan.kmax);
     const int seq = ws.token_seq[t];
     const int b = ws.selected[(int64_t)t * plan.kmax + e % plan.kmax];
-    if (seq < 0 || b < 0) return;
-    const int64_t key = summary_index(p, seq, b, ws.error);
+    if (seq < 0 || b < 0) return -1;
+    return summary_index(p, seq, b, ws.error);
+}
+
+__global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (int64_t)tn * plan.kmax) return;
+    const int64_t key = entry_key(p, plan, ws, t0, e);
     if (key >= 0) atomicAdd(ws.bm_counts + key, 1);
 }
 
 __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)tn * plan.kmax) return;
-    const int t = t0 + (int)(e / plan.kmax);
-    const int seq = ws.token_seq[t];
-    const int b = ws.selected[(int64_t)t * plan.kmax + e % plan.kmax];
-    if (seq < 0 || b < 0) return;
-    const int64_t key = summary_index(p, seq, b, ws.error);
+    const int64_t key = entry_key(p, plan, ws, t0, e);
     if (key < 0) return;
     const int at = ws.bm_offsets[key] + atomicAdd(ws.bm_cursor + key, 1);
     ws.bm_entries[at] = (int32_t)e;

@@ -51,7 +51,7 @@ tokens in total):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -59,7 +59,6 @@ import torch
 from .config import DashConfig, as_config
 from .reference import (
     FLOAT_DTYPES,
-    NOT_REMOTE,
     Routing,
     SpLike,
     _record_routing,

@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|bench|all]...
+#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -52,6 +52,10 @@ case " $what " in *" sanitize "*|*" all "*)
 esac
 case " $what " in *" bench "*|*" all "*)
   python3 bench/bench_dash.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" breakdown "*)
+  python3 bench/breakdown.py decode prefill 2>&1 | tee "$OUT/breakdown.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 exit $status

@@ -1,0 +1,78 @@
+"""Per-kernel GPU time of one DASH call, from torch.profiler (CUPTI): where the time goes.
+
+  python3 bench/breakdown.py [decode|prefill]... [--ctx 131072] [--seq 65536]
+
+decode: one step of 32 sequences at --ctx context (the benchmark's decode case, run eagerly);
+prefill: one --seq-token prompt. Prints each kernel's total time and share, and for decode the
+routing stages' share (summaries, scoring, top-k), which the performance issue bounds at 15%.
+Not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_dash as B  # noqa: E402
+
+ROUTING = ("summar", "route", "score", "select", "topk")
+
+
+def profile(fn) -> list[tuple[str, float]]:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("dash::", "")
+            totals[name[:60]] += ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else ev.cuda_time / 1e3
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def report(title: str, rows: list[tuple[str, float]]) -> None:
+    total = sum(ms for _, ms in rows)
+    print(f"\n## {title}: {total:.3f} ms of kernels\n")
+    print("| kernel | ms | share |")
+    print("| --- | ---: | ---: |")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.4f} | {100 * ms / total:.1f}% |")
+    route = sum(ms for name, ms in rows if any(k in name.lower() for k in ROUTING))
+    print(f"\nrouting stages (summaries, scoring, top-k): {route:.4f} ms = {100 * route / total:.1f}%")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", nargs="*", default=["decode", "prefill"])
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--seq", type=int, default=65536)
+    a = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    captured = {}
+
+    def keep(fn):  # run the case's DASH call under the profiler instead of timing it
+        captured["fn"] = fn
+        return 1.0
+
+    B.time_ms = lambda fn, iters=20, warmup=3: keep(fn) if "fn" not in captured else 1.0
+    B.graph_of = lambda fn: type("G", (), {"replay": staticmethod(fn)})
+    for which in a.which:
+        captured.clear()
+        if which == "decode":
+            B.decode_case(32, a.ctx, False, gen)
+            report(f"decode 32 x {a.ctx // 1024}k", profile(captured["fn"]))
+        else:
+            B.prefill_case(a.seq, False, gen)
+            report(f"prefill 1 x {a.seq // 1024}k", profile(captured["fn"]))
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

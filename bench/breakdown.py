@@ -31,7 +31,8 @@ def profile(fn) -> list[tuple[str, float]]:
     totals: dict[str, float] = collections.defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("dash::", "")
+            name = ev.name.replace("(anonymous namespace)::", "").replace("void ", "").replace("dash::", "")
+            name = name.split("<")[0].split("(")[0]
             totals[name[:60]] += ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else ev.cuda_time / 1e3
     return sorted(totals.items(), key=lambda kv: -kv[1])
 

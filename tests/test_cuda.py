@@ -240,15 +240,17 @@ def test_bad_block_table_is_flagged_not_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (128, 32, 8)])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (128, 32, 8), (256, 8, 2), (64, 16, 1)])
 @pytest.mark.parametrize("prompt_mode", ["none", "prompt"])
-def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads, prompt_mode):
-    """Prefill attention by block (count, scan, fill, tensor-core tiles, combine), forced on
-    small inputs and split into several passes; mixed with decode tokens of another sequence."""
+@pytest.mark.parametrize("local_blocks", [1, 2])
+def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads, prompt_mode, local_blocks):
+    """Prefill attention by block (count, scan, fill, tensor-core tiles over the selected and
+    the local-window blocks, combine), forced on small inputs and split into several passes;
+    mixed with decode tokens of another sequence."""
     monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS", "64")
     monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_CHUNK", "300")
-    gen = torch.Generator().manual_seed(head_dim + heads)
-    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
+    gen = torch.Generator().manual_seed(head_dim + heads + local_blocks)
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=local_blocks)
     seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
                            pages=(6, 9), max_images=120, response=6)
     plans = schedule(gen, seqs, 6)

@@ -102,13 +102,13 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
         const int dtype_bytes = 2;
         plan.bm_chunk = (int)chunk;
-        plan.bm_slots = plan.kmax + 1;
+        plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
         plan.off_bm_counts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
         plan.off_bm_cursor = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
         plan.off_bm_offsets = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
-        plan.off_bm_entries = off, off += align_up(sizeof(int32_t) * chunk * plan.kmax);
+        plan.off_bm_entries = off, off += align_up(sizeof(int32_t) * chunk * plan.bm_slots);
         plan.off_bm_qrot = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * p.head_dim);
         plan.off_bm_part_o = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * plan.bm_slots * p.head_dim);
         plan.off_bm_part_ml = off, off += align_up(sizeof(float2) * chunk * p.num_heads * plan.bm_slots);

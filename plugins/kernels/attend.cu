@@ -121,21 +121,10 @@ __device__ void tile_pv_tc(const Layout& L, const T* v_s, const T* p16, float* o
     }
 }
 
-// Which tokens and pieces a launch covers, and where its result goes.
-struct AttendRange {
-    int t0;           // first token (blockIdx.x is relative to it)
-    int first_piece;  // pieces [first_piece, first_piece + num_pieces) are split over gridDim.z
-    int num_pieces;
-    int pieces_per_split;
-    int splits;
-    int to_slot;      // 1: write a block-major partial into slot plan.kmax (normalised, in T)
-};
-
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, const Plan plan, Workspace ws,
-                                                          const AttendRange range) {
+__global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, const Plan plan, Workspace ws) {
     constexpr bool kTC = IsTensorCore<T>::value;
-    const int t = range.t0 + blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int seq = ws.token_seq[t];
     if (seq < 0) return;
     const int pos = ws.token_pos[t];
@@ -194,8 +183,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     const T* vc = static_cast<const T*>(p.value_cache);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-    const int first = range.first_piece + split * range.pieces_per_split;
-    const int last = min(range.first_piece + range.num_pieces, first + range.pieces_per_split);
+    const int first = split * plan.pieces_per_split;
+    const int last = min(plan.pieces, first + plan.pieces_per_split);
     for (int piece = first; piece < last; ++piece) {
         int base;  // first position of the piece
         float bias = 0.0f;
@@ -331,20 +320,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
         }
     }
 
-    if (range.to_slot) {
-#pragma unroll
-        for (int g = 0; g < kMaxGroup; ++g) {
-            if (g >= group) break;
-            const int64_t row = ((int64_t)blockIdx.x * p.num_heads + h * group + g) * plan.bm_slots + plan.kmax;
-            const float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-                const int d = threadIdx.x + c * kThreads;
-                if (d < D) static_cast<T*>(ws.bm_part_o)[row * D + d] = from_f<T>(acc[g][c] * inv);
-            }
-            if (threadIdx.x == 0) ws.bm_part_ml[row] = make_float2(m_s[g], l_s[g]);
-        }
-    } else if (range.splits == 1) {
+    if (plan.splits == 1) {
         T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
@@ -360,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
             if (g >= group) break;
-            const int64_t row = ((int64_t)t * p.num_heads + h * group + g) * range.splits + split;
+            const int64_t row = ((int64_t)t * p.num_heads + h * group + g) * plan.splits + split;
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
                 const int d = threadIdx.x + c * kThreads;
@@ -394,38 +370,19 @@ __global__ void combine_kernel(const DashParams p, const Plan plan, Workspace ws
 
 }  // namespace
 
-namespace {
-cudaError_t run_attend(const DashParams& p, const Plan& plan, const Workspace& ws, const AttendRange& range,
-                       int num_tokens, cudaStream_t stream) {
+cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
+    if (p.num_tokens == 0) return cudaSuccess;
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
-            const dim3 grid(num_tokens, p.num_kv_heads, range.splits);
+            const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
             cudaError_t err = cudaSuccess;
             if (plan.attend_smem > 48 * 1024) {
                 err = cudaFuncSetAttribute(attend_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)plan.attend_smem);
                 if (err != cudaSuccess) return err;
             }
-            attend_kernel<T, D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws, range);
-            return cudaGetLastError();
-        });
-    });
-}
-}  // namespace
-
-cudaError_t launch_attend_local(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
-                                cudaStream_t stream) {
-    const AttendRange range{t0, plan.kmax, p.sparse_local_block, p.sparse_local_block, 1, 1};
-    return run_attend(p, plan, ws, range, tn, stream);
-}
-
-cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
-    if (p.num_tokens == 0) return cudaSuccess;
-    const AttendRange range{0, 0, plan.pieces, plan.pieces_per_split, plan.splits, 0};
-    cudaError_t err = run_attend(p, plan, ws, range, p.num_tokens, stream);
-    if (err != cudaSuccess || plan.splits == 1) return err;
-    return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
-        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
+            attend_kernel<T, D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws);
+            if ((err = cudaGetLastError()) != cudaSuccess || plan.splits == 1) return err;
             combine_kernel<T, D><<<p.num_tokens * p.num_heads, 128, 0, stream>>>(p, plan, ws);
             return cudaGetLastError();
         });

@@ -1,16 +1,19 @@
-// Stage 4, prefill form: block-major attention over the selected blocks.
+// Stage 4, prefill form: block-major attention over the selected blocks and the local window.
 //
 // In a long prefill every token selects its own top-k blocks, so a token-major kernel reads
 // (top-k x sbs) keys per token and KV head: hundreds of gigabytes at 64k tokens, with no reuse.
-// Here the work is turned around: for each sparse block, the list of (token, selection slot)
-// entries that selected it is built on the device (count, scan, fill), and one CTA per (block,
-// KV head) loads the block's keys and values once and serves all of its entries with tensor
-// cores (rows = entries x G heads). Each entry leaves a partial softmax (normalised output in
-// the input dtype, plus max and sum); the local window is done token-major into one more slot,
-// and a combine kernel merges the slots. Tokens are processed in chunks so that the partials
+// Here the work is turned around. A token's "entries" are the blocks it reads: its kmax
+// selected blocks and the (sparse_local_block + 1) blocks its local window can touch. For each
+// physical sparse block the list of (token, slot) entries reading it is built on the device
+// (count, scan, fill), and CTAs per (block, KV head) load the block's keys and values once and
+// serve its entries with tensor cores, a warp per 16 rows (rows = entries x G heads). Each
+// entry leaves a partial softmax (normalised output in the input dtype, plus max and sum) and a
+// combine kernel merges a token's slots. Tokens are processed in chunks so that the partials
 // fit a fixed workspace. fp16/bf16 only; fp32 and dense layers keep the token-major path.
 #include <cuda_pipeline.h>
-#include <mma.h>
+
+#include <cstring>
+#include <type_traits>
 
 #include <cub/device/device_scan.cuh>
 
@@ -20,29 +23,39 @@ namespace dash {
 namespace {
 
 constexpr int kBmThreads = 128;
-constexpr int kRows = 64;  // rows (entries x G) per tile
+constexpr int kWarps = kBmThreads / 32;
 
-// Entry e = t * kmax + j of the chunk: the j-th selected block of token t (chunk-relative t).
-// Its key is the physical sparse block it reads (summary_index), or -1 when it reads none.
+// Entry e = t * bm_slots + j of the chunk (chunk-relative token t): for j < kmax the j-th
+// selected block of token t; for j = kmax + i the block i blocks before the token's own, when
+// its local window reaches it. Its key is the physical sparse block it reads (summary_index),
+// or -1 when it reads none.
 __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
                                              int64_t e) {
-    const int t = t0 + (int)(e / plan.kmax);
+    const int t = t0 + (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots);
     const int seq = ws.token_seq[t];
-    const int b = ws.selected[(int64_t)t * plan.kmax + e % plan.kmax];
-    if (seq < 0 || b < 0) return -1;
+    if (seq < 0) return -1;
+    int b;
+    if (j < plan.kmax) {
+        b = ws.selected[(int64_t)t * plan.kmax + j];
+    } else {
+        const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
+        b = pos / sbs - (j - plan.kmax);
+        if ((b + 1) * sbs <= pos - p.sparse_local_block * sbs + 1) b = -1;  // ends before the window
+    }
+    if (b < 0) return -1;
     return summary_index(p, seq, b, ws.error);
 }
 
 __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (int64_t)tn * plan.kmax) return;
+    if (e >= (int64_t)tn * plan.bm_slots) return;
     const int64_t key = entry_key(p, plan, ws, t0, e);
     if (key >= 0) atomicAdd(ws.bm_counts + key, 1);
 }
 
 __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (int64_t)tn * plan.kmax) return;
+    if (e >= (int64_t)tn * plan.bm_slots) return;
     const int64_t key = entry_key(p, plan, ws, t0, e);
     if (key < 0) return;
     const int at = ws.bm_offsets[key] + atomicAdd(ws.bm_cursor + key, 1);
@@ -77,393 +90,319 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
     }
 }
 
-template <int D, typename T>
-struct BmLayout {
-    static constexpr int KS = D + 8;       // K / V / Q rows (elements)
-    static constexpr int SS = 64 + 4;      // S rows (floats)
-    static constexpr int PS = 64 + 8;      // P rows (elements)
-    static constexpr int OS = D + 4;       // O rows (floats)
-    static constexpr size_t k = 0;
-    static constexpr size_t v = k + (size_t)64 * KS * sizeof(T);
-    static constexpr size_t q = v + (size_t)64 * KS * sizeof(T);
-    static constexpr size_t s = q + (size_t)kRows * KS * sizeof(T);
-    // O reuses the Q and S space (both dead once P is formed).
-    static constexpr size_t o = q;
-    static constexpr size_t qs_end = s + (size_t)kRows * SS * sizeof(float);
-    static constexpr size_t o_end = o + (size_t)kRows * OS * sizeof(float);
-    static constexpr size_t pp = qs_end > o_end ? qs_end : o_end;
-    static constexpr size_t bytes = pp + (size_t)kRows * PS * sizeof(T);
-};
-
-// local_tile_kernel keeps Q for every key tile: its O tile goes after P instead of over Q and S.
-template <int D, typename T>
-struct LocalLayout : BmLayout<D, T> {
-    static constexpr size_t o = BmLayout<D, T>::bytes;
-    static constexpr size_t bytes = o + (size_t)kRows * BmLayout<D, T>::OS * sizeof(float);
-};
-
-// The two products of a 64-row tile, a warp per band of 16 rows (4 warps):
-//   S [64 rows x 64 keys] = Q [rows x D] . K^T, into s (float, row stride ss);
-//   O [64 rows x D]      = P [rows x 64 keys] . V, into o (float, row stride os).
-// K, V and Q rows are ks elements apart, P rows ps.
-template <typename T, int D>
-__device__ __forceinline__ void tile_qk(const T* q, const T* k, int ks, float* s, int ss) {
-    using namespace nvcuda;
-    const int warp = threadIdx.x / 32;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-#pragma unroll
-    for (int kk = 0; kk < D; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::load_matrix_sync(a, q + warp * 16 * ks + kk, ks);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-            wmma::load_matrix_sync(b, k + n * 16 * ks + kk, ks);
-            wmma::mma_sync(acc[n], a, b, acc[n]);
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < 4; ++n) wmma::store_matrix_sync(s + warp * 16 * ss + n * 16, acc[n], ss, wmma::mem_row_major);
-}
-
-template <typename T, int D>
-__device__ __forceinline__ void tile_pv(const T* p, int ps, const T* v, int ks, float* o, int os) {
-    using namespace nvcuda;
-    const int warp = threadIdx.x / 32;
-#pragma unroll
-    for (int n0 = 0; n0 < D / 16; n0 += 4) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-#pragma unroll
-        for (int kk = 0; kk < 64; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-            wmma::load_matrix_sync(a, p + warp * 16 * ps + kk, ps);
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                wmma::load_matrix_sync(b, v + kk * ks + (n0 + n) * 16, ks);
-                wmma::mma_sync(acc[n], a, b, acc[n]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-            wmma::store_matrix_sync(o + warp * 16 * os + (n0 + n) * 16, acc[n], os, wmma::mem_row_major);
+// ------------------------------------------------------------------ warp-level tensor-core tiles
+// mma.sync m16n8k16 with float accumulators, fragments as in the PTX ISA ("Matrix Fragments for
+// mma.m16n8k16"): a lane holds rows lane/4 and lane/4 + 8, columns 2 * (lane % 4) + {0, 1} (+8).
+// S = Q K^T, the softmax and P V stay in registers (P's accumulator layout is the A layout of the
+// next product), so a warp runs a 16-row tile with no barrier.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 }
 
-// One CTA per (physical sparse block, KV head). Needs sparse_block_size == 64.
+// Four 8x8 matrices of 16-bit elements from shared memory; lane i addresses row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    uint32_t u;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        memcpy(&u, &v, 4);
+    } else {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        memcpy(&u, &v, 4);
+    }
+    return u;
+}
+
+// Shared memory of block_attend_kernel, in elements of T: the block's K and V (64 rows), then
+// each warp's two 16-row query buffers (double-buffered gathers; a buffer also stages the
+// tile's output for 16-byte stores). Rows are D + 8 elements apart: 16-byte aligned, and
+// ldmatrix's eight row addresses fall in different banks.
+template <int D>
+struct BmSmem {
+    static constexpr int RS = D + 8;
+    static constexpr int kv_rows = 64;
+    static constexpr int q_rows = 16;
+    static constexpr size_t elems = (size_t)2 * kv_rows * RS + (size_t)kWarps * 2 * q_rows * RS;
+};
+
+// One CTA per (work item, KV head): a work item is up to kEntriesPerCta entries of one physical
+// sparse block. The block's keys and values are loaded once; each warp then serves 16-row tiles
+// (rows = entries x G heads of the KV head), gathering the next tile's rotated queries while it
+// computes the current one. An entry's valid keys are the offsets [lo, hi] of the block: a
+// selected block stops at the local window and at prompt_length; a local-window block covers
+// [pos - local + 1, pos]. Each row leaves its normalised output in T and (max, sum) in float.
 template <typename T, int D>
 __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                   int t0) {
-    using namespace nvcuda;
-    using L = BmLayout<D, T>;
+    using S = BmSmem<D>;
     const int w = blockIdx.x, h = blockIdx.y;
     if (w >= ws.bm_work[plan.bm_num_keys]) return;
     // The block this work item belongs to: bm_work[key] <= w < bm_work[key + 1].
-    int lo = 0, hi = plan.bm_num_keys - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (ws.bm_work[mid] <= w) lo = mid; else hi = mid - 1;
+    int lo_k = 0, hi_k = plan.bm_num_keys - 1;
+    while (lo_k < hi_k) {
+        const int mid = (lo_k + hi_k + 1) / 2;
+        if (ws.bm_work[mid] <= w) lo_k = mid; else hi_k = mid - 1;
     }
-    const int key = lo, part = w - ws.bm_work[key];
+    const int key = lo_k, part = w - ws.bm_work[key];
     const int begin = ws.bm_offsets[key] + part * kEntriesPerCta;
     const int count = min(kEntriesPerCta, ws.bm_offsets[key + 1] - begin);
     if (count <= 0) return;
-    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
-    const int per = p.block_size / p.sparse_block_size;
-    const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * p.sparse_block_size;
-    const int local = p.sparse_local_block * p.sparse_block_size;
+    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
+    const int per = p.block_size / sbs;
+    const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * sbs;
+    const int local = p.sparse_local_block * sbs;
     extern __shared__ __align__(128) unsigned char smem[];
-    T* k_s = reinterpret_cast<T*>(smem + L::k);
-    T* v_s = reinterpret_cast<T*>(smem + L::v);
-    T* q_s = reinterpret_cast<T*>(smem + L::q);
-    float* s_s = reinterpret_cast<float*>(smem + L::s);
-    float* o_s = reinterpret_cast<float*>(smem + L::o);
-    T* p_s = reinterpret_cast<T*>(smem + L::pp);
-    __shared__ int row_pos[kRows], row_prompt[kRows], row_base[kRows];
-    __shared__ float row_bias[kRows], row_m[kRows], row_l[kRows];
-    __shared__ int64_t row_out[kRows];
-    constexpr int kChunk = 8;  // elements per 16-byte copy
-    // The block's keys and values, once.
-    const T* kc = static_cast<const T*>(p.key_cache);
-    const T* vc = static_cast<const T*>(p.value_cache);
-    for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kBmThreads) {
-        const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-        const int64_t off = ((first_slot + i) * hkv + h) * D + d;
-        __pipeline_memcpy_async(k_s + i * L::KS + d, kc + off, 16);
-        __pipeline_memcpy_async(v_s + i * L::KS + d, vc + off, 16);
-    }
-    __pipeline_commit();
-    const int per_tile = kRows / group;  // entries per tile
-    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
-    // Every entry's metadata up front (one round of scattered loads instead of one per tile).
-    __shared__ int ent_tl[kEntriesPerCta], ent_j[kEntriesPerCta], ent_pos[kEntriesPerCta],
-        ent_prompt[kEntriesPerCta], ent_base[kEntriesPerCta];
+    T* k_s = reinterpret_cast<T*>(smem);
+    T* v_s = k_s + S::kv_rows * S::RS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    T* q_w = v_s + S::kv_rows * S::RS + warp * 2 * S::q_rows * S::RS;  // this warp's two buffers
+
+    // Every entry's metadata: chunk token, slot, valid key offsets [lo, hi] and logit bias.
+    __shared__ int ent_tl[kEntriesPerCta], ent_j[kEntriesPerCta], ent_lo[kEntriesPerCta], ent_hi[kEntriesPerCta];
     __shared__ float ent_bias[kEntriesPerCta];
+    __shared__ int s_rows;  // key rows any entry may read; later rows are zero-filled
+    if (threadIdx.x == 0) s_rows = 0;
+    __syncthreads();
     for (int i = threadIdx.x; i < count; i += kBmThreads) {
         const int e = ws.bm_entries[begin + i];
-        const int tl = e / plan.kmax, j = e % plan.kmax;
+        const int tl = e / plan.bm_slots, j = e % plan.bm_slots;
         const int t = t0 + tl;
+        const int pos = ws.token_pos[t];
+        int base, lo, hi;
+        float bias = 0.0f;
+        if (j < plan.kmax) {
+            base = ws.selected[(int64_t)t * plan.kmax + j] * sbs;
+            const int prompt = p.prompt_lens[ws.token_seq[t]];
+            lo = 0;
+            hi = min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - base;
+            bias = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
+        } else {
+            base = (pos / sbs - (j - plan.kmax)) * sbs;
+            lo = pos - local + 1 - base;
+            hi = pos - base;
+        }
         ent_tl[i] = tl;
         ent_j[i] = j;
-        ent_pos[i] = ws.token_pos[t];
-        ent_prompt[i] = p.prompt_lens[ws.token_seq[t]];
-        ent_base[i] = ws.selected[(int64_t)t * plan.kmax + j] * p.sparse_block_size;
-        ent_bias[i] = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
+        ent_lo[i] = max(lo, 0);
+        ent_hi[i] = min(hi, sbs - 1);
+        ent_bias[i] = bias;
+        atomicMax(&s_rows, min(hi, sbs - 1) + 1);
     }
     __syncthreads();
-    for (int e0 = 0; e0 < count; e0 += per_tile) {
-        const int ne = min(per_tile, count - e0);
-        // Row metadata and the rotated queries of this tile's entries.
-        for (int r = threadIdx.x; r < kRows; r += kBmThreads) {
-            const int ei = r / group, g = r % group, i = e0 + ei;
-            row_out[r] = -1;
-            row_pos[r] = -1;
-            if (ei < ne) {
-                row_pos[r] = ent_pos[i];
-                row_prompt[r] = ent_prompt[i];
-                row_base[r] = ent_base[i];
-                row_bias[r] = ent_bias[i];
-                row_out[r] = ((int64_t)ent_tl[i] * p.num_heads + h * group + g) * plan.bm_slots + ent_j[i];
-            }
-        }
-        for (int c = threadIdx.x; c < kRows * (D / kChunk); c += kBmThreads) {
-            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const int ei = r / group, g = r % group;
-            const T* src = static_cast<const T*>(ws.bm_qrot);
-            const bool in = ei < ne;
-            const int64_t off = in ? ((int64_t)ent_tl[e0 + ei] * p.num_heads + h * group + g) * D + d : 0;
-            __pipeline_memcpy_async(q_s + r * L::KS + d, src + off, 16, in ? 0 : 16);
-        }
-        __pipeline_commit();
-        __pipeline_wait_prior(0);
-        __syncthreads();
-        // S = Q K^T.
-        tile_qk<T, D>(q_s, k_s, L::KS, s_s, L::SS);
-        __syncthreads();
-        // Masked softmax per row (two threads per row). NOTE: float32; masked keys are -inf.
-        {
-            const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-            const int pos = row_pos[r], prompt = row_prompt[r], base = row_base[r];
-            float m = -INFINITY;
-            for (int i = half; i < 64; i += 2) {
-                const int kp = base + i;
-                const bool ok = pos >= 0 && kp <= pos - local && (prompt < 0 || kp < prompt);
-                const float l = ok ? s_s[r * L::SS + i] * scale + row_bias[r] : -INFINITY;
-                s_s[r * L::SS + i] = l;
-                m = fmaxf(m, l);
-            }
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            float sum = 0.0f;
-            for (int i = half; i < 64; i += 2) {
-                const float l = s_s[r * L::SS + i];
-                const float e = m == -INFINITY || l == -INFINITY ? 0.0f : expf(l - m);
-                p_s[r * L::PS + i] = from_f<T>(e);
-                sum += e;
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            if (half == 0) row_m[r] = m, row_l[r] = sum;
-        }
-        __syncthreads();
-        // O = P V (O overwrites Q and S: both are dead once P is formed).
-        tile_pv<T, D>(p_s, L::PS, v_s, L::KS, o_s, L::OS);
-        __syncthreads();
-        // Partials: normalised output in T, (max, sum) in float.
-        for (int idx = threadIdx.x; idx < kRows * D; idx += kBmThreads) {
-            const int r = idx / D, d = idx % D;
-            const int64_t out = row_out[r];
-            if (out < 0) continue;
-            const float l = row_l[r];
-            static_cast<T*>(ws.bm_part_o)[out * D + d] = from_f<T>(l > 0.0f ? o_s[r * L::OS + d] / l : 0.0f);
-            if (d == 0) ws.bm_part_ml[out] = make_float2(row_m[r], l);
-        }
-        __syncthreads();
-    }
-}
-
-
-// The local window of the block-major path, tiled over consecutive tokens: a CTA serves
-// 64 / G consecutive tokens of the batch and one KV head, loading the union of their windows
-// (local + tokens - 1 positions) in 64-key tiles, with tensor cores and an online softmax
-// whose output accumulator stays in registers. Tokens of different sequences in one tile are
-// served in turn. Writes slot kmax of the partials. D <= 128 (D = 256 uses the token-major
-// kernel for this slot).
-template <typename T, int D>
-__global__ void __launch_bounds__(kBmThreads) local_tile_kernel(const DashParams p, const Plan plan, Workspace ws,
-                                                                int t0, int tn) {
-    using namespace nvcuda;
-    using L = LocalLayout<D, T>;
-    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
-    const int tokens = kRows / group;
-    const int tile_t0 = t0 + blockIdx.x * tokens, h = blockIdx.y;
-    const int local = p.sparse_local_block * p.sparse_block_size;
-    extern __shared__ __align__(128) unsigned char smem[];
-    T* k_s = reinterpret_cast<T*>(smem + L::k);
-    T* v_s = reinterpret_cast<T*>(smem + L::v);
-    T* q_s = reinterpret_cast<T*>(smem + L::q);
-    float* s_s = reinterpret_cast<float*>(smem + L::s);
-    T* p_s = reinterpret_cast<T*>(smem + L::pp);
-    float* o_s = reinterpret_cast<float*>(smem + L::o);
-    __shared__ int row_seq[kRows], row_pos[kRows];
-    __shared__ float row_m[kRows], row_l[kRows], row_alpha[kRows];
-    __shared__ int64_t key_slot[64];
-    __shared__ int s_seq, s_lo, s_hi;
-    constexpr int kChunk = 8;
-    constexpr int kPer = kRows * D / kBmThreads;  // accumulator elements per thread
-    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    // The block's keys and values, once (rows past every entry's range may be unwritten slots:
+    // zero-filled so that a zero probability never meets a NaN).
+    constexpr int kChunk = 8;  // elements per 16-byte copy
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
-
-    for (int r = threadIdx.x; r < kRows; r += kBmThreads) {
-        const int t = tile_t0 + r / group;
-        const bool in = t < t0 + tn;
-        row_seq[r] = in ? ws.token_seq[t] : -1;
-        row_pos[r] = in ? ws.token_pos[t] : -1;
-    }
-    // Rotated queries of the tile's tokens (zero rows past the chunk).
-    for (int c = threadIdx.x; c < kRows * (D / kChunk); c += kBmThreads) {
-        const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-        const int tl = blockIdx.x * tokens + r / group;
-        const bool in = tile_t0 + r / group < t0 + tn;
-        const int64_t off = in ? ((int64_t)tl * p.num_heads + h * group + r % group) * D + d : 0;
-        __pipeline_memcpy_async(q_s + r * L::KS + d, static_cast<const T*>(ws.bm_qrot) + off, 16, in ? 0 : 16);
+    const int rows = s_rows;
+    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kBmThreads) {
+        const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+        const bool in = i < rows;
+        const int64_t off = in ? ((first_slot + i) * hkv + h) * D + d : 0;
+        __pipeline_memcpy_async(k_s + i * S::RS + d, kc + off, 16, in ? 0 : 16);
+        __pipeline_memcpy_async(v_s + i * S::RS + d, vc + off, 16, in ? 0 : 16);
     }
     __pipeline_commit();
+
+    const int tiles = (count * group + 15) / 16;
+    const T* qrot = static_cast<const T*>(ws.bm_qrot);
+    // Rotated queries of tile `tile` (16 rows) into buffer `buf`; rows past the entries are zero.
+    auto gather = [&](int tile, int buf) {
+        T* dst = q_w + buf * S::q_rows * S::RS;
+#pragma unroll
+        for (int c = lane; c < 16 * (D / kChunk); c += 32) {
+            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const int row = tile * 16 + r, ei = row / group, g = row % group;
+            const bool in = ei < count;
+            const int64_t off = in ? ((int64_t)ent_tl[ei] * p.num_heads + h * group + g) * D + d : 0;
+            __pipeline_memcpy_async(dst + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
+        }
+    };
+    if (warp < tiles) gather(warp, 0);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);  // K and V (the gather may still be in flight)
     __syncthreads();
-    while (true) {
-        // Next sequence to serve in this tile, and the union of its rows' windows.
-        if (threadIdx.x == 0) {
-            s_seq = -1;
-            for (int r = 0; r < kRows && s_seq < 0; ++r) s_seq = row_seq[r];
-            s_lo = INT32_MAX, s_hi = -1;
-            for (int r = 0; r < kRows; ++r)
-                if (row_seq[r] == s_seq && s_seq >= 0) {
-                    s_lo = min(s_lo, max(0, row_pos[r] - local + 1));
-                    s_hi = max(s_hi, row_pos[r]);
-                }
-        }
-        __syncthreads();
-        const int seq = s_seq;
-        if (seq < 0) break;
-        for (int r = threadIdx.x; r < kRows; r += kBmThreads) row_m[r] = -INFINITY, row_l[r] = 0.0f;
-        float acc[kPer];
+
+    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    const int quad = lane % 4, r0 = lane / 4;
+    for (int tile = warp, it = 0; tile < tiles; tile += kWarps, ++it) {
+        if (tile + kWarps < tiles) gather(tile + kWarps, (it + 1) & 1);
+        __pipeline_commit();
+        __pipeline_wait_prior(1);
+        __syncwarp();
+        T* q_b = q_w + (it & 1) * S::q_rows * S::RS;
+        // S = Q K^T: 16 rows x 64 keys, eight n-tiles of 8 keys.
+        float s[8][4];
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;
-        for (int k0 = s_lo; k0 <= s_hi; k0 += 64) {
-            for (int j = threadIdx.x; j < 64; j += kBmThreads)
-                key_slot[j] = k0 + j <= s_hi ? cache_slot(p, seq, k0 + j, ws.error) : -1;
-            __syncthreads();
-            for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kBmThreads) {
-                const int j = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-                const int64_t slot = key_slot[j];
-                const int64_t off = slot >= 0 ? (slot * hkv + h) * D + d : 0;
-                __pipeline_memcpy_async(k_s + j * L::KS + d, kc + off, 16, slot >= 0 ? 0 : 16);
-                __pipeline_memcpy_async(v_s + j * L::KS + d, vc + off, 16, slot >= 0 ? 0 : 16);
-            }
-            __pipeline_commit();
-            __pipeline_wait_prior(0);
-            __syncthreads();
-            tile_qk<T, D>(q_s, k_s, L::KS, s_s, L::SS);  // S = Q K^T
-            __syncthreads();
-            {  // masked online softmax, two threads per row
-                const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-                const int pos = row_pos[r];
-                const bool mine = row_seq[r] == seq;
-                float m = -INFINITY;
-                for (int i = half; i < 64; i += 2) {
-                    const int kp = k0 + i;
-                    const bool ok = mine && key_slot[i] >= 0 && kp <= pos && kp >= pos - local + 1;
-                    const float l = ok ? s_s[r * L::SS + i] * scale : -INFINITY;
-                    s_s[r * L::SS + i] = l;
-                    m = fmaxf(m, l);
-                }
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                const float m_old = row_m[r];
-                const float m_new = fmaxf(m_old, m);
-                float sum = 0.0f;
-                for (int i = half; i < 64; i += 2) {
-                    const float l = s_s[r * L::SS + i];
-                    const float e = m_new == -INFINITY || l == -INFINITY ? 0.0f : expf(l - m_new);
-                    p_s[r * L::PS + i] = from_f<T>(e);
-                    sum += e;
-                }
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                __syncwarp();
-                if (half == 0) {
-                    const float a = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
-                    row_alpha[r] = a;
-                    row_l[r] = row_l[r] * a + sum;
-                    row_m[r] = m_new;
-                }
-            }
-            __syncthreads();
-            tile_pv<T, D>(p_s, L::PS, v_s, L::KS, o_s, L::OS);  // O_tile = P V
-            __syncthreads();
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) {
-                const int idx = threadIdx.x + i * kBmThreads, r = idx / D, d = idx % D;
-                acc[i] = acc[i] * row_alpha[r] + o_s[r * L::OS + d];
-            }
-            __syncthreads();
-        }
-        // Slot kmax of this sequence's rows; then they are done.
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4(a, q_b + ((lane / 8) % 2 * 8 + lane % 8) * S::RS + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-            const int idx = threadIdx.x + i * kBmThreads, r = idx / D, d = idx % D;
-            if (row_seq[r] != seq) continue;
-            const int tl = blockIdx.x * tokens + r / group;
-            const int64_t row = ((int64_t)tl * p.num_heads + h * group + r % group) * plan.bm_slots + plan.kmax;
-            const float l = row_l[r];
-            static_cast<T*>(ws.bm_part_o)[row * D + d] = from_f<T>(l > 0.0f ? acc[i] / l : 0.0f);
-            if (d == 0) ws.bm_part_ml[row] = make_float2(row_m[r], l);
+            for (int np = 0; np < 4; ++np) {
+                uint32_t b[4];
+                ldmatrix_x4(b, k_s + (np * 16 + (lane / 16) * 8 + lane % 8) * S::RS + kk * 16 + ((lane / 8) % 2) * 8);
+                mma16816<T>(s[2 * np], a, b[0], b[1]);
+                mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
+            }
         }
-        __syncthreads();
-        for (int r = threadIdx.x; r < kRows; r += kBmThreads)
-            if (row_seq[r] == seq) row_seq[r] = -1;
-        __syncthreads();
+        // Masked softmax of rows r0 and r0 + 8 (a quad of lanes shares a row).
+        // NOTE: float32 logits; masked keys are -inf and never enter the sums.
+        int lo[2], hi[2];
+        float bias[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int ei = (tile * 16 + r0 + half * 8) / group;
+            const bool in = ei < count;
+            lo[half] = in ? ent_lo[ei] : 1;
+            hi[half] = in ? ent_hi[ei] : 0;
+            bias[half] = in ? ent_bias[ei] : 0.0f;
+        }
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
+                const float x = i >= lo[half] && i <= hi[half] ? s[n][e] * scale + bias[half] : -INFINITY;
+                s[n][e] = x;
+                m[half] = fmaxf(m[half], x);
+            }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            m[half] = fmaxf(m[half], __shfl_xor_sync(0xffffffffu, m[half], 1));
+            m[half] = fmaxf(m[half], __shfl_xor_sync(0xffffffffu, m[half], 2));
+        }
+        uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            float e4[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e / 2;
+                e4[e] = m[half] == -INFINITY || s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[half]);
+                l[half] += e4[e];
+            }
+            pa[n / 2][(n % 2) * 2 + 0] = pack2<T>(e4[0], e4[1]);
+            pa[n / 2][(n % 2) * 2 + 1] = pack2<T>(e4[2], e4[3]);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+            l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+        }
+        __syncwarp();  // every lane is done reading Q: the buffer now stages the output
+        // O = P V in chunks of up to 128 columns (64 accumulators per lane), normalised into q_b.
+        constexpr int DC = D < 128 ? D : 128;
+#pragma unroll
+        for (int dc = 0; dc < D; dc += DC) {
+            float o[DC / 8][4];
+#pragma unroll
+            for (int n = 0; n < DC / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < DC / 16; ++dp) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dc + dp * 16 +
+                                             (lane / 16) * 8);
+                    mma16816<T>(o[2 * dp], pa[kk], b[0], b[1]);
+                    mma16816<T>(o[2 * dp + 1], pa[kk], b[2], b[3]);
+                }
+            }
+            const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
+#pragma unroll
+            for (int n = 0; n < DC / 8; ++n) {
+                const int col = dc + n * 8 + quad * 2;
+                *reinterpret_cast<uint32_t*>(q_b + r0 * S::RS + col) = pack2<T>(o[n][0] * inv0, o[n][1] * inv0);
+                *reinterpret_cast<uint32_t*>(q_b + (r0 + 8) * S::RS + col) = pack2<T>(o[n][2] * inv1, o[n][3] * inv1);
+            }
+        }
+        if (quad == 0) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = tile * 16 + r0 + half * 8, ei = row / group;
+                if (ei < count) {
+                    const int64_t at = ((int64_t)ent_tl[ei] * plan.bm_slots + ent_j[ei]) * p.num_heads + h * group +
+                                       row % group;
+                    ws.bm_part_ml[at] = make_float2(m[half], l[half]);
+                }
+            }
+        }
+        __syncwarp();
+        // The staged rows to the partials, 16 bytes a lane.
+#pragma unroll
+        for (int c = lane; c < 16 * (D / kChunk); c += 32) {
+            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const int row = tile * 16 + r, ei = row / group;
+            if (ei >= count) continue;
+            const int64_t at = ((int64_t)ent_tl[ei] * plan.bm_slots + ent_j[ei]) * p.num_heads + h * group + row % group;
+            *reinterpret_cast<uint4*>(static_cast<T*>(ws.bm_part_o) + at * D + d) =
+                *reinterpret_cast<const uint4*>(q_b + r * S::RS + d);
+        }
+        __syncwarp();  // the buffer is gathered into again two tiles on
     }
 }
 
-__host__ __device__ constexpr int combine_weight_floats(int slots) { return (slots + 3) / 4 * 4 + 4; }
-
-// Merge the slots of one (token, head): kmax selected blocks + the local window.
+// Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks.
+// A lane owns 8 output columns; a CTA covers 128 / (D / 8) heads of one token.
 template <typename T, int D>
 __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
-    const int64_t th = blockIdx.x;  // chunk token * H + head
-    const int t = t0 + (int)(th / p.num_heads);
-    if (ws.token_seq[t] < 0) return;
-    extern __shared__ float weight[];  // [combine_weight_floats(bm_slots)], zero past bm_slots
-    const float2* ml = ws.bm_part_ml + th * plan.bm_slots;
-    const T* po = static_cast<const T*>(ws.bm_part_o) + th * plan.bm_slots * D;
-    if (threadIdx.x < 32) {
-        float m = -INFINITY;
-        for (int s = threadIdx.x; s < plan.bm_slots; s += 32)
-            if (ml[s].y > 0.0f) m = fmaxf(m, ml[s].x);
-        m = warp_max(m);
-        float denom = 0.0f;
-        for (int s = threadIdx.x; s < plan.bm_slots; s += 32) {
-            const float w = ml[s].y > 0.0f ? expf(ml[s].x - m) * ml[s].y : 0.0f;
-            weight[s] = w;
-            denom += w;
-        }
-        denom = warp_sum(denom);
-        __syncwarp();
-        for (int s = threadIdx.x; s < plan.bm_slots; s += 32) weight[s] /= denom;
-        // memcheck saw the weight loop below read 12 bytes past bm_slots (vectorised loads):
-        // keep a zeroed tail so any such read stays inside the allocation.
-        for (int s = plan.bm_slots + threadIdx.x; s < combine_weight_floats(plan.bm_slots); s += 32) weight[s] = 0.0f;
+    constexpr int kLanes = D / 8, kHeads = kBmThreads / kLanes;
+    const int tl = blockIdx.x, t = t0 + tl;
+    const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
+    if (ws.token_seq[t] < 0 || head >= p.num_heads) return;
+    const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
+    float m = -INFINITY;
+    for (int s = 0; s < plan.bm_slots; ++s) {
+        const float2 ml = ws.bm_part_ml[row0 + (int64_t)s * p.num_heads];
+        if (ml.y > 0.0f) m = fmaxf(m, ml.x);
     }
-    __syncthreads();
-    T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + th % p.num_heads) * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float num = 0.0f;
-        for (int s = 0; s < plan.bm_slots; ++s)
-            if (weight[s] != 0.0f) num += weight[s] * to_f(po[(int64_t)s * D + d]);
-        out[d] = from_f<T>(num);
+    float denom = 0.0f, num[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < plan.bm_slots; ++s) {
+        const int64_t row = row0 + (int64_t)s * p.num_heads;
+        const float2 ml = ws.bm_part_ml[row];
+        if (!(ml.y > 0.0f)) continue;
+        const float wgt = expf(ml.x - m) * ml.y;
+        denom += wgt;
+        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) + row * D + d);
+        const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) num[i] += wgt * to_f(x[i]);
     }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    uint4 res;
+    T* y = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = from_f<T>(num[i] * inv);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
 }
 
 template <typename K>
@@ -482,27 +421,17 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             rope_q_kernel<T, D><<<tn, 128, 0, stream>>>(p, ws, t0);
             cudaError_t err = cudaGetLastError();
             if (err != cudaSuccess) return err;
-            const size_t smem = BmLayout<D, T>::bytes;
+            const size_t smem = sizeof(T) * BmSmem<D>::elems;
             if ((err = allow_smem(block_attend_kernel<T, D>, smem)) != cudaSuccess) return err;
             // Upper bound of the work items: every block's last CTA may be partly full.
-            const int64_t items = ((int64_t)tn * plan.kmax + kEntriesPerCta - 1) / kEntriesPerCta + plan.bm_num_keys;
+            const int64_t items =
+                ((int64_t)tn * plan.bm_slots + kEntriesPerCta - 1) / kEntriesPerCta + plan.bm_num_keys;
             block_attend_kernel<T, D><<<dim3((unsigned)items, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
                                                                                                         t0);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
-            // The local window into slot kmax: tiled over consecutive tokens where the accumulator
-            // fits in registers, token-major otherwise.
-            if constexpr (D <= 128) {
-                const size_t lsmem = LocalLayout<D, T>::bytes;
-                if ((err = allow_smem(local_tile_kernel<T, D>, lsmem)) != cudaSuccess) return err;
-                const int tokens = kRows / (p.num_heads / p.num_kv_heads);
-                local_tile_kernel<T, D><<<dim3((tn + tokens - 1) / tokens, p.num_kv_heads), kBmThreads, lsmem, stream>>>(
-                    p, plan, ws, t0, tn);
-                if ((err = cudaGetLastError()) != cudaSuccess) return err;
-            } else {
-                if ((err = launch_attend_local(p, plan, ws, t0, tn, stream)) != cudaSuccess) return err;
-            }
-            bm_combine_kernel<T, D><<<tn * p.num_heads, D, sizeof(float) * combine_weight_floats(plan.bm_slots), stream>>>(
-                p, plan, ws, t0);
+            constexpr int kHeads = kBmThreads / (D / 8);
+            bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kBmThreads, 0, stream>>>(p, plan,
+                                                                                                           ws, t0);
             return cudaGetLastError();
         });
     }
@@ -512,7 +441,7 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
 
 bool block_major_supported(const DashParams& p) {
     const int group = p.num_heads / p.num_kv_heads;
-    return p.dtype != DASH_FLOAT32 && !p.dense_layer && p.sparse_block_size == 64 && kRows % group == 0 &&
+    return p.dtype != DASH_FLOAT32 && !p.dense_layer && p.sparse_block_size == 64 && 16 % group == 0 &&
            (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.topk > 0;
 }
 
@@ -528,10 +457,10 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
     const int nbs = plan.bm_num_keys;
     if ((err = cudaMemsetAsync(ws.bm_counts, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
     if ((err = cudaMemsetAsync(ws.bm_cursor, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
-    if ((err = cudaMemsetAsync(ws.bm_part_ml, 0, sizeof(float2) * (size_t)tn * p.num_heads * plan.bm_slots,
+    if ((err = cudaMemsetAsync(ws.bm_part_ml, 0, sizeof(float2) * (size_t)tn * plan.bm_slots * p.num_heads,
                                stream)) != cudaSuccess)
         return err;
-    const int64_t entries = (int64_t)tn * plan.kmax;
+    const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
     count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;

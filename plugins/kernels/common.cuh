@@ -132,12 +132,12 @@ struct Workspace {
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
     int32_t* bm_cursor;   // [bm_num_keys] fill cursors
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
-    int32_t* bm_entries;  // [bm_chunk * kmax] (token, slot) entries grouped by block
+    int32_t* bm_entries;  // [bm_chunk * bm_slots] (token, slot) entries grouped by block
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
     int32_t* bm_work;     // [bm_num_keys + 1] exclusive prefix of bm_parts
     void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T)
-    void* bm_part_o;      // [bm_chunk, H, bm_slots, D] normalised partial outputs (T)
-    float2* bm_part_ml;   // [bm_chunk, H, bm_slots] max and sum; sum 0 = empty slot
+    void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
+    float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum; sum 0 = empty slot
     void* bm_scan_temp;   // cub scan scratch
 };
 
@@ -154,7 +154,7 @@ struct Plan {
     int route_cand;       // top-k candidates gathered per token: warps * topk
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
-    int bm_slots;         // partial slots per (token, head): kmax + 1 (local window)
+    int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
     int bm_num_keys;      // physical sparse blocks: NB * block_size / sbs
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
@@ -175,8 +175,6 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
 int route_threads();
-cudaError_t launch_attend_local(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
-                                cudaStream_t stream);
 bool block_major_supported(const DashParams& p);
 size_t block_major_scan_bytes(int num_items);
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,

@@ -65,24 +65,32 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
     const int route_warps = dash::route_threads() / 32;
-    plan.route_cand = route_warps * (p.topk > 0 ? p.topk : 1);
+    const size_t topk_slots = (size_t)(p.topk > 0 ? p.topk : 1);
+    plan.route_cand = (route_warps + 1) * (int)topk_slots;
     plan.route_splits = p.num_tokens >= kFusedRouteTokens
                             ? 1
                             : (plan.max_blocks + kRouteBlocksPerCta - 1) / kRouteBlocksPerCta;
     if (plan.route_splits < 1) plan.route_splits = 1;
     plan.route_blocks_per_cta = kRouteBlocksPerCta;
-    // keys [max_blocks] + candidates [route_cand] (+ the indexer query when fused)
-    plan.route_smem = sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand) +
-                      (plan.route_splits == 1 ? sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) : 0);
+    // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
+    // Split selection: the keys and the candidates.
+    const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
+                             sizeof(uint64_t) * ((size_t)plan.max_blocks + topk_slots);
+    plan.route_tile = (int)std::min<size_t>(dash::route_max_tile(), kMaxSmem / per_token);
+    plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile
+                                             : sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand);
     plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
                           sizeof(int) * (size_t)p.sparse_block_size;
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
     plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim);
-    if (plan.route_smem > kMaxSmem)
+    // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
+    const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand);
+    if (plan.route_tile < 1 || split_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string((kMaxSmem - 4 * kMaxIndexDim) / 8 - plan.route_cand));
+                        std::to_string(std::min((kMaxSmem - 4 * kMaxIndexDim) / 8 - topk_slots,
+                                                kMaxSmem / 8 - (size_t)plan.route_cand)));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     const size_t t = (size_t)p.num_tokens;

@@ -71,7 +71,8 @@ __global__ void parts_kernel(const Plan plan, Workspace ws) {
     if (k < plan.bm_num_keys) ws.bm_parts[k] = (ws.bm_counts[k] + kEntriesPerCta - 1) / kEntriesPerCta;
 }
 
-// Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D].
+// Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D]. The
+// angles depend on the token only: cos and sin once per pair index, shared by every head.
 template <typename T, int D>
 __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
     const int t = t0 + blockIdx.x;
@@ -79,12 +80,15 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
                           p.rope_page_mod};
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    __shared__ float2 cs[D / 2];
+    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
+    __syncthreads();
     const T* q = static_cast<const T*>(p.q) + (int64_t)t * p.num_heads * D;
     T* dst = static_cast<T*>(ws.bm_qrot) + (int64_t)blockIdx.x * p.num_heads * D;
     for (int idx = threadIdx.x; idx < p.num_heads * (D / 2); idx += blockDim.x) {
         const int hh = idx / (D / 2), i = idx % (D / 2);
         float lo, hi;
-        rope_pair<T>(to_f(q[hh * D + i]), to_f(q[hh * D + i + D / 2]), rope_angle(i, D, tok, page, rope), lo, hi);
+        rope_rotate<T>(to_f(q[hh * D + i]), to_f(q[hh * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
         dst[hh * D + i] = from_f<T>(lo);
         dst[hh * D + i + D / 2] = from_f<T>(hi);
     }

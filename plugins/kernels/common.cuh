@@ -67,14 +67,22 @@ __device__ __forceinline__ float rope_angle(int i, int dim, int tok, int page, c
 }
 
 // Rotates the pair (x[i], x[i + dim/2]) as the reference does in T precision:
-//   out_lo = x_lo * cos - x_hi * sin,  out_hi = x_hi * cos + x_lo * sin, each op rounded to T.
+//   out_lo = x_lo * cos - x_hi * sin,  out_hi = x_hi * cos + x_lo * sin, each op rounded to T;
+// c and s are cos and sin of the angle already rounded to T (rope_cos_sin).
+template <typename T>
+__device__ __forceinline__ void rope_rotate(float x_lo, float x_hi, float c, float s, float& out_lo, float& out_hi) {
+    out_lo = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_lo, c)), round_to<T>(__fmul_rn(-x_hi, s))));
+    out_hi = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_hi, c)), round_to<T>(__fmul_rn(x_lo, s))));
+}
+template <typename T>
+__device__ __forceinline__ float2 rope_cos_sin(float angle) {
+    return make_float2(round_to<T>(cosf(angle)), round_to<T>(sinf(angle)));
+}
 template <typename T>
 __device__ __forceinline__ void rope_pair(float x_lo, float x_hi, float angle, float& out_lo,
                                           float& out_hi) {
-    const float c = round_to<T>(cosf(angle));
-    const float s = round_to<T>(sinf(angle));
-    out_lo = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_lo, c)), round_to<T>(__fmul_rn(-x_hi, s))));
-    out_hi = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x_hi, c)), round_to<T>(__fmul_rn(x_lo, s))));
+    const float2 cs = rope_cos_sin<T>(angle);
+    rope_rotate<T>(x_lo, x_hi, cs.x, cs.y, out_lo, out_hi);
 }
 
 // torch.nan_to_num(x, 0, 0, 0)
@@ -151,7 +159,8 @@ struct Plan {
     int pieces_per_split;
     int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
     int route_blocks_per_cta;
-    int route_cand;       // top-k candidates gathered per token: warps * topk
+    int route_cand;       // top-k candidates per token (split routing): (warps + 1) * topk
+    int route_tile;       // tokens per fused routing CTA (route_splits == 1)
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
@@ -175,6 +184,7 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
 int route_threads();
+int route_max_tile();
 bool block_major_supported(const DashParams& p);
 size_t block_major_scan_bytes(int num_items);
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,

@@ -4,8 +4,9 @@
 // so nothing downstream depends on data read back to the host.
 //
 // Two shapes of launch, chosen by the plan from T alone:
-//   many tokens (prefill): one fused CTA per token scores its blocks into shared memory and
-//     selects from there;
+//   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
+//     their blocks into shared memory (each summary row read once per tile, not once per token)
+//     and a warp per token selects from there;
 //   few tokens (decode): scoring is spread over route_splits CTAs per token (a long context has
 //     thousands of blocks), keys go through the workspace, then one CTA per token selects.
 #include "common.cuh"
@@ -14,6 +15,7 @@ namespace dash {
 namespace {
 
 constexpr int kRouteThreads = 256;
+constexpr int kRouteTile = 8;  // most tokens one fused routing CTA serves (a warp each to select)
 
 // Sort key whose maximum is the block route_blocks takes first:
 //   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
@@ -62,12 +64,34 @@ __device__ void load_index_query(const DashParams& p, int t, float* iq) {
     }
 }
 
+// One step of the indexer score: the same expression everywhere, so that every launch shape
+// computes bit-identical scores.
+// Explicitly rounded operations, so no launch shape depends on the compiler's contraction.
+__device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s) {
+    return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
+}
+
+// Whether block b (summary row si) is forced for query page qp: a same-page image block.
+__device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b, int64_t si,
+                                             int qp) {
+    const int32_t* pg = p.summary_pages + si * 3;
+    const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
+    const bool inside = qp >= 0 && lo <= qp && qp <= hi;
+    bool cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
+    // A page strictly inside the block's range may have no image token here.
+    for (int j = 0; inside && !cand && j < p.sparse_block_size; ++j) {
+        const int64_t slot = cache_slot(p, seq, b * p.sparse_block_size + j, ws.error);
+        cand = slot >= 0 && p.image_page_cache[slot] == qp;
+    }
+    return cand;
+}
+
 // Keys of blocks [b0, b1) of token t into keys[b - key_offset]. A thread per block: each reads its
 // block's whole summary (contiguous 16-byte loads), so many loads are in flight at once.
 // NOTE: scores are clamped to +-1e4 like the reference.
 __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
                              int b0, int b1, uint64_t* keys, int key_offset) {
-    const int di = p.index_dim, sbs = p.sparse_block_size;
+    const int di = p.index_dim;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
     for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
         const int64_t si = summary_index(p, seq, b, ws.error);
@@ -78,33 +102,56 @@ __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, 
             if (di % 4 == 0) {  // rows 16-byte aligned; iq is too (shared memory, aligned)
                 const float4* s4p = reinterpret_cast<const float4*>(summ);
                 const float4* q4p = reinterpret_cast<const float4*>(iq);
-                for (int i = 0; i < di / 4; ++i) {
-                    const float4 s4 = s4p[i], v4 = q4p[i];
-                    acc += v4.x * s4.x + v4.y * s4.y + v4.z * s4.z + v4.w * s4.w;
-                }
+                for (int i = 0; i < di / 4; ++i) acc = dot4(acc, q4p[i], s4p[i]);
             } else {
-                for (int i = 0; i < di; ++i) acc += iq[i] * summ[i];
+                for (int i = 0; i < di; ++i) acc = __fmaf_rn(iq[i], summ[i], acc);
             }
-            const int32_t* pg = p.summary_pages + si * 3;
-            const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
-            const bool inside = qp >= 0 && lo <= qp && qp <= hi;
-            cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
-            // A page strictly inside the block's range may have no image token here.
-            for (int j = 0; inside && !cand && j < sbs; ++j) {
-                const int64_t slot = cache_slot(p, seq, b * sbs + j, ws.error);
-                cand = slot >= 0 && p.image_page_cache[slot] == qp;
-            }
+            cand = forced_block(p, ws, seq, b, si, qp);
         }
         keys[b - key_offset] = route_key(fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f), cand, b);
     }
 }
 
-// Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced.
-// Top-k in two rounds of warp work: every warp takes the k best of its slice, then warp 0 takes
-// the k best of those candidates, in route order.
+// The k largest keys of keys[lo, hi) (shared memory, consumed: taken keys become 0) into
+// out[0, k), largest first, 0 past the end. One warp; each lane keeps the maximum of its
+// stride of keys and rescans only when that maximum is taken.
+__device__ void warp_topk(uint64_t* keys, int lo, int hi, int k, uint64_t* out) {
+    const int lane = threadIdx.x % 32;
+    auto lane_max = [&](int& at) {
+        uint64_t m = 0;
+        at = -1;
+        for (int b = lo + lane; b < hi; b += 32)
+            if (keys[b] > m) m = keys[b], at = b;
+        return m;
+    };
+    int at;
+    uint64_t mine = lane_max(at);
+    for (int r = 0; r < k; ++r) {
+        const uint64_t top = warp_max_u64(mine);
+        if (lane == 0) out[r] = top;
+        if (top != 0 && mine == top) {  // keys are distinct: exactly one lane holds it
+            keys[at] = 0;
+            mine = lane_max(at);
+        }
+        __syncwarp();
+    }
+}
+
+// Writes the selection of one token from its k best keys (route order) into sel/forced.
+__device__ void write_selection(const Plan& plan, const uint64_t* best, int k, int32_t* sel, uint8_t* forced,
+                                int tid, int nthreads) {
+    for (int j = tid; j < plan.kmax; j += nthreads) {
+        const uint64_t key = j < k ? best[j] : 0;
+        sel[j] = key != 0 ? key_block(key) : -1;
+        forced[j] = key != 0 ? (uint8_t)(key >> 63) : 0;
+    }
+}
+
+// Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced,
+// with the whole CTA: every warp takes the k best of its slice, then warp 0 the k best of those.
 __device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
                             int32_t* sel, uint8_t* forced) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     if (p.dense_layer) {
         // Every remote block is selected; the order inside a row does not change the output.
         for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) {
@@ -115,35 +162,11 @@ __device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* key
     }
     const int k = min(p.topk, n);
     const int slice = (n + nwarps - 1) / nwarps;
-    const int lo = warp * slice, hi = min(n, lo + slice);
-    for (int r = 0; r < k; ++r) {
-        uint64_t best = 0;
-        for (int b = lo + lane; b < hi; b += 32) best = keys[b] > best ? keys[b] : best;
-        best = warp_max_u64(best);
-        if (lane == 0) {
-            cand[warp * k + r] = best;
-            if (best != 0) keys[key_block(best)] = 0;  // taken
-        }
-        __syncwarp();
-    }
+    warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
     __syncthreads();
-    if (warp == 0) {
-        const int m = nwarps * k;
-        for (int r = 0; r < k; ++r) {
-            uint64_t best = 0;
-            int where = -1;
-            for (int i = lane; i < m; i += 32)
-                if (cand[i] > best) best = cand[i], where = i;
-            const uint64_t top = warp_max_u64(best);
-            if (best == top && top != 0) {  // exactly one lane holds the (unique) top key
-                cand[where] = 0;
-                sel[r] = key_block(top);
-                forced[r] = (uint8_t)(top >> 63);
-            }
-            __syncwarp();
-        }
-    }
-    for (int j = k + threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
+    if (warp == 0) warp_topk(cand, 0, nwarps * k, k, cand + nwarps * k);
+    __syncthreads();
+    write_selection(plan, cand + nwarps * k, k, sel, forced, threadIdx.x, blockDim.x);
 }
 
 __device__ void write_selected_out(const DashParams& p, const Plan& plan, int t, const int32_t* sel) {
@@ -152,28 +175,98 @@ __device__ void write_selected_out(const DashParams& p, const Plan& plan, int t,
     for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
 }
 
-// Fused: one CTA per token.
+// Fused: one CTA per tile of plan.route_tile (<= kRouteTile) consecutive tokens. Tokens of one
+// sequence share each summary row load; a warp per token then selects from shared memory.
+// Shared memory: iq [tile][Di4] floats, keys [tile][max_blocks], best [tile][topk].
 template <typename T>
-__global__ void __launch_bounds__(kRouteThreads) route_fused_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    const int t = blockIdx.x;
-    const int seq = ws.token_seq[t];
-    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+__global__ void __launch_bounds__(kRouteThreads) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int tile = plan.route_tile, t0 = blockIdx.x * tile, tn = min(tile, p.num_tokens - t0);
+    const int di = p.index_dim, di4 = (di + 3) / 4 * 4;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* iq = reinterpret_cast<float*>(smem_raw);                                         // [Di]
-    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw + 4 * ((p.index_dim + 3) / 4 * 4));  // [max_blocks]
-    uint64_t* cand = keys + plan.max_blocks;                                                // [warps * topk]
-    if (seq < 0) {
-        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
-        return;
+    float* iq = reinterpret_cast<float*>(smem_raw);
+    uint64_t* keys = reinterpret_cast<uint64_t*>(iq + (size_t)tile * di4);
+    uint64_t* best = keys + (size_t)tile * plan.max_blocks;
+    __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile];
+    if (threadIdx.x < kRouteTile) {
+        const int j = threadIdx.x, t = t0 + j;
+        const int seq = j < tn ? ws.token_seq[t] : -1;
+        s_seq[j] = seq;
+        s_n[j] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]) : 0;
+        s_qp[j] = j < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
-    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
-    load_index_query<T>(p, t, iq);
     __syncthreads();
-    score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, 0, n, keys, 0);
+    for (int j = 0; j < tn; ++j)
+        if (s_seq[j] >= 0) load_index_query<T>(p, t0 + j, iq + (size_t)j * di4);
     __syncthreads();
-    select_topk(p, plan, keys, n, cand, sel, forced);
-    write_selected_out(p, plan, t, sel);
+    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    // NOTE: scores are clamped to +-1e4 like the reference.
+    for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
+        const int seq = s_seq[lead];
+        bool first = seq >= 0;
+        int n = 0;
+        for (int j = 0; j < tn; ++j) {
+            if (s_seq[j] != seq) continue;
+            first = first && j >= lead;
+            n = max(n, s_n[j]);
+        }
+        if (!first) continue;
+        for (int b = threadIdx.x; b < n; b += blockDim.x) {
+            const int64_t si = summary_index(p, seq, b, ws.error);
+            float acc[kRouteTile];
+#pragma unroll
+            for (int j = 0; j < kRouteTile; ++j) acc[j] = 0.0f;
+            if (si >= 0) {
+                const float* summ = p.summary_cache + si * di;
+                if (di % 4 == 0) {
+                    const float4* s4p = reinterpret_cast<const float4*>(summ);
+                    for (int i = 0; i < di / 4; ++i) {
+                        const float4 s4 = s4p[i];
+#pragma unroll
+                        for (int j = 0; j < kRouteTile; ++j)
+                            if (j < tile) acc[j] = dot4(acc[j], reinterpret_cast<const float4*>(iq + j * di4)[i], s4);
+                    }
+                } else {
+                    for (int i = 0; i < di; ++i)
+#pragma unroll
+                        for (int j = 0; j < kRouteTile; ++j)
+                            if (j < tile) acc[j] = __fmaf_rn(iq[j * di4 + i], summ[i], acc[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kRouteTile; ++j) {
+                if (j >= tn || s_seq[j] != seq || b >= s_n[j]) continue;
+                const bool cand = si >= 0 && forced_block(p, ws, seq, b, si, s_qp[j]);
+                keys[(size_t)j * plan.max_blocks + b] = route_key(fminf(fmaxf(acc[j] * inv_sqrt, -1e4f), 1e4f), cand, b);
+            }
+        }
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % 32;
+    for (int j = threadIdx.x / 32; j < tn; j += blockDim.x / 32) {
+        const int t = t0 + j, n = s_n[j];
+        int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+        uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+        uint64_t* kj = keys + (size_t)j * plan.max_blocks;
+        if (s_seq[j] < 0) {
+            write_selection(plan, nullptr, 0, sel, forced, lane, 32);
+        } else if (p.dense_layer) {
+            // Every remote block is selected; the order inside a row does not change the output.
+            for (int i = lane; i < plan.kmax; i += 32) {
+                sel[i] = i < n ? i : -1;
+                forced[i] = i < n ? (uint8_t)(kj[i] >> 63) : 0;
+            }
+        } else {
+            const int k = min(p.topk, n);
+            uint64_t* bj = best + (size_t)j * p.topk;
+            warp_topk(kj, 0, n, k, bj);
+            __syncwarp();
+            write_selection(plan, bj, k, sel, forced, lane, 32);
+        }
+        if (p.selected_out != nullptr) {
+            __syncwarp();
+            for (int i = lane; i < plan.kmax; i += 32) p.selected_out[(int64_t)t * plan.kmax + i] = sel[i];
+        }
+    }
 }
 
 // Split scoring: grid (T, route_splits), keys to the workspace.
@@ -225,8 +318,9 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         cudaError_t err;
         if (plan.route_splits == 1) {
-            if ((err = allow_smem(route_fused_kernel<T>, plan.route_smem)) != cudaSuccess) return err;
-            route_fused_kernel<T><<<p.num_tokens, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
+            if ((err = allow_smem(route_tile_kernel<T>, plan.route_smem)) != cudaSuccess) return err;
+            const int tiles = (p.num_tokens + plan.route_tile - 1) / plan.route_tile;
+            route_tile_kernel<T><<<tiles, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
             return cudaGetLastError();
         }
         route_score_kernel<T><<<dim3(p.num_tokens, plan.route_splits), kRouteThreads, 0, stream>>>(p, plan, ws);
@@ -238,5 +332,6 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 }
 
 int route_threads() { return kRouteThreads; }
+int route_max_tile() { return kRouteTile; }
 
 }  // namespace dash

@@ -79,7 +79,11 @@ def graph_of(fn):
     return g
 
 
-def decode_case(nseq: int, ctx: int, run_reference: bool, gen) -> dict:
+def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool = False) -> dict:
+    """One decode step of ``nseq`` sequences. The new token completes a sparse block (its
+    summary is taken in this step: 1 step in 64) unless ``mid_block``, where it lands 32
+    positions earlier, in the middle of a block (the other 63 steps)."""
+    length = ctx - 32 if mid_block else ctx
     nb_per = ctx // SBS
     nb = nseq * nb_per
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
@@ -93,11 +97,11 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen) -> dict:
     cache.summary_pages[:, 0, 1] = pages.int()
     cache.summary_pages[:, 0, 2] = 1
     tables = torch.arange(nb, dtype=torch.int32, device="cuda").view(nseq, nb_per)
-    batch = dict(block_tables=tables, seq_lens=torch.full((nseq,), ctx, dtype=torch.int32, device="cuda"),
+    batch = dict(block_tables=tables, seq_lens=torch.full((nseq,), length, dtype=torch.int32, device="cuda"),
                  query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"))
     q, k, v, iq, ik, head_cls = new_tokens(nseq, gen)
-    coords = torch.stack([torch.full((nseq,), ctx - 1), torch.full((nseq,), 3), torch.full((nseq,), -1),
+    coords = torch.stack([torch.full((nseq,), length - 1), torch.full((nseq,), 3), torch.full((nseq,), -1),
                           torch.full((nseq,), 2)], -1).int().cuda()
 
     def dash():
@@ -108,8 +112,8 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen) -> dict:
     dash_ms = time_ms(g.replay, iters=50)
     # Dense SDPA over the same cache (the identity block table makes it one strided view). The G
     # query heads of a KV head become G query rows, as GQA decode kernels do.
-    kd = cache.key.view(nseq, ctx, HKV, D).transpose(1, 2)
-    vd = cache.value.view(nseq, ctx, HKV, D).transpose(1, 2)
+    kd = cache.key.view(nseq, ctx, HKV, D).transpose(1, 2)[:, :, :length]
+    vd = cache.value.view(nseq, ctx, HKV, D).transpose(1, 2)[:, :, :length]
     qd = q.view(nseq, HKV, H // HKV, D)
     sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd), iters=20)
     ref_ms = None
@@ -119,13 +123,13 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen) -> dict:
                                sp=CFG, layer_idx=0)
         torch.cuda.synchronize()
         ref_ms = (time.perf_counter() - t0) * 1e3
-    n_remote = ctx // SBS - 1
+    n_remote = length // SBS - 1
     kv_tokens = TOPK * SBS + SBS
     bytes_kv = nseq * HKV * kv_tokens * D * 2 * 2
     bytes_route = nseq * n_remote * (DI * 4 + 12)
     bytes_io = nseq * ((H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2)
     total = bytes_kv + bytes_route + bytes_io
-    return dict(case=f"decode {nseq} x {ctx // 1024}k", dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
+    return dict(case=f"decode {nseq} x {ctx // 1024}k" + (" mid-block" if mid_block else ""), dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
                 bytes=total, route_bytes=bytes_route)
 
 
@@ -190,6 +194,7 @@ def main() -> int:
     prefill = [16384, 65536] if not a.quick else [4096]
     for nseq, ctx in decode:
         rows.append(decode_case(nseq, ctx, not a.no_reference, gen))
+        rows.append(decode_case(nseq, ctx, False, gen, mid_block=True))
         torch.cuda.empty_cache()
     for s in prefill:
         rows.append(prefill_case(s, not a.no_reference and s <= 16384, gen))

@@ -66,8 +66,10 @@ def main() -> int:
     for which in a.which:
         captured.clear()
         if which == "decode":
-            B.decode_case(32, a.ctx, False, gen)
-            report(f"decode 32 x {a.ctx // 1024}k", profile(captured["fn"]))
+            for mid in (False, True):
+                captured.clear()
+                B.decode_case(32, a.ctx, False, gen, mid_block=mid)
+                report(f"decode 32 x {a.ctx // 1024}k" + (" mid-block" if mid else ""), profile(captured["fn"]))
         else:
             B.prefill_case(a.seq, False, gen)
             report(f"prefill 1 x {a.seq // 1024}k", profile(captured["fn"]))

@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|all]...
+#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|ncu|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -56,6 +56,18 @@ case " $what " in *" bench "*|*" all "*)
 esac
 case " $what " in *" breakdown "*)
   python3 bench/breakdown.py decode prefill 2>&1 | tee "$OUT/breakdown.log"
-  status=$(( status | ${PIPESTATUS[0]} ));;
+  status=$(( status | ${PIPESTATUS[0]} ))
+  for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
+    DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend_kernel|combine_kernel" \
+      | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
+  done;;
+esac
+case " $what " in *" ncu "*)
+  # Why the decode step's small kernels take as long as they do (one 32 x 32k step).
+  ncu --clock-control none --kernel-name regex:"route_score|route_select|attend_kernel" -c 3 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats python3 bench/profile_step.py decode \
+    > "$OUT/ncu_decode.log" 2>&1
+  grep -E "route_|attend_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Stall|stall" \
+    "$OUT/ncu_decode.log" | head -60;;
 esac
 exit $status

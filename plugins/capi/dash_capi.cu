@@ -23,9 +23,9 @@ constexpr int kSupportedHeadDims[] = DASH_HEAD_DIMS;
 constexpr int kMaxIndexDim = dash::kMaxIndexDimDevice;
 constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
-constexpr long kTargetCtas = 1024;       // split-K aims for this many attention CTAs
-constexpr int kFusedRouteTokens = 264;   // from this many tokens on, one routing CTA per token
-constexpr int kRouteBlocksPerCta = 128;  // blocks one split-routing CTA scores
+constexpr long kTargetCtas = 512;        // split-K aims for this many attention CTAs (swept on the H200)
+constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
+constexpr int kRouteBlocksPerCta = 256;  // blocks one split-routing CTA scores (a thread each)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
 
@@ -45,6 +45,13 @@ int block_major_chunk() {
     return v > 0 ? (int)v : kBlockMajorChunk;
 }
 
+// DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
+long attend_target_ctas() {
+    const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
+    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
+    return v > 0 ? v : kTargetCtas;
+}
+
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool supported_head_dim(int d) {
@@ -60,7 +67,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.kmax < 1) plan.kmax = 1;  // keep rows non-empty; -1 padded
     plan.pieces = plan.kmax + p.sparse_local_block;
     const long units = (long)p.num_tokens * p.num_kv_heads;
-    long splits = units >= kTargetCtas || units == 0 ? 1 : (kTargetCtas + units - 1) / units;
+    const long target = attend_target_ctas();
+    long splits = units >= target || units == 0 ? 1 : (target + units - 1) / units;
     if (splits > plan.pieces) splits = plan.pieces;
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
@@ -76,7 +84,10 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
                              sizeof(uint64_t) * ((size_t)plan.max_blocks + topk_slots);
-    plan.route_tile = (int)std::min<size_t>(dash::route_max_tile(), kMaxSmem / per_token);
+    // Tokens per fused routing CTA: up to route_max_tile() while kFusedRouteTokens CTAs remain.
+    const size_t want_tile =
+        std::max<size_t>(1, std::min<size_t>(dash::route_max_tile(), (size_t)p.num_tokens / kFusedRouteTokens));
+    plan.route_tile = (int)std::min<size_t>(want_tile, kMaxSmem / per_token);
     plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile
                                              : sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand);
     plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +

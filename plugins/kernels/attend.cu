@@ -153,11 +153,13 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
+    __shared__ float2 cs[D / 2];  // cos and sin of each pair's angle, shared by the G heads
+    for (int i = threadIdx.x; i < D / 2; i += kThreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
+    __syncthreads();
     for (int idx = threadIdx.x; idx < 8 * L.nt * (D / 2); idx += kThreads) {
         const int g = idx / (D / 2), i = idx % (D / 2);
         float lo = 0.0f, hi = 0.0f;
-        if (g < group)
-            rope_pair<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), rope_angle(i, D, tok, page, rope), lo, hi);
+        if (g < group) rope_rotate<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
         if (kTC) {
             q16[g * L.qs + i] = from_f<T>(lo);  // exact: lo/hi are already T values
             q16[g * L.qs + i + D / 2] = from_f<T>(hi);

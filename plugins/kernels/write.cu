@@ -44,6 +44,14 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     const RopeConfig index_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate,
                                 p.rope_page_mod};
     const int d = p.head_dim, half = d / 2, hkv = p.num_kv_heads;
+    const int di = p.index_dim, ihalf = di / 2;
+    // cos and sin of each pair's angle once per token (shared by the KV heads); large angles
+    // take the slow path of cosf/sinf, so this is most of the stage's arithmetic.
+    extern __shared__ float2 cs[];  // [D / 2] main, then [Di / 2] index
+    for (int i = threadIdx.x; i < half; i += blockDim.x) cs[i] = rope_cos_sin<T>(rope_angle(i, d, tok, page, main_rope));
+    for (int i = threadIdx.x; i < ihalf; i += blockDim.x)
+        cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, index_rope));
+    __syncthreads();
     const T* k = static_cast<const T*>(p.k) + (int64_t)t * hkv * d;
     const T* v = static_cast<const T*>(p.v) + (int64_t)t * hkv * d;
     T* kc = static_cast<T*>(p.key_cache) + s_slot * hkv * d;
@@ -51,18 +59,16 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     for (int idx = threadIdx.x; idx < hkv * half; idx += blockDim.x) {
         const int h = idx / half, i = idx % half;
         float lo, hi;
-        rope_pair<T>(to_f(k[h * d + i]), to_f(k[h * d + i + half]), rope_angle(i, d, tok, page, main_rope),
-                     lo, hi);
+        rope_rotate<T>(to_f(k[h * d + i]), to_f(k[h * d + i + half]), cs[i].x, cs[i].y, lo, hi);
         kc[h * d + i] = from_f<T>(lo);
         kc[h * d + i + half] = from_f<T>(hi);
     }
     for (int idx = threadIdx.x; idx < hkv * d; idx += blockDim.x) vc[idx] = v[idx];
-    const int di = p.index_dim, ihalf = di / 2;
     const T* ik = static_cast<const T*>(p.ik) + (int64_t)t * di;
     T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
     for (int i = threadIdx.x; i < ihalf; i += blockDim.x) {
         float lo, hi;
-        rope_pair<T>(to_f(ik[i]), to_f(ik[i + ihalf]), rope_angle(i, di, tok, page, index_rope), lo, hi);
+        rope_rotate<T>(to_f(ik[i]), to_f(ik[i + ihalf]), cs[half + i].x, cs[half + i].y, lo, hi);
         ic[i] = from_f<T>(finite_or_zero(lo));
         ic[i + ihalf] = from_f<T>(finite_or_zero(hi));
     }
@@ -76,7 +82,8 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
 cudaError_t launch_write(const DashParams& p, const Workspace& ws, cudaStream_t stream) {
     if (p.num_tokens == 0) return cudaSuccess;
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
-        write_kernel<T><<<p.num_tokens, 128, 0, stream>>>(p, ws);
+        const size_t smem = sizeof(float2) * (size_t)(p.head_dim / 2 + p.index_dim / 2);
+        write_kernel<T><<<p.num_tokens, 128, smem, stream>>>(p, ws);
         return cudaGetLastError();
     });
 }

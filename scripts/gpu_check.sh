@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|ncu|all]...
+#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|ncu|compare|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -61,6 +61,17 @@ case " $what " in *" breakdown "*)
     DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend_kernel|combine_kernel" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
   done;;
+esac
+case " $what " in *" compare "*|*" all "*)
+  # dash-compare with the CUDA kernels runner, on a file exported elsewhere (dash-export --demo
+  # --out gpu-in/dash_demo.onnx; this machine may lack onnxscript).
+  onnx=${DASH_ONNX:-gpu-in/dash_demo.onnx}
+  if [ -f "$onnx" ]; then
+    python3 -m dash_trt.compare "$onnx" --demo --json "$OUT/compare.json" 2>&1 | tee "$OUT/compare.log" | tail -30
+    status=$(( status | ${PIPESTATUS[0]} ))
+  else
+    echo "compare: no ONNX file at $onnx (export one with dash-export --demo --out $onnx)"
+  fi;;
 esac
 case " $what " in *" ncu "*)
   # Why the decode step's small kernels take as long as they do (one 32 x 32k step).

@@ -25,7 +25,7 @@ constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
 constexpr long kTargetCtas = 512;        // split-K aims for this many attention CTAs (swept on the H200)
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
-constexpr int kRouteBlocksPerCta = 256;  // blocks one split-routing CTA scores (a thread each)
+constexpr int kRouteBlocksPerCta = 64;   // blocks one split-routing CTA scores (4 threads each)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
 

@@ -86,29 +86,41 @@ __device__ __forceinline__ bool forced_block(const DashParams& p, const Workspac
     return cand;
 }
 
-// Keys of blocks [b0, b1) of token t into keys[b - key_offset]. A thread per block: each reads its
-// block's whole summary (contiguous 16-byte loads), so many loads are in flight at once.
-// NOTE: scores are clamped to +-1e4 like the reference.
+// Indexer score of a summary row, in four partial dot products over the quarters of the row
+// (elements [q * Di / 4, (q + 1) * Di / 4)), combined as (p0 + p1) + (p2 + p3). The split
+// routing gives each quarter its own thread, the fused routing runs them in turn: the same
+// scores either way.
+__device__ __forceinline__ float quarter_dot(const float* iq, const float* summ, int di, int q) {
+    float acc = 0.0f;
+    if (di % 16 == 0) {  // 16-byte aligned quarters (iq is in aligned shared memory)
+        const int n4 = di / 16;
+        const float4* s4 = reinterpret_cast<const float4*>(summ) + q * n4;
+        const float4* q4 = reinterpret_cast<const float4*>(iq) + q * n4;
+        for (int i = 0; i < n4; ++i) acc = dot4(acc, q4[i], s4[i]);
+    } else {
+        for (int i = q * di / 4; i < (q + 1) * di / 4; ++i) acc = __fmaf_rn(iq[i], summ[i], acc);
+    }
+    return acc;
+}
+__device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
+    return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
+}
+
+// Keys of blocks [b0, b1) of token t into keys[b]: four threads per block, one quarter each.
 __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
-                             int b0, int b1, uint64_t* keys, int key_offset) {
-    const int di = p.index_dim;
+                             int b0, int b1, uint64_t* keys) {
+    const int di = p.index_dim, q = threadIdx.x % 4;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
-        const int64_t si = summary_index(p, seq, b, ws.error);
-        float acc = 0.0f;
-        bool cand = false;
-        if (si >= 0) {
-            const float* summ = p.summary_cache + si * di;
-            if (di % 4 == 0) {  // rows 16-byte aligned; iq is too (shared memory, aligned)
-                const float4* s4p = reinterpret_cast<const float4*>(summ);
-                const float4* q4p = reinterpret_cast<const float4*>(iq);
-                for (int i = 0; i < di / 4; ++i) acc = dot4(acc, q4p[i], s4p[i]);
-            } else {
-                for (int i = 0; i < di; ++i) acc = __fmaf_rn(iq[i], summ[i], acc);
-            }
-            cand = forced_block(p, ws, seq, b, si, qp);
+    for (int base = b0; base < b1; base += blockDim.x / 4) {  // uniform trip count: shuffles below
+        const int b = base + (int)threadIdx.x / 4;
+        const int64_t si = b < b1 ? summary_index(p, seq, b, ws.error) : -1;
+        float part = si >= 0 ? quarter_dot(iq, p.summary_cache + si * di, di, q) : 0.0f;
+        part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));  // p0 + p1 | p2 + p3
+        part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 2));
+        if (b < b1 && q == 0) {
+            const bool cand = si >= 0 && forced_block(p, ws, seq, b, si, qp);
+            keys[b] = route_key(score_of(part, inv_sqrt), cand, b);
         }
-        keys[b - key_offset] = route_key(fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f), cand, b);
     }
 }
 
@@ -164,7 +176,16 @@ __device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* key
     const int slice = (n + nwarps - 1) / nwarps;
     warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
     __syncthreads();
-    if (warp == 0) warp_topk(cand, 0, nwarps * k, k, cand + nwarps * k);
+    if (warp == 0) {  // merge the warps' lists (each sorted, largest first): lane w walks list w
+        const int lane = threadIdx.x % 32;
+        int at = 0;
+        uint64_t head = lane < nwarps && k > 0 ? cand[lane * k] : 0;
+        for (int r = 0; r < k; ++r) {
+            const uint64_t top = warp_max_u64(head);
+            if (lane == 0) cand[nwarps * k + r] = top;
+            if (top != 0 && head == top) head = ++at < k ? cand[lane * k + at] : 0;
+        }
+    }
     __syncthreads();
     write_selection(plan, cand + nwarps * k, k, sel, forced, threadIdx.x, blockDim.x);
 }
@@ -177,9 +198,10 @@ __device__ void write_selected_out(const DashParams& p, const Plan& plan, int t,
 
 // Fused: one CTA per tile of plan.route_tile (<= kRouteTile) consecutive tokens. Tokens of one
 // sequence share each summary row load; a warp per token then selects from shared memory.
-// Shared memory: iq [tile][Di4] floats, keys [tile][max_blocks], best [tile][topk].
+// Shared memory: iq [tile][Di4] floats, keys [tile][max_blocks], best [tile][topk]. At most 80
+// registers a thread (3 CTAs per SM, as the shared memory of a tile allows at 64k context).
 template <typename T>
-__global__ void __launch_bounds__(kRouteThreads) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
+__global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
     const int tile = plan.route_tile, t0 = blockIdx.x * tile, tn = min(tile, p.num_tokens - t0);
     const int di = p.index_dim, di4 = (di + 3) / 4 * 4;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -199,7 +221,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_tile_kernel(const DashPar
         if (s_seq[j] >= 0) load_index_query<T>(p, t0 + j, iq + (size_t)j * di4);
     __syncthreads();
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    // NOTE: scores are clamped to +-1e4 like the reference.
     for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
         const int seq = s_seq[lead];
         bool first = seq >= 0;
@@ -217,26 +238,40 @@ __global__ void __launch_bounds__(kRouteThreads) route_tile_kernel(const DashPar
             for (int j = 0; j < kRouteTile; ++j) acc[j] = 0.0f;
             if (si >= 0) {
                 const float* summ = p.summary_cache + si * di;
-                if (di % 4 == 0) {
-                    const float4* s4p = reinterpret_cast<const float4*>(summ);
-                    for (int i = 0; i < di / 4; ++i) {
-                        const float4 s4 = s4p[i];
+                // quarter_dot's arithmetic, each summary load shared by the tile; the quarters
+                // combine as (p0 + p1) + (p2 + p3), pairs kept as they complete.
+                float pair[kRouteTile], part[kRouteTile];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                    for (int j = 0; j < kRouteTile; ++j) part[j] = 0.0f;
+                    if (di % 16 == 0) {
+                        const int n4 = di / 16;
+                        const float4* s4p = reinterpret_cast<const float4*>(summ);
+                        for (int i = q * n4; i < (q + 1) * n4; ++i) {
+                            const float4 s4 = s4p[i];
+#pragma unroll
+                            for (int j = 0; j < kRouteTile; ++j)
+                                if (j < tile) part[j] = dot4(part[j], reinterpret_cast<const float4*>(iq + j * di4)[i], s4);
+                        }
+                    } else {
 #pragma unroll
                         for (int j = 0; j < kRouteTile; ++j)
-                            if (j < tile) acc[j] = dot4(acc[j], reinterpret_cast<const float4*>(iq + j * di4)[i], s4);
+                            if (j < tile) part[j] = quarter_dot(iq + j * di4, summ, di, q);
                     }
-                } else {
-                    for (int i = 0; i < di; ++i)
 #pragma unroll
-                        for (int j = 0; j < kRouteTile; ++j)
-                            if (j < tile) acc[j] = __fmaf_rn(iq[j * di4 + i], summ[i], acc[j]);
+                    for (int j = 0; j < kRouteTile; ++j) {
+                        if (q % 2 == 0) pair[j] = part[j];
+                        else if (q == 1) acc[j] = __fadd_rn(pair[j], part[j]);
+                        else acc[j] = __fadd_rn(acc[j], __fadd_rn(pair[j], part[j]));
+                    }
                 }
             }
 #pragma unroll
             for (int j = 0; j < kRouteTile; ++j) {
                 if (j >= tn || s_seq[j] != seq || b >= s_n[j]) continue;
                 const bool cand = si >= 0 && forced_block(p, ws, seq, b, si, s_qp[j]);
-                keys[(size_t)j * plan.max_blocks + b] = route_key(fminf(fmaxf(acc[j] * inv_sqrt, -1e4f), 1e4f), cand, b);
+                keys[(size_t)j * plan.max_blocks + b] = route_key(score_of(acc[j], inv_sqrt), cand, b);
             }
         }
     }
@@ -282,7 +317,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashPa
     load_index_query<T>(p, t, iq);
     __syncthreads();
     score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,
-                 ws.route_keys + (int64_t)t * plan.max_blocks, 0);
+                 ws.route_keys + (int64_t)t * plan.max_blocks);
 }
 
 __global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws) {

@@ -42,6 +42,12 @@ case " $what " in *" tests "*|*" all "*)
     status=$(( status | ${PIPESTATUS[0]} ))
   fi;;
 esac
+case " $what " in *" sanitize-quick "*)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "split_routing or prompt-128-8-2-dtype1" 2>&1 \
+    | tee "$OUT/memcheck_quick.log" | tail -4
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
 case " $what " in *" sanitize "*|*" all "*)
   # The caching allocator would hide out-of-bounds accesses inside its large blocks. Without
   # it, CUDA-graph capture fails (cudaMalloc while capturing), so the graph test is left out.
@@ -60,6 +66,10 @@ case " $what " in *" breakdown "*)
   for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
     DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend_kernel|combine_kernel" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
+  done
+  for blocks in ${ROUTE_BLOCKS_SWEEP:-}; do  # split routing: blocks per scoring CTA (64: 4 threads a block)
+    DASH_TRT_ROUTE_BLOCKS_PER_CTA=$blocks python3 bench/breakdown.py decode 2>&1 | grep -E "^## |route_|^routing" \
+      | sed "s/^/[route_blocks=$blocks] /" | tee -a "$OUT/breakdown.log"
   done;;
 esac
 case " $what " in *" compare "*|*" all "*)
@@ -67,6 +77,8 @@ case " $what " in *" compare "*|*" all "*)
   # --out gpu-in/dash_demo.onnx; this machine may lack onnxscript).
   onnx=${DASH_ONNX:-gpu-in/dash_demo.onnx}
   if [ -f "$onnx" ]; then
+    python3 -c "import onnxruntime, onnx; print('onnxruntime', onnxruntime.__version__, 'onnx', onnx.__version__)"
+    python3 -m dash_trt.compare "$onnx" --demo --no-cuda 2>&1 | tee "$OUT/compare_nocuda.log" | tail -4
     python3 -m dash_trt.compare "$onnx" --demo --json "$OUT/compare.json" 2>&1 | tee "$OUT/compare.log" | tail -30
     status=$(( status | ${PIPESTATUS[0]} ))
   else

@@ -45,7 +45,7 @@ def build_sequences(gen, n, **kw):
 schedule = prefill_then_decode
 
 
-def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype):
+def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None):
     """Run the same steps through the reference and the kernels; return per-step results."""
     num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 2
     hkv, d = seqs[0][0].k.shape[1:]
@@ -67,7 +67,7 @@ def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype):
     while any(plans):
         live = [i for i in range(len(seqs)) if plans[i]]
         step = [(i, plans[i].pop(0)) for i in live]
-        batch = pool.schedule(step, device="cuda")
+        batch = pool.schedule(step, device="cuda", table_width=table_width)
         rows = [(i, done[i], done[i] + n) for i, n in step]
 
         def cat(attr):
@@ -152,6 +152,22 @@ def test_long_sequences_and_split_k():
     assert min(x.length for x, _ in seqs) > 1000
     plans = schedule(gen, seqs, 8)
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype)
+    check(steps, rc, kc, dtype)
+
+
+@pytest.mark.parametrize("blocks_per_cta", ["256", "64"])
+def test_split_routing_over_a_wide_table(monkeypatch, blocks_per_cta):
+    """Decode steps whose block table allows more sparse blocks than one routing CTA scores go
+    through the split routing (scoring CTAs, then selection), with a thread or four threads per
+    block (DASH_TRT_ROUTE_BLOCKS_PER_CTA); prefill steps through the fused routing."""
+    monkeypatch.setenv("DASH_TRT_ROUTE_BLOCKS_PER_CTA", blocks_per_cta)
+    gen = torch.Generator().manual_seed(13)
+    cfg = make_config(16, sparse_topk_blocks=6)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=64, dtype=dtype, response=10)
+    plans = schedule(gen, seqs, 10)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype, table_width=320)
+    assert any(out.shape[0] <= 2 for out, *_ in steps)  # decode steps: split routing (320 blocks)
     check(steps, rc, kc, dtype)
 
 

@@ -25,7 +25,7 @@ constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
 constexpr long kTargetCtas = 512;        // split-K aims for this many attention CTAs (swept on the H200)
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
-constexpr int kRouteBlocksPerCta = 64;   // blocks one split-routing CTA scores (4 threads each)
+constexpr int kRouteBlocksPerCta = 256;  // blocks one split-routing CTA scores (a thread each)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
 
@@ -50,6 +50,14 @@ long attend_target_ctas() {
     const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
     const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
     return v > 0 ? v : kTargetCtas;
+}
+
+// DASH_TRT_ROUTE_BLOCKS_PER_CTA=64 scores each block with 4 threads (a quarter each) instead
+// of one (benchmark sweeps and the tests of both shapes).
+int route_blocks_per_cta() {
+    const char* env = std::getenv("DASH_TRT_ROUTE_BLOCKS_PER_CTA");
+    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
+    return v == dash::route_threads() / 4 ? (int)v : kRouteBlocksPerCta;
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -77,9 +85,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.route_cand = (route_warps + 1) * (int)topk_slots;
     plan.route_splits = p.num_tokens >= kFusedRouteTokens
                             ? 1
-                            : (plan.max_blocks + kRouteBlocksPerCta - 1) / kRouteBlocksPerCta;
+                            : (plan.max_blocks + route_blocks_per_cta() - 1) / route_blocks_per_cta();
     if (plan.route_splits < 1) plan.route_splits = 1;
-    plan.route_blocks_per_cta = kRouteBlocksPerCta;
+    plan.route_blocks_per_cta = route_blocks_per_cta();
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
@@ -110,6 +118,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
     plan.off_selected = off, off += align_up(t * plan.kmax * sizeof(int32_t));
     plan.off_forced = off, off += align_up(t * plan.kmax);
+    plan.off_iq_rot = off, off += align_up(t * sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4));
     if (plan.splits > 1) {
         const size_t rows = t * p.num_heads * plan.splits;
         plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
@@ -147,6 +156,7 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
     ws.token_pos = reinterpret_cast<int32_t*>(base + plan.off_token_pos);
     ws.selected = reinterpret_cast<int32_t*>(base + plan.off_selected);
     ws.forced = reinterpret_cast<uint8_t*>(base + plan.off_forced);
+    ws.iq_rot = reinterpret_cast<float*>(base + plan.off_iq_rot);
     if (plan.splits > 1) {
         ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);

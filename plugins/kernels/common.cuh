@@ -133,6 +133,7 @@ struct Workspace {
     int32_t* token_pos;   // [T] position of each new token
     int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
     uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
+    float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage)
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     uint64_t* route_keys; // [T, max_blocks] route keys (split routing only)
@@ -170,7 +171,7 @@ struct Plan {
     size_t summarize_smem;
     size_t attend_smem;
     size_t bytes;         // workspace size
-    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_acc, off_ml, off_route_keys;
+    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };

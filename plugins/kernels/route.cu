@@ -47,26 +47,15 @@ __device__ __forceinline__ int remote_blocks(const DashParams& p, const Plan& pl
     return max(0, min(n, plan.max_blocks));
 }
 
-// Rotated, finite, float32 indexer query of token t into iq[Di].
-template <typename T>
-__device__ void load_index_query(const DashParams& p, int t, float* iq) {
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate,
-                          p.rope_page_mod};
-    const int di = p.index_dim;
-    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
-    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-    const T* src = static_cast<const T*>(p.iq) + (int64_t)t * di;
-    for (int i = threadIdx.x; i < di / 2; i += blockDim.x) {
-        float lo, hi;
-        rope_pair<T>(to_f(src[i]), to_f(src[i + di / 2]), rope_angle(i, di, tok, page, rope), lo, hi);
-        iq[i] = finite_or_zero(lo);
-        iq[i + di / 2] = finite_or_zero(hi);
-    }
+// Rotated, finite, float32 indexer query of token t (written by the write stage) into iq[Di].
+__device__ __forceinline__ void load_index_query(const DashParams& p, const Workspace& ws, int t, float* iq) {
+    const int di4 = (p.index_dim + 3) / 4 * 4;
+    const float* src = ws.iq_rot + (int64_t)t * di4;
+    for (int i = threadIdx.x; i < p.index_dim; i += blockDim.x) iq[i] = src[i];
 }
 
-// One step of the indexer score: the same expression everywhere, so that every launch shape
-// computes bit-identical scores.
-// Explicitly rounded operations, so no launch shape depends on the compiler's contraction.
+// One step of the indexer score, in explicitly rounded operations, so that no launch shape
+// depends on the compiler's contraction.
 __device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s) {
     return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
 }
@@ -106,11 +95,28 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
     return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
 }
 
-// Keys of blocks [b0, b1) of token t into keys[b]: four threads per block, one quarter each.
+// Keys of blocks [b0, b1) of token t into keys[b]: `tpb` threads per block, 1 (all four
+// quarters in turn) or 4 (a quarter each). The same scores either way.
 __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
-                             int b0, int b1, uint64_t* keys) {
-    const int di = p.index_dim, q = threadIdx.x % 4;
+                             int b0, int b1, uint64_t* keys, int tpb) {
+    const int di = p.index_dim;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    if (tpb == 1) {
+        for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
+            const int64_t si = summary_index(p, seq, b, ws.error);
+            float dot = 0.0f;
+            bool cand = false;
+            if (si >= 0) {
+                const float* summ = p.summary_cache + si * di;
+                dot = __fadd_rn(__fadd_rn(quarter_dot(iq, summ, di, 0), quarter_dot(iq, summ, di, 1)),
+                                __fadd_rn(quarter_dot(iq, summ, di, 2), quarter_dot(iq, summ, di, 3)));
+                cand = forced_block(p, ws, seq, b, si, qp);
+            }
+            keys[b] = route_key(score_of(dot, inv_sqrt), cand, b);
+        }
+        return;
+    }
+    const int q = threadIdx.x % 4;
     for (int base = b0; base < b1; base += blockDim.x / 4) {  // uniform trip count: shuffles below
         const int b = base + (int)threadIdx.x / 4;
         const int64_t si = b < b1 ? summary_index(p, seq, b, ws.error) : -1;
@@ -218,7 +224,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
     __syncthreads();
     for (int j = 0; j < tn; ++j)
-        if (s_seq[j] >= 0) load_index_query<T>(p, t0 + j, iq + (size_t)j * di4);
+        if (s_seq[j] >= 0) load_index_query(p, ws, t0 + j, iq + (size_t)j * di4);
     __syncthreads();
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
     for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
@@ -314,10 +320,10 @@ __global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashPa
     const int b0 = blockIdx.y * plan.route_blocks_per_cta, b1 = min(n, b0 + plan.route_blocks_per_cta);
     if (b0 >= b1) return;
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
-    load_index_query<T>(p, t, iq);
+    load_index_query(p, ws, t, iq);
     __syncthreads();
     score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,
-                 ws.route_keys + (int64_t)t * plan.max_blocks);
+                 ws.route_keys + (int64_t)t * plan.max_blocks, (int)blockDim.x / plan.route_blocks_per_cta);
 }
 
 __global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws) {

@@ -5,7 +5,9 @@ namespace dash {
 namespace {
 
 // One CTA per new token: find its sequence and position, then write k (rotated), v, ik
-// (rotated, non-finite zeroed) and its image page at the token's cache slot.
+// (rotated, non-finite zeroed) and its image page at the token's cache slot. The token's
+// indexer query takes the same rotation (same coordinates and dims as ik): it goes to the
+// workspace in float32 for the routing stage.
 template <typename T>
 __global__ void write_kernel(const DashParams p, Workspace ws) {
     const int t = blockIdx.x;
@@ -71,6 +73,14 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
         rope_rotate<T>(to_f(ik[i]), to_f(ik[i + ihalf]), cs[half + i].x, cs[half + i].y, lo, hi);
         ic[i] = from_f<T>(finite_or_zero(lo));
         ic[i + ihalf] = from_f<T>(finite_or_zero(hi));
+    }
+    const T* iq = static_cast<const T*>(p.iq) + (int64_t)t * di;
+    float* iq_rot = ws.iq_rot + (int64_t)t * ((di + 3) / 4 * 4);
+    for (int i = threadIdx.x; i < ihalf; i += blockDim.x) {
+        float lo, hi;
+        rope_rotate<T>(to_f(iq[i]), to_f(iq[i + ihalf]), cs[half + i].x, cs[half + i].y, lo, hi);
+        iq_rot[i] = finite_or_zero(lo);
+        iq_rot[i + ihalf] = finite_or_zero(hi);
     }
     if (threadIdx.x == 0) {
         p.image_page_cache[s_slot] = p.coords[t * DASH_NUM_COORDS + DASH_COORD_IMAGE_PAGE];

@@ -297,16 +297,21 @@ def _rope(g: _Builder, x: str, rank: int, tok_f: str, page_f: str, mode_attr: st
 
 
 def _block_summaries(g: _Builder, keys: str, real: str, head_cls_f: str, inv_sqrt_di: str) -> str:
-    """``reference.block_summaries``: keys [C, sbs, Di] f32, real [C, sbs] bool."""
-    logits = g.op("Mul", g.op("ReduceSum", g.op("Mul", keys, head_cls_f), g.i([-1]), keepdims=0),
+    """``reference.block_summaries``: keys [C, sbs, Di] f32, real [C, sbs] bool.
+
+    C is 0 in most decode steps (no block completes). Reductions here name their axes as
+    non-negative numbers: ONNX Runtime before 1.32 returns the input unreduced for a negative
+    axis over a tensor with a zero-size dimension (seen with 1.18-1.31).
+    """
+    logits = g.op("Mul", g.op("ReduceSum", g.op("Mul", keys, head_cls_f), g.i([2]), keepdims=0),
                   inv_sqrt_di)
     logits = g.op("Clip", logits, g.f(-SCORE_CLAMP), g.f(SCORE_CLAMP))
     lowest = g.f(float(np.finfo(np.float32).min))
-    row_max = g.op("ReduceMax", g.op("Where", real, logits, lowest), g.i([-1]), keepdims=1)
+    row_max = g.op("ReduceMax", g.op("Where", real, logits, lowest), g.i([1]), keepdims=1)
     # NOTE: like the reference, tokens that do not count still enter exp() before being
     # zeroed; an all-masked block gives inf * 0 = nan, which nan_to_num turns into 0.
     ex = g.op("Mul", g.op("Exp", g.op("Sub", logits, row_max)), g.cast(real, TensorProto.FLOAT))
-    denom = g.op("Max", g.op("ReduceSum", ex, g.i([-1]), keepdims=1), g.f(1e-6))
+    denom = g.op("Max", g.op("ReduceSum", ex, g.i([1]), keepdims=1), g.f(1e-6))
     weights = g.op("Div", ex, denom)
     summ = g.op("ReduceSum", g.op("Mul", g.unsq(weights, 2), keys), g.i([1]), keepdims=0)
     return g.nan_to_num(summ, summ)

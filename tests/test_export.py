@@ -404,3 +404,17 @@ def test_cli_old_torch_is_told_clearly(tmp_path, capsys, monkeypatch):
     code, _, stderr = _run(["--demo", "--out", str(tmp_path / "m.onnx")], capsys)
     assert code == E.EXIT_EXPORT_FAILED and "torch 2.4.0 has no dynamo ONNX exporter" in stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_function_reductions_name_non_negative_axes():
+    """ONNX Runtime before 1.32 leaves a tensor with a zero-size dimension unreduced when the
+    axis is negative (the summaries of a decode step that completes no block have C = 0): every
+    reduction of the function names its axes as non-negative numbers."""
+    fn = O.dash_attention_function()
+    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in fn.node
+              if n.op_type == "Constant" and n.attribute[0].name == "value"}
+    reductions = [n for n in fn.node if n.op_type.startswith("Reduce") and len(n.input) > 1 and n.input[1]]
+    assert reductions
+    for n in reductions:
+        axes = np.asarray(consts[n.input[1]])
+        assert (axes >= 0).all(), f"{n.op_type} {n.name or n.output[0]} reduces over axes {axes.tolist()}"

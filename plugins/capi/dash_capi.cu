@@ -60,6 +60,20 @@ int route_blocks_per_cta() {
     return v == dash::route_threads() / 4 ? (int)v : kRouteBlocksPerCta;
 }
 
+// Shared memory a block may opt in to on the current device (sm_90: 227 KB, sm_80: 163 KB,
+// sm_86 / sm_89: 99 KB). Where it cannot be asked (no device), the sm_90 figure: nothing runs
+// there, and a plan must not turn a path off on a query failure alone.
+size_t device_smem_optin() {
+    constexpr size_t kFallback = 227 * 1024;
+    int dev = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || bytes <= 0) {
+        (void)cudaGetLastError();  // clear the (non-sticky) error for the caller's next check
+        return kFallback;
+    }
+    return (size_t)bytes;
+}
+
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool supported_head_dim(int d) {
@@ -125,7 +139,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_ml = off, off += align_up(rows * sizeof(float2));
     }
     if (plan.route_splits > 1) plan.off_route_keys = off, off += align_up(t * plan.max_blocks * sizeof(uint64_t));
-    plan.block_major = p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p) ? 1 : 0;
+    plan.block_major =
+        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, device_smem_optin()) ? 1 : 0;
     if (plan.block_major) {
         const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
         const int dtype_bytes = 2;

@@ -443,10 +443,16 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
 
 }  // namespace
 
-bool block_major_supported(const DashParams& p) {
+bool block_major_supported(const DashParams& p, size_t smem_limit) {
     const int group = p.num_heads / p.num_kv_heads;
-    return p.dtype != DASH_FLOAT32 && !p.dense_layer && p.sparse_block_size == 64 && 16 % group == 0 &&
-           (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.topk > 0;
+    if (p.dtype == DASH_FLOAT32 || p.dense_layer || p.sparse_block_size != 64 || 16 % group != 0 || p.topk <= 0)
+        return false;
+    if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+    // Dynamic shared memory (2-byte elements) plus the static per-entry metadata (under 4 KB)
+    // must fit the device's opt-in limit (99 KB on sm_86 / sm_89: D = 256 does not).
+    const size_t elems = p.head_dim == 64 ? BmSmem<64>::elems : p.head_dim == 128 ? BmSmem<128>::elems
+                                                                                   : BmSmem<256>::elems;
+    return 2 * elems + 4096 <= smem_limit;
 }
 
 size_t block_major_scan_bytes(int num_items) {

@@ -186,7 +186,7 @@ cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace
                           cudaStream_t stream);
 int route_threads();
 int route_max_tile();
-bool block_major_supported(const DashParams& p);
+bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 size_t block_major_scan_bytes(int num_items);
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
                                cudaStream_t stream);

@@ -245,3 +245,16 @@ def prefill_then_decode(gen: torch.Generator, seqs, response: int) -> list[list[
         bounds = [0, *[c for c in cuts if 0 < c < prompt], prompt]
         plans.append([b - a for a, b in zip(bounds, bounds[1:])] + [1] * response)
     return plans
+
+
+def assert_caches_match(got, ref, dtype: torch.dtype) -> None:
+    """A kernel-written paged cache against the reference's (both ``DashKVCache``): written in
+    place, bit-for-bit where nothing is computed (values, image pages, page ranges), within the
+    dtype's tolerance where RoPE or the summary's softmax is computed."""
+    atol, rtol = TOLERANCES[dtype]
+    assert torch.equal(got.value, ref.value)
+    assert torch.equal(got.image_page, ref.image_page)
+    assert torch.equal(got.summary_pages, ref.summary_pages)
+    torch.testing.assert_close(got.key, ref.key, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got.index_key, ref.index_key, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got.summary, ref.summary, atol=2e-3, rtol=2e-3)

@@ -66,10 +66,6 @@ case " $what " in *" breakdown "*)
   for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
     DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend_kernel|combine_kernel" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
-  done
-  for blocks in ${ROUTE_BLOCKS_SWEEP:-}; do  # split routing: blocks per scoring CTA (64: 4 threads a block)
-    DASH_TRT_ROUTE_BLOCKS_PER_CTA=$blocks python3 bench/breakdown.py decode 2>&1 | grep -E "^## |route_|^routing" \
-      | sed "s/^/[route_blocks=$blocks] /" | tee -a "$OUT/breakdown.log"
   done;;
 esac
 case " $what " in *" compare "*|*" all "*)

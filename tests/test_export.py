@@ -17,8 +17,8 @@ from dash_trt import onnx_ops as O
 from dash_trt import paged as P
 from dash_trt.config import CONFIG_SECTION, DashConfig
 from dash_trt.ops import CACHE_FIELDS
-from dash_trt.testing import TOLERANCES, random_config, random_inputs
-from test_paged import DI, KV_HEADS, SHARED_HEAD_CLS, D, HEADS, Seq, make_seq
+from dash_trt.testing import TOLERANCES, random_config
+from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case
 
 KV_BLOCK_SIZES = [1, 5, 8, 16]
 SEEDS = [0, 1, 2]
@@ -143,15 +143,7 @@ def test_function_routing_ties_forced_first_then_lowest_index(block_size):
 def test_function_page_without_images_inside_a_block():
     """The rare candidate rule (a page strictly inside a block's page range that has
     no image token there) is resolved from the image pages, as in the paged operator."""
-    prompt = [2, 1, 1, 2, 0, 2, 1, 1] + [2] + [1] * 7 + [2] + [1] * 7 + [0] * 4
-    response = [0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 0, 0]
-    roles = torch.tensor(prompt + response)
-    gen = torch.Generator().manual_seed(1)
-    cfg = DashConfig.from_dict({"sparse_block_size": 8, "sparse_local_block": 1, "sparse_topk_blocks": 1,
-                                "sparse_page_bias": 3.0})
-    x = random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI,
-                      head_cls=SHARED_HEAD_CLS)
-    seq = Seq(x, P.sequence_coords(roles), None, [len(prompt)] + [1] * len(response))
+    gen, cfg, seq, _ = page_gap_case()
     run_function_and_paged([seq], cfg, 0, 8, gen)
 
 

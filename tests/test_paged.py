@@ -307,12 +307,10 @@ def test_paged_head_dim_and_config_checks():
         _one_step(sp=lambda a: DashConfig.from_dict({**a["sp"].to_dict(), "sparse_rope_page_pairs": 8}))
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_page_without_images_inside_a_block_is_not_a_candidate(block_size):
-    """A block holding images of pages 0 and 2 is no candidate for page 1 (which has
-    no image): the block's page range alone would say it is."""
-    # pages 0, 1 (no image), 2 packed in the first sparse block; then filler pages;
-    # the response's markers walk the query page through 0, 1, 2, ...
+def page_gap_case():
+    """Pages 0, 1 (no image) and 2 packed in the first sparse block of 8, then filler pages; the
+    response's markers walk the query page through 0, 1, 2, ... Prompt in one chunk, then
+    decode. Returns (generator, config, Seq, prompt length)."""
     prompt = [2, 1, 1, 2, 0, 2, 1, 1] + [2] + [1] * 7 + [2] + [1] * 7 + [0] * 4
     response = [0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 0, 0]
     roles = torch.tensor(prompt + response)
@@ -321,9 +319,17 @@ def test_page_without_images_inside_a_block_is_not_a_candidate(block_size):
                                 "sparse_page_bias": 3.0})
     x = random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI,
                       head_cls=SHARED_HEAD_CLS)
-    seq = Seq(x, P.sequence_coords(roles), None, [len(prompt)] + [1] * len(response))
+    return gen, cfg, Seq(x, P.sequence_coords(roles), None, [len(prompt)] + [1] * len(response)), len(prompt)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_page_without_images_inside_a_block_is_not_a_candidate(block_size):
+    """A block holding images of pages 0 and 2 is no candidate for page 1 (which has
+    no image): the block's page range alone would say it is."""
+    gen, cfg, seq, prompt_len = page_gap_case()
+    x = seq.x
     qp = seq.coords[:, P.COORD_QUERY_PAGE]
-    assert 1 in qp[len(prompt):].tolist()
+    assert 1 in qp[prompt_len:].tolist()
     outs, routes, cache, tables = run_paged([seq], cfg, 0, block_size, gen)
     _, pages = P._block_state(cache, tables[0].long(), 1, 8)
     assert pages[0].tolist() == [0, 2, 0]  # range 0..2, page 1 missing

@@ -28,7 +28,7 @@ import torch
 
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import TOLERANCES, compare_outputs, prefill_then_decode, random_sequences
+from dash_trt.testing import assert_caches_match, compare_outputs, prefill_then_decode, random_sequences
 
 HARNESS_NAME = "libdash_trt_plugin_harness.so"
 MAX_DIMS = 8
@@ -735,13 +735,7 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
         for i, a, b in rows:
             done[i] = b
 
-    atol, rtol = TOLERANCES[dtype]
-    assert torch.equal(plug_cache.value, ref_cache.value)
-    assert torch.equal(plug_cache.image_page, ref_cache.image_page)
-    assert torch.equal(plug_cache.summary_pages, ref_cache.summary_pages)
-    torch.testing.assert_close(plug_cache.key, ref_cache.key, atol=atol, rtol=rtol)
-    torch.testing.assert_close(plug_cache.index_key, ref_cache.index_key, atol=atol, rtol=rtol)
-    torch.testing.assert_close(plug_cache.summary, ref_cache.summary, atol=2e-3, rtol=2e-3)
+    assert_caches_match(plug_cache, ref_cache, dtype)
     if ker_cache is not None:
         for f in CACHE_FIELDS:
             assert torch.equal(getattr(plug_cache, f), getattr(ker_cache, f)), f

@@ -52,14 +52,6 @@ long attend_target_ctas() {
     return v > 0 ? v : kTargetCtas;
 }
 
-// DASH_TRT_ROUTE_BLOCKS_PER_CTA=64 scores each block with 4 threads (a quarter each) instead
-// of one (benchmark sweeps and the tests of both shapes).
-int route_blocks_per_cta() {
-    const char* env = std::getenv("DASH_TRT_ROUTE_BLOCKS_PER_CTA");
-    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return v == dash::route_threads() / 4 ? (int)v : kRouteBlocksPerCta;
-}
-
 // Shared memory a block may opt in to on the current device (sm_90: 227 KB, sm_80: 163 KB,
 // sm_86 / sm_89: 99 KB). Where it cannot be asked (no device), the sm_90 figure: nothing runs
 // there, and a plan must not turn a path off on a query failure alone.
@@ -99,9 +91,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.route_cand = (route_warps + 1) * (int)topk_slots;
     plan.route_splits = p.num_tokens >= kFusedRouteTokens
                             ? 1
-                            : (plan.max_blocks + route_blocks_per_cta() - 1) / route_blocks_per_cta();
+                            : (plan.max_blocks + kRouteBlocksPerCta - 1) / kRouteBlocksPerCta;
     if (plan.route_splits < 1) plan.route_splits = 1;
-    plan.route_blocks_per_cta = route_blocks_per_cta();
+    plan.route_blocks_per_cta = kRouteBlocksPerCta;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +

@@ -377,12 +377,8 @@ cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
             const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
-            cudaError_t err = cudaSuccess;
-            if (plan.attend_smem > 48 * 1024) {
-                err = cudaFuncSetAttribute(attend_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)plan.attend_smem);
-                if (err != cudaSuccess) return err;
-            }
+            cudaError_t err = allow_smem(attend_kernel<T, D>, plan.attend_smem);
+            if (err != cudaSuccess) return err;
             attend_kernel<T, D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws);
             if ((err = cudaGetLastError()) != cudaSuccess || plan.splits == 1) return err;
             combine_kernel<T, D><<<p.num_tokens * p.num_heads, 128, 0, stream>>>(p, plan, ws);

@@ -176,6 +176,14 @@ struct Plan {
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };
 
+// ------------------------------------------------------------------ launch helpers
+// Lets `kernel` use `bytes` of dynamic shared memory (an opt-in above 48 KB).
+template <typename K>
+cudaError_t allow_smem(K kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
 // ------------------------------------------------------------------ stage launchers
 cudaError_t launch_write(const DashParams& p, const Workspace& ws, cudaStream_t stream);
 cudaError_t launch_summarize(const DashParams& p, const Plan& plan, const Workspace& ws,

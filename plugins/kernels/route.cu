@@ -76,9 +76,8 @@ __device__ __forceinline__ bool forced_block(const DashParams& p, const Workspac
 }
 
 // Indexer score of a summary row, in four partial dot products over the quarters of the row
-// (elements [q * Di / 4, (q + 1) * Di / 4)), combined as (p0 + p1) + (p2 + p3). The split
-// routing gives each quarter its own thread, the fused routing runs them in turn: the same
-// scores either way.
+// (elements [q * Di / 4, (q + 1) * Di / 4)), combined as (p0 + p1) + (p2 + p3): the split and
+// the fused routing compute the same scores (the fused one shares each summary load by a tile).
 __device__ __forceinline__ float quarter_dot(const float* iq, const float* summ, int di, int q) {
     float acc = 0.0f;
     if (di % 16 == 0) {  // 16-byte aligned quarters (iq is in aligned shared memory)
@@ -95,38 +94,23 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
     return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
 }
 
-// Keys of blocks [b0, b1) of token t into keys[b]: `tpb` threads per block, 1 (all four
-// quarters in turn) or 4 (a quarter each). The same scores either way.
+// Keys of blocks [b0, b1) of token t into keys[b], a thread per block (its four quarters in
+// turn). Four threads per block, a quarter each, measured slower (docs/performance.md, 4d71c95).
 __device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
-                             int b0, int b1, uint64_t* keys, int tpb) {
+                             int b0, int b1, uint64_t* keys) {
     const int di = p.index_dim;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    if (tpb == 1) {
-        for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
-            const int64_t si = summary_index(p, seq, b, ws.error);
-            float dot = 0.0f;
-            bool cand = false;
-            if (si >= 0) {
-                const float* summ = p.summary_cache + si * di;
-                dot = __fadd_rn(__fadd_rn(quarter_dot(iq, summ, di, 0), quarter_dot(iq, summ, di, 1)),
-                                __fadd_rn(quarter_dot(iq, summ, di, 2), quarter_dot(iq, summ, di, 3)));
-                cand = forced_block(p, ws, seq, b, si, qp);
-            }
-            keys[b] = route_key(score_of(dot, inv_sqrt), cand, b);
+    for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
+        const int64_t si = summary_index(p, seq, b, ws.error);
+        float dot = 0.0f;
+        bool cand = false;
+        if (si >= 0) {
+            const float* summ = p.summary_cache + si * di;
+            dot = __fadd_rn(__fadd_rn(quarter_dot(iq, summ, di, 0), quarter_dot(iq, summ, di, 1)),
+                            __fadd_rn(quarter_dot(iq, summ, di, 2), quarter_dot(iq, summ, di, 3)));
+            cand = forced_block(p, ws, seq, b, si, qp);
         }
-        return;
-    }
-    const int q = threadIdx.x % 4;
-    for (int base = b0; base < b1; base += blockDim.x / 4) {  // uniform trip count: shuffles below
-        const int b = base + (int)threadIdx.x / 4;
-        const int64_t si = b < b1 ? summary_index(p, seq, b, ws.error) : -1;
-        float part = si >= 0 ? quarter_dot(iq, p.summary_cache + si * di, di, q) : 0.0f;
-        part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));  // p0 + p1 | p2 + p3
-        part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 2));
-        if (b < b1 && q == 0) {
-            const bool cand = si >= 0 && forced_block(p, ws, seq, b, si, qp);
-            keys[b] = route_key(score_of(part, inv_sqrt), cand, b);
-        }
+        keys[b] = route_key(score_of(dot, inv_sqrt), cand, b);
     }
 }
 
@@ -323,7 +307,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashPa
     load_index_query(p, ws, t, iq);
     __syncthreads();
     score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,
-                 ws.route_keys + (int64_t)t * plan.max_blocks, (int)blockDim.x / plan.route_blocks_per_cta);
+                 ws.route_keys + (int64_t)t * plan.max_blocks);
 }
 
 __global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws) {
@@ -344,12 +328,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashP
     __syncthreads();
     select_topk(p, plan, keys, n, cand, sel, forced);
     write_selected_out(p, plan, t, sel);
-}
-
-template <typename K>
-cudaError_t allow_smem(K kernel, size_t bytes) {
-    if (bytes <= 48 * 1024) return cudaSuccess;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
 }  // namespace

@@ -121,12 +121,8 @@ cudaError_t launch_summarize(const DashParams& p, const Plan& plan, const Worksp
     const int max_new = p.max_new_tokens > 0 ? p.max_new_tokens : p.num_tokens;
     const dim3 grid(max_new / p.sparse_block_size + 1, p.num_seqs);
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
-        cudaError_t err = cudaSuccess;
-        if (plan.summarize_smem > 48 * 1024) {
-            err = cudaFuncSetAttribute(summarize_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)plan.summarize_smem);
-            if (err != cudaSuccess) return err;
-        }
+        const cudaError_t err = allow_smem(summarize_kernel<T>, plan.summarize_smem);
+        if (err != cudaSuccess) return err;
         summarize_kernel<T><<<grid, 128, plan.summarize_smem, stream>>>(p, ws);
         return cudaGetLastError();
     });

@@ -54,6 +54,13 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--seq", type=int, default=65536)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("breakdown: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if any(w not in ("decode", "prefill") for w in a.which):
+        ap.error(f"cases are decode and prefill, got {a.which}")
+    if a.ctx < 2 * B.SBS or a.ctx % B.SBS or a.seq < B.SBS * 64:
+        ap.error(f"--ctx must be a multiple of {B.SBS} (>= {2 * B.SBS}) and --seq at least {64 * B.SBS}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     captured = {}
 

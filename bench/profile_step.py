@@ -1,4 +1,5 @@
-"""One decode step (32 x 32k) and one 8k prefill, eagerly, for profilers (ncu / nsys)."""
+"""One decode step (32 sequences, 32k context unless given) or one 8k prefill, eagerly, for
+profilers (ncu / nsys): profile_step.py [decode [CONTEXT] | prefill]."""
 import os
 import sys
 
@@ -12,7 +13,7 @@ which = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if which == "decode":
     B.time_ms = lambda fn, iters=20, warmup=3: (fn(), torch.cuda.synchronize(), 1.0)[-1]  # run once
     B.graph_of = lambda fn: type("G", (), {"replay": staticmethod(fn)})
-    B.decode_case(32, 32768, False, gen)
+    B.decode_case(32, int(sys.argv[2]) if len(sys.argv) > 2 else 32768, False, gen)
 else:
     B.time_ms = lambda fn, iters=20, warmup=3: (fn(), torch.cuda.synchronize(), 1.0)[-1]
     B.prefill_case(8192, False, gen)

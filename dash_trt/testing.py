@@ -194,7 +194,12 @@ def compare_outputs(
                 x for x, f in zip(ref_routing.selected[i].tolist(), ref_routing.forced[i].tolist())
                 if x >= 0 and not f
             ]
-            boundary = float(scores[chosen_free].min()) if chosen_free else float("inf")
+            # The K-th slot's class: the lowest free block chosen, or, when every chosen block
+            # is forced (forced blocks come first), the lowest forced one: forced blocks with
+            # near-equal scores may swap as free ones do.
+            chosen = [x for x in ref_routing.selected[i].tolist() if x >= 0]
+            pool = chosen_free or chosen
+            boundary = float(scores[pool].min()) if pool else float("inf")
             diff = a ^ b
             if all(abs(float(scores[x]) - boundary) <= tie_tol for x in diff if x < scores.numel()):
                 ties += 1
@@ -257,4 +262,6 @@ def assert_caches_match(got, ref, dtype: torch.dtype) -> None:
     assert torch.equal(got.summary_pages, ref.summary_pages)
     torch.testing.assert_close(got.key, ref.key, atol=atol, rtol=rtol)
     torch.testing.assert_close(got.index_key, ref.index_key, atol=atol, rtol=rtol)
-    torch.testing.assert_close(got.summary, ref.summary, atol=2e-3, rtol=2e-3)
+    # A summary is a weighted mean of index keys that are only within the dtype's tolerance;
+    # with small sparse blocks one key can carry nearly all the weight.
+    torch.testing.assert_close(got.summary, ref.summary, atol=max(atol, 2e-3), rtol=max(rtol, 2e-3))

@@ -150,8 +150,8 @@ def test_long_sequences_and_split_k():
 
 def test_split_routing_over_a_wide_table():
     """Decode steps whose block table allows more sparse blocks than one routing CTA scores
-    (320 > 256) go through the split routing (scoring CTAs, then selection); prefill steps
-    through the fused routing."""
+    (320 > 256) go through the split routing (one launch: scoring CTAs, the last one selects);
+    prefill steps through the fused routing."""
     gen = torch.Generator().manual_seed(13)
     cfg = make_config(16, sparse_topk_blocks=6)
     dtype = torch.bfloat16
@@ -159,6 +159,23 @@ def test_split_routing_over_a_wide_table():
     plans = schedule(gen, seqs, 10)
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype, table_width=320)
     assert any(out.shape[0] <= 2 for out, *_ in steps)  # decode steps: split routing (320 blocks)
+    check(steps, rc, kc, dtype)
+
+
+@pytest.mark.parametrize("topk", [6, 300])
+def test_split_routing_merges_many_ctas(topk):
+    """Decode tokens with over a thousand remote blocks: 4-6 routing CTAs each keep their best
+    min(topk, 256) keys and the last one merges them. top-6 merges by rank; top-300 reaches
+    1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other."""
+    gen = torch.Generator().manual_seed(21)
+    cfg = make_config(4, sparse_topk_blocks=topk)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=64, dtype=dtype,
+                           pages=(30, 30), max_images=300, response=4)
+    assert sorted(x.length // 4 for x, _ in seqs) == [1013, 1324]  # remote blocks: > 3 and > 5 CTAs' worth
+    plans = schedule(gen, seqs, 4)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype)
+    assert sum(out.shape[0] == 2 for out, *_ in steps) == 4  # the decode steps
     check(steps, rc, kc, dtype)
 
 

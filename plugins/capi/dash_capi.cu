@@ -25,7 +25,6 @@ constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
 constexpr long kTargetCtas = 512;        // split-K aims for this many attention CTAs (swept on the H200)
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
-constexpr int kRouteBlocksPerCta = 256;  // blocks one split-routing CTA scores (a thread each)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
 
@@ -88,12 +87,13 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
     const int route_warps = dash::route_threads() / 32;
     const size_t topk_slots = (size_t)(p.topk > 0 ? p.topk : 1);
-    plan.route_cand = (route_warps + 1) * (int)topk_slots;
-    plan.route_splits = p.num_tokens >= kFusedRouteTokens
-                            ? 1
-                            : (plan.max_blocks + kRouteBlocksPerCta - 1) / kRouteBlocksPerCta;
-    if (plan.route_splits < 1) plan.route_splits = 1;
-    plan.route_blocks_per_cta = kRouteBlocksPerCta;
+    // Split routing: a thread per block, route_threads() blocks per CTA, each CTA keeps its best
+    // min(topk, route_threads()) keys as candidates.
+    const int per_cta = dash::route_threads();
+    const int split_ctas = std::max(1, (plan.max_blocks + per_cta - 1) / per_cta);
+    plan.route_cand = split_ctas * (int)std::min<size_t>(topk_slots, (size_t)per_cta);
+    plan.route_splits = p.num_tokens >= kFusedRouteTokens ? 1 : split_ctas;
+    plan.route_blocks_per_cta = per_cta;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
@@ -102,24 +102,29 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     const size_t want_tile =
         std::max<size_t>(1, std::min<size_t>(dash::route_max_tile(), (size_t)p.num_tokens / kFusedRouteTokens));
     plan.route_tile = (int)std::min<size_t>(want_tile, kMaxSmem / per_token);
-    plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile
-                                             : sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand);
-    plan.summarize_smem = sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
+    // Split: the last CTA of a token holds every candidate, then the best k (or select_topk's
+    // per-warp lists and their merge).
+    const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
+    plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile : split_smem;
+    plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +  // slots
+                          sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
                           sizeof(int) * (size_t)p.sparse_block_size;
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
     plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim);
     // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
-    const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.max_blocks + plan.route_cand);
     if (plan.route_tile < 1 || split_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
                         std::to_string(std::min((kMaxSmem - 4 * kMaxIndexDim) / 8 - topk_slots,
-                                                kMaxSmem / 8 - (size_t)plan.route_cand)));
+                                                (kMaxSmem / 8 - std::min(kMaxSmem / 8, (route_warps + 1) * topk_slots)) /
+                                                    std::min<size_t>(topk_slots, per_cta) * per_cta)));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     const size_t t = (size_t)p.num_tokens;
-    size_t off = align_up(sizeof(int32_t));  // error word
+    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
+    size_t off = align_up(sizeof(int32_t) + (plan.route_splits > 1 ? t * sizeof(int32_t) : 0));
+    plan.header_bytes = off;
     plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
     plan.off_selected = off, off += align_up(t * plan.kmax * sizeof(int32_t));
@@ -130,7 +135,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
         plan.off_ml = off, off += align_up(rows * sizeof(float2));
     }
-    if (plan.route_splits > 1) plan.off_route_keys = off, off += align_up(t * plan.max_blocks * sizeof(uint64_t));
+    if (plan.route_splits > 1 && !p.dense_layer)
+        plan.off_route_keys = off, off += align_up(t * plan.route_cand * sizeof(uint64_t));
     plan.block_major =
         p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, device_smem_optin()) ? 1 : 0;
     if (plan.block_major) {
@@ -168,7 +174,10 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
     }
-    if (plan.route_splits > 1) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
+    if (plan.route_splits > 1) {
+        ws.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
+        if (!p.dense_layer) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
+    }
     if (plan.block_major) {
         ws.bm_counts = reinterpret_cast<int32_t*>(base + plan.off_bm_counts);
         ws.bm_cursor = reinterpret_cast<int32_t*>(base + plan.off_bm_cursor);
@@ -304,8 +313,8 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
         return fail(DASH_ERR_WORKSPACE, "workspace must be 256-byte aligned");
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     const dash::Workspace ws = carve(*p, plan);
-    // The data-error word describes this run only.
-    cudaError_t err = cudaMemsetAsync(ws.error, 0, sizeof(int32_t), stream);
+    // The data-error word describes this run only; the routing counters start at 0.
+    cudaError_t err = cudaMemsetAsync(ws.error, 0, plan.header_bytes, stream);
     if (err == cudaSuccess) err = dash::launch_write(*p, ws, stream);
     if (err == cudaSuccess) err = dash::launch_summarize(*p, plan, ws, stream);
     if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);

@@ -1,172 +1,382 @@
 // Stage 4: attention of each new token over its selected sparse blocks plus its local window.
 //
 // Work unit: one CTA per (token, KV head, split). The G = H / Hkv query heads of the KV head
-// share every key/value load (routing is per token, not per head). A token's keys come in
-// "pieces" of sbs positions: its kmax selected blocks, then the local window cut into
-// sparse_local_block pieces, processed in tiles of up to 64 keys staged in shared memory with
-// asynchronous 16-byte copies. Split-K spreads the pieces of one token over `splits` CTAs so a
-// single decoding sequence still fills the GPU; a combine kernel merges the partial softmaxes.
+// share every key/value load (routing is per token, not per head). A token's keys are "rows":
+// its kmax selected blocks of sbs positions, then the local window's sparse_local_block pieces
+// (row r of a split: piece r / sbs, offset r % sbs). Split-K spreads the pieces of one token
+// over `splits` CTAs so a single decoding sequence still fills the GPU; a combine kernel merges
+// the partial softmaxes.
 //
-// fp16/bf16 use tensor cores (WMMA, m32n8k16) with the keys as the M dimension, since G is small:
-//   S^T [keys x G] = K [keys x D] . Q^T [D x G],   O^T [D x G] = V^T [D x keys] . P^T [keys x G].
-// fp32 keeps a CUDA-core path (the reference's exact dtype; no TF32).
+// fp16/bf16 (attend_mma_kernel): each warp runs its own pipeline over units of 16 rows (units
+// w, w + W, ... of the split): K and V of the next unit in flight (cp.async) while the current
+// one is multiplied, the block-table reads of the unit after that issued before the math and
+// used after it. S = Q K^T (the G heads padded to 16 rows), the online softmax and P V stay in
+// registers (mma.sync m16n8k16, mma.cuh); no CTA barrier until the warps' softmax states are
+// merged at the end.
+// fp32 (attend_fp32_kernel): CUDA cores, 16-64 keys per tile staged in shared memory (the
+// reference's exact dtype; no TF32).
 // NOTE: logits, the online softmax and the output accumulation are float32; masked keys never
-// enter the sums. On the tensor-core path P is rounded to the input dtype for P.V, as
+// enter the sums. On the tensor-core path P is rounded to the input dtype for P V, as
 // FlashAttention does; the row sums use the unrounded P.
 #include <cuda_pipeline.h>
-#include <mma.h>
 
 #include <algorithm>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace dash {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxGroup = 16;  // H / Hkv supported
+constexpr int kMaxGroup = 16;    // H / Hkv supported
+constexpr int kPieceCache = 64;  // pieces of a split whose base and bias are kept in shared memory
+constexpr int kNoPiece = INT32_MIN;
 
-// Key positions per tile: about 16 KB of K (and of V), between 16 and 64 rows, so every thread
-// issues eight 16-byte copies of each whatever the dtype and head dim.
-__host__ __device__ constexpr int tile_rows(int head_dim, int dtype_bytes) {
-    return 16384 / (head_dim * dtype_bytes) > 64 ? 64
-           : 16384 / (head_dim * dtype_bytes) < 16 ? 16
-                                                  : 16384 / (head_dim * dtype_bytes);
-}
+// What every attention CTA knows about its token: where its pieces start, their logit bias,
+// and which rows it may read.
+struct TokenRows {
+    int seq, pos, prompt, sbs, local, first, last, kmax;
 
-// Shared-memory layout of one CTA, in bytes; the same on host (launch size) and device.
-struct Layout {
-    int tile, ks, vs, qs, ps;  // rows per tile; row strides (elements) of K, V, Q16, P16
-    int nt;                    // n-tiles of 8 heads (tensor-core path)
-    size_t v, k, q32, q16, logit, p16, o, bytes;
+    // First position of piece `piece` (kNoPiece: padding) and its logit bias.
+    __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
+                                          int pc, int& base, float& bias) const {
+        bias = 0.0f;
+        if (pc < kmax) {
+            const int b = sel[pc];
+            base = b < 0 ? kNoPiece : b * sbs;
+            if (b >= 0 && forced[pc]) bias = p.page_bias;
+        } else {
+            base = pos - local + 1 + (pc - kmax) * sbs;
+        }
+    }
+    // Position of key row kp of piece pc if this token may read it, else -1: local tokens win
+    // where a selected block overlaps the window; remote reads stop at prompt_length.
+    __device__ __forceinline__ int readable(int pc, int kp) const {
+        const bool ok = pc < kmax ? (kp <= pos - local && (prompt < 0 || kp < prompt)) : (kp >= 0 && kp <= pos);
+        return ok ? kp : -1;
+    }
 };
 
-__host__ __device__ constexpr Layout make_layout(int head_dim, int dtype_bytes, int group) {
+// ================================================================== fp16 / bf16: tensor cores
+constexpr int kMmaThreads = 128;
+
+// Warps per CTA and pipeline stages per warp; shared memory per CTA: the queries (16 rows) and
+// each warp's stages of K and V (16 rows each), rows D + 8 elements apart (16-byte aligned,
+// ldmatrix's eight row addresses in different banks). D = 256 uses 2 warps so that a CTA fits
+// the 99 KB of sm_86 / sm_89.
+template <int D>
+struct MmaSmem {
+    static constexpr int kWarps = D >= 256 ? 2 : 4;
+    static constexpr int kStages = 2;
+    static constexpr int RS = D + 8;
+    static constexpr int unit_elems = 16 * RS;                            // one K or V unit
+    static constexpr size_t q_elems = (size_t)16 * RS;
+    static constexpr size_t stage_elems = (size_t)kWarps * kStages * 2 * unit_elems;
+    static constexpr size_t bytes(int dtype_bytes) { return (q_elems + stage_elems) * dtype_bytes; }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    using S = MmaSmem<D>;
+    constexpr int W = S::kWarps;
+    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
+    const int seq = ws.token_seq[t];
+    if (seq < 0) return;
+    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
+    TokenRows tr;
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = p.prompt_lens[seq], tr.sbs = p.sparse_block_size;
+    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
+    tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
+    const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem);                   // [16, RS] rotated queries, rows >= G zero
+    T* kv_w = q_s + S::q_elems + (size_t)warp * S::kStages * 2 * S::unit_elems;  // this warp's stages
+    __shared__ int s_base[kPieceCache];
+    __shared__ float s_bias[kPieceCache];
+    __shared__ int64_t u_slot[W][S::kStages][16];  // cache slot of each row of a staged unit, -1 masked
+    __shared__ float u_bias[W][S::kStages][16];
+    __shared__ float2 cs[D / 2];
+
+    const int npieces = tr.last - tr.first;
+    for (int i = threadIdx.x; i < min(npieces, kPieceCache); i += nthreads)
+        tr.piece(p, sel, forced, tr.first + i, s_base[i], s_bias[i]);
+    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                          p.rope_page_mod};
+    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
+    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
+    __syncthreads();
+    const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
+    for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
+        const int g = idx / (D / 2), i = idx % (D / 2);
+        float lo = 0.0f, hi = 0.0f;
+        if (g < group) rope_rotate<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
+        q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values
+        q_s[g * S::RS + i + D / 2] = from_f<T>(hi);
+    }
+
+    // Row r of the split (piece r / sbs): its readable position (or -1) and bias.
+    auto row_of = [&](int r, float& bias) {
+        const int i = r / tr.sbs;
+        int base;
+        if (i < kPieceCache) base = s_base[i], bias = s_bias[i];
+        else tr.piece(p, sel, forced, tr.first + i, base, bias);
+        return base == kNoPiece ? -1 : tr.readable(tr.first + i, base + r % tr.sbs);
+    };
+    const int nrows = npieces * tr.sbs;
+    const int nunits = (nrows + 15) / 16;
+    // This warp's k-th unit is w + k * W. Lanes 0-15 own its rows: the block-table read goes out
+    // early (fetch) and becomes a slot later (settle).
+    struct Pending {
+        int kp;
+        int32_t entry;
+        float bias;
+    };
+    auto fetch = [&](int k) {
+        Pending pe{-1, kNoEntry, 0.0f};
+        const int u = warp + k * W;
+        if (u < nunits && lane < 16) {
+            const int r = u * 16 + lane;
+            pe.kp = r < nrows ? row_of(r, pe.bias) : -1;
+            if (pe.kp >= 0) pe.entry = table_entry(p, seq, pe.kp);
+        }
+        return pe;
+    };
+    auto settle = [&](int k, const Pending& pe) {
+        if (lane < 16) {
+            u_slot[warp][k % S::kStages][lane] = pe.kp >= 0 ? slot_of_entry(p, pe.kp, pe.entry, ws.error) : -1;
+            u_bias[warp][k % S::kStages][lane] = pe.bias;
+        }
+    };
+    const T* kc = static_cast<const T*>(p.key_cache);
+    const T* vc = static_cast<const T*>(p.value_cache);
+    constexpr int kChunk = 8;  // elements per 16-byte copy
+    auto issue = [&](int k) {  // K and V of unit k into its stage; masked rows zero-filled
+        T* k_s = kv_w + (k % S::kStages) * 2 * S::unit_elems;
+        T* v_s = k_s + S::unit_elems;
+        const int64_t* rs = u_slot[warp][k % S::kStages];
+#pragma unroll
+        for (int c = lane; c < 16 * (D / kChunk); c += 32) {
+            const int j = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const int64_t slot = rs[j];
+            const int64_t off = slot >= 0 ? (slot * hkv + h) * D + d : 0;
+            const size_t zfill = slot >= 0 ? 0 : 16;
+            __pipeline_memcpy_async(k_s + j * S::RS + d, kc + off, 16, zfill);
+            __pipeline_memcpy_async(v_s + j * S::RS + d, vc + off, 16, zfill);
+        }
+    };
+
+    const int my_units = warp < nunits ? (nunits - warp + W - 1) / W : 0;
+    settle(0, fetch(0));
+    __syncwarp();
+    if (my_units > 0) issue(0);
+    __pipeline_commit();
+    Pending next = fetch(1);
+    __syncthreads();  // the queries
+
+    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    const int quad = lane % 4, r0 = lane / 4;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows r0 and r0 + 8; l per lane
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int k = 0; k < my_units; ++k) {
+        if (k + 1 < my_units) {
+            settle(k + 1, next);
+            __syncwarp();
+            issue(k + 1);
+        }
+        __pipeline_commit();
+        next = fetch(k + 2);  // used after this unit's math
+        __pipeline_wait_prior(1);
+        __syncwarp();
+        const T* k_s = kv_w + (k % S::kStages) * 2 * S::unit_elems;
+        const T* v_s = k_s + S::unit_elems;
+        // S = Q K^T: 16 (head) rows x 16 keys, two n-tiles of 8 keys.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4], b[4];
+            ldmatrix_x4(a, q_s + ((lane / 8) % 2 * 8 + lane % 8) * S::RS + kk * 16 + (lane / 16) * 8);
+            ldmatrix_x4(b, k_s + ((lane / 16) * 8 + lane % 8) * S::RS + kk * 16 + ((lane / 8) % 2) * 8);
+            mma16816<T>(s[0], a, b[0], b[1]);
+            mma16816<T>(s[1], a, b[2], b[3]);
+        }
+        // Mask, scale and bias by key column; online softmax of rows r0 and r0 + 8 (a quad of
+        // lanes shares a row).
+        const int64_t* rs = u_slot[warp][k % S::kStages];
+        const float* rb = u_bias[warp][k % S::kStages];
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + quad * 2 + (e & 1);
+                const float x = rs[col] >= 0 ? s[n][e] * scale + rb[col] : -INFINITY;
+                s[n][e] = x;
+                mt[e / 2] = fmaxf(mt[e / 2], x);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            mt[half] = fmaxf(mt[half], __shfl_xor_sync(0xffffffffu, mt[half], 1));
+            mt[half] = fmaxf(mt[half], __shfl_xor_sync(0xffffffffu, mt[half], 2));
+            const float m_new = fmaxf(m[half], mt[half]);
+            alpha[half] = m[half] == -INFINITY ? 0.0f : expf(m[half] - m_new);
+            m[half] = m_new;
+            l[half] *= alpha[half];
+        }
+        uint32_t pa[4];  // P as the A operand of P V (16 keys)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            float e4[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e / 2;
+                e4[e] = m[half] == -INFINITY || s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[half]);
+                l[half] += e4[e];
+            }
+            pa[n * 2 + 0] = pack2<T>(e4[0], e4[1]);
+            pa[n * 2 + 1] = pack2<T>(e4[2], e4[3]);
+        }
+        // O = O * alpha + P V.
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= alpha[0], o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, v_s + (((lane / 8) % 2) * 8 + lane % 8) * S::RS + dp * 16 + (lane / 16) * 8);
+            mma16816<T>(o[2 * dp], pa, b[0], b[1]);
+            mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+        }
+        __syncwarp();  // this stage is free for unit k + 2
+    }
+    __pipeline_wait_prior(0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    }
+    // Merge the warps' states: each warp's rows (heads) < G to shared memory (over the stages).
+    __syncthreads();
+    float* mo = reinterpret_cast<float*>(q_s + S::q_elems);  // [W][G][D] outputs, then [W][G] m and l
+    float* mm = mo + (size_t)W * group * D;
+    float* ml = mm + W * group;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int g = r0 + half * 8;
+        if (g >= group) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const int col = n * 8 + quad * 2;
+            mo[((size_t)warp * group + g) * D + col] = o[n][half * 2];
+            mo[((size_t)warp * group + g) * D + col + 1] = o[n][half * 2 + 1];
+        }
+        if (quad == 0) mm[warp * group + g] = m[half], ml[warp * group + g] = l[half];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * D; idx += nthreads) {
+        const int g = idx / D, d = idx % D;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < W; ++w) mx = fmaxf(mx, mm[w * group + g]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            const float mw = mm[w * group + g];
+            if (mw == -INFINITY) continue;
+            const float f = expf(mw - mx);
+            num += f * mo[((size_t)w * group + g) * D + d];
+            den += f * ml[w * group + g];
+        }
+        const int head = h * group + g;
+        if (plan.splits == 1) {
+            static_cast<T*>(p.out)[((int64_t)t * p.num_heads + head) * D + d] = from_f<T>(num / den);
+        } else {
+            const int64_t row = ((int64_t)t * p.num_heads + head) * plan.splits + split;
+            ws.part_acc[row * D + d] = num;
+            if (d == 0) ws.part_ml[row] = make_float2(mx, den);
+        }
+    }
+}
+
+// ================================================================== fp32: CUDA cores
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+
+// Key rows per tile: about 16 KB of K (and of V), between 16 and 64 rows.
+__host__ __device__ constexpr int tile_rows(int head_dim) {
+    return 16384 / (head_dim * 4) > 64 ? 64 : 16384 / (head_dim * 4) < 16 ? 16 : 16384 / (head_dim * 4);
+}
+
+// Shared-memory layout of one fp32 CTA, in bytes; the same on host (launch size) and device.
+struct Layout {
+    int tile, ks;  // rows per tile; K row stride (elements)
+    size_t v, k, q32, logit, bytes;
+};
+
+__host__ __device__ constexpr Layout make_layout(int head_dim, int group) {
     Layout l{};
-    const bool tc = dtype_bytes == 2;
-    l.tile = tile_rows(head_dim, dtype_bytes);
-    // Tensor-core loads need rows that are multiples of 16 bytes; 8 extra elements also spread
-    // consecutive rows over the banks. The fp32 path reads one K row per thread: an odd number
-    // of words per row keeps those reads conflict-free.
-    l.ks = tc ? head_dim + 8 : head_dim + 1;
-    l.vs = tc ? head_dim + 8 : head_dim;
-    l.nt = (group + 7) / 8;
-    l.qs = head_dim + 8;
-    l.ps = l.tile + 8;
+    l.tile = tile_rows(head_dim);
+    l.ks = head_dim + 1;  // a K row per thread: an odd number of words keeps the reads conflict-free
     size_t off = 0;
     auto take = [&](size_t bytes) {
         const size_t at = off;
         off += (bytes + 127) / 128 * 128;
         return at;
     };
-    l.v = take((size_t)l.tile * l.vs * dtype_bytes);
-    l.k = take((size_t)l.tile * l.ks * dtype_bytes);
+    l.v = take((size_t)l.tile * head_dim * 4);
+    l.k = take((size_t)l.tile * l.ks * 4);
     l.q32 = take(sizeof(float) * (size_t)group * head_dim);
-    l.logit = take(sizeof(float) * (size_t)8 * l.nt * l.tile);
-    if (tc) {
-        l.q16 = take((size_t)2 * 8 * l.nt * l.qs);
-        l.p16 = take((size_t)2 * 8 * l.nt * l.ps);
-        l.o = take(sizeof(float) * (size_t)8 * l.nt * head_dim);
-    }
+    l.logit = take(sizeof(float) * (size_t)group * l.tile);
     l.bytes = off;
     return l;
 }
 
-template <typename T>
-struct IsTensorCore {
-    static constexpr bool value = sizeof(T) == 2;
-};
-
-// S^T = K . Q^T for one tile into logit[g][j] (raw dot products).
-template <typename T, int D>
-__device__ void tile_logits_tc(const Layout& L, const T* k_s, const T* q16, float* logit) {
-    using namespace nvcuda;
-    const int warp = threadIdx.x / 32;
-    const int mtiles = L.tile / 32;
-    for (int job = warp; job < mtiles * L.nt; job += kWarps) {
-        const int mt = job % mtiles, nt = job / mtiles;
-        wmma::fragment<wmma::accumulator, 32, 8, 16, float> c;
-        wmma::fill_fragment(c, 0.0f);
-#pragma unroll
-        for (int kk = 0; kk < D; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::row_major> a;
-            wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> b;
-            wmma::load_matrix_sync(a, k_s + mt * 32 * L.ks + kk, L.ks);
-            wmma::load_matrix_sync(b, q16 + nt * 8 * L.qs + kk, L.qs);
-            wmma::mma_sync(c, a, b, c);
-        }
-        wmma::store_matrix_sync(logit + nt * 8 * L.tile + mt * 32, c, L.tile, wmma::mem_col_major);
-    }
-}
-
-// O^T = V^T . P^T for one tile into o[g][d].
-template <typename T, int D>
-__device__ void tile_pv_tc(const Layout& L, const T* v_s, const T* p16, float* o) {
-    using namespace nvcuda;
-    const int warp = threadIdx.x / 32;
-    constexpr int mtiles = D / 32;
-    for (int job = warp; job < mtiles * L.nt; job += kWarps) {
-        const int mt = job % mtiles, nt = job / mtiles;
-        wmma::fragment<wmma::accumulator, 32, 8, 16, float> c;
-        wmma::fill_fragment(c, 0.0f);
-        for (int kk = 0; kk < L.tile; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::col_major> a;
-            wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> b;
-            wmma::load_matrix_sync(a, v_s + kk * L.vs + mt * 32, L.vs);
-            wmma::load_matrix_sync(b, p16 + nt * 8 * L.ps + kk, L.ps);
-            wmma::mma_sync(c, a, b, c);
-        }
-        wmma::store_matrix_sync(o + nt * 8 * D + mt * 32, c, D, wmma::mem_col_major);
-    }
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    constexpr bool kTC = IsTensorCore<T>::value;
+template <int D>
+__global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams p, const Plan plan, Workspace ws) {
     const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int seq = ws.token_seq[t];
     if (seq < 0) return;
-    const int pos = ws.token_pos[t];
     const int group = p.num_heads / p.num_kv_heads;
-    const int sbs = p.sparse_block_size, local = p.sparse_local_block * sbs;
-    const int prompt = p.prompt_lens[seq];
-    const int hkv = p.num_kv_heads;
-    const Layout L = make_layout(D, (int)sizeof(T), group);
-    constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
-    constexpr int kChunksPerRow = D / kChunk;
+    TokenRows tr;
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = p.prompt_lens[seq], tr.sbs = p.sparse_block_size;
+    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
+    tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
+    const int sbs = tr.sbs, hkv = p.num_kv_heads;
+    const Layout L = make_layout(D, group);
+    constexpr int kChunksPerRow = D / 4;  // 16-byte chunks
 
     extern __shared__ __align__(128) unsigned char smem[];
-    T* v_s = reinterpret_cast<T*>(smem + L.v);
-    T* k_s = reinterpret_cast<T*>(smem + L.k);
-    float* q_s = reinterpret_cast<float*>(smem + L.q32);   // [G, D] rotated queries (fp32 path)
-    float* logit = reinterpret_cast<float*>(smem + L.logit);  // [8 * nt, tile] logits, then P
-    T* q16 = reinterpret_cast<T*>(smem + L.q16);           // [8 * nt, qs] rotated queries (TC path)
-    T* p16 = reinterpret_cast<T*>(smem + L.p16);           // [8 * nt, ps] P in T (TC path)
-    float* o_s = reinterpret_cast<float*>(smem + L.o);     // [8 * nt, D] tile output (TC path)
+    float* v_s = reinterpret_cast<float*>(smem + L.v);
+    float* k_s = reinterpret_cast<float*>(smem + L.k);
+    float* q_s = reinterpret_cast<float*>(smem + L.q32);      // [G, D] rotated queries
+    float* logit = reinterpret_cast<float*>(smem + L.logit);  // [G, tile] logits, then P
     __shared__ int64_t row_slot[64];  // cache slot of each key row in the tile, -1 masked
     __shared__ float m_s[kMaxGroup], l_s[kMaxGroup], alpha_s[kMaxGroup];
 
-    // Rotate the G queries (in T precision, like the reference).
+    // Rotate the G queries (float32, like the reference).
     const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
                           p.rope_page_mod};
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-    const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
+    const float* q = static_cast<const float*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
     __shared__ float2 cs[D / 2];  // cos and sin of each pair's angle, shared by the G heads
-    for (int i = threadIdx.x; i < D / 2; i += kThreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
+    for (int i = threadIdx.x; i < D / 2; i += kThreads) cs[i] = rope_cos_sin<float>(rope_angle(i, D, tok, page, rope));
     __syncthreads();
-    for (int idx = threadIdx.x; idx < 8 * L.nt * (D / 2); idx += kThreads) {
+    for (int idx = threadIdx.x; idx < group * (D / 2); idx += kThreads) {
         const int g = idx / (D / 2), i = idx % (D / 2);
-        float lo = 0.0f, hi = 0.0f;
-        if (g < group) rope_rotate<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
-        if (kTC) {
-            q16[g * L.qs + i] = from_f<T>(lo);  // exact: lo/hi are already T values
-            q16[g * L.qs + i + D / 2] = from_f<T>(hi);
-        } else if (g < group) {
-            q_s[g * D + i] = lo;
-            q_s[g * D + i + D / 2] = hi;
-        }
+        float lo, hi;
+        rope_rotate<float>(q[g * D + i], q[g * D + i + D / 2], cs[i].x, cs[i].y, lo, hi);
+        q_s[g * D + i] = lo;
+        q_s[g * D + i + D / 2] = hi;
     }
     if (threadIdx.x < kMaxGroup) m_s[threadIdx.x] = -INFINITY, l_s[threadIdx.x] = 0.0f;
     // Each thread accumulates output dims d = threadIdx.x + c * kThreads for all G heads.
@@ -181,79 +391,46 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-    const T* kc = static_cast<const T*>(p.key_cache);
-    const T* vc = static_cast<const T*>(p.value_cache);
+    const float* kc = static_cast<const float*>(p.key_cache);
+    const float* vc = static_cast<const float*>(p.value_cache);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-    const int first = split * plan.pieces_per_split;
-    const int last = min(plan.pieces, first + plan.pieces_per_split);
-    for (int piece = first; piece < last; ++piece) {
+    for (int piece = tr.first; piece < tr.last; ++piece) {
         int base;  // first position of the piece
-        float bias = 0.0f;
-        const bool remote = piece < plan.kmax;
-        if (remote) {
-            const int b = sel[piece];
-            if (b < 0) continue;  // padding: fewer remote blocks than kmax
-            base = b * sbs;
-            bias = forced[piece] ? p.page_bias : 0.0f;
-        } else {
-            base = pos - local + 1 + (piece - plan.kmax) * sbs;
-        }
+        float bias;
+        tr.piece(p, sel, forced, piece, base, bias);
+        if (base == kNoPiece) continue;  // padding: fewer remote blocks than kmax
         for (int tile = 0; tile < sbs; tile += L.tile) {
             const int n = min(L.tile, sbs - tile);
-            // Key rows: validity and slot. Local tokens win where a selected block overlaps
-            // the window; remote reads stop at prompt_length.
             for (int j = threadIdx.x; j < L.tile; j += kThreads) {
-                int64_t slot = -1;
-                const int kp = base + tile + j;
-                if (j < n) {
-                    const bool ok = remote ? (kp <= pos - local && (prompt < 0 || kp < prompt))
-                                           : (kp >= 0 && kp <= pos);
-                    if (ok) slot = cache_slot(p, seq, kp, ws.error);
-                }
-                row_slot[j] = slot;
+                const int kp = j < n ? tr.readable(piece, base + tile + j) : -1;
+                row_slot[j] = kp >= 0 ? cache_slot(p, seq, kp, ws.error) : -1;
             }
             __syncthreads();
-            // Stage K and V: asynchronous 16-byte copies, masked rows zero-filled.
+            // Stage K and V: V by asynchronous 16-byte copies, K (odd row stride, not 16-byte
+            // aligned) through registers; masked rows zero-filled.
             for (int chunk = threadIdx.x; chunk < L.tile * kChunksPerRow; chunk += kThreads) {
                 const int j = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
                 const int64_t slot = row_slot[j];
-                const int64_t off = slot >= 0 ? (slot * hkv + h) * D + c * kChunk : 0;
-                const size_t zfill = slot >= 0 ? 0 : 16;
-                __pipeline_memcpy_async(v_s + j * L.vs + c * kChunk, vc + off, 16, zfill);
-                if (kTC) {
-                    __pipeline_memcpy_async(k_s + j * L.ks + c * kChunk, kc + off, 16, zfill);
-                } else {  // odd row stride: not 16-byte aligned, copy through registers
-                    const uint4 w4 = slot >= 0 ? *reinterpret_cast<const uint4*>(kc + off) : make_uint4(0, 0, 0, 0);
-                    const uint32_t* w = reinterpret_cast<const uint32_t*>(&w4);
-                    uint32_t* dst = reinterpret_cast<uint32_t*>(k_s + j * L.ks + c * kChunk);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dst[e] = w[e];
-                }
+                const int64_t off = slot >= 0 ? (slot * hkv + h) * D + c * 4 : 0;
+                __pipeline_memcpy_async(v_s + j * D + c * 4, vc + off, 16, slot >= 0 ? 0 : 16);
+                const float4 w4 = slot >= 0 ? *reinterpret_cast<const float4*>(kc + off) : make_float4(0, 0, 0, 0);
+                float* dst = k_s + j * L.ks + c * 4;
+                dst[0] = w4.x, dst[1] = w4.y, dst[2] = w4.z, dst[3] = w4.w;
             }
             __pipeline_commit();
             __pipeline_wait_prior(0);
             __syncthreads();
-            // Logits.
-            if constexpr (kTC) {
-                tile_logits_tc<T, D>(L, k_s, q16, logit);
-                __syncthreads();
-                for (int idx = threadIdx.x; idx < group * L.tile; idx += kThreads) {
-                    const int g = idx / L.tile, j = idx % L.tile;
-                    const bool valid = j < n && row_slot[j] >= 0;
-                    logit[g * L.tile + j] = valid ? logit[g * L.tile + j] * scale + bias : -INFINITY;
-                }
-            } else {
-                // thread -> key row j, heads g = part, part + parts, ...
+            {  // logits: thread -> key row j, heads g = part, part + parts, ...
                 const int parts = kThreads / L.tile;
                 const int j = threadIdx.x % L.tile, part = threadIdx.x / L.tile;
                 const bool valid = j < n && row_slot[j] >= 0;
                 for (int g = part; g < group; g += parts) {
                     float dot = 0.0f;
-                    const T* krow = k_s + j * L.ks;
+                    const float* krow = k_s + j * L.ks;
                     const float* qg = q_s + g * D;
 #pragma unroll 8
-                    for (int d = 0; d < D; ++d) dot += qg[d] * to_f(krow[d]);
+                    for (int d = 0; d < D; ++d) dot += qg[d] * krow[d];
                     logit[g * L.tile + j] = valid ? dot * scale + bias : -INFINITY;
                 }
             }
@@ -267,10 +444,9 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
                 const float m_new = fmaxf(m_old, mt);
                 float sum = 0.0f;
                 for (int j = lane; j < L.tile; j += 32) {
-                    const float l = logit[g * L.tile + j];
-                    const float e = (m_new == -INFINITY || l == -INFINITY) ? 0.0f : expf(l - m_new);
+                    const float lg = logit[g * L.tile + j];
+                    const float e = (m_new == -INFINITY || lg == -INFINITY) ? 0.0f : expf(lg - m_new);
                     logit[g * L.tile + j] = e;
-                    if (kTC) p16[g * L.ps + j] = from_f<T>(e);
                     sum += e;
                 }
                 sum = warp_sum(sum);
@@ -281,40 +457,23 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
                     m_s[g] = m_new;
                 }
             }
-            if (kTC) {  // padding heads of the last n-tile hold zero probabilities
-                for (int idx = threadIdx.x; idx < (8 * L.nt - group) * L.tile; idx += kThreads)
-                    p16[(group + idx / L.tile) * L.ps + idx % L.tile] = from_f<T>(0.0f);
-            }
             __syncthreads();
             // P @ V.
-            if constexpr (kTC) {
-                tile_pv_tc<T, D>(L, v_s, p16, o_s);
-                __syncthreads();
-            }
 #pragma unroll
-            for (int g = 0; g < kMaxGroup; ++g) {
-                if (g < group) {
+            for (int g = 0; g < kMaxGroup; ++g)
+                if (g < group)
 #pragma unroll
-                    for (int c = 0; c < kCols; ++c) {
-                        const int d = threadIdx.x + c * kThreads;
-                        float a = acc[g][c] * alpha_s[g];
-                        if (kTC && d < D) a += o_s[g * D + d];
-                        acc[g][c] = a;
-                    }
-                }
-            }
-            if (!kTC) {
+                    for (int c = 0; c < kCols; ++c) acc[g][c] *= alpha_s[g];
 #pragma unroll 4
-                for (int j = 0; j < L.tile; ++j) {
+            for (int j = 0; j < L.tile; ++j) {
 #pragma unroll
-                    for (int c = 0; c < kCols; ++c) {
-                        const int d = threadIdx.x + c * kThreads;
-                        if (d < D) {
-                            const float vv = to_f(v_s[j * L.vs + d]);
+                for (int c = 0; c < kCols; ++c) {
+                    const int d = threadIdx.x + c * kThreads;
+                    if (d < D) {
+                        const float vv = v_s[j * D + d];
 #pragma unroll
-                            for (int g = 0; g < kMaxGroup; ++g)
-                                if (g < group) acc[g][c] += logit[g * L.tile + j] * vv;
-                        }
+                        for (int g = 0; g < kMaxGroup; ++g)
+                            if (g < group) acc[g][c] += logit[g * L.tile + j] * vv;
                     }
                 }
             }
@@ -323,7 +482,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
     }
 
     if (plan.splits == 1) {
-        T* out = static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
+        float* out = static_cast<float*>(p.out) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
             if (g >= group) break;
@@ -331,7 +490,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DashParams p, co
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
                 const int d = threadIdx.x + c * kThreads;
-                if (d < D) out[g * D + d] = from_f<T>(acc[g][c] * inv);
+                if (d < D) out[g * D + d] = acc[g][c] * inv;
             }
         }
     } else {
@@ -370,25 +529,39 @@ __global__ void combine_kernel(const DashParams p, const Plan plan, Workspace ws
     }
 }
 
+template <typename T, int D>
+cudaError_t launch_attend_as(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
+    const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
+    cudaError_t err;
+    if constexpr (sizeof(T) == 2) {
+        if ((err = allow_smem(attend_mma_kernel<T, D>, plan.attend_smem)) != cudaSuccess) return err;
+        attend_mma_kernel<T, D><<<grid, MmaSmem<D>::kWarps * 32, plan.attend_smem, stream>>>(p, plan, ws);
+    } else {
+        if ((err = allow_smem(attend_fp32_kernel<D>, plan.attend_smem)) != cudaSuccess) return err;
+        attend_fp32_kernel<D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws);
+    }
+    if ((err = cudaGetLastError()) != cudaSuccess || plan.splits == 1) return err;
+    combine_kernel<T, D><<<p.num_tokens * p.num_heads, 128, 0, stream>>>(p, plan, ws);
+    return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
     if (p.num_tokens == 0) return cudaSuccess;
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
-        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
-            const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
-            cudaError_t err = allow_smem(attend_kernel<T, D>, plan.attend_smem);
-            if (err != cudaSuccess) return err;
-            attend_kernel<T, D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws);
-            if ((err = cudaGetLastError()) != cudaSuccess || plan.splits == 1) return err;
-            combine_kernel<T, D><<<p.num_tokens * p.num_heads, 128, 0, stream>>>(p, plan, ws);
-            return cudaGetLastError();
-        });
+        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] { return launch_attend_as<T, D>(p, plan, ws, stream); });
     });
 }
 
 size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim) {
-    return make_layout(head_dim, dtype_bytes, group).bytes;
+    if (dtype_bytes == 4) return make_layout(head_dim, group).bytes;
+    size_t bytes = 0;
+    (void)DASH_DISPATCH_HEAD_DIM(head_dim, D, [&] {
+        bytes = MmaSmem<D>::bytes(dtype_bytes);
+        return cudaSuccess;
+    });
+    return bytes;
 }
 int attend_max_group() { return kMaxGroup; }
 

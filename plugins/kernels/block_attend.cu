@@ -12,12 +12,10 @@
 // fit a fixed workspace. fp16/bf16 only; fp32 and dense layers keep the token-major path.
 #include <cuda_pipeline.h>
 
-#include <cstring>
-#include <type_traits>
-
 #include <cub/device/device_scan.cuh>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace dash {
 namespace {
@@ -92,55 +90,6 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
         dst[hh * D + i] = from_f<T>(lo);
         dst[hh * D + i + D / 2] = from_f<T>(hi);
     }
-}
-
-// ------------------------------------------------------------------ warp-level tensor-core tiles
-// mma.sync m16n8k16 with float accumulators, fragments as in the PTX ISA ("Matrix Fragments for
-// mma.m16n8k16"): a lane holds rows lane/4 and lane/4 + 8, columns 2 * (lane % 4) + {0, 1} (+8).
-// S = Q K^T, the softmax and P V stay in registers (P's accumulator layout is the A layout of the
-// next product), so a warp runs a 16-row tile with no barrier.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-// Four 8x8 matrices of 16-bit elements from shared memory; lane i addresses row i % 8 of matrix i / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    uint32_t u;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        memcpy(&u, &v, 4);
-    } else {
-        const __half2 v = __floats2half2_rn(lo, hi);
-        memcpy(&u, &v, 4);
-    }
-    return u;
 }
 
 // Shared memory of block_attend_kernel, in elements of T: the block's K and V (64 rows), then

@@ -102,19 +102,28 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // ------------------------------------------------------------------ indexing
 // Flat cache slot of position `pos` of sequence `seq`, or -1 (and a data-error flag) when the
-// block table does not map it inside the cache.
-__device__ __forceinline__ int64_t cache_slot(const DashParams& p, int seq, int pos, int32_t* err) {
+// block table does not map it inside the cache. In two halves for callers that issue the
+// block-table read early and use it later: table_entry (the read; kNoEntry when pos is outside
+// the table) and slot_of_entry (the checks).
+constexpr int32_t kNoEntry = INT32_MIN;
+__device__ __forceinline__ int32_t table_entry(const DashParams& p, int seq, int pos) {
     const int blk = pos / p.block_size;
-    if (pos < 0 || blk >= p.table_width) {
+    if (pos < 0 || blk >= p.table_width) return kNoEntry;
+    return p.block_tables[(int64_t)seq * p.table_width + blk];
+}
+__device__ __forceinline__ int64_t slot_of_entry(const DashParams& p, int pos, int32_t phys, int32_t* err) {
+    if (phys == kNoEntry) {
         atomicOr(err, DASH_DATA_BAD_LENGTHS);
         return -1;
     }
-    const int32_t phys = p.block_tables[(int64_t)seq * p.table_width + blk];
     if (phys < 0 || phys >= p.num_blocks) {
         atomicOr(err, DASH_DATA_BAD_BLOCK_TABLE);
         return -1;
     }
     return (int64_t)phys * p.block_size + pos % p.block_size;
+}
+__device__ __forceinline__ int64_t cache_slot(const DashParams& p, int seq, int pos, int32_t* err) {
+    return slot_of_entry(p, pos, table_entry(p, seq, pos), err);
 }
 
 // Where the summary of sparse block `b` of a sequence lives: the KV block of its first token.
@@ -136,7 +145,8 @@ struct Workspace {
     float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage)
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
-    uint64_t* route_keys; // [T, max_blocks] route keys (split routing only)
+    int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
+    uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
     int32_t* bm_cursor;   // [bm_num_keys] fill cursors
@@ -160,7 +170,7 @@ struct Plan {
     int pieces_per_split;
     int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
     int route_blocks_per_cta;
-    int route_cand;       // top-k candidates per token (split routing): (warps + 1) * topk
+    int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
     int route_tile;       // tokens per fused routing CTA (route_splits == 1)
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
@@ -170,6 +180,7 @@ struct Plan {
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
     size_t attend_smem;
+    size_t header_bytes;  // error word and routing counters, zeroed by every dash_run
     size_t bytes;         // workspace size
     size_t off_token_seq, off_token_pos, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,

@@ -7,8 +7,9 @@
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
 //     their blocks into shared memory (each summary row read once per tile, not once per token)
 //     and a warp per token selects from there;
-//   few tokens (decode): scoring is spread over route_splits CTAs per token (a long context has
-//     thousands of blocks), keys go through the workspace, then one CTA per token selects.
+//   few tokens (decode): route_splits CTAs per token score a thread's block each (a long context
+//     has thousands of blocks) and keep their own top-k by rank; the last CTA of a token to
+//     finish (a counter per token, zeroed by dash_run) merges those candidates. One launch.
 #include "common.cuh"
 
 namespace dash {
@@ -94,24 +95,46 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
     return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
 }
 
-// Keys of blocks [b0, b1) of token t into keys[b], a thread per block (its four quarters in
-// turn). Four threads per block, a quarter each, measured slower (docs/performance.md, 4d71c95).
-__device__ void score_blocks(const DashParams& p, const Workspace& ws, int seq, int qp, const float* iq,
-                             int b0, int b1, uint64_t* keys) {
+// quarter_dot's arithmetic over a whole row for Di = 16 * N4 (N4 float4 per quarter), with the
+// row's loads issued in two batches instead of one dependent load per float4.
+template <int N4>
+__device__ __forceinline__ float row_dot(const float* iq, const float* summ) {
+    const float4* s4 = reinterpret_cast<const float4*>(summ);
+    const float4* q4 = reinterpret_cast<const float4*>(iq);
+    constexpr int kQ = N4 <= 8 ? 2 : 1;  // quarters loaded per batch (at most 16 float4 registers)
+    float part[4];
+#pragma unroll
+    for (int q0 = 0; q0 < 4; q0 += kQ) {
+        float4 r[kQ * N4];
+#pragma unroll
+        for (int i = 0; i < kQ * N4; ++i) r[i] = __ldg(s4 + q0 * N4 + i);
+#pragma unroll
+        for (int qq = 0; qq < kQ; ++qq) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < N4; ++i) acc = dot4(acc, q4[(q0 + qq) * N4 + i], r[qq * N4 + i]);
+            part[q0 + qq] = acc;
+        }
+    }
+    return __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+}
+
+// Route key of block b (summary row si >= 0) for a query with indexer query iq and page qp.
+__device__ __forceinline__ uint64_t block_key(const DashParams& p, const Workspace& ws, int seq, int qp,
+                                              const float* iq, int b, int64_t si) {
     const int di = p.index_dim;
-    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    for (int b = b0 + threadIdx.x; b < b1; b += blockDim.x) {
-        const int64_t si = summary_index(p, seq, b, ws.error);
-        float dot = 0.0f;
-        bool cand = false;
-        if (si >= 0) {
-            const float* summ = p.summary_cache + si * di;
+    const float* summ = p.summary_cache + si * di;
+    float dot;
+    switch (di) {
+        case 64: dot = row_dot<4>(iq, summ); break;
+        case 128: dot = row_dot<8>(iq, summ); break;
+        case 256: dot = row_dot<16>(iq, summ); break;
+        default:
             dot = __fadd_rn(__fadd_rn(quarter_dot(iq, summ, di, 0), quarter_dot(iq, summ, di, 1)),
                             __fadd_rn(quarter_dot(iq, summ, di, 2), quarter_dot(iq, summ, di, 3)));
-            cand = forced_block(p, ws, seq, b, si, qp);
-        }
-        keys[b] = route_key(score_of(dot, inv_sqrt), cand, b);
     }
+    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    return route_key(score_of(dot, inv_sqrt), forced_block(p, ws, seq, b, si, qp), b);
 }
 
 // The k largest keys of keys[lo, hi) (shared memory, consumed: taken keys become 0) into
@@ -294,39 +317,80 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
-// Split scoring: grid (T, route_splits), keys to the workspace.
-template <typename T>
-__global__ void __launch_bounds__(kRouteThreads) route_score_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    const int t = blockIdx.x;
-    const int seq = ws.token_seq[t];
-    if (seq < 0) return;
-    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
-    const int b0 = blockIdx.y * plan.route_blocks_per_cta, b1 = min(n, b0 + plan.route_blocks_per_cta);
-    if (b0 >= b1) return;
-    __shared__ __align__(16) float iq[kMaxIndexDimDevice];
-    load_index_query(p, ws, t, iq);
-    __syncthreads();
-    score_blocks(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b0, b1,
-                 ws.route_keys + (int64_t)t * plan.max_blocks);
-}
+// Split routing: grid (T, route_splits), a thread per block. Each CTA keeps the best
+// min(topk, kRouteThreads) keys of its blocks (by rank: a key's rank is the number of larger
+// keys; keys are distinct) in the workspace; the token's last CTA merges them the same way
+// (select_topk's warp lists when there are too many candidates for a quadratic rank).
+constexpr int kRankMergeMax = 1024;
 
-__global__ void __launch_bounds__(kRouteThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    const int t = blockIdx.x;
+__global__ void __launch_bounds__(kRouteThreads) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int t = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int seq = ws.token_seq[t];
     int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
-    uint64_t* cand = keys + plan.max_blocks;
     if (seq < 0) {
-        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) sel[j] = -1, forced[j] = 0;
+        if (y == 0) write_selection(plan, nullptr, 0, sel, forced, tid, nt);
         return;
     }
     const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
-    const uint64_t* src = ws.route_keys + (int64_t)t * plan.max_blocks;
-    for (int b = threadIdx.x; b < n; b += blockDim.x) keys[b] = src[b];
+    const int ctas = max(1, (n + kRouteThreads - 1) / kRouteThreads);  // CTAs with blocks (or the one)
+    if (y >= ctas && !p.dense_layer) return;
+    const int b = y * kRouteThreads + tid;
+    __shared__ __align__(16) float iq[kMaxIndexDimDevice];
+    __shared__ uint64_t keys[kRouteThreads];
+    __shared__ int s_last;
+    const int64_t si = b < n ? summary_index(p, seq, b, ws.error) : -1;  // before the query: overlaps
+    load_index_query(p, ws, t, iq);
     __syncthreads();
-    select_topk(p, plan, keys, n, cand, sel, forced);
+    const uint64_t key =
+        si >= 0 ? block_key(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b, si)
+        : b < n ? route_key(0.0f, false, b)  // unmapped block (flagged): scores 0 like the fused path
+                : 0;
+    if (p.dense_layer) {
+        // Every remote block is selected; the order inside a row does not change the output.
+        if (b < plan.kmax) {
+            sel[b] = b < n ? b : -1;
+            forced[b] = b < n ? (uint8_t)(key >> 63) : 0;
+            if (p.selected_out != nullptr) p.selected_out[(int64_t)t * plan.kmax + b] = sel[b];
+        }
+        return;
+    }
+    const int kk = min(p.topk, kRouteThreads);  // candidates per CTA
+    uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
+    keys[tid] = key;
+    __syncthreads();
+    if (key != 0) {
+        int rank = 0;
+        for (int j = 0; j < kRouteThreads; ++j) rank += keys[j] > key ? 1 : 0;
+        if (rank < kk) out[rank] = key;
+    }
+    for (int r = max(0, min(kRouteThreads, n - y * kRouteThreads)) + tid; r < kk; r += nt) out[r] = 0;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(ws.route_count + t, 1) == ctas - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw);  // [ctas * kk], then the best / scratch
+    const int nc = ctas * kk, k = min(p.topk, n);
+    const uint64_t* src = ws.route_keys + (int64_t)t * plan.route_cand;
+    for (int i = tid; i < nc; i += nt) cand[i] = __ldcg(src + i);  // L2: written by other CTAs
+    __syncthreads();
+    if (nc <= kRankMergeMax) {
+        uint64_t* best = cand + nc;
+        for (int i = tid; i < nc; i += nt) {
+            const uint64_t c = cand[i];
+            if (c == 0) continue;
+            int rank = 0;
+            for (int j = 0; j < nc; ++j) rank += cand[j] > c ? 1 : 0;
+            if (rank < k) best[rank] = c;
+        }
+        __syncthreads();
+        write_selection(plan, best, k, sel, forced, tid, nt);
+    } else {
+        select_topk(p, plan, cand, nc, cand + nc, sel, forced);
+    }
     write_selected_out(p, plan, t, sel);
 }
 
@@ -342,10 +406,9 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
             route_tile_kernel<T><<<tiles, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
             return cudaGetLastError();
         }
-        route_score_kernel<T><<<dim3(p.num_tokens, plan.route_splits), kRouteThreads, 0, stream>>>(p, plan, ws);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
-        if ((err = allow_smem(route_select_kernel, plan.route_smem)) != cudaSuccess) return err;
-        route_select_kernel<<<p.num_tokens, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
+        if ((err = allow_smem(route_split_kernel, plan.route_smem)) != cudaSuccess) return err;
+        route_split_kernel<<<dim3(p.num_tokens, plan.route_splits), kRouteThreads, plan.route_smem, stream>>>(p, plan,
+                                                                                                              ws);
         return cudaGetLastError();
     });
 }

@@ -20,34 +20,64 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
     if (b >= len / sbs) return;
     const int prompt = p.prompt_lens[seq];
 
-    extern __shared__ float smem[];
-    float* keys = smem;                 // [sbs, Di]
-    float* logit = keys + sbs * di;     // [sbs]
-    int* pages = (int*)(logit + sbs);   // [sbs]
+    // Shared memory: slots [sbs] int64, keys [sbs, Di] float, logit [sbs], pages [sbs].
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    int64_t* slots = reinterpret_cast<int64_t*>(smem_raw);
+    float* keys = reinterpret_cast<float*>(slots + sbs);
+    float* logit = keys + sbs * di;
+    int* pages = (int*)(logit + sbs);
     __shared__ int64_t s_sum_index;
     __shared__ int s_bad;
-    __shared__ float s_max, s_total;
     __shared__ int s_lo, s_hi, s_distinct;
-    if (threadIdx.x == 0) {
-        s_lo = INT32_MAX, s_hi = -1, s_distinct = 0;
-        s_bad = 0;
-        s_sum_index = summary_index(p, seq, b, ws.error);
-        if (s_sum_index < 0) s_bad = 1;
-    }
+    if (threadIdx.x == 0) s_lo = INT32_MAX, s_hi = -1, s_distinct = 0, s_bad = 0;
     __syncthreads();
-    // Load the block's index keys (already rotated and finite) and image pages.
-    for (int j = threadIdx.x / 32; j < sbs; j += blockDim.x / 32) {
+    // Every token's cache slot at once (one block-table read each, in parallel), then every
+    // key row in 16-byte loads, all independent: two memory round trips, not one per row.
+    for (int j = threadIdx.x; j < sbs; j += blockDim.x) {
         const int64_t slot = cache_slot(p, seq, b * sbs + j, ws.error);
-        if (slot < 0) {
-            if (threadIdx.x % 32 == 0) s_bad = 1;
-            continue;
+        slots[j] = slot;
+        if (slot < 0) s_bad = 1;
+        else pages[j] = p.image_page_cache[slot];
+        if (j == 0 && slot >= 0) {  // summary_index of the block: the KV block of its first token
+            const int per = p.block_size / sbs;
+            s_sum_index = (slot / p.block_size) * per + (slot % p.block_size) / sbs;
         }
-        const T* src = static_cast<const T*>(p.index_cache) + slot * di;
-        for (int i = threadIdx.x % 32; i < di; i += 32) keys[j * di + i] = to_f(src[i]);
-        if (threadIdx.x % 32 == 0) pages[j] = p.image_page_cache[slot];
     }
     __syncthreads();
     if (s_bad) return;
+    // Loads into registers first, kBatch per thread, then the shared-memory stores: the
+    // compiler may not move a slot read (shared) above a key store (shared), so a plain loop
+    // would wait for one global load per iteration.
+    constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
+    constexpr int kBatch = 8;
+    const int nt = blockDim.x;
+    if (di % kVec == 0 && reinterpret_cast<uintptr_t>(p.index_cache) % 16 == 0) {
+        const int per_row = di / kVec;
+        for (int base = threadIdx.x; base < sbs * per_row; base += kBatch * nt) {
+            uint4 w[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int c = base + u * nt;
+                if (c < sbs * per_row)
+                    w[u] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.index_cache) +
+                                                           slots[c / per_row] * di + (c % per_row) * kVec);
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int c = base + u * nt;
+                if (c >= sbs * per_row) break;
+                const T* e = reinterpret_cast<const T*>(&w[u]);
+#pragma unroll
+                for (int x = 0; x < kVec; ++x) keys[c * kVec + x] = to_f(e[x]);
+            }
+        }
+    } else {
+        for (int c = threadIdx.x; c < sbs * di; c += nt) {
+            const int j = c / di, i = c % di;
+            keys[c] = to_f(static_cast<const T*>(p.index_cache)[slots[j] * di + i]);
+        }
+    }
+    __syncthreads();
     // Indexer logit of each token: (ik . head_cls) / sqrt(Di), clamped to +-1e4.
     const T* hc = static_cast<const T*>(p.head_cls);
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
@@ -78,16 +108,14 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
             s += e;
         }
         s = warp_sum(s);
-        if (threadIdx.x == 0) {
-            s_total = (s < 1e-6f) ? 1e-6f : s;  // clamp(min=1e-6), NaN stays NaN
-            s_max = m;
-        }
+        const float total = (s < 1e-6f) ? 1e-6f : s;  // clamp(min=1e-6), NaN stays NaN
+        for (int j = threadIdx.x; j < sbs; j += 32) logit[j] = logit[j] / total;  // the weights
     }
     __syncthreads();
     float* out = p.summary_cache + s_sum_index * di;
     for (int i = threadIdx.x; i < di; i += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < sbs; ++j) acc += (logit[j] / s_total) * keys[j * di + i];
+        for (int j = 0; j < sbs; ++j) acc += logit[j] * keys[j * di + i];
         out[i] = finite_or_zero(acc);
     }
     // Image-page range of the block, and whether every page in it has an image token here.
@@ -110,7 +138,6 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
             dst[DASH_PAGE_DENSE] = s_distinct == s_hi - s_lo + 1 ? 1 : 0;
         }
     }
-    (void)s_max;
 }
 
 }  // namespace

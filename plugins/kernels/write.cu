@@ -8,37 +8,27 @@ namespace {
 // (rotated, non-finite zeroed) and its image page at the token's cache slot. The token's
 // indexer query takes the same rotation (same coordinates and dims as ik): it goes to the
 // workspace in float32 for the routing stage.
+// Sequence of new token t: the s with qsl[s] <= t < qsl[s + 1], by a 32-way search (one warp,
+// one probe per lane per round; a round for up to 32 sequences). Unchecked: the caller checks.
+__device__ __forceinline__ int find_sequence(const DashParams& p, int t) {
+    const int lane = threadIdx.x % 32;
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+        const int step = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32)
+        const int at = lo + lane * step;
+        const unsigned ok = __ballot_sync(0xffffffffu, at <= hi && p.query_start_loc[at] <= t);
+        const int last = ok == 0 ? 0 : 31 - __clz(ok);
+        lo = lo + last * step;
+        hi = min(hi, lo + step - 1);
+    }
+    return lo;
+}
+
 template <typename T>
 __global__ void write_kernel(const DashParams p, Workspace ws) {
     const int t = blockIdx.x;
-    __shared__ int s_seq, s_pos;
+    __shared__ int s_seq;
     __shared__ int64_t s_slot;
-    if (threadIdx.x == 0) {
-        // Binary search: sequence s with qsl[s] <= t < qsl[s + 1].
-        int lo = 0, hi = p.num_seqs - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (p.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
-        }
-        const int n_new = p.query_start_loc[lo + 1] - p.query_start_loc[lo];
-        const int len = p.seq_lens[lo];
-        int pos = len - (p.query_start_loc[lo + 1] - t);
-        int seq = lo;
-        if (p.query_start_loc[lo] > t || t >= p.query_start_loc[lo + 1] || n_new > len ||
-            len > p.table_width * p.block_size) {
-            atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
-            seq = -1;
-        }
-        int64_t slot = seq >= 0 ? cache_slot(p, seq, pos, ws.error) : -1;
-        if (slot < 0) seq = -1;
-        ws.token_seq[t] = seq;
-        ws.token_pos[t] = pos;
-        s_seq = seq;
-        s_pos = pos;
-        s_slot = slot;
-    }
-    __syncthreads();
-    if (s_seq < 0) return;
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     const RopeConfig main_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
@@ -48,37 +38,90 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     const int d = p.head_dim, half = d / 2, hkv = p.num_kv_heads;
     const int di = p.index_dim, ihalf = di / 2;
     // cos and sin of each pair's angle once per token (shared by the KV heads); large angles
-    // take the slow path of cosf/sinf, so this is most of the stage's arithmetic.
+    // take the slow path of cosf/sinf, so this is most of the stage's arithmetic. The other
+    // warps do it while warp 0 looks the token's sequence and slot up.
     extern __shared__ float2 cs[];  // [D / 2] main, then [Di / 2] index
-    for (int i = threadIdx.x; i < half; i += blockDim.x) cs[i] = rope_cos_sin<T>(rope_angle(i, d, tok, page, main_rope));
-    for (int i = threadIdx.x; i < ihalf; i += blockDim.x)
+    if (threadIdx.x < 32) {
+        const int lo = find_sequence(p, t);
+        if (threadIdx.x == 0) {
+            const int n_new = p.query_start_loc[lo + 1] - p.query_start_loc[lo];
+            const int len = p.seq_lens[lo];
+            int pos = len - (p.query_start_loc[lo + 1] - t);
+            int seq = lo;
+            if (p.query_start_loc[lo] > t || t >= p.query_start_loc[lo + 1] || n_new > len ||
+                len > p.table_width * p.block_size) {
+                atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
+                seq = -1;
+            }
+            int64_t slot = seq >= 0 ? cache_slot(p, seq, pos, ws.error) : -1;
+            if (slot < 0) seq = -1;
+            ws.token_seq[t] = seq;
+            ws.token_pos[t] = pos;
+            s_seq = seq;
+            s_slot = slot;
+        }
+    }
+    const int others = blockDim.x - 32;
+    for (int i = (int)threadIdx.x - 32; i >= 0 && i < half; i += others)
+        cs[i] = rope_cos_sin<T>(rope_angle(i, d, tok, page, main_rope));
+    for (int i = (int)threadIdx.x - 32; i >= 0 && i < ihalf; i += others)
         cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, index_rope));
     __syncthreads();
+    if (s_seq < 0) return;
     const T* k = static_cast<const T*>(p.k) + (int64_t)t * hkv * d;
     const T* v = static_cast<const T*>(p.v) + (int64_t)t * hkv * d;
     T* kc = static_cast<T*>(p.key_cache) + s_slot * hkv * d;
     T* vc = static_cast<T*>(p.value_cache) + s_slot * hkv * d;
-    for (int idx = threadIdx.x; idx < hkv * half; idx += blockDim.x) {
-        const int h = idx / half, i = idx % half;
-        float lo, hi;
-        rope_rotate<T>(to_f(k[h * d + i]), to_f(k[h * d + i + half]), cs[i].x, cs[i].y, lo, hi);
-        kc[h * d + i] = from_f<T>(lo);
-        kc[h * d + i + half] = from_f<T>(hi);
+    // Loads first, in batches of kBatch per thread, then the stores: the compiler may not move
+    // a load above a store to another pointer, so a plain loop would wait once per element.
+    constexpr int kBatch = 4;
+    const int nt = blockDim.x;
+    for (int base = threadIdx.x; base < hkv * half; base += kBatch * nt) {
+        float xl[kBatch], xh[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int idx = base + u * nt, h = idx / half, i = idx % half;
+            xl[u] = idx < hkv * half ? to_f(k[h * d + i]) : 0.0f;
+            xh[u] = idx < hkv * half ? to_f(k[h * d + i + half]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int idx = base + u * nt, h = idx / half, i = idx % half;
+            if (idx >= hkv * half) break;
+            float lo, hi;
+            rope_rotate<T>(xl[u], xh[u], cs[i].x, cs[i].y, lo, hi);
+            kc[h * d + i] = from_f<T>(lo);
+            kc[h * d + i + half] = from_f<T>(hi);
+        }
     }
-    for (int idx = threadIdx.x; idx < hkv * d; idx += blockDim.x) vc[idx] = v[idx];
+    constexpr int kVec = 16 / (int)sizeof(T);
+    const bool vec = (hkv * d) % kVec == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(vc) % 16 == 0;
+    if (vec) {
+        for (int base = threadIdx.x; base < hkv * d / kVec; base += kBatch * nt) {
+            uint4 w[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                if (base + u * nt < hkv * d / kVec) w[u] = reinterpret_cast<const uint4*>(v)[base + u * nt];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                if (base + u * nt < hkv * d / kVec) reinterpret_cast<uint4*>(vc)[base + u * nt] = w[u];
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < hkv * d; idx += nt) vc[idx] = v[idx];
+    }
+    // The index key goes to the cache; the indexer query (same angles) to the workspace.
     const T* ik = static_cast<const T*>(p.ik) + (int64_t)t * di;
+    const T* iq = static_cast<const T*>(p.iq) + (int64_t)t * di;
     T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
-    for (int i = threadIdx.x; i < ihalf; i += blockDim.x) {
+    float* iq_rot = ws.iq_rot + (int64_t)t * ((di + 3) / 4 * 4);
+    for (int i = threadIdx.x; i < ihalf; i += nt) {
+        const float kl = to_f(ik[i]), kh = to_f(ik[i + ihalf]), ql = to_f(iq[i]), qh = to_f(iq[i + ihalf]);
         float lo, hi;
-        rope_rotate<T>(to_f(ik[i]), to_f(ik[i + ihalf]), cs[half + i].x, cs[half + i].y, lo, hi);
+        rope_rotate<T>(kl, kh, cs[half + i].x, cs[half + i].y, lo, hi);
         ic[i] = from_f<T>(finite_or_zero(lo));
         ic[i + ihalf] = from_f<T>(finite_or_zero(hi));
-    }
-    const T* iq = static_cast<const T*>(p.iq) + (int64_t)t * di;
-    float* iq_rot = ws.iq_rot + (int64_t)t * ((di + 3) / 4 * 4);
-    for (int i = threadIdx.x; i < ihalf; i += blockDim.x) {
-        float lo, hi;
-        rope_rotate<T>(to_f(iq[i]), to_f(iq[i + ihalf]), cs[half + i].x, cs[half + i].y, lo, hi);
+        rope_rotate<T>(ql, qh, cs[half + i].x, cs[half + i].y, lo, hi);
         iq_rot[i] = finite_or_zero(lo);
         iq_rot[i + ihalf] = finite_or_zero(hi);
     }

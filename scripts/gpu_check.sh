@@ -64,7 +64,7 @@ case " $what " in *" breakdown "*)
   python3 bench/breakdown.py decode prefill 2>&1 | tee "$OUT/breakdown.log"
   status=$(( status | ${PIPESTATUS[0]} ))
   for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
-    DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend_kernel|combine_kernel" \
+    DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend|combine" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
   done;;
 esac

@@ -179,6 +179,26 @@ def test_split_routing_merges_many_ctas(topk):
     check(steps, rc, kc, dtype)
 
 
+def test_fused_and_split_routing_select_the_same_blocks():
+    """The same 300 tokens routed as one call (fused routing: T >= 264) and as calls of 200 and
+    100 (split routing: fewer tokens, a table of 320 > 256 blocks) select exactly the same blocks
+    in the same order: both launches score a block with the same arithmetic."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = make_config(16, sparse_topk_blocks=6)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=64, index_dim=128, dtype=dtype,
+                           pages=(10, 10), max_images=200, response=300)
+    prompt = seqs[0][0].length - 300
+    runs = []
+    for plan in ([prompt, 300], [prompt, 200, 100]):
+        steps, rc, kc = run_both(cfg, 0, seqs, [plan], 16, [None], torch.Generator().manual_seed(7), dtype,
+                                 table_width=320)
+        check(steps, rc, kc, dtype)
+        runs.append(torch.cat([sel for _, sel, _, _ in steps[1:]]))
+    assert runs[0].shape == (300, 6) and bool((runs[0] >= 0).any())
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_cuda_graph_replay_matches_eager():
     gen = torch.Generator().manual_seed(4)
     dtype = torch.float16

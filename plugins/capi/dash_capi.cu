@@ -23,7 +23,8 @@ constexpr int kSupportedHeadDims[] = DASH_HEAD_DIMS;
 constexpr int kMaxIndexDim = dash::kMaxIndexDimDevice;
 constexpr size_t kAlign = 256;
 constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_90 / sm_80
-constexpr long kTargetCtas = 512;        // split-K aims for this many attention CTAs (swept on the H200)
+constexpr long kTargetCtas = 256;        // split-K aims for this many attention CTAs (swept on the H200)
+constexpr size_t kStaticSmemAllowance = 8 * 1024;  // static shared memory beside a kernel's dynamic part
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
@@ -110,7 +111,15 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
                           sizeof(int) * (size_t)p.sparse_block_size;
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
-    plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim);
+    // Three stages where they fit the device's opt-in shared memory (less what the kernel
+    // declares statically), else two.
+    const size_t smem_limit = device_smem_optin();
+    plan.attend_stages = 3;
+    plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim, 3);
+    if (plan.attend_smem + kStaticSmemAllowance > smem_limit) {
+        plan.attend_stages = 2;
+        plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim, 2);
+    }
     // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
     if (plan.route_tile < 1 || split_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED,
@@ -138,7 +147,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.route_splits > 1 && !p.dense_layer)
         plan.off_route_keys = off, off += align_up(t * plan.route_cand * sizeof(uint64_t));
     plan.block_major =
-        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, device_smem_optin()) ? 1 : 0;
+        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, smem_limit) ? 1 : 0;
     if (plan.block_major) {
         const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
         const int dtype_bytes = 2;

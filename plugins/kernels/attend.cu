@@ -60,14 +60,15 @@ struct TokenRows {
 // ================================================================== fp16 / bf16: tensor cores
 constexpr int kMmaThreads = 128;
 
-// Warps per CTA and pipeline stages per warp; shared memory per CTA: the queries (16 rows) and
-// each warp's stages of K and V (16 rows each), rows D + 8 elements apart (16-byte aligned,
-// ldmatrix's eight row addresses in different banks). D = 256 uses 2 warps so that a CTA fits
-// the 99 KB of sm_86 / sm_89.
-template <int D>
+// Warps per CTA and pipeline stages per warp (3 where the device's shared memory allows: two
+// units in flight per warp; else 2); shared memory per CTA: the queries (16 rows) and each
+// warp's stages of K and V (16 rows each), rows D + 8 elements apart (16-byte aligned,
+// ldmatrix's eight row addresses in different banks). D = 256 uses 2 warps, so that two stages
+// fit the 99 KB of sm_86 / sm_89.
+template <int D, int Stages>
 struct MmaSmem {
     static constexpr int kWarps = D >= 256 ? 2 : 4;
-    static constexpr int kStages = 2;
+    static constexpr int kStages = Stages;
     static constexpr int RS = D + 8;
     static constexpr int unit_elems = 16 * RS;                            // one K or V unit
     static constexpr size_t q_elems = (size_t)16 * RS;
@@ -75,9 +76,9 @@ struct MmaSmem {
     static constexpr size_t bytes(int dtype_bytes) { return (q_elems + stage_elems) * dtype_bytes; }
 };
 
-template <typename T, int D>
+template <typename T, int D, int Stages>
 __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    using S = MmaSmem<D>;
+    using S = MmaSmem<D, Stages>;
     constexpr int W = S::kWarps;
     const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
@@ -171,11 +172,16 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     };
 
     const int my_units = warp < nunits ? (nunits - warp + W - 1) / W : 0;
-    settle(0, fetch(0));
-    __syncwarp();
-    if (my_units > 0) issue(0);
-    __pipeline_commit();
-    Pending next = fetch(1);
+    // Units 0 .. Stages-2 in flight before the loop; unit Stages-1's table reads pending.
+    constexpr int kAhead = S::kStages - 1;
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+        settle(k, fetch(k));
+        __syncwarp();
+        if (k < my_units) issue(k);
+        __pipeline_commit();
+    }
+    Pending next = fetch(kAhead);
     __syncthreads();  // the queries
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
@@ -185,14 +191,14 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     for (int k = 0; k < my_units; ++k) {
-        if (k + 1 < my_units) {
-            settle(k + 1, next);
+        if (k + kAhead < my_units) {
+            settle(k + kAhead, next);
             __syncwarp();
-            issue(k + 1);
+            issue(k + kAhead);
         }
         __pipeline_commit();
-        next = fetch(k + 2);  // used after this unit's math
-        __pipeline_wait_prior(1);
+        next = fetch(k + kAhead + 1);  // used after this unit's math
+        __pipeline_wait_prior(kAhead);  // unit k has landed (later ones may still be in flight)
         __syncwarp();
         const T* k_s = kv_w + (k % S::kStages) * 2 * S::unit_elems;
         const T* v_s = k_s + S::unit_elems;
@@ -256,7 +262,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             mma16816<T>(o[2 * dp], pa, b[0], b[1]);
             mma16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
         }
-        __syncwarp();  // this stage is free for unit k + 2
+        __syncwarp();  // this stage is free for unit k + Stages
     }
     __pipeline_wait_prior(0);
 #pragma unroll
@@ -529,13 +535,22 @@ __global__ void combine_kernel(const DashParams p, const Plan plan, Workspace ws
     }
 }
 
+template <typename T, int D, int Stages>
+cudaError_t launch_mma(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
+    const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
+    const cudaError_t err = allow_smem(attend_mma_kernel<T, D, Stages>, plan.attend_smem);
+    if (err != cudaSuccess) return err;
+    attend_mma_kernel<T, D, Stages><<<grid, MmaSmem<D, Stages>::kWarps * 32, plan.attend_smem, stream>>>(p, plan, ws);
+    return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t launch_attend_as(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
     const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
     cudaError_t err;
     if constexpr (sizeof(T) == 2) {
-        if ((err = allow_smem(attend_mma_kernel<T, D>, plan.attend_smem)) != cudaSuccess) return err;
-        attend_mma_kernel<T, D><<<grid, MmaSmem<D>::kWarps * 32, plan.attend_smem, stream>>>(p, plan, ws);
+        err = plan.attend_stages == 3 ? launch_mma<T, D, 3>(p, plan, ws, stream) : launch_mma<T, D, 2>(p, plan, ws, stream);
+        if (err != cudaSuccess) return err;
     } else {
         if ((err = allow_smem(attend_fp32_kernel<D>, plan.attend_smem)) != cudaSuccess) return err;
         attend_fp32_kernel<D><<<grid, kThreads, plan.attend_smem, stream>>>(p, plan, ws);
@@ -554,11 +569,11 @@ cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace
     });
 }
 
-size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim) {
+size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim, int stages) {
     if (dtype_bytes == 4) return make_layout(head_dim, group).bytes;
     size_t bytes = 0;
     (void)DASH_DISPATCH_HEAD_DIM(head_dim, D, [&] {
-        bytes = MmaSmem<D>::bytes(dtype_bytes);
+        bytes = stages == 3 ? MmaSmem<D, 3>::bytes(dtype_bytes) : MmaSmem<D, 2>::bytes(dtype_bytes);
         return cudaSuccess;
     });
     return bytes;

@@ -179,6 +179,7 @@ struct Plan {
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
+    int attend_stages;    // pipeline stages per warp of the tensor-core attention (2 or 3)
     size_t attend_smem;
     size_t header_bytes;  // error word and routing counters, zeroed by every dash_run
     size_t bytes;         // workspace size
@@ -209,7 +210,7 @@ bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: t
 size_t block_major_scan_bytes(int num_items);
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
                                cudaStream_t stream);
-size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim);
+size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim, int stages);
 int attend_max_group();
 
 }  // namespace dash

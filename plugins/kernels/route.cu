@@ -7,9 +7,10 @@
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
 //     their blocks into shared memory (each summary row read once per tile, not once per token)
 //     and a warp per token selects from there;
-//   few tokens (decode): route_splits CTAs per token score a thread's block each (a long context
-//     has thousands of blocks) and keep their own top-k by rank; the last CTA of a token to
-//     finish (a counter per token, zeroed by dash_run) merges those candidates. One launch.
+//   few tokens (decode): route_splits CTAs per token score 256 blocks each (a long context has
+//     thousands of blocks) and keep their own top-k by rank; the last CTA of a token to finish
+//     (a counter per token, zeroed by dash_run) merges those candidates. One launch.
+// Both score a row with a whole warp in one fixed order (score_rows), so they agree bit for bit.
 #include "common.cuh"
 
 namespace dash {
@@ -48,11 +49,12 @@ __device__ __forceinline__ int remote_blocks(const DashParams& p, const Plan& pl
     return max(0, min(n, plan.max_blocks));
 }
 
-// Rotated, finite, float32 indexer query of token t (written by the write stage) into iq[Di].
+// Rotated, finite, float32 indexer query of token t (written by the write stage) into iq[Di4],
+// zero past Di.
 __device__ __forceinline__ void load_index_query(const DashParams& p, const Workspace& ws, int t, float* iq) {
     const int di4 = (p.index_dim + 3) / 4 * 4;
     const float* src = ws.iq_rot + (int64_t)t * di4;
-    for (int i = threadIdx.x; i < p.index_dim; i += blockDim.x) iq[i] = src[i];
+    for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[i] = i < p.index_dim ? src[i] : 0.0f;
 }
 
 // One step of the indexer score, in explicitly rounded operations, so that no launch shape
@@ -76,65 +78,141 @@ __device__ __forceinline__ bool forced_block(const DashParams& p, const Workspac
     return cand;
 }
 
-// Indexer score of a summary row, in four partial dot products over the quarters of the row
-// (elements [q * Di / 4, (q + 1) * Di / 4)), combined as (p0 + p1) + (p2 + p3): the split and
-// the fused routing compute the same scores (the fused one shares each summary load by a tile).
-__device__ __forceinline__ float quarter_dot(const float* iq, const float* summ, int di, int q) {
+// ------------------------------------------------------------------ scoring, a warp per row
+// The indexer score of a summary row is computed by a whole warp, the same way in every launch
+// (so a block's score, and the selection, never depend on how many tokens a call has): lane l
+// takes the row's float4 chunks l, l + 32, ... in turn (dot4), then the lanes' partials are
+// added in an xor butterfly over offsets 16, 8, 4, 2, 1. IEEE addition commutes, so every lane
+// that ends with a token's sum holds the same bits. A warp's loads of a row are one coalesced
+// 512-byte read (Di = 128), where a thread per row made 32 scattered ones.
+constexpr int kScoreBatch = 8;  // rows whose loads one warp has in flight together
+
+// The lane's chunks of row `summ` (nullptr: none); zero past Di.
+template <int NCH>
+__device__ __forceinline__ void load_chunks(const float* summ, int di, bool vec, int lane, float4 (&out)[NCH]) {
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        const int c = lane + 32 * m;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (summ != nullptr && 4 * c < di) {
+            if (vec) {
+                v = __ldg(reinterpret_cast<const float4*>(summ) + c);
+            } else {
+                v.x = summ[4 * c];
+                v.y = 4 * c + 1 < di ? summ[4 * c + 1] : 0.0f;
+                v.z = 4 * c + 2 < di ? summ[4 * c + 2] : 0.0f;
+                v.w = 4 * c + 3 < di ? summ[4 * c + 3] : 0.0f;
+            }
+        }
+        out[m] = v;
+    }
+}
+
+// The lane's partial dot product of chunks `s` with the (zero-padded, shared-memory) query iq.
+template <int NCH>
+__device__ __forceinline__ float lane_partial(const float* iq, int di, int lane, const float4 (&s)[NCH]) {
     float acc = 0.0f;
-    if (di % 16 == 0) {  // 16-byte aligned quarters (iq is in aligned shared memory)
-        const int n4 = di / 16;
-        const float4* s4 = reinterpret_cast<const float4*>(summ) + q * n4;
-        const float4* q4 = reinterpret_cast<const float4*>(iq) + q * n4;
-        for (int i = 0; i < n4; ++i) acc = dot4(acc, q4[i], s4[i]);
-    } else {
-        for (int i = q * di / 4; i < (q + 1) * di / 4; ++i) acc = __fmaf_rn(iq[i], summ[i], acc);
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        const int c = lane + 32 * m;
+        if (4 * c < di) acc = dot4(acc, reinterpret_cast<const float4*>(iq)[c], s[m]);
     }
     return acc;
 }
+
+// Butterfly sum of up to 8 tokens' partials at once: each step hands half of a lane's tokens to
+// its partner, so the sums take 4 + 2 + 1 + 1 + 1 shuffles instead of 5 per token. Token j's
+// sum ends in lanes 4j .. 4j + 3 (v[0]); with one token (v[0] only) it is the plain butterfly.
+// Pairs are formed exactly as in the plain butterfly (xor 16, then 8, 4, 2, 1), so a token's
+// sum has the same bits whichever form computes it.
+__device__ __forceinline__ float butterfly8(float (&v)[8], int lane) {
+    const unsigned full = 0xffffffffu;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const bool up = lane & 16;
+        const float send = up ? v[j] : v[4 + j], keep = up ? v[4 + j] : v[j];
+        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 16));
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const bool up = lane & 8;
+        const float send = up ? v[j] : v[2 + j], keep = up ? v[2 + j] : v[j];
+        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 8));
+    }
+    {
+        const bool up = lane & 4;
+        const float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
+        v[0] = __fadd_rn(keep, __shfl_xor_sync(full, send, 4));
+    }
+    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
+    return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
+}
+__device__ __forceinline__ float butterfly1(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
     return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
 }
 
-// quarter_dot's arithmetic over a whole row for Di = 16 * N4 (N4 float4 per quarter), with the
-// row's loads issued in two batches instead of one dependent load per float4.
-template <int N4>
-__device__ __forceinline__ float row_dot(const float* iq, const float* summ) {
-    const float4* s4 = reinterpret_cast<const float4*>(summ);
-    const float4* q4 = reinterpret_cast<const float4*>(iq);
-    constexpr int kQ = N4 <= 8 ? 2 : 1;  // quarters loaded per batch (at most 16 float4 registers)
-    float part[4];
+// Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
+__host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
+
+// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per 32 rows: the lane that
+// owns row r (r % 32) finds its summary row and forced flags; the warp loads kScoreBatch rows at
+// a time; `emit(j, r, key)` receives token j's key of row r (called by one lane, 4 * j).
+// iq: [ntok][di4] shared memory; qp[j]: token j's query page; NT: tokens (1 or kRouteTile).
+template <int NCH, int NT, typename Emit>
+__device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
+                                           const int* qp, int ntok, int r0, int r1, Emit emit) {
+    const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
+    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    for (int base = r0 + warp * 32; base < r1; base += nwarps * 32) {
+        // Lane l: row base + l's summary row and, per token, whether the block is forced.
+        const int my_r = base + lane;
+        const int64_t my_si = my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
+        unsigned my_forced = 0;
+        if (my_si >= 0)
 #pragma unroll
-    for (int q0 = 0; q0 < 4; q0 += kQ) {
-        float4 r[kQ * N4];
+            for (int j = 0; j < NT; ++j)
+                if (j < ntok && forced_block(p, ws, seq, my_r, my_si, qp[j])) my_forced |= 1u << j;
+        const int rows = min(32, r1 - base);
+        // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
+        constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
+        constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
+        for (int b0 = 0; b0 < rows; b0 += kB) {
+            float4 s[kB][NCH];
 #pragma unroll
-        for (int i = 0; i < kQ * N4; ++i) r[i] = __ldg(s4 + q0 * N4 + i);
+            for (int i = 0; i < kB; ++i) {
+                const int64_t si = __shfl_sync(0xffffffffu, my_si, (b0 + i) % 32);
+                load_chunks<NCH>(b0 + i < rows && si >= 0 ? p.summary_cache + si * di : nullptr, di, vec, lane, s[i]);
+            }
 #pragma unroll
-        for (int qq = 0; qq < kQ; ++qq) {
-            float acc = 0.0f;
+            for (int i = 0; i < kB; ++i) {
+                const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
+                if (b0 + i >= rows) continue;  // uniform over the warp
+                float dot;
+                int j = 0;
+                if constexpr (NT == 1) {
+                    dot = butterfly1(lane_partial<NCH>(iq, di, lane, s[i]));
+                } else {
+                    float v[8];
 #pragma unroll
-            for (int i = 0; i < N4; ++i) acc = dot4(acc, q4[(q0 + qq) * N4 + i], r[qq * N4 + i]);
-            part[q0 + qq] = acc;
+                    for (int jj = 0; jj < 8; ++jj) v[jj] = jj < ntok ? lane_partial<NCH>(iq + jj * di4, di, lane, s[i]) : 0.0f;
+                    dot = butterfly8(v, lane);
+                    j = (lane >> 2) & 7;
+                }
+                if ((NT == 1 ? lane == 0 : lane % 4 == 0) && j < ntok) {
+                    const int r = base + b0 + i;
+                    // A block whose summary row is unmapped (flagged) scores 0, never forced.
+                    emit(j, r, route_key(score_of(dot, inv_sqrt), (fm >> j) & 1u, r));
+                }
+            }
         }
     }
-    return __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
-}
-
-// Route key of block b (summary row si >= 0) for a query with indexer query iq and page qp.
-__device__ __forceinline__ uint64_t block_key(const DashParams& p, const Workspace& ws, int seq, int qp,
-                                              const float* iq, int b, int64_t si) {
-    const int di = p.index_dim;
-    const float* summ = p.summary_cache + si * di;
-    float dot;
-    switch (di) {
-        case 64: dot = row_dot<4>(iq, summ); break;
-        case 128: dot = row_dot<8>(iq, summ); break;
-        case 256: dot = row_dot<16>(iq, summ); break;
-        default:
-            dot = __fadd_rn(__fadd_rn(quarter_dot(iq, summ, di, 0), quarter_dot(iq, summ, di, 1)),
-                            __fadd_rn(quarter_dot(iq, summ, di, 2), quarter_dot(iq, summ, di, 3)));
-    }
-    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    return route_key(score_of(dot, inv_sqrt), forced_block(p, ws, seq, b, si, qp), b);
 }
 
 // The k largest keys of keys[lo, hi) (shared memory, consumed: taken keys become 0) into
@@ -233,7 +311,6 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     for (int j = 0; j < tn; ++j)
         if (s_seq[j] >= 0) load_index_query(p, ws, t0 + j, iq + (size_t)j * di4);
     __syncthreads();
-    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
     for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
         const int seq = s_seq[lead];
         bool first = seq >= 0;
@@ -244,48 +321,13 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
             n = max(n, s_n[j]);
         }
         if (!first) continue;
-        for (int b = threadIdx.x; b < n; b += blockDim.x) {
-            const int64_t si = summary_index(p, seq, b, ws.error);
-            float acc[kRouteTile];
-#pragma unroll
-            for (int j = 0; j < kRouteTile; ++j) acc[j] = 0.0f;
-            if (si >= 0) {
-                const float* summ = p.summary_cache + si * di;
-                // quarter_dot's arithmetic, each summary load shared by the tile; the quarters
-                // combine as (p0 + p1) + (p2 + p3), pairs kept as they complete.
-                float pair[kRouteTile], part[kRouteTile];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                    for (int j = 0; j < kRouteTile; ++j) part[j] = 0.0f;
-                    if (di % 16 == 0) {
-                        const int n4 = di / 16;
-                        const float4* s4p = reinterpret_cast<const float4*>(summ);
-                        for (int i = q * n4; i < (q + 1) * n4; ++i) {
-                            const float4 s4 = s4p[i];
-#pragma unroll
-                            for (int j = 0; j < kRouteTile; ++j)
-                                if (j < tile) part[j] = dot4(part[j], reinterpret_cast<const float4*>(iq + j * di4)[i], s4);
-                        }
-                    } else {
-#pragma unroll
-                        for (int j = 0; j < kRouteTile; ++j)
-                            if (j < tile) part[j] = quarter_dot(iq + j * di4, summ, di, q);
-                    }
-#pragma unroll
-                    for (int j = 0; j < kRouteTile; ++j) {
-                        if (q % 2 == 0) pair[j] = part[j];
-                        else if (q == 1) acc[j] = __fadd_rn(pair[j], part[j]);
-                        else acc[j] = __fadd_rn(acc[j], __fadd_rn(pair[j], part[j]));
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kRouteTile; ++j) {
-                if (j >= tn || s_seq[j] != seq || b >= s_n[j]) continue;
-                const bool cand = si >= 0 && forced_block(p, ws, seq, b, si, s_qp[j]);
-                keys[(size_t)j * plan.max_blocks + b] = route_key(score_of(acc[j], inv_sqrt), cand, b);
-            }
+        auto emit = [&](int j, int b, uint64_t key) {
+            if (s_seq[j] == seq && b < s_n[j]) keys[(size_t)j * plan.max_blocks + b] = key;
+        };
+        switch (chunks_per_lane(di)) {
+            case 1: score_rows<1, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            case 2: score_rows<2, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            default: score_rows<4, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
         }
     }
     __syncthreads();
@@ -317,7 +359,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
-// Split routing: grid (T, route_splits), a thread per block. Each CTA keeps the best
+// Split routing: grid (T, route_splits), 256 blocks per CTA. Each CTA keeps the best
 // min(topk, kRouteThreads) keys of its blocks (by rank: a key's rank is the number of larger
 // keys; keys are distinct) in the workspace; the token's last CTA merges them the same way
 // (select_topk's warp lists when there are too many candidates for a quadratic rank).
@@ -339,13 +381,20 @@ __global__ void __launch_bounds__(kRouteThreads) route_split_kernel(const DashPa
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
     __shared__ uint64_t keys[kRouteThreads];
     __shared__ int s_last;
-    const int64_t si = b < n ? summary_index(p, seq, b, ws.error) : -1;  // before the query: overlaps
+    __shared__ int s_qp;
+    if (tid == 0) s_qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
     load_index_query(p, ws, t, iq);
+    keys[tid] = 0;
     __syncthreads();
-    const uint64_t key =
-        si >= 0 ? block_key(p, ws, seq, p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE], iq, b, si)
-        : b < n ? route_key(0.0f, false, b)  // unmapped block (flagged): scores 0 like the fused path
-                : 0;
+    auto emit = [&](int, int r, uint64_t key) { keys[r - y * kRouteThreads] = key; };
+    const int r0 = y * kRouteThreads, r1 = min(n, r0 + kRouteThreads), di4 = (p.index_dim + 3) / 4 * 4;
+    switch (chunks_per_lane(p.index_dim)) {
+        case 1: score_rows<1, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        case 2: score_rows<2, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        default: score_rows<4, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+    }
+    __syncthreads();
+    const uint64_t key = keys[tid];
     if (p.dense_layer) {
         // Every remote block is selected; the order inside a row does not change the output.
         if (b < plan.kmax) {
@@ -357,8 +406,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_split_kernel(const DashPa
     }
     const int kk = min(p.topk, kRouteThreads);  // candidates per CTA
     uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
-    keys[tid] = key;
-    __syncthreads();
     if (key != 0) {
         int rank = 0;
         for (int j = 0; j < kRouteThreads; ++j) rank += keys[j] > key ? 1 : 0;

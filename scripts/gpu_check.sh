@@ -70,12 +70,15 @@ case " $what " in *" breakdown "*)
 esac
 case " $what " in *" compare "*|*" all "*)
   # dash-compare with the CUDA kernels runner, on a file exported elsewhere (dash-export --demo
-  # --out gpu-in/dash_demo.onnx; this machine may lack onnxscript).
+  # --out gpu-in/dash_demo.onnx; this machine may lack onnxscript). DASH_ONNX and
+  # DASH_COMPARE_ARGS pick another export, e.g. a head-dim-64 model the kernels run:
+  # DASH_ONNX=gpu-in/m64.onnx DASH_COMPARE_ARGS="--checkpoint gpu-in/m64.pt".
   onnx=${DASH_ONNX:-gpu-in/dash_demo.onnx}
+  read -r -a cmp_args <<< "${DASH_COMPARE_ARGS:---demo}"
   if [ -f "$onnx" ]; then
     python3 -c "import onnxruntime, onnx; print('onnxruntime', onnxruntime.__version__, 'onnx', onnx.__version__)"
-    python3 -m dash_trt.compare "$onnx" --demo --no-cuda 2>&1 | tee "$OUT/compare_nocuda.log" | tail -4
-    python3 -m dash_trt.compare "$onnx" --demo --json "$OUT/compare.json" 2>&1 | tee "$OUT/compare.log" | tail -30
+    python3 -m dash_trt.compare "$onnx" "${cmp_args[@]}" --no-cuda 2>&1 | tee "$OUT/compare_nocuda.log" | tail -4
+    python3 -m dash_trt.compare "$onnx" "${cmp_args[@]}" --json "$OUT/compare.json" 2>&1 | tee "$OUT/compare.log" | tail -30
     status=$(( status | ${PIPESTATUS[0]} ))
   else
     echo "compare: no ONNX file at $onnx (export one with dash-export --demo --out $onnx)"

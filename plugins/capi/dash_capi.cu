@@ -86,11 +86,11 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (splits > plan.pieces) splits = plan.pieces;
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
-    const int route_warps = dash::route_threads() / 32;
+    const int route_warps = dash::route_split_threads() / 32;
     const size_t topk_slots = (size_t)(p.topk > 0 ? p.topk : 1);
-    // Split routing: a thread per block, route_threads() blocks per CTA, each CTA keeps its best
-    // min(topk, route_threads()) keys as candidates.
-    const int per_cta = dash::route_threads();
+    // Split routing: route_split_rows() blocks per CTA, each CTA keeps its best
+    // min(topk, route_split_rows()) keys as candidates.
+    const int per_cta = dash::route_split_rows();
     const int split_ctas = std::max(1, (plan.max_blocks + per_cta - 1) / per_cta);
     plan.route_cand = split_ctas * (int)std::min<size_t>(topk_slots, (size_t)per_cta);
     plan.route_splits = p.num_tokens >= kFusedRouteTokens ? 1 : split_ctas;
@@ -107,9 +107,11 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // per-warp lists and their merge).
     const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
     plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile : split_smem;
-    plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +  // slots
-                          sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 1) +
-                          sizeof(int) * (size_t)p.sparse_block_size;
+    plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
+                          sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
+                          sizeof(float) * (size_t)p.index_dim +                              // head_cls
+                          sizeof(int) * (size_t)p.sparse_block_size +                        // pages
+                          sizeof(unsigned) * (size_t)((p.sparse_block_size + 31) / 32);      // page bitmap
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
     // Three stages where they fit the device's opt-in shared memory (less what the kernel
     // declares statically), else two.

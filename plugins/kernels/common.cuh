@@ -204,7 +204,9 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
                          cudaStream_t stream);
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
-int route_threads();
+int route_threads();        // fused routing CTA
+int route_split_threads();  // split routing CTA
+int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 size_t block_major_scan_bytes(int num_items);

@@ -16,8 +16,10 @@
 namespace dash {
 namespace {
 
-constexpr int kRouteThreads = 256;
-constexpr int kRouteTile = 8;  // most tokens one fused routing CTA serves (a warp each to select)
+constexpr int kRouteThreads = 256;  // fused routing CTA
+constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
+constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
+constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
 
 // Sort key whose maximum is the block route_blocks takes first:
 //   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
@@ -160,29 +162,27 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
 // Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
 __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
 
-// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per 32 rows: the lane that
-// owns row r (r % 32) finds its summary row and forced flags; the warp loads kScoreBatch rows at
-// a time; `emit(j, r, key)` receives token j's key of row r (called by one lane, 4 * j).
-// iq: [ntok][di4] shared memory; qp[j]: token j's query page; NT: tokens (1 or kRouteTile).
-template <int NCH, int NT, typename Emit>
+// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per R consecutive rows:
+// the lane that owns row r (lane r % R) finds its summary row and forced flags (after the first
+// batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)` receives token
+// j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory; qp[j]: token j's
+// query page; NT: tokens (1 or kRouteTile).
+template <int NCH, int NT, int R, typename Emit>
 __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
                                            const int* qp, int ntok, int r0, int r1, Emit emit) {
+    static_assert(R <= 32, "a lane owns one row of the warp's chunk");
     const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    for (int base = r0 + warp * 32; base < r1; base += nwarps * 32) {
-        // Lane l: row base + l's summary row and, per token, whether the block is forced.
+    // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
+    constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
+    constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
+    for (int base = r0 + warp * R; base < r1; base += nwarps * R) {
+        // Lane l < R: row base + l's summary row and, per token, whether the block is forced.
         const int my_r = base + lane;
-        const int64_t my_si = my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
+        const int64_t my_si = lane < R && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
         unsigned my_forced = 0;
-        if (my_si >= 0)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-                if (j < ntok && forced_block(p, ws, seq, my_r, my_si, qp[j])) my_forced |= 1u << j;
-        const int rows = min(32, r1 - base);
-        // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
-        constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
-        constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
+        const int rows = min(R, r1 - base);
         for (int b0 = 0; b0 < rows; b0 += kB) {
             float4 s[kB][NCH];
 #pragma unroll
@@ -190,6 +190,10 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
                 const int64_t si = __shfl_sync(0xffffffffu, my_si, (b0 + i) % 32);
                 load_chunks<NCH>(b0 + i < rows && si >= 0 ? p.summary_cache + si * di : nullptr, di, vec, lane, s[i]);
             }
+            if (b0 == 0 && my_si >= 0)  // while the first rows load
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    if (j < ntok && forced_block(p, ws, seq, my_r, my_si, qp[j])) my_forced |= 1u << j;
 #pragma unroll
             for (int i = 0; i < kB; ++i) {
                 const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
@@ -325,9 +329,9 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
             if (s_seq[j] == seq && b < s_n[j]) keys[(size_t)j * plan.max_blocks + b] = key;
         };
         switch (chunks_per_lane(di)) {
-            case 1: score_rows<1, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
-            case 2: score_rows<2, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
-            default: score_rows<4, kRouteTile>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
         }
     }
     __syncthreads();
@@ -359,13 +363,13 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
-// Split routing: grid (T, route_splits), 256 blocks per CTA. Each CTA keeps the best
-// min(topk, kRouteThreads) keys of its blocks (by rank: a key's rank is the number of larger
-// keys; keys are distinct) in the workspace; the token's last CTA merges them the same way
+// Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
+// min(topk, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
+// keys are distinct) in the workspace; the token's last CTA merges them the same way
 // (select_topk's warp lists when there are too many candidates for a quadratic rank).
 constexpr int kRankMergeMax = 1024;
 
-__global__ void __launch_bounds__(kRouteThreads) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
+__global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
     const int t = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int seq = ws.token_seq[t];
     int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
@@ -375,43 +379,43 @@ __global__ void __launch_bounds__(kRouteThreads) route_split_kernel(const DashPa
         return;
     }
     const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
-    const int ctas = max(1, (n + kRouteThreads - 1) / kRouteThreads);  // CTAs with blocks (or the one)
+    const int ctas = max(1, (n + kSplitRows - 1) / kSplitRows);  // CTAs with blocks (or the one)
     if (y >= ctas && !p.dense_layer) return;
-    const int b = y * kRouteThreads + tid;
+    const int r0 = y * kSplitRows, r1 = min(n, r0 + kSplitRows), di4 = (p.index_dim + 3) / 4 * 4;
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
-    __shared__ uint64_t keys[kRouteThreads];
+    __shared__ uint64_t keys[kSplitRows];
     __shared__ int s_last;
     __shared__ int s_qp;
     if (tid == 0) s_qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
     load_index_query(p, ws, t, iq);
-    keys[tid] = 0;
+    if (tid < kSplitRows) keys[tid] = 0;
     __syncthreads();
-    auto emit = [&](int, int r, uint64_t key) { keys[r - y * kRouteThreads] = key; };
-    const int r0 = y * kRouteThreads, r1 = min(n, r0 + kRouteThreads), di4 = (p.index_dim + 3) / 4 * 4;
+    auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
     switch (chunks_per_lane(p.index_dim)) {
-        case 1: score_rows<1, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
-        case 2: score_rows<2, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
-        default: score_rows<4, 1>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        case 1: score_rows<1, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        case 2: score_rows<2, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        default: score_rows<4, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
     }
     __syncthreads();
-    const uint64_t key = keys[tid];
+    const int b = r0 + tid;
+    const uint64_t key = tid < kSplitRows ? keys[tid] : 0;
     if (p.dense_layer) {
         // Every remote block is selected; the order inside a row does not change the output.
-        if (b < plan.kmax) {
+        if (tid < kSplitRows && b < plan.kmax) {
             sel[b] = b < n ? b : -1;
             forced[b] = b < n ? (uint8_t)(key >> 63) : 0;
             if (p.selected_out != nullptr) p.selected_out[(int64_t)t * plan.kmax + b] = sel[b];
         }
         return;
     }
-    const int kk = min(p.topk, kRouteThreads);  // candidates per CTA
+    const int kk = min(p.topk, kSplitRows);  // candidates per CTA
     uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
     if (key != 0) {
         int rank = 0;
-        for (int j = 0; j < kRouteThreads; ++j) rank += keys[j] > key ? 1 : 0;
+        for (int j = 0; j < kSplitRows; ++j) rank += keys[j] > key ? 1 : 0;
         if (rank < kk) out[rank] = key;
     }
-    for (int r = max(0, min(kRouteThreads, n - y * kRouteThreads)) + tid; r < kk; r += nt) out[r] = 0;
+    for (int r = max(0, min(kSplitRows, n - r0)) + tid; r < kk; r += nt) out[r] = 0;
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(ws.route_count + t, 1) == ctas - 1;
@@ -454,13 +458,15 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
             return cudaGetLastError();
         }
         if ((err = allow_smem(route_split_kernel, plan.route_smem)) != cudaSuccess) return err;
-        route_split_kernel<<<dim3(p.num_tokens, plan.route_splits), kRouteThreads, plan.route_smem, stream>>>(p, plan,
+        route_split_kernel<<<dim3(p.num_tokens, plan.route_splits), kSplitThreads, plan.route_smem, stream>>>(p, plan,
                                                                                                               ws);
         return cudaGetLastError();
     });
 }
 
 int route_threads() { return kRouteThreads; }
+int route_split_threads() { return kSplitThreads; }
+int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
 
 }  // namespace dash

@@ -20,16 +20,24 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
     if (b >= len / sbs) return;
     const int prompt = p.prompt_lens[seq];
 
-    // Shared memory: slots [sbs] int64, keys [sbs, Di] float, logit [sbs], pages [sbs].
+    // Shared memory: slots [sbs] int64, keys [sbs, Di + 1] float (an odd row stride: a thread
+    // per row reads conflict-free), logit [sbs], head_cls [Di] float, pages [sbs], a bitmap of
+    // sbs bits (see the end).
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int ks = di + 1;
     int64_t* slots = reinterpret_cast<int64_t*>(smem_raw);
     float* keys = reinterpret_cast<float*>(slots + sbs);
-    float* logit = keys + sbs * di;
-    int* pages = (int*)(logit + sbs);
+    float* logit = keys + sbs * ks;
+    float* hcs = logit + sbs;
+    int* pages = (int*)(hcs + di);
+    unsigned* seen = reinterpret_cast<unsigned*>(pages + sbs);
     __shared__ int64_t s_sum_index;
     __shared__ int s_bad;
     __shared__ int s_lo, s_hi, s_distinct;
     if (threadIdx.x == 0) s_lo = INT32_MAX, s_hi = -1, s_distinct = 0, s_bad = 0;
+    for (int w = threadIdx.x; w < (sbs + 31) / 32; w += blockDim.x) seen[w] = 0;
+    const T* hc = static_cast<const T*>(p.head_cls);
+    for (int i = threadIdx.x; i < di; i += blockDim.x) hcs[i] = to_f(hc[i]);
     __syncthreads();
     // Every token's cache slot at once (one block-table read each, in parallel), then every
     // key row in 16-byte loads, all independent: two memory round trips, not one per row.
@@ -68,24 +76,23 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
                 if (c >= sbs * per_row) break;
                 const T* e = reinterpret_cast<const T*>(&w[u]);
 #pragma unroll
-                for (int x = 0; x < kVec; ++x) keys[c * kVec + x] = to_f(e[x]);
+                for (int x = 0; x < kVec; ++x) keys[(c / per_row) * ks + (c % per_row) * kVec + x] = to_f(e[x]);
             }
         }
     } else {
         for (int c = threadIdx.x; c < sbs * di; c += nt) {
             const int j = c / di, i = c % di;
-            keys[c] = to_f(static_cast<const T*>(p.index_cache)[slots[j] * di + i]);
+            keys[j * ks + i] = to_f(static_cast<const T*>(p.index_cache)[slots[j] * di + i]);
         }
     }
     __syncthreads();
-    // Indexer logit of each token: (ik . head_cls) / sqrt(Di), clamped to +-1e4.
-    const T* hc = static_cast<const T*>(p.head_cls);
+    // Indexer logit of each token: (ik . head_cls) / sqrt(Di), clamped to +-1e4; a thread per
+    // row (in turn for more rows than threads), the row's elements in order.
     const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
-    for (int j = threadIdx.x / 32; j < sbs; j += blockDim.x / 32) {
+    for (int j = threadIdx.x; j < sbs; j += nt) {
         float acc = 0.0f;
-        for (int i = threadIdx.x % 32; i < di; i += 32) acc += keys[j * di + i] * to_f(hc[i]);
-        acc = warp_sum(acc);
-        if (threadIdx.x % 32 == 0) logit[j] = fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f);
+        for (int i = 0; i < di; ++i) acc += keys[j * ks + i] * hcs[i];
+        logit[j] = fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f);
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -115,18 +122,25 @@ __global__ void summarize_kernel(const DashParams p, Workspace ws) {
     float* out = p.summary_cache + s_sum_index * di;
     for (int i = threadIdx.x; i < di; i += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < sbs; ++j) acc += logit[j] * keys[j * di + i];
+        for (int j = 0; j < sbs; ++j) acc += logit[j] * keys[j * ks + i];
         out[i] = finite_or_zero(acc);
     }
-    // Image-page range of the block, and whether every page in it has an image token here.
-    for (int j = threadIdx.x; j < sbs; j += blockDim.x) {
+    // Image-page range of the block, and whether every page in it has an image token here: the
+    // distinct pages are counted in a bitmap over the range (a range wider than the block has
+    // more pages than tokens, so it cannot be dense).
+    for (int j = threadIdx.x; j < sbs; j += nt) {
         const int pg = pages[j];
-        if (pg < 0) continue;
-        atomicMin(&s_lo, pg);
-        atomicMax(&s_hi, pg);
-        bool seen = false;
-        for (int i = 0; i < j && !seen; ++i) seen = pages[i] == pg;
-        if (!seen) atomicAdd(&s_distinct, 1);
+        if (pg >= 0) atomicMin(&s_lo, pg), atomicMax(&s_hi, pg);
+    }
+    __syncthreads();
+    const int lo = s_lo, range = s_hi - s_lo + 1;
+    if (s_hi >= 0 && range <= sbs) {
+        for (int j = threadIdx.x; j < sbs; j += nt) {
+            const int pg = pages[j];
+            if (pg >= 0) atomicOr(&seen[(pg - lo) / 32], 1u << ((pg - lo) % 32));
+        }
+        __syncthreads();
+        for (int w = threadIdx.x; w < (sbs + 31) / 32; w += nt) atomicAdd(&s_distinct, __popc(seen[w]));
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -85,11 +85,11 @@ case " $what " in *" compare "*|*" all "*)
   fi;;
 esac
 case " $what " in *" ncu "*)
-  # Why the decode step's small kernels take as long as they do (one 32 x 32k step).
-  ncu --clock-control none --kernel-name regex:"route_score|route_select|attend_kernel" -c 3 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats python3 bench/profile_step.py decode \
-    > "$OUT/ncu_decode.log" 2>&1
-  grep -E "route_|attend_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Stall|stall" \
-    "$OUT/ncu_decode.log" | head -60;;
+  # Why the decode step's kernels take as long as they do (one 32 x 128k step, eager).
+  ncu --clock-control none --kernel-name regex:"write_kernel|summarize|route_split|attend_mma" -c 4 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --section MemoryWorkloadAnalysis python3 bench/profile_step.py decode 131072 > "$OUT/ncu_decode.log" 2>&1
+  grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|L1/TEX Hit|L2 Hit|Stall|stall|cycles being stalled" \
+    "$OUT/ncu_decode.log" | cut -c1-160 | head -80;;
 esac
 exit $status

@@ -94,7 +94,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     const int split_ctas = std::max(1, (plan.max_blocks + per_cta - 1) / per_cta);
     plan.route_cand = split_ctas * (int)std::min<size_t>(topk_slots, (size_t)per_cta);
     plan.route_splits = p.num_tokens >= kFusedRouteTokens ? 1 : split_ctas;
-    plan.route_blocks_per_cta = per_cta;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +

@@ -229,8 +229,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         float alpha[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            mt[half] = fmaxf(mt[half], __shfl_xor_sync(0xffffffffu, mt[half], 1));
-            mt[half] = fmaxf(mt[half], __shfl_xor_sync(0xffffffffu, mt[half], 2));
+            mt[half] = quad_max(mt[half]);
             const float m_new = fmaxf(m[half], mt[half]);
             alpha[half] = m[half] == -INFINITY ? 0.0f : expf(m[half] - m_new);
             m[half] = m_new;
@@ -238,17 +237,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         }
         uint32_t pa[4];  // P as the A operand of P V (16 keys)
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            float e4[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e / 2;
-                e4[e] = m[half] == -INFINITY || s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[half]);
-                l[half] += e4[e];
-            }
-            pa[n * 2 + 0] = pack2<T>(e4[0], e4[1]);
-            pa[n * 2 + 1] = pack2<T>(e4[2], e4[3]);
-        }
+        for (int n = 0; n < 2; ++n) softmax_tile<T>(s[n], m, l, pa[n * 2 + 0], pa[n * 2 + 1]);
         // O = O * alpha + P V.
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
@@ -266,10 +255,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     }
     __pipeline_wait_prior(0);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    }
+    for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
     // Merge the warps' states: each warp's rows (heads) < G to shared memory (over the stages).
     __syncthreads();
     float* mo = reinterpret_cast<float*>(q_s + S::q_elems);  // [W][G][D] outputs, then [W][G] m and l

@@ -249,28 +249,12 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
                 m[half] = fmaxf(m[half], x);
             }
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            m[half] = fmaxf(m[half], __shfl_xor_sync(0xffffffffu, m[half], 1));
-            m[half] = fmaxf(m[half], __shfl_xor_sync(0xffffffffu, m[half], 2));
-        }
+        for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
         uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            float e4[4];
+        for (int n = 0; n < 8; ++n) softmax_tile<T>(s[n], m, l, pa[n / 2][(n % 2) * 2 + 0], pa[n / 2][(n % 2) * 2 + 1]);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e / 2;
-                e4[e] = m[half] == -INFINITY || s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[half]);
-                l[half] += e4[e];
-            }
-            pa[n / 2][(n % 2) * 2 + 0] = pack2<T>(e4[0], e4[1]);
-            pa[n / 2][(n % 2) * 2 + 1] = pack2<T>(e4[2], e4[3]);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-            l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-        }
+        for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
         __syncwarp();  // every lane is done reading Q: the buffer now stages the output
         // O = P V in chunks of up to 128 columns (64 accumulators per lane), normalised into q_b.
         constexpr int DC = D < 128 ? D : 128;

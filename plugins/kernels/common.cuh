@@ -169,7 +169,6 @@ struct Plan {
     int splits;           // split-K factor of the attention stage
     int pieces_per_split;
     int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
-    int route_blocks_per_cta;
     int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
     int route_tile;       // tokens per fused routing CTA (route_splits == 1)
     int block_major;      // 1: prefill attention by block (block_attend.cu)
@@ -204,7 +203,6 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
                          cudaStream_t stream);
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
-int route_threads();        // fused routing CTA
 int route_split_threads();  // split routing CTA
 int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();

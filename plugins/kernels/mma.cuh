@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -58,5 +59,33 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     return u;
 }
 
+
+// Max and sum over the quad of lanes that shares an accumulator row.
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Softmax numerators of one 16 x 8 accumulator tile s (rows r0 and r0 + 8, lane's columns):
+// exp(s - m) per row, masked (-inf) entries and rows with no key yet (m = -inf) giving 0; adds
+// them to the lane's row sums l and packs them as the tile's two A-operand registers of P V
+// (row r0, row r0 + 8).
+template <typename T>
+__device__ __forceinline__ void softmax_tile(const float (&s)[4], const float (&m)[2], float (&l)[2], uint32_t& row0,
+                                             uint32_t& row8) {
+    float e4[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        e4[e] = m[half] == -INFINITY || s[e] == -INFINITY ? 0.0f : expf(s[e] - m[half]);
+        l[half] += e4[e];
+    }
+    row0 = pack2<T>(e4[0], e4[1]);
+    row8 = pack2<T>(e4[2], e4[3]);
+}
 
 }  // namespace dash

@@ -256,17 +256,10 @@ __device__ void write_selection(const Plan& plan, const uint64_t* best, int k, i
 
 // Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced,
 // with the whole CTA: every warp takes the k best of its slice, then warp 0 the k best of those.
+// Not for dense layers (they select every block without a top-k).
 __device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
                             int32_t* sel, uint8_t* forced) {
     const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    if (p.dense_layer) {
-        // Every remote block is selected; the order inside a row does not change the output.
-        for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) {
-            sel[j] = j < n ? j : -1;
-            forced[j] = j < n ? (uint8_t)(keys[j] >> 63) : 0;
-        }
-        return;
-    }
     const int k = min(p.topk, n);
     const int slice = (n + nwarps - 1) / nwarps;
     warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
@@ -464,7 +457,6 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
     });
 }
 
-int route_threads() { return kRouteThreads; }
 int route_split_threads() { return kSplitThreads; }
 int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }

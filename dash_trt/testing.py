@@ -252,6 +252,24 @@ def prefill_then_decode(gen: torch.Generator, seqs, response: int) -> list[list[
     return plans
 
 
+#: Configuration variants the kernel and plugin tests share:
+#: name -> (dash_attention_config overrides, layer index).
+CONFIG_VARIANTS: dict[str, tuple[dict, int]] = {
+    "dense_layer": ({"sparse_dense_layers": [1], "sparse_page_bias": 0.0}, 1),
+    "topk_list": ({"sparse_topk_blocks": [2, 5]}, 1),
+    "truncate_mod": ({"sparse_main_rope_tok_freq_mode": "truncate", "sparse_rope_tok_freq_mode": "truncate",
+                      "sparse_rope_page_mod": 3, "sparse_rope_page_pairs": 1}, 0),
+}
+
+
+def fill_garbage(cache, gen: torch.Generator, scale: float = 10.0) -> None:
+    """Every floating tensor of a ``DashKVCache`` to random values times ``scale``: nothing may
+    depend on slots that were never written."""
+    for t in cache.tensors().values():
+        if t.dtype.is_floating_point:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * scale)
+
+
 def assert_caches_match(got, ref, dtype: torch.dtype) -> None:
     """A kernel-written paged cache against the reference's (both ``DashKVCache``): written in
     place, bit-for-bit where nothing is computed (values, image pages, page ranges), within the

@@ -11,7 +11,8 @@ import torch
 from conftest import DTYPES
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import assert_caches_match, compare_outputs, prefill_then_decode, random_sequences
+from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
+                              prefill_then_decode, random_sequences)
 
 pytestmark = pytest.mark.gpu
 
@@ -51,9 +52,7 @@ def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table
     hkv, d = seqs[0][0].k.shape[1:]
     di = seqs[0][0].ik.shape[1]
     ref_cache = P.DashKVCache.allocate(num_blocks, block_size, hkv, d, di, cfg.sparse_block_size, dtype, "cuda")
-    for t in ref_cache.tensors().values():  # garbage in unwritten slots must not matter
-        if t.dtype.is_floating_point:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 10)
+    fill_garbage(ref_cache, gen)  # garbage in unwritten slots must not matter
     ker_cache = ref_cache.clone()
     pool = P.KVBlockPool(num_blocks, block_size)
     # scatter the free list so block tables are not the identity
@@ -117,13 +116,8 @@ def test_kernels_match_reference(dtype, head_dim, heads, kv_heads, kv_multiple):
 def test_kernels_config_variants(dtype, seed, variant):
     gen = torch.Generator().manual_seed(seed)
     kw, layer, prompts = {}, 0, [None, None]
-    if variant == "dense_layer":
-        kw, layer = {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}, 1
-    elif variant == "topk_list":
-        kw, layer = {"sparse_topk_blocks": [2, 5]}, 1
-    elif variant == "truncate_mod":
-        kw = {"sparse_main_rope_tok_freq_mode": "truncate", "sparse_rope_tok_freq_mode": "truncate",
-              "sparse_rope_page_mod": 3, "sparse_rope_page_pairs": 1}
+    if variant in CONFIG_VARIANTS:
+        kw, layer = CONFIG_VARIANTS[variant]
     elif variant == "local2":
         kw = {"sparse_local_block": 2, "sparse_topk_blocks": 4}
     cfg = make_config(8, **kw)

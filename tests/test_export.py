@@ -17,8 +17,8 @@ from dash_trt import onnx_ops as O
 from dash_trt import paged as P
 from dash_trt.config import CONFIG_SECTION, DashConfig
 from dash_trt.ops import CACHE_FIELDS
-from dash_trt.testing import TOLERANCES, random_config
-from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case
+from dash_trt.testing import TOLERANCES, fill_garbage, random_config
+from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case, permuted_tables, ragged_steps
 
 KV_BLOCK_SIZES = [1, 5, 8, 16]
 SEEDS = [0, 1, 2]
@@ -39,32 +39,13 @@ def run_function_and_paged(seqs, cfg, layer, block_size, gen, *, dtype=torch.flo
     model = O.single_node_model(A.encode(cfg, layer), dtype=onnx_types[dtype], index_dtype=index_types[index_dtype])
     onnx.checker.check_model(model, full_check=True)
     run = O.run_function_ort(model)
-    needs = [-(-s.x.length // block_size) for s in seqs]
-    num_blocks = sum(needs) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(seqs), max(needs) + 2), -1, dtype=torch.int32)
-    off = 0
-    for i, n in enumerate(needs):
-        tables[i, :n] = torch.tensor(perm[off:off + n], dtype=torch.int32)
-        off += n
+    tables, num_blocks = permuted_tables(gen, seqs, block_size, extra_blocks=3, spare_columns=2)
     cache = P.DashKVCache.allocate(num_blocks, block_size, KV_HEADS, D, DI, cfg.sparse_block_size, dtype=dtype)
-    for t in cache.tensors().values():  # garbage: nothing may depend on unwritten slots
-        if t.dtype.is_floating_point:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 10)
+    fill_garbage(cache, gen)  # nothing may depend on unwritten slots
     onnx_cache = [getattr(cache, f).numpy().copy() for f in CACHE_FIELDS]
-    done, step_of, steps = [0] * len(seqs), [0] * len(seqs), 0
+    steps = 0
     atol, rtol = FUNCTION_TOL[dtype]
-    while any(step_of[i] < len(s.chunks) for i, s in enumerate(seqs)):
-        live = [i for i, s in enumerate(seqs) if step_of[i] < len(s.chunks)]
-        pick = [i for i in live if bool(torch.rand(1, generator=gen) < 0.7)] or live[:1]
-        pick = [pick[j] for j in torch.randperm(len(pick), generator=gen).tolist()]
-        rows, qsl, lens, prompts = [], [0], [], []
-        for i in pick:
-            n = seqs[i].chunks[step_of[i]]
-            rows.append((i, done[i], done[i] + n))
-            qsl.append(qsl[-1] + n)
-            lens.append(done[i] + n)
-            prompts.append(-1 if seqs[i].prompt is None else seqs[i].prompt)
+    for pick, rows, qsl, lens, prompts in ragged_steps(gen, seqs):
         inputs = [torch.cat([getattr(seqs[i].x, f)[a:b] for i, a, b in rows]) for f in ("q", "k", "v", "iq", "ik")]
         inputs += [torch.cat([seqs[i].coords[a:b] for i, a, b in rows]).to(index_dtype), seqs[0].x.head_cls]
         meta = [tables[pick], torch.tensor(lens), torch.tensor(qsl), torch.tensor(prompts)]
@@ -81,9 +62,6 @@ def run_function_and_paged(seqs, cfg, layer, block_size, gen, *, dtype=torch.flo
             else:
                 assert np.array_equal(arr, ref.numpy()), name
         onnx_cache = res[1:]
-        for i, a, b in rows:
-            done[i] = b
-            step_of[i] += 1
         steps += 1
     return steps
 

@@ -13,7 +13,7 @@ from conftest import DTYPES
 from dash_trt import paged as P
 from dash_trt import reference as R
 from dash_trt.config import DashConfig
-from dash_trt.testing import compare_outputs, random_config, random_inputs, random_roles
+from dash_trt.testing import compare_outputs, fill_garbage, random_config, random_inputs, random_roles
 
 HEADS, KV_HEADS, D, DI = 4, 2, 16, 16
 SHARED_HEAD_CLS = torch.randn(DI, generator=torch.Generator().manual_seed(99))
@@ -48,35 +48,30 @@ def make_seq(gen, pages, response, prompt_mode, n_chunks, decode_from, dtype=tor
     return Seq(x, P.sequence_coords(roles), prompt, chunks)
 
 
-def run_paged(seqs, cfg, layer, block_size, gen, extra_blocks=3, poison_after_prefill=False):
-    """Run all sequences through the paged operator, interleaving them step by step
-    with a random permutation of physical blocks. Returns per-sequence outputs and
-    routing rows."""
-    sbs = cfg.sparse_block_size
+def permuted_tables(gen, seqs, block_size, extra_blocks, spare_columns):
+    """Block tables over a random permutation of the needed physical blocks plus
+    ``extra_blocks``, -1 padded, ``spare_columns`` wider than the longest sequence needs.
+    Returns (tables [B, W] int32, number of physical blocks)."""
     needs = [-(-s.x.length // block_size) for s in seqs]
     num_blocks = sum(needs) + extra_blocks
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(needs) + 1
-    tables, off = torch.full((len(seqs), width), -1, dtype=torch.int32), 0
+    tables, off = torch.full((len(seqs), max(needs) + spare_columns), -1, dtype=torch.int32), 0
     for i, n in enumerate(needs):
         tables[i, :n] = torch.tensor(perm[off:off + n], dtype=torch.int32)
         off += n
-    dtype = seqs[0].x.q.dtype
-    assert all(torch.equal(s.x.head_cls, seqs[0].x.head_cls) for s in seqs), "head_cls is per layer"
-    cache = P.DashKVCache.allocate(num_blocks, block_size, KV_HEADS, D, DI, sbs, dtype=dtype)
-    # Fill the cache with garbage first: nothing may depend on unwritten slots.
-    for t in cache.tensors().values():
-        if t.dtype.is_floating_point:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 100)
-    done = [0] * len(seqs)
-    step_of = [0] * len(seqs)
-    outs = [[] for _ in seqs]
-    routes = [[] for _ in seqs]
+    return tables, num_blocks
+
+
+def ragged_steps(gen, seqs):
+    """Random ragged batches over the sequences' chunks: each step takes the next chunk of a
+    random subset of the live sequences (at least one), in random order. Yields
+    (pick, rows, qsl, lens, prompts): rows are (sequence, start, end) token ranges, qsl the
+    query start locations, lens the lengths after the step, prompts -1 for none."""
+    done, step_of = [0] * len(seqs), [0] * len(seqs)
     while any(step_of[i] < len(s.chunks) for i, s in enumerate(seqs)):
         live = [i for i, s in enumerate(seqs) if step_of[i] < len(s.chunks)]
         pick = [i for i in live if bool(torch.rand(1, generator=gen) < 0.7)] or live[:1]
-        perm_rows = torch.randperm(len(pick), generator=gen).tolist()
-        pick = [pick[j] for j in perm_rows]
+        pick = [pick[j] for j in torch.randperm(len(pick), generator=gen).tolist()]
         rows, qsl, lens, prompts = [], [0], [], []
         for i in pick:
             n = seqs[i].chunks[step_of[i]]
@@ -84,6 +79,25 @@ def run_paged(seqs, cfg, layer, block_size, gen, extra_blocks=3, poison_after_pr
             qsl.append(qsl[-1] + n)
             lens.append(done[i] + n)
             prompts.append(-1 if seqs[i].prompt is None else seqs[i].prompt)
+        yield pick, rows, qsl, lens, prompts
+        for i, a, b in rows:
+            done[i] = b
+            step_of[i] += 1
+
+
+def run_paged(seqs, cfg, layer, block_size, gen, extra_blocks=3):
+    """Run all sequences through the paged operator, interleaving them step by step
+    with a random permutation of physical blocks. Returns per-sequence outputs and
+    routing rows."""
+    sbs = cfg.sparse_block_size
+    tables, num_blocks = permuted_tables(gen, seqs, block_size, extra_blocks, spare_columns=1)
+    dtype = seqs[0].x.q.dtype
+    assert all(torch.equal(s.x.head_cls, seqs[0].x.head_cls) for s in seqs), "head_cls is per layer"
+    cache = P.DashKVCache.allocate(num_blocks, block_size, KV_HEADS, D, DI, sbs, dtype=dtype)
+    fill_garbage(cache, gen, scale=100.0)  # nothing may depend on unwritten slots
+    outs = [[] for _ in seqs]
+    routes = [[] for _ in seqs]
+    for pick, rows, qsl, lens, prompts in ragged_steps(gen, seqs):
 
         def cat(name):
             return torch.cat([getattr(seqs[i].x, name)[a:b] for i, a, b in rows])
@@ -97,8 +111,6 @@ def run_paged(seqs, cfg, layer, block_size, gen, extra_blocks=3, poison_after_pr
         for j, (i, a, b) in enumerate(rows):
             outs[i].append(out[qsl[j]:qsl[j + 1]])
             routes[i].append(routing.selected[qsl[j]:qsl[j + 1]])
-            done[i] = b
-            step_of[i] += 1
     return outs, routes, cache, tables
 
 

@@ -28,7 +28,8 @@ import torch
 
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import assert_caches_match, compare_outputs, prefill_then_decode, random_sequences
+from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
+                              prefill_then_decode, random_sequences)
 
 HARNESS_NAME = "libdash_trt_plugin_harness.so"
 MAX_DIMS = 8
@@ -646,9 +647,7 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
     num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 3
     ref_cache = P.DashKVCache.allocate(num_blocks, block_size, kv_heads, head_dim, index_dim,
                                        cfg.sparse_block_size, dtype, DEVICE)
-    for t in ref_cache.tensors().values():  # garbage in unwritten slots must not matter
-        if t.dtype.is_floating_point:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 10)
+    fill_garbage(ref_cache, gen)  # garbage in unwritten slots must not matter
     plug_cache = ref_cache.clone()
     binding = _kernel_binding()
     ker_cache = ref_cache.clone() if binding else None
@@ -764,13 +763,8 @@ def test_enqueue_config_variants(harness, variant):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     kw, layer, dtype, prompts = {}, 0, torch.bfloat16, None
-    if variant == "dense_layer":
-        kw, layer = {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}, 1
-    elif variant == "topk_list":
-        kw, layer = {"sparse_topk_blocks": [2, 5]}, 1
-    elif variant == "truncate_mod":
-        kw = {"sparse_main_rope_tok_freq_mode": "truncate", "sparse_rope_tok_freq_mode": "truncate",
-              "sparse_rope_page_mod": 3, "sparse_rope_page_pairs": 1}
+    if variant in CONFIG_VARIANTS:
+        kw, layer = CONFIG_VARIANTS[variant]
     elif variant == "float32":
         dtype = torch.float32
     if variant == "prompt_length":

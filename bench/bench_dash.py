@@ -3,7 +3,9 @@
 Shape (issue "CUDA kernels"): H=32, Hkv=8, D=128, Di=128, sparse blocks of 64, local window of
 one block, top-16, bf16, KV block = sparse block = 64.
 
-  decode : 32 sequences, one new token each, at 8k / 32k / 128k context (CUDA-graph replay)
+  decode : 32 sequences, one new token each, at 8k / 32k / 128k context (CUDA-graph replay;
+           max_query_len=1, so the write and summary stages ride in later launches unless
+           DASH_TRT_FUSED_FRONT=0)
   prefill: one sequence of 16k / 64k tokens in one call
 
 Prints a markdown table (medians of CUDA-event timings) with bytes moved, achieved bandwidth,
@@ -104,9 +106,9 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool =
     coords = torch.stack([torch.full((nseq,), length - 1), torch.full((nseq,), 3), torch.full((nseq,), -1),
                           torch.full((nseq,), 2)], -1).int().cuda()
 
-    def dash():
+    def dash():  # a decode step: one new token per sequence (vLLM's max_query_len == 1)
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False)
+                                               layer_idx=0, validate=False, max_query_len=1)
 
     g = graph_of(dash)
     dash_ms = time_ms(g.replay, iters=50)
@@ -181,6 +183,7 @@ def main() -> int:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--quick", action="store_true", help="smaller cases (smoke test)")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_dash: needs a CUDA GPU", file=sys.stderr)
@@ -192,7 +195,7 @@ def main() -> int:
           f"copy bandwidth {bw:.0f} GB/s; commit {os.environ.get('DASH_COMMIT', 'unknown')}")
     rows = []
     decode = [(32, 8192), (32, 32768), (32, 131072)] if not a.quick else [(4, 8192)]
-    prefill = [16384, 65536] if not a.quick else [4096]
+    prefill = [] if a.decode_only else [16384, 65536] if not a.quick else [4096]
     for nseq, ctx in decode:
         rows.append(decode_case(nseq, ctx, not a.no_reference, gen))
         rows.append(decode_case(nseq, ctx, False, gen, mid_block=True))

@@ -184,6 +184,7 @@ def paged_dash_attention_cuda(
     validate: bool = True,
     check_errors: bool | None = None,
     return_selected: bool = False,
+    max_query_len: int | None = None,
 ):
     """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels (same arguments).
 
@@ -192,6 +193,11 @@ def paged_dash_attention_cuda(
     (another sync). Pass ``validate=False`` inside CUDA-graph capture: the kernels still
     never access memory out of bounds on bad metadata, they skip it and flag it.
     ``return_selected`` also returns the selected sparse blocks [T, kmax] (-1 padded).
+    ``max_query_len`` is the most new tokens any one sequence has in this call (vLLM's
+    ``max_query_len``; ``None``: T). With 1, a decode-only step, the kernels fold the cache
+    write and the block summary into the routing and attention launches (two launches fewer).
+    A sequence with more new tokens is an error: a ``ValueError`` with ``validate``, else the
+    kernels skip it and flag it.
     """
     cfg = as_config(sp)
     lib = _library()
@@ -204,6 +210,13 @@ def paged_dash_attention_cuda(
         check_heads(cfg, q, k, iq)
     if not q.is_cuda:
         raise ValueError(f"paged_dash_attention_cuda needs CUDA tensors, got q on {q.device}")
+    if max_query_len is not None:
+        if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
+            raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
+        if validate:
+            most = int(torch.diff(query_start_loc.detach().to("cpu", torch.int64)).max()) if len(query_start_loc) > 1 else 0
+            if most > max_query_len:
+                raise ValueError(f"max_query_len={max_query_len}, but a sequence has {most} new tokens")
     device = q.device
     t, h, d = q.shape
     hkv, di = k.shape[1], iq.shape[1]
@@ -219,7 +232,8 @@ def paged_dash_attention_cuda(
     topk = cfg.topk_for(layer_idx)
     p = DashParams(
         num_tokens=t, num_seqs=tables32.shape[0], num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
-        num_blocks=nb, block_size=bsz, table_width=tables32.shape[1], max_new_tokens=t,
+        num_blocks=nb, block_size=bsz, table_width=tables32.shape[1],
+        max_new_tokens=t if max_query_len is None else min(t, max_query_len),
         dtype=_DTYPE_CODES[q.dtype], sparse_block_size=cfg.sparse_block_size,
         sparse_local_block=cfg.sparse_local_block, topk=topk, dense_layer=int(cfg.is_dense_layer(layer_idx)),
         page_bias=float(cfg.sparse_page_bias), rope_page_pairs=cfg.sparse_rope_page_pairs,

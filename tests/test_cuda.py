@@ -46,8 +46,12 @@ def build_sequences(gen, n, **kw):
 schedule = prefill_then_decode
 
 
-def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None):
-    """Run the same steps through the reference and the kernels; return per-step results."""
+def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None, exact_max_query=True):
+    """Run the same steps through the reference and the kernels; return per-step results.
+
+    ``exact_max_query``: tell the kernels each step's largest per-sequence token count, as a
+    vLLM-style caller does (decode-only steps then take the fused write path,
+    Plan::fused_front); False leaves it at T (the separate write and summary launches)."""
     num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 2
     hkv, d = seqs[0][0].k.shape[1:]
     di = seqs[0][0].ik.shape[1]
@@ -77,7 +81,8 @@ def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table
         ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
                                             return_routing=True)
         out, sel = cuda.paged_dash_attention_cuda(*args, ker_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
-                                                  return_selected=True)
+                                                  return_selected=True,
+                                                  max_query_len=max(n for _, n in step) if exact_max_query else None)
         steps.append((out, sel, ref, ref_r))
         for i, a, b in rows:
             done[i] = b
@@ -129,8 +134,10 @@ def test_kernels_config_variants(dtype, seed, variant):
     check(steps, rc, kc, dtype)
 
 
-def test_long_sequences_and_split_k():
-    """Over a thousand tokens per sequence; decode-only steps exercise split-K."""
+@pytest.mark.parametrize("exact_max_query", [True, False], ids=["fused-write", "separate-write"])
+def test_long_sequences_and_split_k(exact_max_query):
+    """Over a thousand tokens per sequence; decode-only steps exercise split-K, with the write
+    and summary stages fused into the routing and attention launches or launched on their own."""
     gen = torch.Generator().manual_seed(9)
     cfg = make_config(64, sparse_topk_blocks=16, sparse_page_bias=0.5)
     dtype = torch.bfloat16
@@ -138,7 +145,8 @@ def test_long_sequences_and_split_k():
                            pages=(10, 14), max_images=200, response=8)
     assert min(x.length for x, _ in seqs) > 1000
     plans = schedule(gen, seqs, 8)
-    steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype,
+                             exact_max_query=exact_max_query)
     check(steps, rc, kc, dtype)
 
 
@@ -156,11 +164,14 @@ def test_split_routing_over_a_wide_table():
     check(steps, rc, kc, dtype)
 
 
+@pytest.mark.parametrize("writer", ["cta", "route"])
 @pytest.mark.parametrize("topk", [6, 300])
-def test_split_routing_merges_many_ctas(topk):
+def test_split_routing_merges_many_ctas(monkeypatch, topk, writer):
     """Decode tokens with over a thousand remote blocks: 4-6 routing CTAs each keep their best
     min(topk, 256) keys and the last one merges them. top-6 merges by rank; top-300 reaches
-    1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other."""
+    1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other.
+    The decode-only steps' writer runs in a CTA of its own or in the first routing CTA."""
+    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
     gen = torch.Generator().manual_seed(21)
     cfg = make_config(4, sparse_topk_blocks=topk)
     dtype = torch.bfloat16
@@ -275,6 +286,43 @@ def test_bad_block_table_is_flagged_not_read():
         _small_call(block_tables=bad_table, validate=False, check_errors=True)
     with pytest.raises(ValueError, match="outside the cache"):
         _small_call(block_tables=bad_table)
+
+
+def test_max_query_len_below_a_sequences_tokens_is_refused():
+    """max_query_len promises at most that many new tokens per sequence: a prompt of many tokens
+    with max_query_len=1 is refused on the host, or skipped and flagged by the kernels."""
+    with pytest.raises(ValueError, match="max_query_len=1, but a sequence has"):
+        _small_call(max_query_len=1)
+    with pytest.raises(cuda.DashKernelError, match="inconsistent"):
+        _small_call(max_query_len=1, validate=False, check_errors=True)
+    with pytest.raises(ValueError, match="positive int"):
+        _small_call(max_query_len=0)
+
+
+@pytest.mark.parametrize("writer", ["cta", "route"])
+def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, writer):
+    """A decode-only step (max_query_len=1: the write and summary stages fused into the routing
+    and attention launches) leaves the same output and the same cache, bit for bit, as the
+    separate launches, on steps that complete a sparse block and steps that do not; with the
+    writer in a CTA of its own and in the token's first routing CTA (the plan picks one by the
+    grid's size; the variable forces it)."""
+    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
+    gen = torch.Generator().manual_seed(31)
+    dtype = torch.bfloat16
+    cfg = make_config(16, sparse_topk_blocks=4)
+    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=20)
+    results = []
+    for exact in (True, False):
+        plans = [[x.length - 20] + [1] * 20 for x, _ in seqs]
+        steps, rc, kc = run_both(cfg, 0, seqs, plans, 32, [None, None, None], torch.Generator().manual_seed(3),
+                                 dtype, exact_max_query=exact)
+        check(steps, rc, kc, dtype)
+        results.append((steps, kc))
+    (fused, kf), (sep, ks) = results
+    for a, b in zip(fused, sep):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for name, tensor in kf.tensors().items():
+        assert torch.equal(tensor, ks.tensors()[name]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

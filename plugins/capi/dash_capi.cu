@@ -45,6 +45,13 @@ int block_major_chunk() {
     return v > 0 ? (int)v : kBlockMajorChunk;
 }
 
+// DASH_TRT_FUSED_FRONT=0 keeps the separate write and summary launches on decode-only calls
+// (benchmark A/B).
+bool fused_front_allowed() {
+    const char* env = std::getenv("DASH_TRT_FUSED_FRONT");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
 // DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
 long attend_target_ctas() {
     const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
@@ -64,6 +71,17 @@ size_t device_smem_optin() {
         return kFallback;
     }
     return (size_t)bytes;
+}
+
+// Streaming multiprocessors of the current device (132 where it cannot be asked: an H200).
+int device_sm_count() {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+        (void)cudaGetLastError();
+        return 132;
+    }
+    return sms;
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -93,7 +111,23 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     const int per_cta = dash::route_split_rows();
     const int split_ctas = std::max(1, (plan.max_blocks + per_cta - 1) / per_cta);
     plan.route_cand = split_ctas * (int)std::min<size_t>(topk_slots, (size_t)per_cta);
-    plan.route_splits = p.num_tokens >= kFusedRouteTokens ? 1 : split_ctas;
+    // Few tokens (decode) take the split routing when a token has more blocks than one CTA
+    // scores, and always on decode-only calls of the tensor-core path: the write and summary
+    // stages then ride in the routing launch's writer CTAs and the attention launch, since no
+    // token can route over a block completed in the same call (Plan::fused_front).
+    const bool few_tokens = p.num_tokens < kFusedRouteTokens;
+    plan.fused_front = few_tokens && p.max_new_tokens == 1 && p.dtype != DASH_FLOAT32 && fused_front_allowed() ? 1 : 0;
+    plan.route_split = few_tokens && (split_ctas > 1 || plan.fused_front) ? 1 : 0;
+    plan.route_splits = plan.route_split ? split_ctas : 1;
+    // The writer gets a CTA of its own where the routing grid still runs in one wave with it
+    // (DASH_TRT_FRONT_WRITER=cta / =route forces one placement: benchmark A/B).
+    const char* placement = std::getenv("DASH_TRT_FRONT_WRITER");
+    const bool one_wave = (long)p.num_tokens * (plan.route_splits + 1) <=
+                          (long)dash::route_split_ctas_per_sm() * device_sm_count();
+    const bool own_cta = placement != nullptr && std::strcmp(placement, "cta") == 0     ? true
+                         : placement != nullptr && std::strcmp(placement, "route") == 0 ? false
+                                                                                         : one_wave;
+    plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
@@ -105,7 +139,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // Split: the last CTA of a token holds every candidate, then the best k (or select_topk's
     // per-warp lists and their merge).
     const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
-    plan.route_smem = plan.route_splits == 1 ? per_token * (size_t)plan.route_tile : split_smem;
+    plan.route_smem = plan.route_split ? split_smem : per_token * (size_t)plan.route_tile;
     plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
                           sizeof(float) * (size_t)p.index_dim +                              // head_cls
@@ -131,9 +165,10 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                                                     std::min<size_t>(topk_slots, per_cta) * per_cta)));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
+    if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
     const size_t t = (size_t)p.num_tokens;
     // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
-    size_t off = align_up(sizeof(int32_t) + (plan.route_splits > 1 ? t * sizeof(int32_t) : 0));
+    size_t off = align_up(sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0));
     plan.header_bytes = off;
     plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
@@ -145,7 +180,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
         plan.off_ml = off, off += align_up(rows * sizeof(float2));
     }
-    if (plan.route_splits > 1 && !p.dense_layer)
+    if (plan.route_split && !p.dense_layer)
         plan.off_route_keys = off, off += align_up(t * plan.route_cand * sizeof(uint64_t));
     plan.block_major =
         p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, smem_limit) ? 1 : 0;
@@ -184,7 +219,7 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
     }
-    if (plan.route_splits > 1) {
+    if (plan.route_split) {
         ws.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
         if (!p.dense_layer) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
     }
@@ -325,8 +360,8 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
     const dash::Workspace ws = carve(*p, plan);
     // The data-error word describes this run only; the routing counters start at 0.
     cudaError_t err = cudaMemsetAsync(ws.error, 0, plan.header_bytes, stream);
-    if (err == cudaSuccess) err = dash::launch_write(*p, ws, stream);
-    if (err == cudaSuccess) err = dash::launch_summarize(*p, plan, ws, stream);
+    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_write(*p, ws, stream);
+    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_summarize(*p, plan, ws, stream);
     if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);
     if (err == cudaSuccess && !plan.block_major) err = dash::launch_attend(*p, plan, ws, stream);
     for (int t0 = 0; plan.block_major && err == cudaSuccess && t0 < p->num_tokens; t0 += plan.bm_chunk)

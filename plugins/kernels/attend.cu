@@ -109,6 +109,24 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
                           p.rope_page_mod};
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
+    // token's own position, first writes the token's K (rotated: the queries' angles) and V of
+    // this KV head into the cache, the write stage's work for the head. Loads first.
+    constexpr int kPairs = (D / 2 + W * 32 - 1) / (W * 32);
+    const bool writer = plan.fused_front && split == plan.splits - 1;
+    float kx[kPairs][2];
+    T vx[kPairs][2];
+    const T* k_new = static_cast<const T*>(p.k) + ((int64_t)t * hkv + h) * D;
+    const T* v_new = static_cast<const T*>(p.v) + ((int64_t)t * hkv + h) * D;
+    if (writer) {
+#pragma unroll
+        for (int u = 0; u < kPairs; ++u) {
+            const int i = threadIdx.x + u * nthreads;
+            if (i >= D / 2) break;
+            kx[u][0] = to_f(k_new[i]), kx[u][1] = to_f(k_new[i + D / 2]);
+            vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
+        }
+    }
     for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
     __syncthreads();
     const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
@@ -118,6 +136,24 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         if (g < group) rope_rotate<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
         q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values
         q_s[g * S::RS + i + D / 2] = from_f<T>(hi);
+    }
+    if (writer) {  // uniform over the CTA
+        const int64_t slot = cache_slot(p, seq, tr.pos, ws.error);  // valid: the routing launch's writer checked it
+        if (slot >= 0) {
+            T* kc_new = static_cast<T*>(p.key_cache) + (slot * hkv + h) * D;
+            T* vc_new = static_cast<T*>(p.value_cache) + (slot * hkv + h) * D;
+#pragma unroll
+            for (int u = 0; u < kPairs; ++u) {
+                const int i = threadIdx.x + u * nthreads;
+                if (i >= D / 2) break;
+                float lo, hi;
+                rope_rotate<T>(kx[u][0], kx[u][1], cs[i].x, cs[i].y, lo, hi);
+                kc_new[i] = from_f<T>(lo);
+                kc_new[i + D / 2] = from_f<T>(hi);
+                vc_new[i] = vx[u][0], vc_new[i + D / 2] = vx[u][1];
+            }
+        }
+        __syncthreads();  // the stores before any warp's copies of the token's row
     }
 
     // Row r of the split (piece r / sbs): its readable position (or -1) and bias.

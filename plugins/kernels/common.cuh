@@ -142,7 +142,8 @@ struct Workspace {
     int32_t* token_pos;   // [T] position of each new token
     int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
     uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
-    float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage)
+    float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage;
+                          // unused with Plan::fused_front)
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
@@ -168,9 +169,13 @@ struct Plan {
     int pieces;           // key pieces per token: kmax remote blocks + local window blocks
     int splits;           // split-K factor of the attention stage
     int pieces_per_split;
-    int route_splits;     // CTAs scoring one token's blocks (1: fused score + select)
+    int route_split;      // 1: split routing (route_split_kernel), else fused tiles (route_tile_kernel)
+    int route_splits;     // split routing: CTAs scoring one token's blocks (1 with fused tiles)
     int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
-    int route_tile;       // tokens per fused routing CTA (route_splits == 1)
+    int route_tile;       // tokens per fused routing CTA
+    int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
+                          // writer CTAs and the attention's local-window CTAs do that work
+    int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
@@ -204,6 +209,7 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
                           cudaStream_t stream);
 int route_split_threads();  // split routing CTA
+int route_split_ctas_per_sm();
 int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes

@@ -3,15 +3,18 @@
 // descending, ties to the lower block index. Output rows are fixed-size and padded with -1,
 // so nothing downstream depends on data read back to the host.
 //
-// Two shapes of launch, chosen by the plan from T alone:
+// Two shapes of launch, chosen by the plan (Plan::route_split):
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
 //     their blocks into shared memory (each summary row read once per tile, not once per token)
 //     and a warp per token selects from there;
-//   few tokens (decode): route_splits CTAs per token score 256 blocks each (a long context has
-//     thousands of blocks) and keep their own top-k by rank; the last CTA of a token to finish
-//     (a counter per token, zeroed by dash_run) merges those candidates. One launch.
+//   few tokens (decode) with more blocks than one CTA scores, or any decode-only call:
+//     route_splits CTAs per token score 256 blocks each (a long context has thousands of blocks)
+//     and keep their own top-k by rank; the last CTA of a token to finish (a counter per token,
+//     zeroed by dash_run) merges those candidates. One launch; on decode-only calls
+//     (Plan::fused_front) it also does the write and summary stages' work (front_write).
 // Both score a row with a whole warp in one fixed order (score_rows), so they agree bit for bit.
-#include "common.cuh"
+#include "summarize.cuh"
+#include "token.cuh"
 
 namespace dash {
 namespace {
@@ -356,31 +359,23 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
-// Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
-// min(topk, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
-// keys are distinct) in the workspace; the token's last CTA merges them the same way
-// (select_topk's warp lists when there are too many candidates for a quadratic rank).
-constexpr int kRankMergeMax = 1024;
+constexpr int kRankMergeMax = 1024;  // split routing: most candidates merged by a quadratic rank
 
-__global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    const int t = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
-    const int seq = ws.token_seq[t];
+// Routing of token t over its remote blocks [y * kSplitRows, ...) (seq >= 0; iq in shared
+// memory). Every return is uniform over the CTA.
+__device__ void route_split_cta(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int y, int seq,
+                                int pos, int prompt, const float* iq, unsigned char* smem_raw) {
+    const int tid = threadIdx.x, nt = blockDim.x;
     int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-    if (seq < 0) {
-        if (y == 0) write_selection(plan, nullptr, 0, sel, forced, tid, nt);
-        return;
-    }
-    const int n = remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]);
+    const int n = remote_blocks(p, plan, pos, prompt);
     const int ctas = max(1, (n + kSplitRows - 1) / kSplitRows);  // CTAs with blocks (or the one)
     if (y >= ctas && !p.dense_layer) return;
     const int r0 = y * kSplitRows, r1 = min(n, r0 + kSplitRows), di4 = (p.index_dim + 3) / 4 * 4;
-    __shared__ __align__(16) float iq[kMaxIndexDimDevice];
-    __shared__ uint64_t keys[kSplitRows];
+    __shared__ __align__(16) uint64_t keys[kSplitRows];
     __shared__ int s_last;
     __shared__ int s_qp;
     if (tid == 0) s_qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
-    load_index_query(p, ws, t, iq);
     if (tid < kSplitRows) keys[tid] = 0;
     __syncthreads();
     auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
@@ -401,13 +396,31 @@ __global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const Das
         }
         return;
     }
+    // Rank of each key among the CTA's: two threads per key (kSplitThreads = 2 * kSplitRows),
+    // each counting the larger keys in its half, two keys per 16-byte load.
+    static_assert(kSplitThreads == 2 * kSplitRows, "a pair of threads per key");
+    const uint64_t mine = keys[tid / 2];
+    const ulonglong2* half = reinterpret_cast<const ulonglong2*>(keys + (tid % 2) * (kSplitRows / 2));
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < kSplitRows / 4; ++j) {
+        const ulonglong2 two = half[j];
+        rank += (two.x > mine ? 1 : 0) + (two.y > mine ? 1 : 0);
+    }
+    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+    if (mine == 0 || tid % 2 != 0) rank = kSplitRows;  // one thread of the pair places the key
+    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw);  // [ctas * kk], then the best / scratch
+    const int k = min(p.topk, n);
+    if (ctas == 1) {  // the token's only CTA: its ranks are final
+        if (rank < k) cand[rank] = mine;
+        __syncthreads();
+        write_selection(plan, cand, k, sel, forced, tid, nt);
+        write_selected_out(p, plan, t, sel);
+        return;
+    }
     const int kk = min(p.topk, kSplitRows);  // candidates per CTA
     uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
-    if (key != 0) {
-        int rank = 0;
-        for (int j = 0; j < kSplitRows; ++j) rank += keys[j] > key ? 1 : 0;
-        if (rank < kk) out[rank] = key;
-    }
+    if (rank < kk) out[rank] = mine;
     for (int r = max(0, min(kSplitRows, n - r0)) + tid; r < kk; r += nt) out[r] = 0;
     __threadfence();
     __syncthreads();
@@ -415,9 +428,7 @@ __global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const Das
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw);  // [ctas * kk], then the best / scratch
-    const int nc = ctas * kk, k = min(p.topk, n);
+    const int nc = ctas * kk;
     const uint64_t* src = ws.route_keys + (int64_t)t * plan.route_cand;
     for (int i = tid; i < nc; i += nt) cand[i] = __ldcg(src + i);  // L2: written by other CTAs
     __syncthreads();
@@ -426,9 +437,9 @@ __global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const Das
         for (int i = tid; i < nc; i += nt) {
             const uint64_t c = cand[i];
             if (c == 0) continue;
-            int rank = 0;
-            for (int j = 0; j < nc; ++j) rank += cand[j] > c ? 1 : 0;
-            if (rank < k) best[rank] = c;
+            int rk = 0;
+            for (int j = 0; j < nc; ++j) rk += cand[j] > c ? 1 : 0;
+            if (rk < k) best[rk] = c;
         }
         __syncthreads();
         write_selection(plan, best, k, sel, forced, tid, nt);
@@ -438,26 +449,145 @@ __global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const Das
     write_selected_out(p, plan, t, sel);
 }
 
+// Decode-only calls (Plan::fused_front: at most one new token per sequence, so no token routes
+// over a block completed in this call) fold the write and summary stages in. Every routing CTA
+// finds its token's sequence and rotates its indexer query itself (front_token). CTA y = 0 of a
+// token does the write stage's work for it except K and V (which the attention launch writes,
+// attend.cu) and, when the token completes its sparse block, the summary (front_write): as an
+// extra CTA that does nothing else where the grid still fits the GPU in one wave
+// (Plan::front_writer_cta), else at the end of the token's first routing CTA, so that no routing
+// CTA waits for a free SM behind it.
+struct FrontToken {
+    int seq, pos, prompt, ok;  // ok: consistent lengths (seq = -1 otherwise)
+    float ik_lo, ik_hi;  // this thread's pair of the unrotated index key (CTA y = 0, tid < Di / 2)
+};
+
+template <typename T>
+__device__ FrontToken front_token(const DashParams& p, int t, bool writer, float* iq, float2* cs) {
+    const int tid = threadIdx.x, nt = blockDim.x, di = p.index_dim, ihalf = di / 2;
+    __shared__ int s_seq, s_pos, s_prompt, s_ok;
+    FrontToken f{};
+    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
+    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    const T* q = static_cast<const T*>(p.iq) + (int64_t)t * di;
+    const T* kx = static_cast<const T*>(p.ik) + (int64_t)t * di;
+    const float ql = tid < ihalf ? to_f(q[tid]) : 0.0f, qh = tid < ihalf ? to_f(q[tid + ihalf]) : 0.0f;
+    if (writer && tid < ihalf) f.ik_lo = to_f(kx[tid]), f.ik_hi = to_f(kx[tid + ihalf]);
+    if (tid < 32) {
+        int sq, ps;
+        const bool ok = locate_token(p, t, sq, ps);
+        if (tid == 0) s_seq = ok ? sq : -1, s_pos = ps, s_ok = ok, s_prompt = p.prompt_lens[sq];
+    }
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate, p.rope_page_mod};
+    for (int i = tid - 32; i >= 0 && i < ihalf; i += nt - 32) cs[i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, rope));
+    __syncthreads();
+    if (tid < ihalf) {
+        const float2 r = index_pair<T>(ql, qh, cs[tid]);
+        iq[tid] = r.x;
+        iq[tid + ihalf] = r.y;
+    }
+    for (int i = di + tid; i < (di + 3) / 4 * 4; i += nt) iq[i] = 0.0f;
+    f.seq = s_seq, f.pos = s_pos, f.prompt = s_prompt, f.ok = s_ok;
+    __syncthreads();
+    return f;
+}
+
+template <typename T>
+__device__ void front_write(const DashParams& p, const Workspace& ws, int t, const FrontToken& f, const float2* cs,
+                            unsigned char* smem_raw) {
+    const int tid = threadIdx.x, di = p.index_dim, ihalf = di / 2;
+    __shared__ int s_seq;
+    __shared__ int64_t s_slot;
+    __syncthreads();  // the routing's use of shared memory (smem_raw) is over
+    if (tid == 0) {
+        if (!f.ok) atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
+        const int64_t slot = f.ok ? cache_slot(p, f.seq, f.pos, ws.error) : -1;
+        s_seq = slot >= 0 ? f.seq : -1, s_slot = slot;
+        ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
+        ws.token_pos[t] = f.pos;
+    }
+    __syncthreads();
+    if (s_seq < 0) return;
+    T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
+    if (tid < ihalf) {
+        const float2 r = index_pair<T>(f.ik_lo, f.ik_hi, cs[tid]);
+        ic[tid] = from_f<T>(r.x);
+        ic[tid + ihalf] = from_f<T>(r.y);
+    }
+    if (tid == 0) p.image_page_cache[s_slot] = p.coords[t * DASH_NUM_COORDS + DASH_COORD_IMAGE_PAGE];
+    if ((f.pos + 1) % p.sparse_block_size != 0) return;
+    __syncthreads();  // the key and page stores above, before the summary reads them
+    summarize_block<T>(p, ws, s_seq, f.pos / p.sparse_block_size, smem_raw);
+}
+
+// Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
+// min(topk, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
+// keys are distinct) in the workspace; the token's last CTA merges them the same way
+// (select_topk's warp lists when there are too many candidates for a quadratic rank). A token
+// with one CTA selects by its ranks directly.
+template <typename T, bool Front>
+__global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    static_assert(kSplitThreads >= kMaxIndexDimDevice / 2, "a thread per indexer pair (front_token)");
+    const int t = blockIdx.x, y = blockIdx.y;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(16) float iq[kMaxIndexDimDevice];
+    __shared__ float2 cs[Front ? kMaxIndexDimDevice / 2 : 1];
+    if constexpr (Front) {
+        const FrontToken f = front_token<T>(p, t, y == 0, iq, cs);
+        const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
+        if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
+        else if (ry == 0) write_selection(plan, nullptr, 0, ws.selected + (int64_t)t * plan.kmax,
+                                          ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+        if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
+    } else {
+        const int seq = ws.token_seq[t];
+        if (seq < 0) {
+            if (y == 0) write_selection(plan, nullptr, 0, ws.selected + (int64_t)t * plan.kmax,
+                                        ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+            return;
+        }
+        load_index_query(p, ws, t, iq);  // the barrier after it: route_split_cta's first
+        route_split_cta(p, plan, ws, t, y, seq, ws.token_pos[t], p.prompt_lens[seq], iq, smem_raw);
+    }
+}
+
+// Plan::fused_front (fp16 / bf16 only).
+template <typename T>
+cudaError_t launch_front(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
+    const cudaError_t err = allow_smem(route_split_kernel<T, true>, plan.route_smem);
+    if (err != cudaSuccess) return err;
+    route_split_kernel<T, true>
+        <<<dim3(p.num_tokens, plan.route_splits + plan.front_writer_cta), kSplitThreads, plan.route_smem, stream>>>(
+            p, plan, ws);
+    return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
     if (p.num_tokens == 0) return cudaSuccess;
+    if (plan.fused_front) {
+        if (p.dtype == DASH_FLOAT16) return launch_front<__half>(p, plan, ws, stream);
+        if (p.dtype == DASH_BFLOAT16) return launch_front<__nv_bfloat16>(p, plan, ws, stream);
+        return cudaErrorInvalidValue;  // the plan never fuses float32
+    }
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         cudaError_t err;
-        if (plan.route_splits == 1) {
+        if (!plan.route_split) {
             if ((err = allow_smem(route_tile_kernel<T>, plan.route_smem)) != cudaSuccess) return err;
             const int tiles = (p.num_tokens + plan.route_tile - 1) / plan.route_tile;
             route_tile_kernel<T><<<tiles, kRouteThreads, plan.route_smem, stream>>>(p, plan, ws);
             return cudaGetLastError();
         }
-        if ((err = allow_smem(route_split_kernel, plan.route_smem)) != cudaSuccess) return err;
-        route_split_kernel<<<dim3(p.num_tokens, plan.route_splits), kSplitThreads, plan.route_smem, stream>>>(p, plan,
-                                                                                                              ws);
+        if ((err = allow_smem(route_split_kernel<float, false>, plan.route_smem)) != cudaSuccess) return err;
+        route_split_kernel<float, false><<<dim3(p.num_tokens, plan.route_splits), kSplitThreads, plan.route_smem,
+                                           stream>>>(p, plan, ws);
         return cudaGetLastError();
     });
 }
 
 int route_split_threads() { return kSplitThreads; }
+int route_split_ctas_per_sm() { return 2; }  // route_split_kernel's __launch_bounds__
 int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
 

@@ -1,5 +1,5 @@
 // Stage 1: write the new tokens into the paged cache, keys and index keys after page RoPE.
-#include "common.cuh"
+#include "token.cuh"
 
 namespace dash {
 namespace {
@@ -8,22 +8,6 @@ namespace {
 // (rotated, non-finite zeroed) and its image page at the token's cache slot. The token's
 // indexer query takes the same rotation (same coordinates and dims as ik): it goes to the
 // workspace in float32 for the routing stage.
-// Sequence of new token t: the s with qsl[s] <= t < qsl[s + 1], by a 32-way search (one warp,
-// one probe per lane per round; a round for up to 32 sequences). Unchecked: the caller checks.
-__device__ __forceinline__ int find_sequence(const DashParams& p, int t) {
-    const int lane = threadIdx.x % 32;
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-        const int step = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32)
-        const int at = lo + lane * step;
-        const unsigned ok = __ballot_sync(0xffffffffu, at <= hi && p.query_start_loc[at] <= t);
-        const int last = ok == 0 ? 0 : 31 - __clz(ok);
-        lo = lo + last * step;
-        hi = min(hi, lo + step - 1);
-    }
-    return lo;
-}
-
 template <typename T>
 __global__ void write_kernel(const DashParams p, Workspace ws) {
     const int t = blockIdx.x;
@@ -42,14 +26,10 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     // warps do it while warp 0 looks the token's sequence and slot up.
     extern __shared__ float2 cs[];  // [D / 2] main, then [Di / 2] index
     if (threadIdx.x < 32) {
-        const int lo = find_sequence(p, t);
+        int seq, pos;
+        const bool ok = locate_token(p, t, seq, pos);
         if (threadIdx.x == 0) {
-            const int n_new = p.query_start_loc[lo + 1] - p.query_start_loc[lo];
-            const int len = p.seq_lens[lo];
-            int pos = len - (p.query_start_loc[lo + 1] - t);
-            int seq = lo;
-            if (p.query_start_loc[lo] > t || t >= p.query_start_loc[lo + 1] || n_new > len ||
-                len > p.table_width * p.block_size) {
+            if (!ok) {
                 atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
                 seq = -1;
             }
@@ -117,13 +97,11 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     float* iq_rot = ws.iq_rot + (int64_t)t * ((di + 3) / 4 * 4);
     for (int i = threadIdx.x; i < ihalf; i += nt) {
         const float kl = to_f(ik[i]), kh = to_f(ik[i + ihalf]), ql = to_f(iq[i]), qh = to_f(iq[i + ihalf]);
-        float lo, hi;
-        rope_rotate<T>(kl, kh, cs[half + i].x, cs[half + i].y, lo, hi);
-        ic[i] = from_f<T>(finite_or_zero(lo));
-        ic[i + ihalf] = from_f<T>(finite_or_zero(hi));
-        rope_rotate<T>(ql, qh, cs[half + i].x, cs[half + i].y, lo, hi);
-        iq_rot[i] = finite_or_zero(lo);
-        iq_rot[i + ihalf] = finite_or_zero(hi);
+        const float2 kr = index_pair<T>(kl, kh, cs[half + i]), qr = index_pair<T>(ql, qh, cs[half + i]);
+        ic[i] = from_f<T>(kr.x);
+        ic[i + ihalf] = from_f<T>(kr.y);
+        iq_rot[i] = qr.x;
+        iq_rot[i + ihalf] = qr.y;
     }
     if (threadIdx.x == 0) {
         p.image_page_cache[s_slot] = p.coords[t * DASH_NUM_COORDS + DASH_COORD_IMAGE_PAGE];

@@ -45,7 +45,10 @@ typedef struct DashParams {
     int32_t num_blocks;    /* NB: KV blocks in the cache */
     int32_t block_size;    /* tokens per KV block; a whole multiple of sparse_block_size */
     int32_t table_width;   /* W: columns of block_tables; W * block_size bounds every seq_len */
-    int32_t max_new_tokens;/* upper bound on any one sequence's new tokens (<= T); sizes grids */
+    int32_t max_new_tokens;/* upper bound on any one sequence's new tokens (<= T; 0: T); sizes grids. A
+                              sequence with more is flagged (DASH_DATA_BAD_LENGTHS) and skipped. 1 (a
+                              decode-only call, vLLM's max_query_len == 1) lets dash_run fold the write
+                              and summary stages into the routing and attention launches. */
     int32_t dtype;         /* DashDtype */
 
     /* ---- configuration (the dash_attention_config keys) ---- */

@@ -1,0 +1,44 @@
+// The write stage's per-token pieces, shared by write.cu and by the decode-only launches that
+// take its work over (route.cu's writer CTAs, attend.cu's K/V write; Plan::fused_front).
+#pragma once
+
+#include "common.cuh"
+
+namespace dash {
+
+// Sequence of new token t: the s with qsl[s] <= t < qsl[s + 1], by a 32-way search (one warp,
+// one probe per lane per round; a round for up to 32 sequences). Unchecked: see locate_token.
+__device__ __forceinline__ int find_sequence(const DashParams& p, int t) {
+    const int lane = threadIdx.x % 32;
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+        const int step = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32)
+        const int at = lo + lane * step;
+        const unsigned ok = __ballot_sync(0xffffffffu, at <= hi && p.query_start_loc[at] <= t);
+        const int last = ok == 0 ? 0 : 31 - __clz(ok);
+        lo = lo + last * step;
+        hi = min(hi, lo + step - 1);
+    }
+    return lo;
+}
+
+// Token t's sequence and position, called by a whole warp; false (nothing reported: the caller
+// flags DASH_DATA_BAD_LENGTHS) when the metadata is inconsistent: t outside its sequence's rows,
+// more new tokens than the sequence holds or than max_new_tokens, or a length past the table.
+__device__ __forceinline__ bool locate_token(const DashParams& p, int t, int& seq, int& pos) {
+    seq = find_sequence(p, t);
+    const int a = p.query_start_loc[seq], b = p.query_start_loc[seq + 1], len = p.seq_lens[seq];
+    pos = len - (b - t);
+    const int max_new = p.max_new_tokens > 0 ? p.max_new_tokens : p.num_tokens;
+    return a <= t && t < b && b - a <= len && b - a <= max_new && len <= p.table_width * p.block_size;
+}
+
+// Pair i of an index row (ik or iq of one token) after page RoPE, nan_to_num'd, in float32.
+template <typename T>
+__device__ __forceinline__ float2 index_pair(float x_lo, float x_hi, float2 cs) {
+    float lo, hi;
+    rope_rotate<T>(x_lo, x_hi, cs.x, cs.y, lo, hi);
+    return make_float2(finite_or_zero(lo), finite_or_zero(hi));
+}
+
+}  // namespace dash

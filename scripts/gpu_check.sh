@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|bench|breakdown|ncu|compare|all]...
+#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|ncu|ncu-source|gather|compare|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -44,7 +44,7 @@ case " $what " in *" tests "*|*" all "*)
 esac
 case " $what " in *" sanitize-quick "*)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "split_routing_over or long_sequences or prompt-128-8-2-dtype1" 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "split_routing_over or long_sequences or prompt-128-8-2-dtype1 or decode_only_steps" 2>&1 \
     | tee "$OUT/memcheck_quick.log" | tail -4
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
@@ -91,5 +91,21 @@ case " $what " in *" ncu "*)
     --section MemoryWorkloadAnalysis python3 bench/profile_step.py decode 131072 > "$OUT/ncu_decode.log" 2>&1
   grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|L1/TEX Hit|L2 Hit|Stall|stall|cycles being stalled" \
     "$OUT/ncu_decode.log" | cut -c1-160 | head -80;;
+esac
+case " $what " in *" ncu-source "*)
+  # Where the routing and attention warps wait: sampled stall reasons per SASS instruction.
+  ncu --clock-control none --kernel-name regex:"route_split|attend_mma" -c 2 --section SourceCounters \
+    --section WarpStateStats -f -o "$OUT/ncu_source" python3 bench/profile_step.py decode 131072 > "$OUT/ncu_source_run.log" 2>&1
+  tail -3 "$OUT/ncu_source_run.log"
+  if ncu -i "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2> "$OUT/ncu_source.err"; then
+    python3 bench/ncu_source_top.py "$OUT/ncu_source.csv" 25
+  else
+    head -5 "$OUT/ncu_source.err"; ncu --help | grep -A2 -E "page|print-source" | head -20
+  fi;;
+esac
+case " $what " in *" gather "*)
+  # Read bandwidth of the decode attention's access pattern without its arithmetic.
+  nvcc -O3 -std=c++17 -arch=sm_90 -o build-gpu/gather_bw bench/gather_bw.cu && build-gpu/gather_bw | tee "$OUT/gather.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 exit $status

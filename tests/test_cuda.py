@@ -346,6 +346,22 @@ def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads,
     check(steps, rc, kc, dtype)
 
 
+def test_block_major_decode_only_steps_still_write_the_cache(monkeypatch):
+    """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
+    separate write stage: the block-major kernels write no K and V, so the fused decode write
+    (Plan::fused_front) must not be chosen with them."""
+    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS", "2")
+    gen = torch.Generator().manual_seed(17)
+    dtype = torch.bfloat16
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
+    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
+                           pages=(6, 9), max_images=120, response=6)
+    plans = schedule(gen, seqs, 6)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None] * 3, gen, dtype)
+    assert any(out.shape[0] == 3 for out, *_ in steps)  # decode-only steps of 3 tokens (>= 2)
+    check(steps, rc, kc, dtype)
+
+
 def test_torch_op_runs_the_kernels_on_cuda():
     """dash_trt.ops on CUDA tensors goes through the kernels (registered at import when the
     library is built) and returns updated caches without touching its inputs."""

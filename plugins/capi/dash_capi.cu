@@ -115,8 +115,14 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // scores, and always on decode-only calls of the tensor-core path: the write and summary
     // stages then ride in the routing launch's writer CTAs and the attention launch, since no
     // token can route over a block completed in the same call (Plan::fused_front).
+    // (Not with the block-major attention, which writes no K and V: reachable only when
+    // DASH_TRT_BLOCK_MAJOR_MIN_TOKENS is below kFusedRouteTokens.)
+    const size_t smem_limit = device_smem_optin();
+    plan.block_major =
+        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, smem_limit) ? 1 : 0;
     const bool few_tokens = p.num_tokens < kFusedRouteTokens;
-    plan.fused_front = few_tokens && p.max_new_tokens == 1 && p.dtype != DASH_FLOAT32 && fused_front_allowed() ? 1 : 0;
+    plan.fused_front = few_tokens && !plan.block_major && p.max_new_tokens == 1 && p.dtype != DASH_FLOAT32 &&
+                               fused_front_allowed() ? 1 : 0;
     plan.route_split = few_tokens && (split_ctas > 1 || plan.fused_front) ? 1 : 0;
     plan.route_splits = plan.route_split ? split_ctas : 1;
     // The writer gets a CTA of its own where the routing grid still runs in one wave with it
@@ -148,7 +154,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     const int dtype_bytes = p.dtype == DASH_FLOAT32 ? 4 : 2;
     // Three stages where they fit the device's opt-in shared memory (less what the kernel
     // declares statically), else two.
-    const size_t smem_limit = device_smem_optin();
     plan.attend_stages = 3;
     plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim, 3);
     if (plan.attend_smem + kStaticSmemAllowance > smem_limit) {
@@ -182,8 +187,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     }
     if (plan.route_split && !p.dense_layer)
         plan.off_route_keys = off, off += align_up(t * plan.route_cand * sizeof(uint64_t));
-    plan.block_major =
-        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, smem_limit) ? 1 : 0;
     if (plan.block_major) {
         const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
         const int dtype_bytes = 2;

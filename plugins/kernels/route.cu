@@ -361,6 +361,14 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
 
 constexpr int kRankMergeMax = 1024;  // split routing: most candidates merged by a quadratic rank
 
+// A token skipped for bad metadata (flagged): an empty selection, also in selected_out. The
+// whole CTA.
+__device__ void no_selection(const DashParams& p, const Plan& plan, const Workspace& ws, int t) {
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    write_selection(plan, nullptr, 0, sel, ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+    write_selected_out(p, plan, t, sel);
+}
+
 // Routing of token t over its remote blocks [y * kSplitRows, ...) (seq >= 0; iq in shared
 // memory). Every return is uniform over the CTA.
 __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int y, int seq,
@@ -536,14 +544,12 @@ __global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const Das
         const FrontToken f = front_token<T>(p, t, y == 0, iq, cs);
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
         if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
-        else if (ry == 0) write_selection(plan, nullptr, 0, ws.selected + (int64_t)t * plan.kmax,
-                                          ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+        else if (ry == 0) no_selection(p, plan, ws, t);
         if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
     } else {
         const int seq = ws.token_seq[t];
         if (seq < 0) {
-            if (y == 0) write_selection(plan, nullptr, 0, ws.selected + (int64_t)t * plan.kmax,
-                                        ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+            if (y == 0) no_selection(p, plan, ws, t);
             return;
         }
         load_index_query(p, ws, t, iq);  // the barrier after it: route_split_cta's first

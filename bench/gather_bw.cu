@@ -39,6 +39,26 @@ __device__ __forceinline__ unsigned touch(const u16* s, int lane) {  // 8 reads 
     return a;
 }
 
+// One warp's S-stage cp.async pipeline over its `my` units: issue(k) stages unit k, consume(k)
+// reads it once it has landed; returns the sum of what consume returned.
+template <int S, typename Issue, typename Consume>
+__device__ __forceinline__ unsigned pipeline(int my, Issue issue, Consume consume) {
+    unsigned acc = 0;
+    for (int k = 0; k < S - 1; ++k) {
+        if (k < my) issue(k);
+        __pipeline_commit();
+    }
+    for (int k = 0; k < my; ++k) {
+        if (k + S - 1 < my) issue(k + S - 1);
+        __pipeline_commit();
+        __pipeline_wait_prior(S - 1);
+        __syncwarp();
+        acc += consume(k);
+        __syncwarp();
+    }
+    return acc;
+}
+
 // attend.cu's order: a CTA per (token, KV head) (token fastest unless HeadFast), W warps, warp w
 // takes units w, w + W, ... of 16 key rows of its head (256 B each, 2 KB apart), K and V by
 // cp.async into S stages per warp.
@@ -63,21 +83,10 @@ __global__ void __launch_bounds__(W * 32) per_head(const u16* kc, const u16* vc,
             __pipeline_memcpy_async(vs + j * RS + d, vc + off, 16);
         }
     };
-    const int my = (nunits - warp + W - 1) / W;
-    unsigned acc = 0;
-    for (int k = 0; k < S - 1; ++k) {
-        if (k < my) issue(k);
-        __pipeline_commit();
-    }
-    for (int k = 0; k < my; ++k) {
-        if (k + S - 1 < my) issue(k + S - 1);
-        __pipeline_commit();
-        __pipeline_wait_prior(S - 1);
-        __syncwarp();
+    const unsigned acc = pipeline<S>((nunits - warp + W - 1) / W, issue, [&](int k) {
         const u16* ks = kv_w + (k % S) * 2 * UNIT;
-        acc += touch(ks, lane) ^ touch(ks + UNIT, lane);
-        __syncwarp();
-    }
+        return touch(ks, lane) ^ touch(ks + UNIT, lane);
+    });
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
@@ -104,24 +113,13 @@ __global__ void __launch_bounds__(W * 32) per_row(const u16* kc, const u16* vc, 
             __pipeline_memcpy_async(vs + c * 8, vc + base + c * 8, 16);
         }
     };
-    const int my = (nunits - warp + W - 1) / W;
-    unsigned acc = 0;
-    for (int k = 0; k < S - 1; ++k) {
-        if (k < my) issue(k);
-        __pipeline_commit();
-    }
-    for (int k = 0; k < my; ++k) {
-        if (k + S - 1 < my) issue(k + S - 1);
-        __pipeline_commit();
-        __pipeline_wait_prior(S - 1);
-        __syncwarp();
+    const unsigned acc = pipeline<S>((nunits - warp + W - 1) / W, issue, [&](int k) {
         const u16* ks = kv_w + (k % S) * 2 * kUnit;
         unsigned a = 0;
 #pragma unroll
         for (int i = lane; i < kUnit; i += 256) a += ks[i] ^ ks[kUnit + i];
-        acc += a;
-        __syncwarp();
-    }
+        return a;
+    });
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 

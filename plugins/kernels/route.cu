@@ -23,6 +23,7 @@ constexpr int kRouteThreads = 256;  // fused routing CTA
 constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
 constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
 constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
+constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
 
 // Sort key whose maximum is the block route_blocks takes first:
 //   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
@@ -534,7 +535,7 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
 // (select_topk's warp lists when there are too many candidates for a quadratic rank). A token
 // with one CTA selects by its ranks directly.
 template <typename T, bool Front>
-__global__ void __launch_bounds__(kSplitThreads, 2) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
+__global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
     static_assert(kSplitThreads >= kMaxIndexDimDevice / 2, "a thread per indexer pair (front_token)");
     const int t = blockIdx.x, y = blockIdx.y;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -593,7 +594,7 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 }
 
 int route_split_threads() { return kSplitThreads; }
-int route_split_ctas_per_sm() { return 2; }  // route_split_kernel's __launch_bounds__
+int route_split_ctas_per_sm() { return kSplitCtasPerSm; }
 int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
 

@@ -81,10 +81,9 @@ def graph_of(fn):
     return g
 
 
-def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool = False) -> dict:
-    """One decode step of ``nseq`` sequences. The new token completes a sparse block (its
-    summary is taken in this step: 1 step in 64) unless ``mid_block``, where it lands 32
-    positions earlier, in the middle of a block (the other 63 steps)."""
+def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, max_query_len: int | None = 1):
+    """The inputs of one decode step of ``nseq`` sequences at ``ctx`` context and the DASH call
+    over them: ``(dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length)``."""
     length = ctx - 32 if mid_block else ctx
     nb_per = ctx // SBS
     nb = nseq * nb_per
@@ -108,8 +107,16 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool =
 
     def dash():  # a decode step: one new token per sequence (vLLM's max_query_len == 1)
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, max_query_len=1)
+                                               layer_idx=0, validate=False, max_query_len=max_query_len)
 
+    return dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length
+
+
+def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool = False) -> dict:
+    """One decode step of ``nseq`` sequences. The new token completes a sparse block (its
+    summary is taken in this step: 1 step in 64) unless ``mid_block``, where it lands 32
+    positions earlier, in the middle of a block (the other 63 steps)."""
+    dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length = decode_step(nseq, ctx, gen, mid_block)
     g = graph_of(dash)
     dash_ms = time_ms(g.replay, iters=50)
     # Dense SDPA over the same cache (the identity block table makes it one strided view). The G

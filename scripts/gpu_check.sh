@@ -2,7 +2,9 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|ncu|ncu-source|gather|compare|all]...
+#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|trace|ncu|ncu-source|gather|compare|all]...
+# Modes run in this order whatever the order given; sanitize-quick stops after
+# ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -42,12 +44,6 @@ case " $what " in *" tests "*|*" all "*)
     status=$(( status | ${PIPESTATUS[0]} ))
   fi;;
 esac
-case " $what " in *" sanitize-quick "*)
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "split_routing_over or long_sequences or prompt-128-8-2-dtype1 or decode_only_steps" 2>&1 \
-    | tee "$OUT/memcheck_quick.log" | tail -4
-  status=$(( status | ${PIPESTATUS[0]} ));;
-esac
 case " $what " in *" sanitize "*|*" all "*)
   # The caching allocator would hide out-of-bounds accesses inside its large blocks. Without
   # it, CUDA-graph capture fails (cudaMalloc while capturing), so the graph test is left out.
@@ -67,6 +63,14 @@ case " $what " in *" breakdown "*)
     DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend|combine" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
   done;;
+esac
+case " $what " in *" trace "*)
+  # Per-CTA phase timestamps of a decode step (a second build with the DASH_TRACE marks).
+  cmake -S . -B build-trace -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} \
+    -DDASH_REQUIRE_CUDA=ON -DDASH_TRACE=ON > "$OUT/build_trace.log" 2>&1 \
+    && cmake --build build-trace -j"$(nproc)" --target dash_trt_kernels >> "$OUT/build_trace.log" 2>&1 \
+    && DASH_TRT_LIBRARY=$PWD/build-trace/plugins/libdash_trt_kernels.so python3 bench/trace_step.py 2>&1 | tee "$OUT/trace.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" compare "*|*" all "*)
   # dash-compare with the CUDA kernels runner, on a file exported elsewhere (dash-export --demo
@@ -107,5 +111,15 @@ case " $what " in *" gather "*)
   # Read bandwidth of the decode attention's access pattern without its arithmetic.
   nvcc -O3 -std=c++17 -arch=sm_90 -o build-gpu/gather_bw bench/gather_bw.cu && build-gpu/gather_bw | tee "$OUT/gather.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" sanitize-quick "*)
+  # Last, and bounded: the split routing's merge, both decode-only writer placements, the
+  # block-major paths. One line per test in the log, so a cut-off run still says how far it got.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_QUICK_S:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py \
+    -k "split_routing_over or prompt-128-8-2-dtype1 or decode_only_steps" 2>&1 \
+    | tee "$OUT/memcheck_quick.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer" | tail -12
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck quick: stopped after ${SANITIZE_QUICK_S:-240} s"
+  status=$(( status | rc ));;
 esac
 exit $status

@@ -398,4 +398,16 @@ const char* dash_status_string(DashStatus status) {
 
 const char* dash_last_error_message(void) { return g_last_error.c_str(); }
 
+#ifdef DASH_TRACE
+// Bench only (CMake -DDASH_TRACE=ON; bench/trace_step.py): copies the phase trace of the last
+// routing (kernel 0) or attention (kernel 1) launch into host[4096][16] and clears it.
+// Synchronous. Not declared in dash.h: plain builds do not have it.
+DASH_API DashStatus dash_debug_trace(int32_t kernel, unsigned long long* host) {
+    if (host == nullptr || (kernel != 0 && kernel != 1)) return fail(DASH_ERR_INVALID_ARGUMENT, "kernel 0 or 1, host buffer");
+    const cudaError_t err = kernel == 0 ? dash::read_route_trace(host) : dash::read_attend_trace(host);
+    if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("reading the trace: ") + cudaGetErrorString(err));
+    return DASH_OK;
+}
+#endif
+
 }  // extern "C"

@@ -32,6 +32,12 @@ constexpr int kMaxGroup = 16;    // H / Hkv supported
 constexpr int kPieceCache = 64;  // pieces of a split whose base and bias are kept in shared memory
 constexpr int kNoPiece = INT32_MIN;
 
+#ifdef DASH_TRACE
+// Tensor-core attention marks: 0 entry, 1 queries staged (the main loop starts), 2 main loop
+// done, 3 exit.
+__device__ unsigned long long g_attend_trace[kTraceCtas][2 * kTraceSlots];
+#endif
+
 // What every attention CTA knows about its token: where its pieces start, their logit bias,
 // and which rows it may read.
 struct TokenRows {
@@ -82,6 +88,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     constexpr int W = S::kWarps;
     const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
+    DASH_MARK(g_attend_trace, 0);
     const int seq = ws.token_seq[t];
     if (seq < 0) return;
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
@@ -219,6 +226,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     }
     Pending next = fetch(kAhead);
     __syncthreads();  // the queries
+    DASH_MARK(g_attend_trace, 1);
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
@@ -290,6 +298,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         __syncwarp();  // this stage is free for unit k + Stages
     }
     __pipeline_wait_prior(0);
+    DASH_MARK(g_attend_trace, 2);
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
     // Merge the warps' states: each warp's rows (heads) < G to shared memory (over the stages).
@@ -333,6 +342,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             if (d == 0) ws.part_ml[row] = make_float2(mx, den);
         }
     }
+    DASH_MARK(g_attend_trace, 3);
 }
 
 // ================================================================== fp32: CUDA cores
@@ -601,5 +611,17 @@ size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim, int stages) {
     return bytes;
 }
 int attend_max_group() { return kMaxGroup; }
+
+cudaError_t read_attend_trace(unsigned long long* host) {
+#ifdef DASH_TRACE
+    cudaError_t err = cudaMemcpyFromSymbol(host, g_attend_trace, sizeof(g_attend_trace));
+    void* at = nullptr;
+    if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, g_attend_trace);
+    return err == cudaSuccess ? cudaMemset(at, 0, sizeof(g_attend_trace)) : err;  // the next read: one launch's
+#else
+    (void)host;
+    return cudaErrorNotSupported;
+#endif
+}
 
 }  // namespace dash

@@ -192,6 +192,35 @@ struct Plan {
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };
 
+// ------------------------------------------------------------------ phase trace (bench only)
+// Built with -DDASH_TRACE=ON (CMake), the routing and attention kernels record, per CTA, the
+// global timer and the SM clock at fixed points (DASH_MARK), for bench/trace_step.py; the plain
+// build compiles the marks away. kTraceSlots points per CTA, the clocks in slots + kTraceSlots.
+constexpr int kTraceCtas = 4096;
+constexpr int kTraceSlots = 8;
+#ifdef DASH_TRACE
+#define DASH_MARK(table, slot)                                                              \
+    do {                                                                                    \
+        if (threadIdx.x == 0) {                                                             \
+            unsigned long long ns_;                                                         \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_));                         \
+            const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
+            if (cta_ < (unsigned)kTraceCtas) {                                              \
+                table[cta_][slot] = ns_;                                                    \
+                table[cta_][(slot) + kTraceSlots] = (unsigned long long)clock64();          \
+            }                                                                               \
+        }                                                                                   \
+    } while (0)
+#else
+#define DASH_MARK(table, slot) \
+    do {                       \
+    } while (0)
+#endif
+// Copy a kernel's trace into host[kTraceCtas][2 * kTraceSlots] (cudaErrorNotSupported unless
+// built with DASH_TRACE).
+cudaError_t read_route_trace(unsigned long long* host);
+cudaError_t read_attend_trace(unsigned long long* host);
+
 // ------------------------------------------------------------------ launch helpers
 // Lets `kernel` use `bytes` of dynamic shared memory (an opt-in above 48 KB).
 template <typename K>

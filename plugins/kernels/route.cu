@@ -25,6 +25,13 @@ constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
 constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
 constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
 
+#ifdef DASH_TRACE
+// Split routing marks: 0 entry, 1 token found and iq rotated (fused) / iq loaded, 2 rows scored,
+// 3 CTA candidates out and counted (or the one CTA's selection), 4 merged selection written,
+// 5 writer's token_seq / pos written, 6 writer done (summary included), 7 exit.
+__device__ unsigned long long g_route_trace[kTraceCtas][2 * kTraceSlots];
+#endif
+
 // Sort key whose maximum is the block route_blocks takes first:
 //   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
 // Never 0, so 0 marks "taken / empty".
@@ -394,6 +401,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
         default: score_rows<4, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
     }
     __syncthreads();
+    DASH_MARK(g_route_trace, 2);
     const int b = r0 + tid;
     const uint64_t key = tid < kSplitRows ? keys[tid] : 0;
     if (p.dense_layer) {
@@ -425,6 +433,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
         __syncthreads();
         write_selection(plan, cand, k, sel, forced, tid, nt);
         write_selected_out(p, plan, t, sel);
+        DASH_MARK(g_route_trace, 3);
         return;
     }
     const int kk = min(p.topk, kSplitRows);  // candidates per CTA
@@ -435,6 +444,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(ws.route_count + t, 1) == ctas - 1;
     __syncthreads();
+    DASH_MARK(g_route_trace, 3);
     if (!s_last) return;
     __threadfence();
     const int nc = ctas * kk;
@@ -456,6 +466,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
         select_topk(p, plan, cand, nc, cand + nc, sel, forced);
     }
     write_selected_out(p, plan, t, sel);
+    DASH_MARK(g_route_trace, 4);
 }
 
 // Decode-only calls (Plan::fused_front: at most one new token per sequence, so no token routes
@@ -515,6 +526,7 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
         ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
         ws.token_pos[t] = f.pos;
     }
+    DASH_MARK(g_route_trace, 5);
     __syncthreads();
     if (s_seq < 0) return;
     T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
@@ -527,6 +539,7 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
     if ((f.pos + 1) % p.sparse_block_size != 0) return;
     __syncthreads();  // the key and page stores above, before the summary reads them
     summarize_block<T>(p, ws, s_seq, f.pos / p.sparse_block_size, smem_raw);
+    DASH_MARK(g_route_trace, 6);
 }
 
 // Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
@@ -541,12 +554,15 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
     __shared__ float2 cs[Front ? kMaxIndexDimDevice / 2 : 1];
+    DASH_MARK(g_route_trace, 0);
     if constexpr (Front) {
         const FrontToken f = front_token<T>(p, t, y == 0, iq, cs);
+        DASH_MARK(g_route_trace, 1);
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
         if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
         else if (ry == 0) no_selection(p, plan, ws, t);
         if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
+        DASH_MARK(g_route_trace, 7);
     } else {
         const int seq = ws.token_seq[t];
         if (seq < 0) {
@@ -554,7 +570,9 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
             return;
         }
         load_index_query(p, ws, t, iq);  // the barrier after it: route_split_cta's first
+        DASH_MARK(g_route_trace, 1);
         route_split_cta(p, plan, ws, t, y, seq, ws.token_pos[t], p.prompt_lens[seq], iq, smem_raw);
+        DASH_MARK(g_route_trace, 7);
     }
 }
 
@@ -591,6 +609,18 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
                                            stream>>>(p, plan, ws);
         return cudaGetLastError();
     });
+}
+
+cudaError_t read_route_trace(unsigned long long* host) {
+#ifdef DASH_TRACE
+    cudaError_t err = cudaMemcpyFromSymbol(host, g_route_trace, sizeof(g_route_trace));
+    void* at = nullptr;
+    if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, g_route_trace);
+    return err == cudaSuccess ? cudaMemset(at, 0, sizeof(g_route_trace)) : err;  // the next read: one launch's
+#else
+    (void)host;
+    return cudaErrorNotSupported;
+#endif
 }
 
 int route_split_threads() { return kSplitThreads; }

@@ -26,7 +26,8 @@ from dash_trt import cuda as dcuda  # noqa: E402
 CTAS, SLOTS = 4096, 8  # plugins/kernels/common.cuh: kTraceCtas, kTraceSlots
 ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates counted / own selection",
                "merged selection", "writer: token_seq", "writer: done", "exit")
-ATTEND_MARKS = ("entry", "queries staged", "loop done", "exit")
+ATTEND_MARKS = ("entry", "token's sequence read", "angles", "raw queries landed", "queries rotated, K/V stored",
+                "first units issued", "loop done", "exit")
 
 
 def read(lib, kernel: int) -> list[list[int]]:

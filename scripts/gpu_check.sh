@@ -117,7 +117,7 @@ case " $what " in *" sanitize-quick "*)
   # block-major paths. One line per test in the log, so a cut-off run still says how far it got.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_QUICK_S:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py \
-    -k "split_routing_over or prompt-128-8-2-dtype1 or decode_only_steps" 2>&1 \
+    -k "${SANITIZE_QUICK_K:-split_routing_over or prompt-128-8-2-dtype1 or decode_only_steps}" 2>&1 \
     | tee "$OUT/memcheck_quick.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer" | tail -12
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck quick: stopped after ${SANITIZE_QUICK_S:-240} s"
   status=$(( status | rc ));;

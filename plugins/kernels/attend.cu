@@ -33,8 +33,9 @@ constexpr int kPieceCache = 64;  // pieces of a split whose base and bias are ke
 constexpr int kNoPiece = INT32_MIN;
 
 #ifdef DASH_TRACE
-// Tensor-core attention marks: 0 entry, 1 queries staged (the main loop starts), 2 main loop
-// done, 3 exit.
+// Tensor-core attention marks: 0 entry, 1 token's sequence read, 2 angles computed, 3 raw
+// queries landed, 4 queries rotated (and the writer's K/V stored), 5 first units issued (the
+// main loop starts), 6 main loop done, 7 exit.
 __device__ unsigned long long g_attend_trace[kTraceCtas][2 * kTraceSlots];
 #endif
 
@@ -89,16 +90,14 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
     DASH_MARK(g_attend_trace, 0);
-    const int seq = ws.token_seq[t];
-    if (seq < 0) return;
+    // The prologue is a chain of dependent global reads (about 1 us each on a loaded GPU), so
+    // everything that does not depend on an earlier read goes out in the first round: the
+    // token's sequence and position, its selection, the raw queries (cp.async into q_s), the
+    // new K and V (writer). Second round: the prompt length and the writer's cache slot. Third:
+    // the block-table entries of the units the pipeline starts with, all at once.
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
-    TokenRows tr;
-    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = p.prompt_lens[seq], tr.sbs = p.sparse_block_size;
-    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
-    tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);                   // [16, RS] rotated queries, rows >= G zero
     T* kv_w = q_s + S::q_elems + (size_t)warp * S::kStages * 2 * S::unit_elems;  // this warp's stages
@@ -108,17 +107,30 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     __shared__ float u_bias[W][S::kStages][16];
     __shared__ float2 cs[D / 2];
 
+    const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
+    constexpr int kChunk = 8;  // elements per 16-byte copy
+    // Rows g < G of q_s get the raw queries (rotated in place below), by 16-byte copies where
+    // the tensor allows, else by the rotation's own loads.
+    const bool q_async = reinterpret_cast<uintptr_t>(q) % 16 == 0;
+    if (q_async)
+        for (int c = threadIdx.x; c < group * (D / kChunk); c += nthreads) {
+            const int g = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            __pipeline_memcpy_async(q_s + g * S::RS + d, q + g * D + d, 16);
+        }
+    __pipeline_commit();
+    TokenRows tr;
+    const int seq = ws.token_seq[t];
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.sbs = p.sparse_block_size;
+    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
+    tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int npieces = tr.last - tr.first;
     for (int i = threadIdx.x; i < min(npieces, kPieceCache); i += nthreads)
         tr.piece(p, sel, forced, tr.first + i, s_base[i], s_bias[i]);
-    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                          p.rope_page_mod};
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
     // token's own position, first writes the token's K (rotated: the queries' angles) and V of
-    // this KV head into the cache, the write stage's work for the head. Loads first.
+    // this KV head into the cache, the write stage's work for the head.
     constexpr int kPairs = (D / 2 + W * 32 - 1) / (W * 32);
     const bool writer = plan.fused_front && split == plan.splits - 1;
     float kx[kPairs][2];
@@ -134,34 +146,19 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
         }
     }
+    if (seq < 0) {  // skipped (flagged) token; uniform over the CTA
+        __pipeline_wait_prior(0);
+        return;
+    }
+    DASH_MARK(g_attend_trace, 1);
+    tr.prompt = p.prompt_lens[seq];
+    const int32_t own_entry = writer ? table_entry(p, seq, tr.pos) : kNoEntry;
+    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                          p.rope_page_mod};
     for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
-    __syncthreads();
-    const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
-    for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
-        const int g = idx / (D / 2), i = idx % (D / 2);
-        float lo = 0.0f, hi = 0.0f;
-        if (g < group) rope_rotate<T>(to_f(q[g * D + i]), to_f(q[g * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
-        q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values
-        q_s[g * S::RS + i + D / 2] = from_f<T>(hi);
-    }
-    if (writer) {  // uniform over the CTA
-        const int64_t slot = cache_slot(p, seq, tr.pos, ws.error);  // valid: the routing launch's writer checked it
-        if (slot >= 0) {
-            T* kc_new = static_cast<T*>(p.key_cache) + (slot * hkv + h) * D;
-            T* vc_new = static_cast<T*>(p.value_cache) + (slot * hkv + h) * D;
-#pragma unroll
-            for (int u = 0; u < kPairs; ++u) {
-                const int i = threadIdx.x + u * nthreads;
-                if (i >= D / 2) break;
-                float lo, hi;
-                rope_rotate<T>(kx[u][0], kx[u][1], cs[i].x, cs[i].y, lo, hi);
-                kc_new[i] = from_f<T>(lo);
-                kc_new[i + D / 2] = from_f<T>(hi);
-                vc_new[i] = vx[u][0], vc_new[i + D / 2] = vx[u][1];
-            }
-        }
-        __syncthreads();  // the stores before any warp's copies of the token's row
-    }
+    __syncthreads();  // s_base, s_bias, cs
+    DASH_MARK(g_attend_trace, 2);
 
     // Row r of the split (piece r / sbs): its readable position (or -1) and bias.
     auto row_of = [&](int r, float& bias) {
@@ -196,9 +193,50 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             u_bias[warp][k % S::kStages][lane] = pe.bias;
         }
     };
+    // Units 0 .. Stages-1: their table reads all out before any is used.
+    constexpr int kAhead = S::kStages - 1;
+    Pending first[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
+    Pending next = fetch(kAhead);
+
+    __pipeline_wait_prior(0);  // the raw queries
+    __syncthreads();
+    DASH_MARK(g_attend_trace, 3);
+    for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
+        const int g = idx / (D / 2), i = idx % (D / 2);
+        float lo = 0.0f, hi = 0.0f;
+        if (g < group) {
+            const float x_lo = to_f(q_async ? q_s[g * S::RS + i] : q[g * D + i]);
+            const float x_hi = to_f(q_async ? q_s[g * S::RS + i + D / 2] : q[g * D + i + D / 2]);
+            rope_rotate<T>(x_lo, x_hi, cs[i].x, cs[i].y, lo, hi);
+        }
+        q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values; in place: this
+        q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
+    }
+    if (writer) {  // uniform over the CTA
+        // Valid: the routing launch's writer checked it (a flag here otherwise).
+        const int64_t slot = slot_of_entry(p, tr.pos, own_entry, ws.error);
+        if (slot >= 0) {
+            T* kc_new = static_cast<T*>(p.key_cache) + (slot * hkv + h) * D;
+            T* vc_new = static_cast<T*>(p.value_cache) + (slot * hkv + h) * D;
+#pragma unroll
+            for (int u = 0; u < kPairs; ++u) {
+                const int i = threadIdx.x + u * nthreads;
+                if (i >= D / 2) break;
+                float lo, hi;
+                rope_rotate<T>(kx[u][0], kx[u][1], cs[i].x, cs[i].y, lo, hi);
+                kc_new[i] = from_f<T>(lo);
+                kc_new[i + D / 2] = from_f<T>(hi);
+                vc_new[i] = vx[u][0], vc_new[i + D / 2] = vx[u][1];
+            }
+        }
+    }
+    __syncthreads();  // the queries, and the token's K/V stores before any warp's copies of its row
+    DASH_MARK(g_attend_trace, 4);
+
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
-    constexpr int kChunk = 8;  // elements per 16-byte copy
     auto issue = [&](int k) {  // K and V of unit k into its stage; masked rows zero-filled
         T* k_s = kv_w + (k % S::kStages) * 2 * S::unit_elems;
         T* v_s = k_s + S::unit_elems;
@@ -216,17 +254,14 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
 
     const int my_units = warp < nunits ? (nunits - warp + W - 1) / W : 0;
     // Units 0 .. Stages-2 in flight before the loop; unit Stages-1's table reads pending.
-    constexpr int kAhead = S::kStages - 1;
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) {
-        settle(k, fetch(k));
+        settle(k, first[k]);
         __syncwarp();
         if (k < my_units) issue(k);
         __pipeline_commit();
     }
-    Pending next = fetch(kAhead);
-    __syncthreads();  // the queries
-    DASH_MARK(g_attend_trace, 1);
+    DASH_MARK(g_attend_trace, 5);
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
@@ -298,7 +333,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         __syncwarp();  // this stage is free for unit k + Stages
     }
     __pipeline_wait_prior(0);
-    DASH_MARK(g_attend_trace, 2);
+    DASH_MARK(g_attend_trace, 6);
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
     // Merge the warps' states: each warp's rows (heads) < G to shared memory (over the stages).
@@ -342,7 +377,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             if (d == 0) ws.part_ml[row] = make_float2(mx, den);
         }
     }
-    DASH_MARK(g_attend_trace, 3);
+    DASH_MARK(g_attend_trace, 7);
 }
 
 // ================================================================== fp32: CUDA cores

@@ -52,20 +52,6 @@ bool fused_front_allowed() {
     return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
-// Programmatic dependent launch of the decode attention (Plan::pdl) on devices of compute
-// capability 9.0 and later; DASH_TRT_PDL=0 turns it off (benchmark A/B).
-bool pdl_allowed() {
-    const char* env = std::getenv("DASH_TRT_PDL");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    return major >= 9;
-}
-
 // DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
 long attend_target_ctas() {
     const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
@@ -148,7 +134,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                          : placement != nullptr && std::strcmp(placement, "route") == 0 ? false
                                                                                          : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
-    plan.pdl = plan.fused_front && pdl_allowed() ? 1 : 0;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +

@@ -176,9 +176,6 @@ struct Plan {
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
-    int pdl;              // fused_front on sm_90: the attention launch is a programmatic dependent
-                          // launch after the routing launch (scheduled as routing CTAs finish their
-                          // scoring; it waits for the routing grid before reading its outputs)
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
@@ -194,22 +191,6 @@ struct Plan {
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };
-
-// ------------------------------------------------------------------ programmatic dependent launch
-// sm_90's griddepcontrol (no-ops where the kernel was launched without the attribute, and
-// compiled out below sm_90). launch_dependents: this CTA no longer needs to hold back the next
-// kernel's CTAs from being scheduled. wait_for_prerequisite: blocks until the previous kernel
-// in the stream has completed and its memory operations are visible.
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // ------------------------------------------------------------------ phase trace (bench only)
 // Built with -DDASH_TRACE=ON (CMake), the routing and attention kernels record, per CTA, the

@@ -561,9 +561,6 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
         if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
         else if (ry == 0) no_selection(p, plan, ws, t);
-        // The attention launch (Plan::pdl) may be scheduled once every CTA is past its scoring:
-        // its CTAs stage their queries while the last merges and the writers finish.
-        launch_dependents();
         if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
         DASH_MARK(g_route_trace, 7);
     } else {

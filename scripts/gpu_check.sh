@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|trace|ncu|ncu-source|gather|compare|all]...
+#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|ab|trace|ncu|ncu-source|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower).
 set -uo pipefail
@@ -62,6 +62,15 @@ case " $what " in *" breakdown "*)
   for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
     DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend|combine" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
+  done;;
+esac
+case " $what " in *" ab "*)
+  # The decode-only benchmark once per setting of AB_SETTINGS (space-separated VAR=value, e.g.
+  # "DASH_TRT_FRONT_WRITER=cta DASH_TRT_FRONT_WRITER=route"): an A/B in one call.
+  for setting in ${AB_SETTINGS:-}; do
+    echo "## $setting" | tee -a "$OUT/ab.log"
+    env "$setting" python3 bench/bench_dash.py --decode-only --no-reference 2>&1 | grep -E "^\| decode|copy" | tee -a "$OUT/ab.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
   done;;
 esac
 case " $what " in *" trace "*)

@@ -325,6 +325,52 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
         assert torch.equal(tensor, ks.tensors()[name]), name
 
 
+def test_queries_at_an_unaligned_address_give_the_same_result():
+    """The tensor-core attention stages the queries by 16-byte copies where q's address allows
+    and loads them one by one otherwise: a q that starts 2 bytes into its storage gives the same
+    outputs and cache, bit for bit, on a prompt step and on decode-only steps (fused write)."""
+    gen = torch.Generator().manual_seed(17)
+    dtype = torch.bfloat16
+    cfg = make_config(16)
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=3)
+
+    def unaligned(x):
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        view = buf[1:].view_as(x)
+        view.copy_(x)
+        assert view.is_contiguous() and view.data_ptr() % 16 != 0
+        return view
+
+    results = []
+    for shift in (False, True):
+        plans = [[x.length - 3, 1, 1, 1] for x, _ in seqs]
+        num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
+        cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
+        pool = P.KVBlockPool(num_blocks, 32)
+        for i in range(len(seqs)):
+            pool.add(i)
+        done, outs = [0] * len(seqs), []
+        while any(plans):
+            step = [(i, plans[i].pop(0)) for i in range(len(seqs)) if plans[i]]
+            batch = pool.schedule(step, device="cuda")
+            rows = [(i, done[i], done[i] + n) for i, n in step]
+            q, k, v, iq, ik = (torch.cat([getattr(seqs[i][0], a)[lo:hi] for i, lo, hi in rows])
+                               for a in ("q", "k", "v", "iq", "ik"))
+            coords = torch.cat([seqs[i][1][lo:hi] for i, lo, hi in rows])
+            outs.append(cuda.paged_dash_attention_cuda(unaligned(q) if shift else q, k, v, iq, ik, coords,
+                                                       seqs[0][0].head_cls, cache, **batch.kwargs(), sp=cfg,
+                                                       layer_idx=0, max_query_len=max(n for _, n in step)))
+            for i, lo, hi in rows:
+                done[i] = hi
+        results.append((outs, cache))
+    (aligned, ca), (shifted, cs) = results
+    assert len(aligned) == 4
+    for a, b in zip(aligned, shifted):
+        assert torch.equal(a, b)
+    for name, tensor in ca.tensors().items():
+        assert torch.equal(tensor, cs.tensors()[name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (128, 32, 8), (256, 8, 2), (64, 16, 1)])
 @pytest.mark.parametrize("prompt_mode", ["none", "prompt"])

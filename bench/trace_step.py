@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_dash as B  # noqa: E402
 from dash_trt import cuda as dcuda  # noqa: E402
 
-CTAS, SLOTS = 4096, 8  # plugins/kernels/common.cuh: kTraceCtas, kTraceSlots
+SLOTS = 8  # marks per CTA (plugins/kernels/common.cuh: kTraceSlots); the clocks follow them
 ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates counted / own selection",
                "merged selection", "writer: token_seq", "writer: done", "exit")
 ATTEND_MARKS = ("entry", "token's sequence read", "angles", "raw queries landed", "queries rotated, K/V stored",
@@ -31,10 +31,14 @@ ATTEND_MARKS = ("entry", "token's sequence read", "angles", "raw queries landed"
 
 
 def read(lib, kernel: int) -> list[list[int]]:
-    buf = (ctypes.c_ulonglong * (CTAS * 2 * SLOTS))()
-    if lib.dash_debug_trace(kernel, buf) != 0:
+    """The last launch's marks of one kernel (0 routing, 1 attention), a row per CTA."""
+    count = ctypes.c_int64(0)
+    status = lib.dash_debug_trace(kernel, None, ctypes.byref(count))
+    buf = (ctypes.c_ulonglong * count.value)() if status == 0 else None
+    if status != 0 or lib.dash_debug_trace(kernel, buf, ctypes.byref(count)) != 0:
         raise RuntimeError(f"dash_debug_trace({kernel}) failed: {lib.dash_last_error_message().decode()}")
-    return [list(buf[c * 2 * SLOTS:(c + 1) * 2 * SLOTS]) for c in range(CTAS)]
+    row = 2 * SLOTS
+    return [list(buf[c * row:(c + 1) * row]) for c in range(count.value // row)]
 
 
 def q(xs: list[float]) -> str:
@@ -88,6 +92,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctx", type=int, nargs="*", default=[8192, 131072])
     a = ap.parse_args()
+    bad = [c for c in a.ctx if c < 2 * B.SBS or c % B.SBS]
+    if bad:
+        ap.error(f"--ctx values must be multiples of {B.SBS}, at least {2 * B.SBS}; got {bad}")
     if not torch.cuda.is_available():
         print("trace_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -96,7 +103,7 @@ def main() -> int:
         print(f"trace_step: {dcuda.library_path()} was not built with -DDASH_TRACE=ON", file=sys.stderr)
         return 2
     lib.dash_debug_trace.restype = ctypes.c_int
-    lib.dash_debug_trace.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.dash_debug_trace.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_int64)]
     lib.dash_last_error_message.restype = ctypes.c_char_p
     gen = torch.Generator(device="cuda").manual_seed(0)
     for ctx in a.ctx:

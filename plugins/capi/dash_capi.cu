@@ -400,10 +400,20 @@ const char* dash_last_error_message(void) { return g_last_error.c_str(); }
 
 #ifdef DASH_TRACE
 // Bench only (CMake -DDASH_TRACE=ON; bench/trace_step.py): copies the phase trace of the last
-// routing (kernel 0) or attention (kernel 1) launch into host[4096][16] and clears it.
-// Synchronous. Not declared in dash.h: plain builds do not have it.
-DASH_API DashStatus dash_debug_trace(int32_t kernel, unsigned long long* host) {
-    if (host == nullptr || (kernel != 0 && kernel != 1)) return fail(DASH_ERR_INVALID_ARGUMENT, "kernel 0 or 1, host buffer");
+// routing (kernel 0) or attention (kernel 1) launch into host, [CTA][timer slots, clock slots]
+// (dash::kTraceCtas x 2 * dash::kTraceSlots values), and clears it. With host NULL it only
+// reports that count in *count. Synchronous. Not declared in dash.h: plain builds lack it.
+DASH_API DashStatus dash_debug_trace(int32_t kernel, unsigned long long* host, int64_t* count) {
+    const int64_t need = (int64_t)dash::kTraceCtas * 2 * dash::kTraceSlots;
+    if (count == nullptr || (kernel != 0 && kernel != 1))
+        return fail(DASH_ERR_INVALID_ARGUMENT, "dash_debug_trace: kernel must be 0 or 1 and count not NULL");
+    if (host == nullptr) {
+        *count = need;
+        return DASH_OK;
+    }
+    if (*count < need)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "dash_debug_trace: the host buffer holds " + std::to_string(*count) +
+                                                   " values, the trace " + std::to_string(need));
     const cudaError_t err = kernel == 0 ? dash::read_route_trace(host) : dash::read_attend_trace(host);
     if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("reading the trace: ") + cudaGetErrorString(err));
     return DASH_OK;

@@ -36,7 +36,7 @@ constexpr int kNoPiece = INT32_MIN;
 // Tensor-core attention marks: 0 entry, 1 token's sequence read, 2 angles computed, 3 raw
 // queries landed, 4 queries rotated (and the writer's K/V stored), 5 first units issued (the
 // main loop starts), 6 main loop done, 7 exit.
-__device__ unsigned long long g_attend_trace[kTraceCtas][2 * kTraceSlots];
+__device__ TraceTable g_attend_trace;
 #endif
 
 // What every attention CTA knows about its token: where its pieces start, their logit bias,
@@ -649,10 +649,7 @@ int attend_max_group() { return kMaxGroup; }
 
 cudaError_t read_attend_trace(unsigned long long* host) {
 #ifdef DASH_TRACE
-    cudaError_t err = cudaMemcpyFromSymbol(host, g_attend_trace, sizeof(g_attend_trace));
-    void* at = nullptr;
-    if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, g_attend_trace);
-    return err == cudaSuccess ? cudaMemset(at, 0, sizeof(g_attend_trace)) : err;  // the next read: one launch's
+    return read_and_clear_trace(g_attend_trace, host);
 #else
     (void)host;
     return cudaErrorNotSupported;

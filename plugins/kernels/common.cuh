@@ -216,8 +216,19 @@ constexpr int kTraceSlots = 8;
     do {                       \
     } while (0)
 #endif
-// Copy a kernel's trace into host[kTraceCtas][2 * kTraceSlots] (cudaErrorNotSupported unless
-// built with DASH_TRACE).
+using TraceTable = unsigned long long[kTraceCtas][2 * kTraceSlots];
+#ifdef DASH_TRACE
+// Copies one kernel's table (a __device__ TraceTable of the calling file) to the host and
+// clears it, so the next read holds one launch's marks.
+inline cudaError_t read_and_clear_trace(const TraceTable& table, unsigned long long* host) {
+    cudaError_t err = cudaMemcpyFromSymbol(host, table, sizeof(TraceTable));
+    void* at = nullptr;
+    if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, table);
+    return err == cudaSuccess ? cudaMemset(at, 0, sizeof(TraceTable)) : err;
+}
+#endif
+// Copy a kernel's trace into host (a TraceTable's worth; cudaErrorNotSupported unless built
+// with DASH_TRACE).
 cudaError_t read_route_trace(unsigned long long* host);
 cudaError_t read_attend_trace(unsigned long long* host);
 

@@ -29,7 +29,7 @@ constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thr
 // Split routing marks: 0 entry, 1 token found and iq rotated (fused) / iq loaded, 2 rows scored,
 // 3 CTA candidates out and counted (or the one CTA's selection), 4 merged selection written,
 // 5 writer's token_seq / pos written, 6 writer done (summary included), 7 exit.
-__device__ unsigned long long g_route_trace[kTraceCtas][2 * kTraceSlots];
+__device__ TraceTable g_route_trace;
 #endif
 
 // Sort key whose maximum is the block route_blocks takes first:
@@ -613,10 +613,7 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
 
 cudaError_t read_route_trace(unsigned long long* host) {
 #ifdef DASH_TRACE
-    cudaError_t err = cudaMemcpyFromSymbol(host, g_route_trace, sizeof(g_route_trace));
-    void* at = nullptr;
-    if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, g_route_trace);
-    return err == cudaSuccess ? cudaMemset(at, 0, sizeof(g_route_trace)) : err;  // the next read: one launch's
+    return read_and_clear_trace(g_route_trace, host);
 #else
     (void)host;
     return cudaErrorNotSupported;

@@ -26,7 +26,7 @@ from dash_trt import cuda as dcuda  # noqa: E402
 SLOTS = 8  # marks per CTA (plugins/kernels/common.cuh: kTraceSlots); the clocks follow them
 ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates counted / own selection",
                "merged selection", "writer: token_seq", "writer: done", "exit")
-ATTEND_MARKS = ("entry", "token's sequence read", "angles", "raw queries landed", "queries rotated, K/V stored",
+ATTEND_MARKS = ("entry", "token's routing outputs read", "angles", "raw queries landed", "queries rotated, K/V stored",
                 "first units issued", "loop done", "exit")
 
 
@@ -72,15 +72,16 @@ def report(title: str, route: list[list[int]], attend: list[list[int]]) -> None:
     print("| kernel | from -> to | CTAs | min | median | max |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, ATTEND_MARKS)):
-        for i in range(len(marks)):
-            for j in range(i + 1, len(marks)):
-                pairs = [r for r in rows if r[i] and r[j]]
-                # consecutive marks only, skipping ones a CTA never reaches
-                pairs = [r for r in pairs if not any(r[k] for k in range(i + 1, j))]
-                if not pairs:
-                    continue
-                xs = [(r[SLOTS + j] - r[SLOTS + i]) / ghz / 1e3 for r in pairs]
-                print(f"| {name} | {i} -> {j} | {len(xs)} | " + " | ".join(q(xs).split()) + " |")
+        # Marks consecutive in time inside each CTA (the attention's order differs with the
+        # routing handoff: its token read follows the queries' rotation); ones a CTA never
+        # reaches are skipped.
+        phases: dict[tuple[int, int], list[float]] = {}
+        for r in rows:
+            reached = sorted((r[SLOTS + k], k) for k in range(len(marks)) if r[k])
+            for (c0, i), (c1, j) in zip(reached, reached[1:]):
+                phases.setdefault((i, j), []).append((c1 - c0) / ghz / 1e3)
+        for (i, j), xs in sorted(phases.items()):
+            print(f"| {name} | {i} -> {j} | {len(xs)} | " + " | ".join(q(xs).split()) + " |")
     route_end = max(max(x for x in r[:SLOTS] if x) for r in route)
     att_start = min(a[0] for a in attend)
     att_end = max(max(x for x in a[:SLOTS] if x) for a in attend)

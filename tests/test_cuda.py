@@ -325,6 +325,83 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
         assert torch.equal(tensor, ks.tensors()[name]), name
 
 
+@pytest.mark.parametrize("writer", ["cta", "route"])
+def test_routing_handoff_gives_the_same_result_as_stream_order(monkeypatch, writer):
+    """Decode-only steps whose attention launch starts while the routing runs and waits for its
+    own token's routing outputs (Plan::handoff, sm_90) leave the same outputs, selections and
+    cache, bit for bit, as with the two launches in stream order (DASH_TRT_HANDOFF=0): tokens
+    of 4-6 routing CTAs each (the merge in the last one), the writer in a CTA of its own or in
+    the first routing CTA. On devices before sm_90 both runs are stream-ordered."""
+    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
+    gen = torch.Generator().manual_seed(21)
+    cfg = make_config(4, sparse_topk_blocks=6)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
+                           pages=(30, 30), max_images=300, response=6)
+    results = []
+    for handoff in ("1", "0"):
+        monkeypatch.setenv("DASH_TRT_HANDOFF", handoff)
+        plans = [[x.length - 6] + [1] * 6 for x, _ in seqs]
+        steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], torch.Generator().manual_seed(3), dtype)
+        check(steps, rc, kc, dtype)
+        results.append((steps, kc))
+    (on, kon), (off, koff) = results
+    assert len(on) == 7
+    for a, b in zip(on, off):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for name, tensor in kon.tensors().items():
+        assert torch.equal(tensor, koff.tensors()[name]), name
+
+
+def test_decode_only_graph_replays_match_eager():
+    """A decode-only step (max_query_len=1: routing, then the attention, with the handoff where
+    the device has it) captured in a CUDA graph and replayed 30 times gives the eager call's
+    output and cache every time: 24 sequences, so that most attention CTAs start before their
+    token's routing is done."""
+    gen = torch.Generator().manual_seed(8)
+    dtype = torch.bfloat16
+    cfg = make_config(16, sparse_topk_blocks=4)
+    n = 24
+    seqs = build_sequences(gen, n, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
+    num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
+    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
+    pool = P.KVBlockPool(num_blocks, 32)
+    for i in range(n):
+        pool.add(i)
+    lens = [x.length - 1 for x, _ in seqs]
+    for i in range(n):  # the prompts, one call each
+        batch = pool.schedule([(i, lens[i])], device="cuda")
+        x, c = seqs[i]
+        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
+                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+    batch = pool.schedule([(i, 1) for i in range(n)], device="cuda")
+    args = [torch.cat([getattr(seqs[i][0], a)[lens[i]:] for i in range(n)]) for a in ("q", "k", "v", "iq", "ik")]
+    args.append(torch.cat([seqs[i][1][lens[i]:] for i in range(n)]))
+    args.append(seqs[0][0].head_cls)
+    eager_cache = cache.clone()
+    eager = cuda.paged_dash_attention_cuda(*args, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0,
+                                           max_query_len=1)
+    static = batch.to("cuda")
+    graph_cache = cache.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        cuda.paged_dash_attention_cuda(*args, cache.clone(), **static.kwargs(), sp=cfg, layer_idx=0,
+                                       max_query_len=1, validate=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda.paged_dash_attention_cuda(*args, graph_cache, **static.kwargs(), sp=cfg, layer_idx=0,
+                                                  max_query_len=1, validate=False)
+    for _ in range(30):  # each replay writes the same token's K, V and summary again
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        for name, tensor in eager_cache.tensors().items():
+            assert torch.equal(graph_cache.tensors()[name], tensor), name
+
+
 def test_queries_at_an_unaligned_address_give_the_same_result():
     """The tensor-core attention stages the queries by 16-byte copies where q's address allows
     and loads them one by one otherwise: a q that starts 2 bytes into its storage gives the same

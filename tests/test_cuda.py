@@ -325,39 +325,10 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
         assert torch.equal(tensor, ks.tensors()[name]), name
 
 
-@pytest.mark.parametrize("writer", ["cta", "route"])
-def test_routing_handoff_gives_the_same_result_as_stream_order(monkeypatch, writer):
-    """Decode-only steps whose attention launch starts while the routing runs and waits for its
-    own token's routing outputs (Plan::handoff, sm_90) leave the same outputs, selections and
-    cache, bit for bit, as with the two launches in stream order (DASH_TRT_HANDOFF=0): tokens
-    of 4-6 routing CTAs each (the merge in the last one), the writer in a CTA of its own or in
-    the first routing CTA. On devices before sm_90 both runs are stream-ordered."""
-    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
-    gen = torch.Generator().manual_seed(21)
-    cfg = make_config(4, sparse_topk_blocks=6)
-    dtype = torch.bfloat16
-    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
-                           pages=(30, 30), max_images=300, response=6)
-    results = []
-    for handoff in ("1", "0"):
-        monkeypatch.setenv("DASH_TRT_HANDOFF", handoff)
-        plans = [[x.length - 6] + [1] * 6 for x, _ in seqs]
-        steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], torch.Generator().manual_seed(3), dtype)
-        check(steps, rc, kc, dtype)
-        results.append((steps, kc))
-    (on, kon), (off, koff) = results
-    assert len(on) == 7
-    for a, b in zip(on, off):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    for name, tensor in kon.tensors().items():
-        assert torch.equal(tensor, koff.tensors()[name]), name
-
-
 def test_decode_only_graph_replays_match_eager():
-    """A decode-only step (max_query_len=1: routing, then the attention, with the handoff where
-    the device has it) captured in a CUDA graph and replayed 30 times gives the eager call's
-    output and cache every time: 24 sequences, so that most attention CTAs start before their
-    token's routing is done."""
+    """A decode-only step (max_query_len=1: the write and summary stages folded into the routing
+    and attention launches) of 24 sequences, captured in a CUDA graph and replayed 30 times,
+    gives the eager call's output and cache every time."""
     gen = torch.Generator().manual_seed(8)
     dtype = torch.bfloat16
     cfg = make_config(16, sparse_topk_blocks=4)

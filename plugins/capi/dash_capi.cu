@@ -52,22 +52,6 @@ bool fused_front_allowed() {
     return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
-// Per-token handoff from the routing to the attention launch (Plan::handoff) on devices of
-// compute capability 9.0 and later (programmatic dependent launch); DASH_TRT_HANDOFF=0 turns it
-// off (benchmark A/B).
-int handoff_allowed() {
-    const char* env = std::getenv("DASH_TRT_HANDOFF");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (major < 9) return 0;
-    return env != nullptr && std::strcmp(env, "noend") == 0 ? 2 : 1;  // 2: diagnostic, see Plan::handoff
-}
-
 // DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
 long attend_target_ctas() {
     const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
@@ -150,7 +134,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                          : placement != nullptr && std::strcmp(placement, "route") == 0 ? false
                                                                                          : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
-    plan.handoff = plan.fused_front ? handoff_allowed() : 0;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
     const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
@@ -189,10 +172,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
     const size_t t = (size_t)p.num_tokens;
-    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token, then
-    // (handoff) the tokens' published routing parts.
-    size_t off = align_up(sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0) +
-                          (plan.handoff ? t * sizeof(int32_t) : 0));
+    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
+    size_t off = align_up(sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0));
     plan.header_bytes = off;
     plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
@@ -243,7 +224,6 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
     }
     if (plan.route_split) {
         ws.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
-        if (plan.handoff) ws.route_ready = ws.route_count + p.num_tokens;
         if (!p.dense_layer) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
     }
     if (plan.block_major) {

@@ -48,10 +48,10 @@ struct TokenRows {
     __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
                                           int pc, int& base, float& bias) const {
         bias = 0.0f;
-        if (pc < kmax) {  // through L2: with Plan::handoff the routing writes them during this kernel
-            const int b = __ldcg(sel + pc);
+        if (pc < kmax) {
+            const int b = sel[pc];
             base = b < 0 ? kNoPiece : b * sbs;
-            if (b >= 0 && __ldcg(forced + pc)) bias = p.page_bias;
+            if (b >= 0 && forced[pc]) bias = p.page_bias;
         } else {
             base = pos - local + 1 + (pc - kmax) * sbs;
         }
@@ -95,9 +95,6 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     // token's sequence and position, its selection, the raw queries (cp.async into q_s), the
     // new K and V (writer). Second round: the prompt length and the writer's cache slot. Third:
     // the block-table entries of the units the pipeline starts with, all at once.
-    // With Plan::handoff the CTA may start while the routing still runs: it stages and rotates
-    // its queries first, then waits for its token's routing outputs and reads them (the first
-    // round's token reads move behind the wait).
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
@@ -122,17 +119,13 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         }
     __pipeline_commit();
     TokenRows tr;
-    tr.sbs = p.sparse_block_size, tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
+    const int seq = ws.token_seq[t];
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.sbs = p.sparse_block_size;
+    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
     tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int npieces = tr.last - tr.first;
-    int seq = -1;
-    auto read_token = [&] {  // the routing launch's outputs: sequence, position, selection pieces
-        seq = __ldcg(ws.token_seq + t);
-        tr.seq = seq, tr.pos = __ldcg(ws.token_pos + t);
-        for (int i = threadIdx.x; i < min(npieces, kPieceCache); i += nthreads)
-            tr.piece(p, sel, forced, tr.first + i, s_base[i], s_bias[i]);
-    };
-    if (!plan.handoff) read_token();
+    for (int i = threadIdx.x; i < min(npieces, kPieceCache); i += nthreads)
+        tr.piece(p, sel, forced, tr.first + i, s_base[i], s_bias[i]);
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
@@ -153,44 +146,17 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
         }
     }
-    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                          p.rope_page_mod};
-    auto angles = [&] {
-        for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
-    };
-    auto rotate_queries = [&] {  // after a barrier that follows the raw queries' arrival and cs
-        for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
-            const int g = idx / (D / 2), i = idx % (D / 2);
-            float lo = 0.0f, hi = 0.0f;
-            if (g < group) {
-                const float x_lo = to_f(q_async ? q_s[g * S::RS + i] : q[g * D + i]);
-                const float x_hi = to_f(q_async ? q_s[g * S::RS + i + D / 2] : q[g * D + i + D / 2]);
-                rope_rotate<T>(x_lo, x_hi, cs[i].x, cs[i].y, lo, hi);
-            }
-            q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values; in place: this
-            q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
-        }
-    };
-    if (plan.handoff) {
-        angles();
-        __pipeline_wait_prior(0);  // the raw queries
-        __syncthreads();
-        DASH_MARK(g_attend_trace, 3);
-        rotate_queries();
-        if (threadIdx.x == 0) await_count(ws.route_ready + t, plan.route_splits + 1);
-        __syncthreads();
-        read_token();
-    }
     if (seq < 0) {  // skipped (flagged) token; uniform over the CTA
         __pipeline_wait_prior(0);
-        if (plan.handoff) wait_for_prerequisite();  // see Plan::handoff
         return;
     }
     DASH_MARK(g_attend_trace, 1);
     tr.prompt = p.prompt_lens[seq];
     const int32_t own_entry = writer ? table_entry(p, seq, tr.pos) : kNoEntry;
-    if (!plan.handoff) angles();
+    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                          p.rope_page_mod};
+    for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
     __syncthreads();  // s_base, s_bias, cs
     DASH_MARK(g_attend_trace, 2);
 
@@ -234,11 +200,19 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
     Pending next = fetch(kAhead);
 
-    if (!plan.handoff) {
-        __pipeline_wait_prior(0);  // the raw queries
-        __syncthreads();
-        DASH_MARK(g_attend_trace, 3);
-        rotate_queries();
+    __pipeline_wait_prior(0);  // the raw queries
+    __syncthreads();
+    DASH_MARK(g_attend_trace, 3);
+    for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
+        const int g = idx / (D / 2), i = idx % (D / 2);
+        float lo = 0.0f, hi = 0.0f;
+        if (g < group) {
+            const float x_lo = to_f(q_async ? q_s[g * S::RS + i] : q[g * D + i]);
+            const float x_hi = to_f(q_async ? q_s[g * S::RS + i + D / 2] : q[g * D + i + D / 2]);
+            rope_rotate<T>(x_lo, x_hi, cs[i].x, cs[i].y, lo, hi);
+        }
+        q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values; in place: this
+        q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
     }
     if (writer) {  // uniform over the CTA
         // Valid: the routing launch's writer checked it (a flag here otherwise).
@@ -403,7 +377,6 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             if (d == 0) ws.part_ml[row] = make_float2(mx, den);
         }
     }
-    if (plan.handoff == 1) wait_for_prerequisite();  // see Plan::handoff
     DASH_MARK(g_attend_trace, 7);
 }
 
@@ -634,18 +607,8 @@ cudaError_t launch_mma(const DashParams& p, const Plan& plan, const Workspace& w
     const dim3 grid(p.num_tokens, p.num_kv_heads, plan.splits);
     const cudaError_t err = allow_smem(attend_mma_kernel<T, D, Stages>, plan.attend_smem);
     if (err != cudaSuccess) return err;
-    // Plan::handoff: a programmatic dependent launch (scheduled once every routing CTA started).
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(MmaSmem<D, Stages>::kWarps * 32);
-    cfg.dynamicSmemBytes = plan.attend_smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = plan.handoff ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, attend_mma_kernel<T, D, Stages>, p, plan, ws);
+    attend_mma_kernel<T, D, Stages><<<grid, MmaSmem<D, Stages>::kWarps * 32, plan.attend_smem, stream>>>(p, plan, ws);
+    return cudaGetLastError();
 }
 
 template <typename T, int D>

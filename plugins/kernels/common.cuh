@@ -147,8 +147,6 @@ struct Workspace {
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
-    int32_t* route_ready; // [T] Plan::handoff: the token's routing outputs published so far
-                          // (zeroed by dash_run; complete at route_splits + 1)
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
@@ -178,9 +176,6 @@ struct Plan {
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
-    int handoff;          // fused_front on sm_90: the attention is a programmatic dependent launch
-                          // scheduled while the routing runs; a CTA waits for its own token's
-                          // routing outputs (Workspace::route_ready), not for the routing grid
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
@@ -196,46 +191,6 @@ struct Plan {
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };
-
-// ------------------------------------------------------------------ routing -> attention handoff
-// Plan::handoff. Every routing CTA of token t lets the attention launch be scheduled at once
-// (launch_dependents) and, once its part of t's outputs is written, publishes it (publish: a CTA
-// barrier before it, thread 0 alone); an attention CTA of t stages and rotates its queries, then
-// waits for all route_splits + 1 parts (await_count), then reads them through L2. No deadlock: the
-// attention grid is scheduled only after every routing CTA has started, so every producer a
-// waiting CTA needs is already resident. At its end each attention CTA also waits for the whole
-// routing grid (wait_for_prerequisite), so the attention's completion implies the routing's
-// (the summary a writer may still be computing) for whatever follows in the stream.
-// griddepcontrol is sm_90; it is a no-op when the kernel was launched without the attribute.
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void publish(int32_t* count) {
-    __threadfence();  // this CTA's stores (ordered before by the caller's barrier), then the count
-    atomicAdd(count, 1);
-}
-// Never waits long by construction; should a producer ever be missing, the launch fails
-// (trap: an "unspecified launch failure" error) after a second instead of hanging the stream.
-__device__ __forceinline__ void await_count(const int32_t* count, int expected) {
-    unsigned long long start = 0;
-    for (;;) {
-        int v;
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
-        if (v >= expected) return;
-        unsigned long long now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (start == 0) start = now;
-        else if (now - start > 1000000000ull) __trap();
-        __nanosleep(128);
-    }
-}
 
 // ------------------------------------------------------------------ phase trace (bench only)
 // Built with -DDASH_TRACE=ON (CMake), the routing and attention kernels record, per CTA, the

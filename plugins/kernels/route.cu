@@ -513,8 +513,8 @@ __device__ FrontToken front_token(const DashParams& p, int t, bool writer, float
 }
 
 template <typename T>
-__device__ void front_write(const DashParams& p, const Plan& plan, const Workspace& ws, int t, const FrontToken& f,
-                            const float2* cs, unsigned char* smem_raw) {
+__device__ void front_write(const DashParams& p, const Workspace& ws, int t, const FrontToken& f, const float2* cs,
+                            unsigned char* smem_raw) {
     const int tid = threadIdx.x, di = p.index_dim, ihalf = di / 2;
     __shared__ int s_seq;
     __shared__ int64_t s_slot;
@@ -525,7 +525,6 @@ __device__ void front_write(const DashParams& p, const Plan& plan, const Workspa
         s_seq = slot >= 0 ? f.seq : -1, s_slot = slot;
         ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
         ws.token_pos[t] = f.pos;
-        if (plan.handoff) publish(ws.route_ready + t);  // the attention needs nothing more of it
     }
     DASH_MARK(g_route_trace, 5);
     __syncthreads();
@@ -557,17 +556,12 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
     __shared__ float2 cs[Front ? kMaxIndexDimDevice / 2 : 1];
     DASH_MARK(g_route_trace, 0);
     if constexpr (Front) {
-        if (plan.handoff) launch_dependents();  // see Plan::handoff: every producer now runs
         const FrontToken f = front_token<T>(p, t, y == 0, iq, cs);
         DASH_MARK(g_route_trace, 1);
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
         if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
         else if (ry == 0) no_selection(p, plan, ws, t);
-        if (plan.handoff && ry >= 0) {  // this CTA's part of the selection (or nothing) is written
-            __syncthreads();
-            if (threadIdx.x == 0) publish(ws.route_ready + t);
-        }
-        if (y == 0) front_write<T>(p, plan, ws, t, f, cs, smem_raw);
+        if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
         DASH_MARK(g_route_trace, 7);
     } else {
         const int seq = ws.token_seq[t];

@@ -373,6 +373,49 @@ def test_decode_only_graph_replays_match_eager():
             assert torch.equal(graph_cache.tensors()[name], tensor), name
 
 
+def test_decode_only_call_with_an_idle_sequence():
+    """The kernels look a decode-only call's token t up as sequence t first (one token per
+    sequence, in order) and search otherwise: a batch whose middle sequence has no new token
+    (query_start_loc [0, 1, 1, 2]) gives the same outputs and cache, bit for bit, as the same two
+    tokens in a batch of their two sequences."""
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.bfloat16
+    cfg = make_config(16, sparse_topk_blocks=4)
+    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
+    num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
+    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
+    pool = P.KVBlockPool(num_blocks, 32)
+    lens = [x.length - 1 for x, _ in seqs]
+    for i, (x, c) in enumerate(seqs):  # the prompts, one call each
+        pool.add(i)
+        batch = pool.schedule([(i, lens[i])], device="cuda")
+        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
+                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+    pair = pool.schedule([(0, 1), (2, 1)], device="cuda")
+    width = pair.block_tables.shape[1]
+    row1 = torch.full((1, width), -1, dtype=torch.int32)
+    used = pool._blocks[1]
+    row1[0, :len(used)] = torch.tensor(used[:width], dtype=torch.int32)
+    idle = P.DashBatch(
+        block_tables=torch.cat([pair.block_tables[:1], row1.to(pair.block_tables.device), pair.block_tables[1:]]),
+        seq_lens=torch.tensor([lens[0] + 1, lens[1], lens[2] + 1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 1, 2], dtype=torch.int32),
+        prompt_lens=torch.tensor([-1, -1, -1], dtype=torch.int32)).to("cuda")
+    assert torch.equal(pair.prompt_lens.cpu(), torch.tensor([-1, -1], dtype=torch.int32))
+    args = [torch.cat([getattr(seqs[i][0], a)[lens[i]:] for i in (0, 2)]) for a in ("q", "k", "v", "iq", "ik")]
+    args += [torch.cat([seqs[i][1][lens[i]:] for i in (0, 2)]), seqs[0][0].head_cls]
+    results = []
+    for batch in (pair, idle):
+        c = cache.clone()
+        out, sel = cuda.paged_dash_attention_cuda(*args, c, **batch.kwargs(), sp=cfg, layer_idx=0, max_query_len=1,
+                                                  return_selected=True)
+        results.append((out, sel, c))
+    (a, sa, ca), (b, sb, cb) = results
+    assert torch.equal(a, b) and torch.equal(sa, sb)
+    for name, tensor in ca.tensors().items():
+        assert torch.equal(tensor, cb.tensors()[name]), name
+
+
 def test_queries_at_an_unaligned_address_give_the_same_result():
     """The tensor-core attention stages the queries by 16-byte copies where q's address allows
     and loads them one by one otherwise: a q that starts 2 bytes into its storage gives the same

@@ -177,6 +177,10 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.header_bytes = off;
     plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
+    plan.off_token_prompt = off, off += align_up(t * sizeof(int32_t));
+    plan.off_token_slot = off, off += align_up(t * sizeof(int64_t));
+    if (!plan.block_major && p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles
+        plan.off_token_cs = off, off += align_up(t * sizeof(float2) * (size_t)(p.head_dim / 2));
     plan.off_selected = off, off += align_up(t * plan.kmax * sizeof(int32_t));
     plan.off_forced = off, off += align_up(t * plan.kmax);
     plan.off_iq_rot = off, off += align_up(t * sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4));
@@ -215,6 +219,9 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
     ws.error = reinterpret_cast<int32_t*>(base);
     ws.token_seq = reinterpret_cast<int32_t*>(base + plan.off_token_seq);
     ws.token_pos = reinterpret_cast<int32_t*>(base + plan.off_token_pos);
+    ws.token_prompt = reinterpret_cast<int32_t*>(base + plan.off_token_prompt);
+    ws.token_slot = reinterpret_cast<int64_t*>(base + plan.off_token_slot);
+    if (plan.off_token_cs != 0) ws.token_cs = reinterpret_cast<float2*>(base + plan.off_token_cs);
     ws.selected = reinterpret_cast<int32_t*>(base + plan.off_selected);
     ws.forced = reinterpret_cast<uint8_t*>(base + plan.off_forced);
     ws.iq_rot = reinterpret_cast<float*>(base + plan.off_iq_rot);

@@ -44,17 +44,22 @@ __device__ TraceTable g_attend_trace;
 struct TokenRows {
     int seq, pos, prompt, sbs, local, first, last, kmax;
 
-    // First position of piece `piece` (kNoPiece: padding) and its logit bias.
-    __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
-                                          int pc, int& base, float& bias) const {
+    // First position of piece `pc` (kNoPiece: padding) and its logit bias, from its selection
+    // entry b and forced flag f (read by the caller; unused for the local window's pieces).
+    __device__ __forceinline__ void piece_of(const DashParams& p, int pc, int b, bool f, int& base,
+                                             float& bias) const {
         bias = 0.0f;
         if (pc < kmax) {
-            const int b = sel[pc];
             base = b < 0 ? kNoPiece : b * sbs;
-            if (b >= 0 && forced[pc]) bias = p.page_bias;
+            if (b >= 0 && f) bias = p.page_bias;
         } else {
             base = pos - local + 1 + (pc - kmax) * sbs;
         }
+    }
+    __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
+                                          int pc, int& base, float& bias) const {
+        const bool remote = pc < kmax;  // both reads at once
+        piece_of(p, pc, remote ? sel[pc] : -1, remote && forced[pc] != 0, base, bias);
     }
     // Position of key row kp of piece pc if this token may read it, else -1: local tokens win
     // where a selected block overlaps the window; remote reads stop at prompt_length.
@@ -91,10 +96,12 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
     DASH_MARK(g_attend_trace, 0);
     // The prologue is a chain of dependent global reads (about 1 us each on a loaded GPU), so
-    // everything that does not depend on an earlier read goes out in the first round: the
-    // token's sequence and position, its selection, the raw queries (cp.async into q_s), the
-    // new K and V (writer). Second round: the prompt length and the writer's cache slot. Third:
-    // the block-table entries of the units the pipeline starts with, all at once.
+    // everything that does not depend on an earlier read goes out in the first round, before
+    // any of them is used: the token's sequence, position, prompt length and cache slot, and the
+    // cos / sin of its RoPE angles (all from its writer: the write stage, or the routing
+    // launch's writer), its selection entries, the raw queries (cp.async into q_s), the new K
+    // and V (writer). Second round: the block-table entries of the units the pipeline starts
+    // with, all at once.
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
@@ -105,7 +112,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     __shared__ float s_bias[kPieceCache];
     __shared__ int64_t u_slot[W][S::kStages][16];  // cache slot of each row of a staged unit, -1 masked
     __shared__ float u_bias[W][S::kStages][16];
-    __shared__ float2 cs[D / 2];
+    __shared__ __align__(16) float2 cs[D / 2];
 
     const T* q = static_cast<const T*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;
     constexpr int kChunk = 8;  // elements per 16-byte copy
@@ -117,17 +124,24 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
             const int g = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
             __pipeline_memcpy_async(q_s + g * S::RS + d, q + g * D + d, 16);
         }
+    // The angles' cos / sin (float2 pairs), 16 bytes a copy.
+    static_assert(D / 2 % 2 == 0, "whole 16-byte copies of the angles");
+    const float2* cs_src = ws.token_cs + (int64_t)t * (D / 2);
+    for (int c = threadIdx.x; c < D / 4; c += nthreads) __pipeline_memcpy_async(cs + 2 * c, cs_src + 2 * c, 16);
     __pipeline_commit();
     TokenRows tr;
     const int seq = ws.token_seq[t];
-    tr.seq = seq, tr.pos = ws.token_pos[t], tr.sbs = p.sparse_block_size;
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = ws.token_prompt[t], tr.sbs = p.sparse_block_size;
     tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
     tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int npieces = tr.last - tr.first;
-    for (int i = threadIdx.x; i < min(npieces, kPieceCache); i += nthreads)
-        tr.piece(p, sel, forced, tr.first + i, s_base[i], s_bias[i]);
-    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
-    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    // Thread i < min(pieces, kPieceCache) keeps piece i's base and bias in shared memory: its
+    // selection entry and forced flag are read here and used after the other reads are out.
+    static_assert(kPieceCache <= 2 * 32, "a piece per thread (kernels of 2 or 4 warps)");
+    const int tid = threadIdx.x, my_pc = tid < min(npieces, kPieceCache) ? tr.first + tid : -1;
+    const bool my_remote = my_pc >= 0 && my_pc < plan.kmax;
+    const int my_sel = my_remote ? sel[my_pc] : -1;
+    const uint8_t my_forced = my_remote ? forced[my_pc] : 0;
     // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
     // token's own position, first writes the token's K (rotated: the queries' angles) and V of
     // this KV head into the cache, the write stage's work for the head.
@@ -137,6 +151,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     T vx[kPairs][2];
     const T* k_new = static_cast<const T*>(p.k) + ((int64_t)t * hkv + h) * D;
     const T* v_new = static_cast<const T*>(p.v) + ((int64_t)t * hkv + h) * D;
+    const int64_t own_slot = writer ? ws.token_slot[t] : -1;  // checked and flagged by its writer
     if (writer) {
 #pragma unroll
         for (int u = 0; u < kPairs; ++u) {
@@ -151,13 +166,8 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         return;
     }
     DASH_MARK(g_attend_trace, 1);
-    tr.prompt = p.prompt_lens[seq];
-    const int32_t own_entry = writer ? table_entry(p, seq, tr.pos) : kNoEntry;
-    // Rotate the G queries (in T precision, like the reference); rows G..15 are zero.
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                          p.rope_page_mod};
-    for (int i = threadIdx.x; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
-    __syncthreads();  // s_base, s_bias, cs
+    if (my_pc >= 0) tr.piece_of(p, my_pc, my_sel, my_forced != 0, s_base[threadIdx.x], s_bias[threadIdx.x]);
+    __syncthreads();  // s_base, s_bias
     DASH_MARK(g_attend_trace, 2);
 
     // Row r of the split (piece r / sbs): its readable position (or -1) and bias.
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
     Pending next = fetch(kAhead);
 
-    __pipeline_wait_prior(0);  // the raw queries
+    __pipeline_wait_prior(0);  // the raw queries and the angles
     __syncthreads();
     DASH_MARK(g_attend_trace, 3);
     for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
@@ -215,8 +225,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
     }
     if (writer) {  // uniform over the CTA
-        // Valid: the routing launch's writer checked it (a flag here otherwise).
-        const int64_t slot = slot_of_entry(p, tr.pos, own_entry, ws.error);
+        const int64_t slot = own_slot;
         if (slot >= 0) {
             T* kc_new = static_cast<T*>(p.key_cache) + (slot * hkv + h) * D;
             T* vc_new = static_cast<T*>(p.value_cache) + (slot * hkv + h) * D;
@@ -420,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams 
     if (seq < 0) return;
     const int group = p.num_heads / p.num_kv_heads;
     TokenRows tr;
-    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = p.prompt_lens[seq], tr.sbs = p.sparse_block_size;
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = ws.token_prompt[t], tr.sbs = p.sparse_block_size;
     tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
     tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int sbs = tr.sbs, hkv = p.num_kv_heads;

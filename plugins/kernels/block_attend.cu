@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         float bias = 0.0f;
         if (j < plan.kmax) {
             base = ws.selected[(int64_t)t * plan.kmax + j] * sbs;
-            const int prompt = p.prompt_lens[ws.token_seq[t]];
+            const int prompt = ws.token_prompt[t];
             lo = 0;
             hi = min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - base;
             bias = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;

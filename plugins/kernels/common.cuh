@@ -140,6 +140,10 @@ struct Workspace {
     int32_t* error;       // [1] data-error mask
     int32_t* token_seq;   // [T] sequence of each new token (-1: bad metadata)
     int32_t* token_pos;   // [T] position of each new token
+    int32_t* token_prompt;// [T] its sequence's prompt length (-1: none)
+    int64_t* token_slot;  // [T] its cache slot (-1 with token_seq -1)
+    float2* token_cs;     // [T, D / 2] cos / sin of its main RoPE angles (T precision; tensor-core
+                          // attention only: fp16 / bf16, not block-major)
     int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
     uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
     float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage;
@@ -187,7 +191,7 @@ struct Plan {
     size_t attend_smem;
     size_t header_bytes;  // error word and routing counters, zeroed by every dash_run
     size_t bytes;         // workspace size
-    size_t off_token_seq, off_token_pos, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
+    size_t off_token_seq, off_token_pos, off_token_prompt, off_token_slot, off_token_cs, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
         off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
 };

@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         const int j = threadIdx.x, t = t0 + j;
         const int seq = j < tn ? ws.token_seq[t] : -1;
         s_seq[j] = seq;
-        s_n[j] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], p.prompt_lens[seq]) : 0;
+        s_n[j] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], ws.token_prompt[t]) : 0;
         s_qp[j] = j < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
     __syncthreads();
@@ -483,7 +483,8 @@ struct FrontToken {
 };
 
 template <typename T>
-__device__ FrontToken front_token(const DashParams& p, int t, bool writer, float* iq, float2* cs) {
+__device__ FrontToken front_token(const DashParams& p, const Workspace& ws, int t, bool writer, float* iq,
+                                  float2* cs) {
     const int tid = threadIdx.x, nt = blockDim.x, di = p.index_dim, ihalf = di / 2;
     __shared__ int s_seq, s_pos, s_prompt, s_ok;
     FrontToken f{};
@@ -494,12 +495,19 @@ __device__ FrontToken front_token(const DashParams& p, int t, bool writer, float
     const float ql = tid < ihalf ? to_f(q[tid]) : 0.0f, qh = tid < ihalf ? to_f(q[tid + ihalf]) : 0.0f;
     if (writer && tid < ihalf) f.ik_lo = to_f(kx[tid]), f.ik_hi = to_f(kx[tid + ihalf]);
     if (tid < 32) {
-        int sq, ps;
-        const bool ok = locate_token(p, t, sq, ps);
-        if (tid == 0) s_seq = ok ? sq : -1, s_pos = ps, s_ok = ok, s_prompt = p.prompt_lens[sq];
+        int sq, ps, pr;
+        const bool ok = locate_token(p, t, sq, ps, pr);
+        if (tid == 0) s_seq = ok ? sq : -1, s_pos = ps, s_ok = ok, s_prompt = pr;
     }
     const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate, p.rope_page_mod};
     for (int i = tid - 32; i >= 0 && i < ihalf; i += nt - 32) cs[i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, rope));
+    if (writer) {  // the main RoPE angles, for the attention launch (Workspace::token_cs), by other threads
+        const RopeConfig main_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                                   p.rope_page_mod};
+        const int half = p.head_dim / 2, from = 32 + ihalf;
+        for (int i = tid - from; i >= 0 && i < half; i += nt - from)
+            ws.token_cs[(int64_t)t * half + i] = rope_cos_sin<T>(rope_angle(i, p.head_dim, tok, page, main_rope));
+    }
     __syncthreads();
     if (tid < ihalf) {
         const float2 r = index_pair<T>(ql, qh, cs[tid]);
@@ -525,6 +533,8 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
         s_seq = slot >= 0 ? f.seq : -1, s_slot = slot;
         ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
         ws.token_pos[t] = f.pos;
+        ws.token_prompt[t] = f.prompt;
+        ws.token_slot[t] = slot;
     }
     DASH_MARK(g_route_trace, 5);
     __syncthreads();
@@ -549,14 +559,14 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
 // with one CTA selects by its ranks directly.
 template <typename T, bool Front>
 __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    static_assert(kSplitThreads >= kMaxIndexDimDevice / 2, "a thread per indexer pair (front_token)");
+    static_assert(kSplitThreads > 32 + kMaxIndexDimDevice / 2, "a thread per indexer pair and more (front_token)");
     const int t = blockIdx.x, y = blockIdx.y;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
     __shared__ float2 cs[Front ? kMaxIndexDimDevice / 2 : 1];
     DASH_MARK(g_route_trace, 0);
     if constexpr (Front) {
-        const FrontToken f = front_token<T>(p, t, y == 0, iq, cs);
+        const FrontToken f = front_token<T>(p, ws, t, y == 0, iq, cs);
         DASH_MARK(g_route_trace, 1);
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
         if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
@@ -571,7 +581,7 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
         }
         load_index_query(p, ws, t, iq);  // the barrier after it: route_split_cta's first
         DASH_MARK(g_route_trace, 1);
-        route_split_cta(p, plan, ws, t, y, seq, ws.token_pos[t], p.prompt_lens[seq], iq, smem_raw);
+        route_split_cta(p, plan, ws, t, y, seq, ws.token_pos[t], ws.token_prompt[t], iq, smem_raw);
         DASH_MARK(g_route_trace, 7);
     }
 }

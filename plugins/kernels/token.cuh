@@ -22,12 +22,27 @@ __device__ __forceinline__ int find_sequence(const DashParams& p, int t) {
     return lo;
 }
 
-// Token t's sequence and position, called by a whole warp; false (nothing reported: the caller
-// flags DASH_DATA_BAD_LENGTHS) when the metadata is inconsistent: t outside its sequence's rows,
-// more new tokens than the sequence holds or than max_new_tokens, or a length past the table.
-__device__ __forceinline__ bool locate_token(const DashParams& p, int t, int& seq, int& pos) {
-    seq = find_sequence(p, t);
-    const int a = p.query_start_loc[seq], b = p.query_start_loc[seq + 1], len = p.seq_lens[seq];
+// Token t's sequence, position and prompt length, called by a whole warp; false (nothing
+// reported: the caller flags DASH_DATA_BAD_LENGTHS) when the metadata is inconsistent: t outside
+// its sequence's rows, more new tokens than the sequence holds or than max_new_tokens, or a
+// length past the table. Decode-only calls (max_new_tokens == 1) nearly always hold one token per
+// sequence in order, so sequence t is tried first: its rows, length and prompt length are read
+// at once, and the search (a dependent round of reads more) runs only when t is not one of its
+// rows.
+__device__ __forceinline__ bool locate_token(const DashParams& p, int t, int& seq, int& pos, int& prompt) {
+    int a = 0, b = 0, len = 0;
+    bool found = false;
+    if (p.max_new_tokens == 1) {
+        seq = min(t, p.num_seqs - 1);
+        a = p.query_start_loc[seq], b = p.query_start_loc[seq + 1], len = p.seq_lens[seq];
+        prompt = p.prompt_lens[seq];
+        found = a <= t && t < b;
+    }
+    if (!found) {  // uniform over the warp
+        seq = find_sequence(p, t);
+        a = p.query_start_loc[seq], b = p.query_start_loc[seq + 1], len = p.seq_lens[seq];
+        prompt = p.prompt_lens[seq];
+    }
     pos = len - (b - t);
     const int max_new = p.max_new_tokens > 0 ? p.max_new_tokens : p.num_tokens;
     return a <= t && t < b && b - a <= len && b - a <= max_new && len <= p.table_width * p.block_size;

@@ -26,8 +26,8 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     // warps do it while warp 0 looks the token's sequence and slot up.
     extern __shared__ float2 cs[];  // [D / 2] main, then [Di / 2] index
     if (threadIdx.x < 32) {
-        int seq, pos;
-        const bool ok = locate_token(p, t, seq, pos);
+        int seq, pos, prompt;
+        const bool ok = locate_token(p, t, seq, pos, prompt);
         if (threadIdx.x == 0) {
             if (!ok) {
                 atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
@@ -37,6 +37,8 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
             if (slot < 0) seq = -1;
             ws.token_seq[t] = seq;
             ws.token_pos[t] = pos;
+            ws.token_prompt[t] = prompt;
+            ws.token_slot[t] = slot;
             s_seq = seq;
             s_slot = slot;
         }
@@ -48,6 +50,8 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
         cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, index_rope));
     __syncthreads();
     if (s_seq < 0) return;
+    if (ws.token_cs != nullptr)  // for the tensor-core attention
+        for (int i = threadIdx.x; i < half; i += blockDim.x) ws.token_cs[(int64_t)t * half + i] = cs[i];
     const T* k = static_cast<const T*>(p.k) + (int64_t)t * hkv * d;
     const T* v = static_cast<const T*>(p.v) + (int64_t)t * hkv * d;
     T* kc = static_cast<T*>(p.key_cache) + s_slot * hkv * d;

@@ -173,14 +173,14 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
 // Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
 __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
 
-// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per R consecutive rows:
-// the lane that owns row r (lane r % R) finds its summary row and forced flags (after the first
+// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
+// rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after the first
 // batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)` receives token
 // j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory; qp[j]: token j's
 // query page; NT: tokens (1 or kRouteTile).
 template <int NCH, int NT, int R, typename Emit>
 __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
-                                           const int* qp, int ntok, int r0, int r1, Emit emit) {
+                                           const int* qp, int ntok, int r0, int r1, int rr, Emit emit) {
     static_assert(R <= 32, "a lane owns one row of the warp's chunk");
     const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
@@ -188,12 +188,12 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
     // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
     constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
     constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
-    for (int base = r0 + warp * R; base < r1; base += nwarps * R) {
-        // Lane l < R: row base + l's summary row and, per token, whether the block is forced.
+    for (int base = r0 + warp * rr; base < r1; base += nwarps * rr) {
+        // Lane l < rr: row base + l's summary row and, per token, whether the block is forced.
         const int my_r = base + lane;
-        const int64_t my_si = lane < R && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
+        const int64_t my_si = lane < rr && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
         unsigned my_forced = 0;
-        const int rows = min(R, r1 - base);
+        const int rows = min(rr, r1 - base);
         for (int b0 = 0; b0 < rows; b0 += kB) {
             float4 s[kB][NCH];
 #pragma unroll
@@ -333,9 +333,9 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
             if (s_seq[j] == seq && b < s_n[j]) keys[(size_t)j * plan.max_blocks + b] = key;
         };
         switch (chunks_per_lane(di)) {
-            case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
-            case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
-            default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, emit); break;
+            case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
+            case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
+            default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
         }
     }
     __syncthreads();
@@ -395,10 +395,15 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     if (tid < kSplitRows) keys[tid] = 0;
     __syncthreads();
     auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
+    // Rows per warp: kSplitRows spread over the CTA's warps; half as many when the CTA has at
+    // most half its rows (short contexts: every warp then scores, with fewer batches of loads).
+    // A row's score does not depend on the warp that computes it.
+    constexpr int kR = kSplitRows * 32 / kSplitThreads;
+    const int rr = r1 - r0 <= kR / 2 * (kSplitThreads / 32) ? kR / 2 : kR;
     switch (chunks_per_lane(p.index_dim)) {
-        case 1: score_rows<1, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
-        case 2: score_rows<2, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
-        default: score_rows<4, 1, kSplitRows * 32 / kSplitThreads>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, emit); break;
+        case 1: score_rows<1, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+        case 2: score_rows<2, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+        default: score_rows<4, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
     }
     __syncthreads();
     DASH_MARK(g_route_trace, 2);

@@ -26,8 +26,8 @@ from dash_trt import cuda as dcuda  # noqa: E402
 SLOTS = 8  # marks per CTA (plugins/kernels/common.cuh: kTraceSlots); the clocks follow them
 ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates counted / own selection",
                "merged selection", "writer: token_seq", "writer: done", "exit")
-ATTEND_MARKS = ("entry", "token's routing outputs read", "angles", "raw queries landed", "queries rotated, K/V stored",
-                "first units issued", "loop done", "exit")
+ATTEND_MARKS = ("entry", "first-round reads landed", "pieces in shared memory", "queries and angles landed",
+                "queries rotated, K/V stored", "first units issued", "loop done", "exit")
 
 
 def read(lib, kernel: int) -> list[list[int]]:

@@ -66,7 +66,10 @@ case " $what " in *" breakdown "*)
 esac
 case " $what " in *" ab "*)
   # The decode-only benchmark once per setting of AB_SETTINGS (space-separated VAR=value, e.g.
-  # "DASH_TRT_FRONT_WRITER=cta DASH_TRT_FRONT_WRITER=route"): an A/B in one call.
+  # "DASH_TRT_FRONT_WRITER=cta DASH_TRT_FRONT_WRITER=route"): an A/B in one call. Two builds:
+  # "DASH_TRT_LIBRARY=$PWD/build-base/plugins/libdash_trt_kernels.so DASH_TRT_LIBRARY=..." with
+  # build-base configured from an older tree (`git archive <commit> CMakeLists.txt plugins`
+  # unpacked into a git-ignored folder that travels with the call).
   for setting in ${AB_SETTINGS:-}; do
     echo "## $setting" | tee -a "$OUT/ab.log"
     env "$setting" python3 bench/bench_dash.py --decode-only --no-reference 2>&1 | grep -E "^\| decode|copy" | tee -a "$OUT/ab.log"

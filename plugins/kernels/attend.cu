@@ -33,9 +33,9 @@ constexpr int kPieceCache = 64;  // pieces of a split whose base and bias are ke
 constexpr int kNoPiece = INT32_MIN;
 
 #ifdef DASH_TRACE
-// Tensor-core attention marks: 0 entry, 1 token's sequence read, 2 angles computed, 3 raw
-// queries landed, 4 queries rotated (and the writer's K/V stored), 5 first units issued (the
-// main loop starts), 6 main loop done, 7 exit.
+// Tensor-core attention marks: 0 entry, 1 first-round reads landed (the token's sequence), 2
+// pieces in shared memory, 3 raw queries and angles landed, 4 queries rotated (and the writer's
+// K/V stored), 5 first units issued (the main loop starts), 6 main loop done, 7 exit.
 __device__ TraceTable g_attend_trace;
 #endif
 

@@ -4,7 +4,8 @@
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|ab|trace|ncu|ncu-source|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
-# ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower).
+# ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
+# everything in one archive, $OUT/gpu_check_logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -134,4 +135,9 @@ case " $what " in *" sanitize-quick "*)
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck quick: stopped after ${SANITIZE_QUICK_S:-240} s"
   status=$(( status | rc ));;
 esac
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then  # one file back (the device tool returns at most 8)
+  pack=$(mktemp) && tar czf "$pack" -C "$OUT" --exclude=gpu_check_logs.tgz . \
+    && (cd "$OUT" && rm -f ./*.log ./*.json ./*.txt ./*.csv) && chmod 644 "$pack" && mv "$pack" "$OUT/gpu_check_logs.tgz" \
+    || echo "packing the logs failed; they are left as they were"
+fi
 exit $status

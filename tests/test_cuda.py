@@ -204,6 +204,20 @@ def test_fused_and_split_routing_select_the_same_blocks():
     assert torch.equal(runs[0], runs[1])
 
 
+def capture(call, warm_cache, graph_cache):
+    """``call(cache)`` run once on a side stream outside capture (warm-up, on ``warm_cache``), then
+    captured into a CUDA graph on ``graph_cache``: (graph, the captured call's output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(warm_cache)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(graph_cache)
+    return graph, out
+
+
 def test_cuda_graph_replay_matches_eager():
     gen = torch.Generator().manual_seed(4)
     dtype = torch.float16
@@ -231,16 +245,9 @@ def test_cuda_graph_replay_matches_eager():
                                            layer_idx=0)
     static = batch.to("cuda")
     graph_cache = cache.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture
-        cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, cache.clone(), **static.kwargs(), sp=cfg,
-                                       layer_idx=0, validate=False)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, graph_cache, **static.kwargs(),
-                                                  sp=cfg, layer_idx=0, validate=False)
+    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
+        *dargs, dcoords, x0.head_cls, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False),
+        cache.clone(), graph_cache)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
@@ -325,6 +332,23 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
         assert torch.equal(tensor, ks.tensors()[name]), name
 
 
+def prompts_written(gen, n, cfg, dtype):
+    """n random sequences (8 heads, 2 KV heads, D 128, Di 64) whose prompts, all but their last
+    token, are in a fresh cache of 32-token KV blocks, one kernel call each:
+    (seqs, cache, pool, prompt lengths)."""
+    seqs = build_sequences(gen, n, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
+    num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
+    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
+    pool = P.KVBlockPool(num_blocks, 32)
+    lens = [x.length - 1 for x, _ in seqs]
+    for i, (x, c) in enumerate(seqs):
+        pool.add(i)
+        batch = pool.schedule([(i, lens[i])], device="cuda")
+        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
+                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+    return seqs, cache, pool, lens
+
+
 def test_decode_only_graph_replays_match_eager():
     """A decode-only step (max_query_len=1: the write and summary stages folded into the routing
     and attention launches) of 24 sequences, captured in a CUDA graph and replayed 30 times,
@@ -333,18 +357,7 @@ def test_decode_only_graph_replays_match_eager():
     dtype = torch.bfloat16
     cfg = make_config(16, sparse_topk_blocks=4)
     n = 24
-    seqs = build_sequences(gen, n, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
-    num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
-    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
-    pool = P.KVBlockPool(num_blocks, 32)
-    for i in range(n):
-        pool.add(i)
-    lens = [x.length - 1 for x, _ in seqs]
-    for i in range(n):  # the prompts, one call each
-        batch = pool.schedule([(i, lens[i])], device="cuda")
-        x, c = seqs[i]
-        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
-                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+    seqs, cache, pool, lens = prompts_written(gen, n, cfg, dtype)
     batch = pool.schedule([(i, 1) for i in range(n)], device="cuda")
     args = [torch.cat([getattr(seqs[i][0], a)[lens[i]:] for i in range(n)]) for a in ("q", "k", "v", "iq", "ik")]
     args.append(torch.cat([seqs[i][1][lens[i]:] for i in range(n)]))
@@ -354,16 +367,9 @@ def test_decode_only_graph_replays_match_eager():
                                            max_query_len=1)
     static = batch.to("cuda")
     graph_cache = cache.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture
-        cuda.paged_dash_attention_cuda(*args, cache.clone(), **static.kwargs(), sp=cfg, layer_idx=0,
-                                       max_query_len=1, validate=False)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = cuda.paged_dash_attention_cuda(*args, graph_cache, **static.kwargs(), sp=cfg, layer_idx=0,
-                                                  max_query_len=1, validate=False)
+    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
+        *args, c, **static.kwargs(), sp=cfg, layer_idx=0, max_query_len=1, validate=False),
+        cache.clone(), graph_cache)
     for _ in range(30):  # each replay writes the same token's K, V and summary again
         captured.zero_()
         graph.replay()
@@ -381,16 +387,7 @@ def test_decode_only_call_with_an_idle_sequence():
     gen = torch.Generator().manual_seed(12)
     dtype = torch.bfloat16
     cfg = make_config(16, sparse_topk_blocks=4)
-    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
-    num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
-    cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
-    pool = P.KVBlockPool(num_blocks, 32)
-    lens = [x.length - 1 for x, _ in seqs]
-    for i, (x, c) in enumerate(seqs):  # the prompts, one call each
-        pool.add(i)
-        batch = pool.schedule([(i, lens[i])], device="cuda")
-        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
-                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+    seqs, cache, pool, lens = prompts_written(gen, 3, cfg, dtype)
     pair = pool.schedule([(0, 1), (2, 1)], device="cuda")
     width = pair.block_tables.shape[1]
     row1 = torch.full((1, width), -1, dtype=torch.int32)

@@ -230,11 +230,10 @@ inline cudaError_t read_and_clear_trace(const TraceTable& table, unsigned long l
     if (err == cudaSuccess) err = cudaGetSymbolAddress(&at, table);
     return err == cudaSuccess ? cudaMemset(at, 0, sizeof(TraceTable)) : err;
 }
-#endif
-// Copy a kernel's trace into host (a TraceTable's worth; cudaErrorNotSupported unless built
-// with DASH_TRACE).
+// Copy the last routing / attention launch's trace into host (a TraceTable's worth) and clear it.
 cudaError_t read_route_trace(unsigned long long* host);
 cudaError_t read_attend_trace(unsigned long long* host);
+#endif
 
 // ------------------------------------------------------------------ launch helpers
 // Lets `kernel` use `bytes` of dynamic shared memory (an opt-in above 48 KB).

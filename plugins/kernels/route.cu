@@ -174,10 +174,10 @@ __device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
 __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
 
 // Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
-// rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after the first
-// batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)` receives token
-// j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory; qp[j]: token j's
-// query page; NT: tokens (1 or kRouteTile).
+// rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after
+// the first batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)`
+// receives token j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory;
+// qp[j]: token j's query page; NT: tokens (1 or kRouteTile).
 template <int NCH, int NT, int R, typename Emit>
 __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
                                            const int* qp, int ntok, int r0, int r1, int rr, Emit emit) {
@@ -626,14 +626,9 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
     });
 }
 
-cudaError_t read_route_trace(unsigned long long* host) {
 #ifdef DASH_TRACE
-    return read_and_clear_trace(g_route_trace, host);
-#else
-    (void)host;
-    return cudaErrorNotSupported;
+cudaError_t read_route_trace(unsigned long long* host) { return read_and_clear_trace(g_route_trace, host); }
 #endif
-}
 
 int route_split_threads() { return kSplitThreads; }
 int route_split_ctas_per_sm() { return kSplitCtasPerSm; }

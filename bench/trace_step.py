@@ -28,11 +28,6 @@ ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates co
                "merged selection", "writer: token_seq", "writer: done", "exit")
 ATTEND_MARKS = ("entry", "first-round reads landed", "pieces in shared memory", "queries and angles landed",
                 "queries rotated, K/V stored", "first units issued", "loop done", "exit")
-# Attention items of the persistent decode kernel (the default on decode-only calls unless
-# DASH_TRT_PERSISTENT=0): "entry" is the item's start, and the routing items' marks share the
-# routing table (an item's row: the CTA it had in the two-launch grid).
-PERSISTENT_ATTEND_MARKS = ("entry", "token found, angles", "queries landed", "selection ready (wait)",
-                           "pieces, first table reads out", "first units issued", "loop done", "exit")
 
 
 def read(lib, kernel: int) -> list[list[int]]:
@@ -68,8 +63,7 @@ def report(title: str, route: list[list[int]], attend: list[list[int]]) -> None:
     print("\nat (us from the first routing CTA's start; min / median / max over the CTAs that reach it):\n")
     print("| kernel | mark | CTAs | min | median | max |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    attend_marks = ATTEND_MARKS if os.environ.get("DASH_TRT_PERSISTENT") == "0" else PERSISTENT_ATTEND_MARKS
-    for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, attend_marks)):
+    for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, ATTEND_MARKS)):
         for i, m in enumerate(marks):
             xs = [us(r[i]) for r in rows if r[i]]
             if xs:
@@ -77,7 +71,7 @@ def report(title: str, route: list[list[int]], attend: list[list[int]]) -> None:
     print("\nphase lengths inside a CTA (us, SM clock; min / median / max):\n")
     print("| kernel | from -> to | CTAs | min | median | max |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, attend_marks)):
+    for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, ATTEND_MARKS)):
         # Marks consecutive in time inside each CTA (the attention's order differs with the
         # routing handoff: its token read follows the queries' rotation); ones a CTA never
         # reaches are skipped.

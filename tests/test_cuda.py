@@ -164,19 +164,14 @@ def test_split_routing_over_a_wide_table():
     check(steps, rc, kc, dtype)
 
 
-@pytest.mark.parametrize("writer,persistent", [("cta", "1"), ("route", "1"), ("route", "0"), ("cta", "2")])
+@pytest.mark.parametrize("writer", ["cta", "route"])
 @pytest.mark.parametrize("topk", [6, 300])
-def test_split_routing_merges_many_ctas(monkeypatch, topk, writer, persistent):
+def test_split_routing_merges_many_ctas(monkeypatch, topk, writer):
     """Decode tokens with over a thousand remote blocks: 4-6 routing CTAs each keep their best
     min(topk, 256) keys and the last one merges them. top-6 merges by rank; top-300 reaches
-    1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other,
-    and 301 pieces per token (past the attention's 64 cached ones). The decode-only steps' writer
-    runs in a CTA of its own or in the first routing CTA; routing and attention run as items of
-    the persistent decode kernel ("1"; "2": its grid capped at 2 CTAs) or as two launches ("0")."""
+    1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other.
+    The decode-only steps' writer runs in a CTA of its own or in the first routing CTA."""
     monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
-    monkeypatch.setenv("DASH_TRT_PERSISTENT", "0" if persistent == "0" else "1")
-    if persistent == "2":
-        monkeypatch.setenv("DASH_TRT_PERSISTENT_CTAS", "2")
     gen = torch.Generator().manual_seed(21)
     cfg = make_config(4, sparse_topk_blocks=topk)
     dtype = torch.bfloat16
@@ -337,35 +332,6 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
         assert torch.equal(tensor, ks.tensors()[name]), name
 
 
-@pytest.mark.parametrize("ctas", ["", "1", "5"])
-def test_persistent_decode_matches_two_launches(monkeypatch, ctas):
-    """Decode-only steps through the persistent decode kernel (routing and attention as work items
-    of one launch, taken in order from a counter; an attention item waits for its token's
-    selection) leave the same outputs, selections and cache, bit for bit, as the routing and
-    attention launches, on steps that complete a sparse block and steps that do not, with split-K
-    (3 tokens x 2 KV heads: 5 splits and a combine launch). With the grid capped at 1 or 5 CTAs
-    (DASH_TRT_PERSISTENT_CTAS) CTAs run many items one after another: a lone CTA routes every
-    token before its first attention item, so no item can wait on one that has not started."""
-    if ctas:
-        monkeypatch.setenv("DASH_TRT_PERSISTENT_CTAS", ctas)
-    gen = torch.Generator().manual_seed(37)
-    dtype = torch.bfloat16
-    cfg = make_config(16, sparse_topk_blocks=4)
-    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=20)
-    results = []
-    for persistent in ("1", "0"):
-        monkeypatch.setenv("DASH_TRT_PERSISTENT", persistent)
-        plans = [[x.length - 20] + [1] * 20 for x, _ in seqs]
-        steps, rc, kc = run_both(cfg, 0, seqs, plans, 32, [None, None, None], torch.Generator().manual_seed(3), dtype)
-        check(steps, rc, kc, dtype)
-        results.append((steps, kc))
-    (per, kp), (two, kt) = results
-    for a, b in zip(per, two):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    for name, tensor in kp.tensors().items():
-        assert torch.equal(tensor, kt.tensors()[name]), name
-
-
 def prompts_written(gen, n, cfg, dtype):
     """n random sequences (8 heads, 2 KV heads, D 128, Di 64) whose prompts, all but their last
     token, are in a fresh cache of 32-token KV blocks, one kernel call each:
@@ -383,13 +349,10 @@ def prompts_written(gen, n, cfg, dtype):
     return seqs, cache, pool, lens
 
 
-@pytest.mark.parametrize("persistent", ["1", "0"])
-def test_decode_only_graph_replays_match_eager(monkeypatch, persistent):
+def test_decode_only_graph_replays_match_eager():
     """A decode-only step (max_query_len=1: the write and summary stages folded into the routing
-    and attention, as items of the persistent decode kernel or as two launches) of 24 sequences,
-    captured in a CUDA graph and replayed 30 times, gives the eager call's output and cache every
-    time (the persistent kernel's counter and flags are zeroed by the graph's memset node)."""
-    monkeypatch.setenv("DASH_TRT_PERSISTENT", persistent)
+    and attention launches) of 24 sequences, captured in a CUDA graph and replayed 30 times,
+    gives the eager call's output and cache every time."""
     gen = torch.Generator().manual_seed(8)
     dtype = torch.bfloat16
     cfg = make_config(16, sparse_topk_blocks=4)

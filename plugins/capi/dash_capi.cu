@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <climits>
 #include <string>
-#include <vector>
 
 #include "../kernels/common.cuh"
 #include "dash/dash.h"
@@ -51,21 +50,6 @@ int block_major_chunk() {
 bool fused_front_allowed() {
     const char* env = std::getenv("DASH_TRT_FUSED_FRONT");
     return env == nullptr || std::strcmp(env, "0") != 0;
-}
-
-// DASH_TRT_PERSISTENT=0 keeps decode-only calls on two launches, routing then attention, instead
-// of the persistent decode kernel (benchmark A/B, tests).
-bool persistent_allowed() {
-    const char* env = std::getenv("DASH_TRT_PERSISTENT");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-}
-
-// DASH_TRT_PERSISTENT_CTAS=N caps the persistent kernel's grid (tests: CTAs that run many items,
-// down to one CTA for all of them).
-long persistent_ctas_cap() {
-    const char* env = std::getenv("DASH_TRT_PERSISTENT_CTAS");
-    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return v > 0 ? v : LONG_MAX;
 }
 
 // DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
@@ -187,22 +171,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
-    // Decode-only calls run the routing and the attention as one persistent launch where its
-    // routing items fit the attention's 4 warps (D <= 128, Di <= 256), three stages fit, and the
-    // layer is sparse.
-    if (plan.fused_front && persistent_allowed() && !p.dense_layer && p.head_dim <= 128 &&
-        p.index_dim <= dash::kPersistMaxIndexDim && plan.attend_stages == 3) {
-        plan.persist_route_off = (std::max(plan.route_smem, plan.summarize_smem) + 15) / 16 * 16;
-        plan.persist_smem = std::max(plan.attend_smem, plan.persist_route_off + dash::kPersistRouteBytes);
-        const long items = (long)p.num_tokens * (plan.route_splits + plan.front_writer_cta + p.num_kv_heads * plan.splits);
-        plan.persist_ctas = (int)std::min({items, 2L * device_sm_count(), persistent_ctas_cap()});
-        plan.persistent = plan.persist_smem + kStaticSmemAllowance <= smem_limit ? 1 : 0;
-    }
     const size_t t = (size_t)p.num_tokens;
-    // Header, zeroed by dash_run: the error word, the persistent kernel's ticket, then (split
-    // routing) a counter per token and (persistent) a selection flag per token.
-    size_t off = align_up(2 * sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0) +
-                          (plan.persistent ? t * sizeof(int32_t) : 0));
+    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
+    size_t off = align_up(sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0));
     plan.header_bytes = off;
     plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
     plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
@@ -246,7 +217,6 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
     char* base = static_cast<char*>(p.workspace);
     dash::Workspace ws{};
     ws.error = reinterpret_cast<int32_t*>(base);
-    ws.ticket = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
     ws.token_seq = reinterpret_cast<int32_t*>(base + plan.off_token_seq);
     ws.token_pos = reinterpret_cast<int32_t*>(base + plan.off_token_pos);
     ws.token_prompt = reinterpret_cast<int32_t*>(base + plan.off_token_prompt);
@@ -260,8 +230,7 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
     }
     if (plan.route_split) {
-        ws.route_count = reinterpret_cast<int32_t*>(base + 2 * sizeof(int32_t));
-        if (plan.persistent) ws.route_ready = ws.route_count + p.num_tokens;
+        ws.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
         if (!p.dense_layer) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
     }
     if (plan.block_major) {
@@ -403,9 +372,8 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
     cudaError_t err = cudaMemsetAsync(ws.error, 0, plan.header_bytes, stream);
     if (err == cudaSuccess && !plan.fused_front) err = dash::launch_write(*p, ws, stream);
     if (err == cudaSuccess && !plan.fused_front) err = dash::launch_summarize(*p, plan, ws, stream);
-    if (err == cudaSuccess && plan.persistent) err = dash::launch_decode(*p, plan, ws, stream);
-    if (err == cudaSuccess && !plan.persistent) err = dash::launch_route(*p, plan, ws, stream);
-    if (err == cudaSuccess && !plan.persistent && !plan.block_major) err = dash::launch_attend(*p, plan, ws, stream);
+    if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);
+    if (err == cudaSuccess && !plan.block_major) err = dash::launch_attend(*p, plan, ws, stream);
     for (int t0 = 0; plan.block_major && err == cudaSuccess && t0 < p->num_tokens; t0 += plan.bm_chunk)
         err = dash::launch_block_major(*p, plan, ws, t0, std::min(plan.bm_chunk, p->num_tokens - t0), stream);
     if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("CUDA launch failed: ") + cudaGetErrorString(err));
@@ -453,12 +421,7 @@ DASH_API DashStatus dash_debug_trace(int32_t kernel, unsigned long long* host, i
     if (*count < need)
         return fail(DASH_ERR_INVALID_ARGUMENT, "dash_debug_trace: the host buffer holds " + std::to_string(*count) +
                                                    " values, the trace " + std::to_string(need));
-    cudaError_t err = kernel == 0 ? dash::read_route_trace(host) : dash::read_attend_trace(host);
-    if (err == cudaSuccess && kernel == 0) {  // routing items of the persistent decode kernel: their own table
-        std::vector<unsigned long long> more((size_t)need);
-        err = dash::read_decode_route_trace(more.data());
-        for (int64_t i = 0; err == cudaSuccess && i < need; ++i) host[i] = std::max(host[i], more[(size_t)i]);
-    }
+    const cudaError_t err = kernel == 0 ? dash::read_route_trace(host) : dash::read_attend_trace(host);
     if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("reading the trace: ") + cudaGetErrorString(err));
     return DASH_OK;
 }

@@ -24,7 +24,6 @@
 
 #include "common.cuh"
 #include "mma.cuh"
-#include "route_split.cuh"
 
 namespace dash {
 namespace {
@@ -36,9 +35,7 @@ constexpr int kNoPiece = INT32_MIN;
 #ifdef DASH_TRACE
 // Tensor-core attention marks: 0 entry, 1 first-round reads landed (the token's sequence), 2
 // pieces in shared memory, 3 raw queries and angles landed, 4 queries rotated (and the writer's
-// K/V stored), 5 first units issued (the main loop starts), 6 main loop done, 7 exit. As a
-// persistent work item: 2 queries landed, 3 selection ready (the wait is 2 -> 3), 4 pieces in
-// shared memory and the first table reads out.
+// K/V stored), 5 first units issued (the main loop starts), 6 main loop done, 7 exit.
 __device__ TraceTable g_attend_trace;
 #endif
 
@@ -61,8 +58,8 @@ struct TokenRows {
     }
     __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
                                           int pc, int& base, float& bias) const {
-        const bool remote = pc < kmax;  // both reads at once, through L2 (another CTA may have
-        piece_of(p, pc, remote ? __ldcg(sel + pc) : -1, remote && __ldcg(forced + pc) != 0, base, bias);  // written them)
+        const bool remote = pc < kmax;  // both reads at once
+        piece_of(p, pc, remote ? sel[pc] : -1, remote && forced[pc] != 0, base, bias);
     }
     // Position of key row kp of piece pc if this token may read it, else -1: local tokens win
     // where a selected block overlaps the window; remote reads stop at prompt_length.
@@ -91,49 +88,24 @@ struct MmaSmem {
     static constexpr size_t bytes(int dtype_bytes) { return (q_elems + stage_elems) * dtype_bytes; }
 };
 
-// Spins (one thread) until *flag != 0, then a fence: acquire. The polls are relaxed loads, which
-// go to L2 without invalidating the SM's L1 (an acquire load does, every poll). The persistent
-// decode kernel's flag producers always run ahead of their waiters (decode_kernel); a flag not
-// raised within 2 s is a bug, which traps rather than hanging the stream.
-__device__ __forceinline__ void wait_flag(const int32_t* flag) {
-    unsigned long long start = 0;
-    for (unsigned spin = 0;; ++spin) {
-        int v;
-        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-        if (v != 0) break;
-        unsigned long long now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (spin == 0) start = now;
-        else if (now - start > 2000000000ull) __trap();
-        __nanosleep(64);
-    }
-    __threadfence();
-}
-
-// One (token t, KV head h, split) of the tensor-core attention: attend_mma_kernel's CTA, or a
-// work item of the persistent decode kernel (Persistent; decode_kernel below). smem: the dynamic
-// shared memory (MmaSmem).
-//
-// The prologue is a chain of dependent global reads (about 1 us each on a loaded GPU), so
-// everything that does not depend on an earlier read goes out in the first round, before any of
-// them is used. In its own launch (after the routing launch): the token's sequence, position,
-// prompt length and cache slot, and the cos / sin of its RoPE angles (all from its writer: the
-// write stage, or the routing launch's writer), its selection entries, the raw queries (cp.async
-// into q_s), the new K and V (writer). Second round: the block-table entries of the units the
-// pipeline starts with, all at once. As a persistent work item, whose token may still be routed
-// by other CTAs: the item finds its token itself (token lookup and cache slot, as the writer
-// does) and computes the angles, rotates its queries and writes the new K and V, then waits for
-// the token's selection (Workspace::route_ready) and reads it through L2.
-template <typename T, int D, int Stages, bool Persistent>
-__device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int h,
-                                                int split, unsigned char* smem, int dash_trace_id) {
+template <typename T, int D, int Stages>
+__global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParams p, const Plan plan, Workspace ws) {
     using S = MmaSmem<D, Stages>;
     constexpr int W = S::kWarps;
+    const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = W * 32;
     DASH_MARK(g_attend_trace, 0);
+    // The prologue is a chain of dependent global reads (about 1 us each on a loaded GPU), so
+    // everything that does not depend on an earlier read goes out in the first round, before
+    // any of them is used: the token's sequence, position, prompt length and cache slot, and the
+    // cos / sin of its RoPE angles (all from its writer: the write stage, or the routing
+    // launch's writer), its selection entries, the raw queries (cp.async into q_s), the new K
+    // and V (writer). Second round: the block-table entries of the units the pipeline starts
+    // with, all at once.
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
     const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);                   // [16, RS] rotated queries, rows >= G zero
     T* kv_w = q_s + S::q_elems + (size_t)warp * S::kStages * 2 * S::unit_elems;  // this warp's stages
     __shared__ int s_base[kPieceCache];
@@ -152,22 +124,24 @@ __device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan&
             const int g = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
             __pipeline_memcpy_async(q_s + g * S::RS + d, q + g * D + d, 16);
         }
+    // The angles' cos / sin (float2 pairs), 16 bytes a copy.
     static_assert(D / 2 % 2 == 0, "whole 16-byte copies of the angles");
-    if constexpr (!Persistent) {  // the angles' cos / sin (float2 pairs), 16 bytes a copy
-        const float2* cs_src = ws.token_cs + (int64_t)t * (D / 2);
-        for (int c = threadIdx.x; c < D / 4; c += nthreads) __pipeline_memcpy_async(cs + 2 * c, cs_src + 2 * c, 16);
-    }
+    const float2* cs_src = ws.token_cs + (int64_t)t * (D / 2);
+    for (int c = threadIdx.x; c < D / 4; c += nthreads) __pipeline_memcpy_async(cs + 2 * c, cs_src + 2 * c, 16);
     __pipeline_commit();
     TokenRows tr;
-    tr.sbs = p.sparse_block_size, tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
+    const int seq = ws.token_seq[t];
+    tr.seq = seq, tr.pos = ws.token_pos[t], tr.prompt = ws.token_prompt[t], tr.sbs = p.sparse_block_size;
+    tr.local = p.sparse_local_block * tr.sbs, tr.kmax = plan.kmax;
     tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int npieces = tr.last - tr.first;
-    // Thread i < min(pieces, kPieceCache) keeps piece i's base and bias in shared memory.
+    // Thread i < min(pieces, kPieceCache) keeps piece i's base and bias in shared memory: its
+    // selection entry and forced flag are read here and used after the other reads are out.
     static_assert(kPieceCache <= 2 * 32, "a piece per thread (kernels of 2 or 4 warps)");
     const int tid = threadIdx.x, my_pc = tid < min(npieces, kPieceCache) ? tr.first + tid : -1;
     const bool my_remote = my_pc >= 0 && my_pc < plan.kmax;
-    int my_sel = -1;
-    uint8_t my_forced = 0;
+    const int my_sel = my_remote ? sel[my_pc] : -1;
+    const uint8_t my_forced = my_remote ? forced[my_pc] : 0;
     // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
     // token's own position, first writes the token's K (rotated: the queries' angles) and V of
     // this KV head into the cache, the write stage's work for the head.
@@ -177,57 +151,24 @@ __device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan&
     T vx[kPairs][2];
     const T* k_new = static_cast<const T*>(p.k) + ((int64_t)t * hkv + h) * D;
     const T* v_new = static_cast<const T*>(p.v) + ((int64_t)t * hkv + h) * D;
-    int seq;
-    int64_t own_slot;
-    if constexpr (Persistent) {
-        __shared__ int s_seq, s_pos, s_prompt;
-        __shared__ int64_t s_slot;
-        if (warp == 0) {  // as front_write decides: a token with bad lengths or no slot is skipped
-            int sq, ps, pr;
-            const bool ok = locate_token(p, t, sq, ps, pr);
-            if (lane == 0) {
-                const int64_t slot = ok ? cache_slot(p, sq, ps, ws.error) : -1;
-                s_seq = slot >= 0 ? sq : -1, s_pos = ps, s_prompt = pr, s_slot = slot;
-            }
-        }
-        const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                              p.rope_page_mod};
-        const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
-        const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-        for (int i = tid; i < D / 2; i += nthreads) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
-        if (writer) {
+    const int64_t own_slot = writer ? ws.token_slot[t] : -1;  // checked and flagged by its writer
+    if (writer) {
 #pragma unroll
-            for (int u = 0; u < kPairs; ++u) {
-                const int i = threadIdx.x + u * nthreads;
-                if (i >= D / 2) break;
-                kx[u][0] = to_f(k_new[i]), kx[u][1] = to_f(k_new[i + D / 2]);
-                vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
-            }
-        }
-        __syncthreads();
-        seq = s_seq, tr.pos = s_pos, tr.prompt = s_prompt, own_slot = writer ? s_slot : -1;
-    } else {
-        seq = ws.token_seq[t];
-        tr.pos = ws.token_pos[t], tr.prompt = ws.token_prompt[t];
-        my_sel = my_remote ? __ldcg(sel + my_pc) : -1;
-        my_forced = my_remote ? __ldcg(forced + my_pc) : 0;
-        own_slot = writer ? ws.token_slot[t] : -1;  // checked and flagged by its writer
-        if (writer) {
-#pragma unroll
-            for (int u = 0; u < kPairs; ++u) {
-                const int i = threadIdx.x + u * nthreads;
-                if (i >= D / 2) break;
-                kx[u][0] = to_f(k_new[i]), kx[u][1] = to_f(k_new[i + D / 2]);
-                vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
-            }
+        for (int u = 0; u < kPairs; ++u) {
+            const int i = threadIdx.x + u * nthreads;
+            if (i >= D / 2) break;
+            kx[u][0] = to_f(k_new[i]), kx[u][1] = to_f(k_new[i + D / 2]);
+            vx[u][0] = v_new[i], vx[u][1] = v_new[i + D / 2];  // bits copied as they are
         }
     }
-    tr.seq = seq;
     if (seq < 0) {  // skipped (flagged) token; uniform over the CTA
         __pipeline_wait_prior(0);
         return;
     }
     DASH_MARK(g_attend_trace, 1);
+    if (my_pc >= 0) tr.piece_of(p, my_pc, my_sel, my_forced != 0, s_base[threadIdx.x], s_bias[threadIdx.x]);
+    __syncthreads();  // s_base, s_bias
+    DASH_MARK(g_attend_trace, 2);
 
     // Row r of the split (piece r / sbs): its readable position (or -1) and bias.
     auto row_of = [&](int r, float& bias) {
@@ -262,23 +203,32 @@ __device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan&
             u_bias[warp][k % S::kStages][lane] = pe.bias;
         }
     };
-    // The queries rotated in place, and the token's K / V stored (writer) before any warp's
-    // copies of its row.
-    auto rotate_and_write = [&] {
-        for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
-            const int g = idx / (D / 2), i = idx % (D / 2);
-            float lo = 0.0f, hi = 0.0f;
-            if (g < group) {
-                const float x_lo = to_f(q_async ? q_s[g * S::RS + i] : q[g * D + i]);
-                const float x_hi = to_f(q_async ? q_s[g * S::RS + i + D / 2] : q[g * D + i + D / 2]);
-                rope_rotate<T>(x_lo, x_hi, cs[i].x, cs[i].y, lo, hi);
-            }
-            q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values; in place: this
-            q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
+    // Units 0 .. Stages-1: their table reads all out before any is used.
+    constexpr int kAhead = S::kStages - 1;
+    Pending first[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
+    Pending next = fetch(kAhead);
+
+    __pipeline_wait_prior(0);  // the raw queries and the angles
+    __syncthreads();
+    DASH_MARK(g_attend_trace, 3);
+    for (int idx = threadIdx.x; idx < 16 * (D / 2); idx += nthreads) {
+        const int g = idx / (D / 2), i = idx % (D / 2);
+        float lo = 0.0f, hi = 0.0f;
+        if (g < group) {
+            const float x_lo = to_f(q_async ? q_s[g * S::RS + i] : q[g * D + i]);
+            const float x_hi = to_f(q_async ? q_s[g * S::RS + i + D / 2] : q[g * D + i + D / 2]);
+            rope_rotate<T>(x_lo, x_hi, cs[i].x, cs[i].y, lo, hi);
         }
-        if (writer && own_slot >= 0) {  // uniform over the CTA
-            T* kc_new = static_cast<T*>(p.key_cache) + (own_slot * hkv + h) * D;
-            T* vc_new = static_cast<T*>(p.value_cache) + (own_slot * hkv + h) * D;
+        q_s[g * S::RS + i] = from_f<T>(lo);  // exact: lo/hi are already T values; in place: this
+        q_s[g * S::RS + i + D / 2] = from_f<T>(hi);  // thread alone reads and writes the pair
+    }
+    if (writer) {  // uniform over the CTA
+        const int64_t slot = own_slot;
+        if (slot >= 0) {
+            T* kc_new = static_cast<T*>(p.key_cache) + (slot * hkv + h) * D;
+            T* vc_new = static_cast<T*>(p.value_cache) + (slot * hkv + h) * D;
 #pragma unroll
             for (int u = 0; u < kPairs; ++u) {
                 const int i = threadIdx.x + u * nthreads;
@@ -290,39 +240,8 @@ __device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan&
                 vc_new[i] = vx[u][0], vc_new[i + D / 2] = vx[u][1];
             }
         }
-    };
-    // Units 0 .. Stages-1: their table reads all out before any is used.
-    constexpr int kAhead = S::kStages - 1;
-    Pending first[kAhead];
-    Pending next;
-    if constexpr (Persistent) {
-        __pipeline_wait_prior(0);  // the raw queries
-        __syncthreads();
-        DASH_MARK(g_attend_trace, 2);
-        rotate_and_write();
-        if (tid == 0) wait_flag(ws.route_ready + t);  // the token's selection
-        __syncthreads();
-        DASH_MARK(g_attend_trace, 3);
-        my_sel = my_remote ? __ldcg(sel + my_pc) : -1;
-        my_forced = my_remote ? __ldcg(forced + my_pc) : 0;
-        if (my_pc >= 0) tr.piece_of(p, my_pc, my_sel, my_forced != 0, s_base[threadIdx.x], s_bias[threadIdx.x]);
-        __syncthreads();  // s_base, s_bias
-#pragma unroll
-        for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
-        next = fetch(kAhead);
-    } else {
-        if (my_pc >= 0) tr.piece_of(p, my_pc, my_sel, my_forced != 0, s_base[threadIdx.x], s_bias[threadIdx.x]);
-        __syncthreads();  // s_base, s_bias
-        DASH_MARK(g_attend_trace, 2);
-#pragma unroll
-        for (int k = 0; k < kAhead; ++k) first[k] = fetch(k);
-        next = fetch(kAhead);
-        __pipeline_wait_prior(0);  // the raw queries and the angles
-        __syncthreads();
-        DASH_MARK(g_attend_trace, 3);
-        rotate_and_write();
-        __syncthreads();
     }
+    __syncthreads();  // the queries, and the token's K/V stores before any warp's copies of its row
     DASH_MARK(g_attend_trace, 4);
 
     const T* kc = static_cast<const T*>(p.key_cache);
@@ -468,68 +387,6 @@ __device__ __forceinline__ void attend_mma_item(const DashParams& p, const Plan&
         }
     }
     DASH_MARK(g_attend_trace, 7);
-}
-
-template <typename T, int D, int Stages>
-__global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    attend_mma_item<T, D, Stages, false>(p, plan, ws, blockIdx.x, blockIdx.y, blockIdx.z, smem, -1);
-}
-
-// ================================================================== persistent decode
-// Decode-only calls (Plan::persistent): the routing and the attention as work items of one
-// launch of about two CTAs per SM, so that a token's attention starts as soon as its own
-// selection is written, and its prologue (token lookup, angles, queries, the new K and V) runs
-// while the token is still being routed. Items are taken in order from a counter
-// (Workspace::ticket): first every routing item (route_split_kernel's CTAs: the front writer
-// and route_splits per token, split routing with 4 warps), then every attention item
-// (attend_mma_kernel's CTAs). An attention item waits for its token's flag
-// (Workspace::route_ready); the routing items it waits for hold smaller tickets, so CTAs that
-// are already running took them, and a routing item never waits: no deadlock, whatever the
-// grid size or the GPU's occupancy. The split-K combine (splits > 1) stays a launch of its own.
-
-// Routing item (t, y): route_split_kernel<T, true>'s CTA (t, y) with 4 warps; keys, indexer
-// query and angles in the dynamic shared memory, past the candidates' and the summary's bytes.
-template <typename T, int KROWS>
-__device__ __forceinline__ void route_item(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int y,
-                                           unsigned char* smem, int dash_trace_id) {
-    DASH_MARK(g_route_trace, 0);
-    uint64_t* keys = reinterpret_cast<uint64_t*>(smem + plan.persist_route_off);
-    float* iq = reinterpret_cast<float*>(keys + kSplitRows);
-    float2* cs = reinterpret_cast<float2*>(iq + kPersistMaxIndexDim);
-    const FrontToken f = front_token<T>(p, ws, t, y == 0, iq, cs, false);
-    DASH_MARK(g_route_trace, 1);
-    const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
-    if (ry >= 0 && f.seq >= 0)
-        route_split_cta<kMmaThreads, KROWS, 1>(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, keys, smem,
-                                               dash_trace_id);
-    else if (ry == 0) no_selection(p, plan, ws, t);
-    if (y == 0) front_write<T>(p, ws, t, f, cs, smem, dash_trace_id);
-    DASH_MARK(g_route_trace, 7);
-}
-
-template <typename T, int D, int Stages, int KROWS>
-__global__ void __launch_bounds__(kMmaThreads, 2) decode_kernel(const DashParams p, const Plan plan, Workspace ws) {
-    static_assert(MmaSmem<D, Stages>::kWarps * 32 == kMmaThreads, "routing items run on the attention's 4 warps");
-    static_assert(kPersistMaxIndexDim / 2 <= kMmaThreads, "a thread per indexer pair (front_token)");
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ int s_item;
-    const int nt = p.num_tokens, hkv = p.num_kv_heads;
-    const int nroute = nt * (plan.route_splits + plan.front_writer_cta);
-    const int nitems = nroute + nt * hkv * plan.splits;
-    for (;;) {
-        if (threadIdx.x == 0) s_item = atomicAdd(ws.ticket, 1);
-        __syncthreads();
-        const int item = s_item;
-        if (item >= nitems) break;  // uniform over the CTA
-        if (item < nroute) {
-            route_item<T, KROWS>(p, plan, ws, item % nt, item / nt, smem, item);
-        } else {
-            const int j = item - nroute;  // attend_mma_kernel's linear CTA index
-            attend_mma_item<T, D, Stages, true>(p, plan, ws, j % nt, (j / nt) % hkv, j / (nt * hkv), smem, j);
-        }
-        __syncthreads();  // the item's shared memory, and s_item, free again
-    }
 }
 
 // ================================================================== fp32: CUDA cores
@@ -779,41 +636,7 @@ cudaError_t launch_attend_as(const DashParams& p, const Plan& plan, const Worksp
     return cudaGetLastError();
 }
 
-template <typename T, int D, int KROWS>
-cudaError_t launch_decode_rows(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
-    const cudaError_t err = allow_smem(decode_kernel<T, D, 3, KROWS>, plan.persist_smem);
-    if (err != cudaSuccess) return err;
-    decode_kernel<T, D, 3, KROWS><<<plan.persist_ctas, kMmaThreads, plan.persist_smem, stream>>>(p, plan, ws);
-    return cudaGetLastError();
-}
-
-template <typename T, int D>
-cudaError_t launch_decode_as(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
-    const char* env = getenv("DASH_TRT_PERSIST_ROWS");  // EXPERIMENT
-    const int rows = env ? atoi(env) : 8;
-    cudaError_t err = rows == 32 ? launch_decode_rows<T, D, 32>(p, plan, ws, stream)
-                      : rows == 16 ? launch_decode_rows<T, D, 16>(p, plan, ws, stream)
-                                   : launch_decode_rows<T, D, 8>(p, plan, ws, stream);
-    if (err != cudaSuccess || plan.splits == 1) return err;
-    combine_kernel<T, D><<<p.num_tokens * p.num_heads, 128, 0, stream>>>(p, plan, ws);
-    return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t launch_decode_t(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
-    if (p.head_dim == 64) return launch_decode_as<T, 64>(p, plan, ws, stream);
-    if (p.head_dim == 128) return launch_decode_as<T, 128>(p, plan, ws, stream);
-    return cudaErrorInvalidValue;  // the plan never picks it
-}
-
 }  // namespace
-
-cudaError_t launch_decode(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
-    if (p.num_tokens == 0) return cudaSuccess;
-    if (p.dtype == DASH_FLOAT16) return launch_decode_t<__half>(p, plan, ws, stream);
-    if (p.dtype == DASH_BFLOAT16) return launch_decode_t<__nv_bfloat16>(p, plan, ws, stream);
-    return cudaErrorInvalidValue;  // the plan never picks it
-}
 
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws, cudaStream_t stream) {
     if (p.num_tokens == 0) return cudaSuccess;
@@ -835,7 +658,6 @@ int attend_max_group() { return kMaxGroup; }
 
 #ifdef DASH_TRACE
 cudaError_t read_attend_trace(unsigned long long* host) { return read_and_clear_trace(g_attend_trace, host); }
-cudaError_t read_decode_route_trace(unsigned long long* host) { return read_and_clear_trace(g_route_trace, host); }
 #endif
 
 }  // namespace dash

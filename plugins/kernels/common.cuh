@@ -151,8 +151,6 @@ struct Workspace {
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
-    int32_t* route_ready; // [T] 1 once the token's selection is written (Plan::persistent; zeroed)
-    int32_t* ticket;      // [1] next work item of the persistent decode kernel (zeroed)
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
@@ -168,11 +166,6 @@ struct Workspace {
 };
 
 constexpr int kMaxIndexDimDevice = 512;
-// The persistent decode kernel (Plan::persistent): its routing items run on the attention's 128
-// threads, a thread per indexer pair, and keep keys (256), the indexer query and its angles in
-// the dynamic shared memory, kPersistRouteBytes from Plan::persist_route_off.
-constexpr int kPersistMaxIndexDim = 128;
-constexpr int kPersistRouteBytes = 256 * 8 + kPersistMaxIndexDim * 4 + kPersistMaxIndexDim / 2 * 8;
 
 struct Plan {
     int kmax;             // selected row width
@@ -187,11 +180,6 @@ struct Plan {
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
-    int persistent;       // fused_front calls: 1 = routing and attention as work items of one
-                          // persistent launch (attend.cu decode_kernel), else two launches
-    int persist_ctas;     // its grid
-    size_t persist_smem;  // its dynamic shared memory
-    size_t persist_route_off;  // where a routing item's keys, iq and angles start in it
     int block_major;      // 1: prefill attention by block (block_attend.cu)
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
@@ -201,7 +189,7 @@ struct Plan {
     size_t summarize_smem;
     int attend_stages;    // pipeline stages per warp of the tensor-core attention (2 or 3)
     size_t attend_smem;
-    size_t header_bytes;  // error word, ticket, routing counters and flags, zeroed by every dash_run
+    size_t header_bytes;  // error word and routing counters, zeroed by every dash_run
     size_t bytes;         // workspace size
     size_t off_token_seq, off_token_pos, off_token_prompt, off_token_slot, off_token_cs, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
@@ -212,9 +200,6 @@ struct Plan {
 // Built with -DDASH_TRACE=ON (CMake), the routing and attention kernels record, per CTA, the
 // global timer and the SM clock at fixed points (DASH_MARK), for bench/trace_step.py; the plain
 // build compiles the marks away. kTraceSlots points per CTA, the clocks in slots + kTraceSlots.
-// A mark's row is the CTA's linear block index, unless a function has a dash_trace_id of its
-// own (>= 0, a parameter: the persistent decode kernel's work items) hiding this one.
-constexpr int dash_trace_id = -1;
 constexpr int kTraceCtas = 4096;
 constexpr int kTraceSlots = 8;
 #ifdef DASH_TRACE
@@ -223,8 +208,7 @@ constexpr int kTraceSlots = 8;
         if (threadIdx.x == 0) {                                                             \
             unsigned long long ns_;                                                         \
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_));                         \
-            const unsigned cta_ = dash_trace_id >= 0 ? (unsigned)dash_trace_id                  \
-                                  : blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
+            const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
             if (cta_ < (unsigned)kTraceCtas) {                                              \
                 table[cta_][slot] = ns_;                                                    \
                 table[cta_][(slot) + kTraceSlots] = (unsigned long long)clock64();          \
@@ -249,7 +233,6 @@ inline cudaError_t read_and_clear_trace(const TraceTable& table, unsigned long l
 // Copy the last routing / attention launch's trace into host (a TraceTable's worth) and clear it.
 cudaError_t read_route_trace(unsigned long long* host);
 cudaError_t read_attend_trace(unsigned long long* host);
-cudaError_t read_decode_route_trace(unsigned long long* host);  // the persistent kernel's routing items
 #endif
 
 // ------------------------------------------------------------------ launch helpers
@@ -267,8 +250,6 @@ cudaError_t launch_summarize(const DashParams& p, const Plan& plan, const Worksp
 cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace& ws,
                          cudaStream_t stream);
 cudaError_t launch_attend(const DashParams& p, const Plan& plan, const Workspace& ws,
-                          cudaStream_t stream);
-cudaError_t launch_decode(const DashParams& p, const Plan& plan, const Workspace& ws,  // Plan::persistent
                           cudaStream_t stream);
 int route_split_threads();  // split routing CTA
 int route_split_ctas_per_sm();

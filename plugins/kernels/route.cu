@@ -13,13 +13,287 @@
 //     zeroed by dash_run) merges those candidates. One launch; on decode-only calls
 //     (Plan::fused_front) it also does the write and summary stages' work (front_write).
 // Both score a row with a whole warp in one fixed order (score_rows), so they agree bit for bit.
-#include "route_split.cuh"
+#include "summarize.cuh"
+#include "token.cuh"
 
 namespace dash {
 namespace {
 
 constexpr int kRouteThreads = 256;  // fused routing CTA
 constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
+constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
+constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
+constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
+
+#ifdef DASH_TRACE
+// Split routing marks: 0 entry, 1 token found and iq rotated (fused) / iq loaded, 2 rows scored,
+// 3 CTA candidates out and counted (or the one CTA's selection), 4 merged selection written,
+// 5 writer's token_seq / pos written, 6 writer done (summary included), 7 exit.
+__device__ TraceTable g_route_trace;
+#endif
+
+// Sort key whose maximum is the block route_blocks takes first:
+//   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
+// Never 0, so 0 marks "taken / empty".
+__device__ __forceinline__ uint64_t route_key(float score, bool forced, int block) {
+    score += 0.0f;  // -0.0 -> +0.0: equal scores must tie and fall back to the block index
+    uint32_t bits = __float_as_uint(score);
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((uint64_t)(forced ? 1u : 0u) << 63) | ((uint64_t)bits << 31) |
+           (uint64_t)(0x7fffffffu - (uint32_t)block);
+}
+
+__device__ __forceinline__ int key_block(uint64_t key) { return (int)(0x7fffffffu - (uint32_t)(key & 0x7fffffffu)); }
+
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const uint64_t other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+
+// Remote blocks form a prefix: b <= pos / sbs - local_blocks, and b * sbs < prompt_length.
+__device__ __forceinline__ int remote_blocks(const DashParams& p, const Plan& plan, int pos, int prompt) {
+    const int sbs = p.sparse_block_size;
+    int n = pos / sbs - p.sparse_local_block + 1;
+    if (prompt >= 0) n = min(n, (prompt + sbs - 1) / sbs);
+    return max(0, min(n, plan.max_blocks));
+}
+
+// Rotated, finite, float32 indexer query of token t (written by the write stage) into iq[Di4],
+// zero past Di.
+__device__ __forceinline__ void load_index_query(const DashParams& p, const Workspace& ws, int t, float* iq) {
+    const int di4 = (p.index_dim + 3) / 4 * 4;
+    const float* src = ws.iq_rot + (int64_t)t * di4;
+    for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[i] = i < p.index_dim ? src[i] : 0.0f;
+}
+
+// One step of the indexer score, in explicitly rounded operations, so that no launch shape
+// depends on the compiler's contraction.
+__device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s) {
+    return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
+}
+
+// Whether block b (summary row si) is forced for query page qp: a same-page image block.
+__device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b, int64_t si,
+                                             int qp) {
+    const int32_t* pg = p.summary_pages + si * 3;
+    const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
+    const bool inside = qp >= 0 && lo <= qp && qp <= hi;
+    bool cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
+    // A page strictly inside the block's range may have no image token here.
+    for (int j = 0; inside && !cand && j < p.sparse_block_size; ++j) {
+        const int64_t slot = cache_slot(p, seq, b * p.sparse_block_size + j, ws.error);
+        cand = slot >= 0 && p.image_page_cache[slot] == qp;
+    }
+    return cand;
+}
+
+// ------------------------------------------------------------------ scoring, a warp per row
+// The indexer score of a summary row is computed by a whole warp, the same way in every launch
+// (so a block's score, and the selection, never depend on how many tokens a call has): lane l
+// takes the row's float4 chunks l, l + 32, ... in turn (dot4), then the lanes' partials are
+// added in an xor butterfly over offsets 16, 8, 4, 2, 1. IEEE addition commutes, so every lane
+// that ends with a token's sum holds the same bits. A warp's loads of a row are one coalesced
+// 512-byte read (Di = 128), where a thread per row made 32 scattered ones.
+constexpr int kScoreBatch = 8;  // rows whose loads one warp has in flight together
+
+// The lane's chunks of row `summ` (nullptr: none); zero past Di.
+template <int NCH>
+__device__ __forceinline__ void load_chunks(const float* summ, int di, bool vec, int lane, float4 (&out)[NCH]) {
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        const int c = lane + 32 * m;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (summ != nullptr && 4 * c < di) {
+            if (vec) {
+                v = __ldg(reinterpret_cast<const float4*>(summ) + c);
+            } else {
+                v.x = summ[4 * c];
+                v.y = 4 * c + 1 < di ? summ[4 * c + 1] : 0.0f;
+                v.z = 4 * c + 2 < di ? summ[4 * c + 2] : 0.0f;
+                v.w = 4 * c + 3 < di ? summ[4 * c + 3] : 0.0f;
+            }
+        }
+        out[m] = v;
+    }
+}
+
+// The lane's partial dot product of chunks `s` with the (zero-padded, shared-memory) query iq.
+template <int NCH>
+__device__ __forceinline__ float lane_partial(const float* iq, int di, int lane, const float4 (&s)[NCH]) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        const int c = lane + 32 * m;
+        if (4 * c < di) acc = dot4(acc, reinterpret_cast<const float4*>(iq)[c], s[m]);
+    }
+    return acc;
+}
+
+// Butterfly sum of up to 8 tokens' partials at once: each step hands half of a lane's tokens to
+// its partner, so the sums take 4 + 2 + 1 + 1 + 1 shuffles instead of 5 per token. Token j's
+// sum ends in lanes 4j .. 4j + 3 (v[0]); with one token (v[0] only) it is the plain butterfly.
+// Pairs are formed exactly as in the plain butterfly (xor 16, then 8, 4, 2, 1), so a token's
+// sum has the same bits whichever form computes it.
+__device__ __forceinline__ float butterfly8(float (&v)[8], int lane) {
+    const unsigned full = 0xffffffffu;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const bool up = lane & 16;
+        const float send = up ? v[j] : v[4 + j], keep = up ? v[4 + j] : v[j];
+        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 16));
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const bool up = lane & 8;
+        const float send = up ? v[j] : v[2 + j], keep = up ? v[2 + j] : v[j];
+        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 8));
+    }
+    {
+        const bool up = lane & 4;
+        const float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
+        v[0] = __fadd_rn(keep, __shfl_xor_sync(full, send, 4));
+    }
+    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
+    return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
+}
+__device__ __forceinline__ float butterfly1(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
+    return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
+}
+
+// Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
+__host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
+
+// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
+// rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after
+// the first batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)`
+// receives token j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory;
+// qp[j]: token j's query page; NT: tokens (1 or kRouteTile).
+template <int NCH, int NT, int R, typename Emit>
+__device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
+                                           const int* qp, int ntok, int r0, int r1, int rr, Emit emit) {
+    static_assert(R <= 32, "a lane owns one row of the warp's chunk");
+    const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
+    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
+    constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
+    constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
+    for (int base = r0 + warp * rr; base < r1; base += nwarps * rr) {
+        // Lane l < rr: row base + l's summary row and, per token, whether the block is forced.
+        const int my_r = base + lane;
+        const int64_t my_si = lane < rr && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
+        unsigned my_forced = 0;
+        const int rows = min(rr, r1 - base);
+        for (int b0 = 0; b0 < rows; b0 += kB) {
+            float4 s[kB][NCH];
+#pragma unroll
+            for (int i = 0; i < kB; ++i) {
+                const int64_t si = __shfl_sync(0xffffffffu, my_si, (b0 + i) % 32);
+                load_chunks<NCH>(b0 + i < rows && si >= 0 ? p.summary_cache + si * di : nullptr, di, vec, lane, s[i]);
+            }
+            if (b0 == 0 && my_si >= 0)  // while the first rows load
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    if (j < ntok && forced_block(p, ws, seq, my_r, my_si, qp[j])) my_forced |= 1u << j;
+#pragma unroll
+            for (int i = 0; i < kB; ++i) {
+                const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
+                if (b0 + i >= rows) continue;  // uniform over the warp
+                float dot;
+                int j = 0;
+                if constexpr (NT == 1) {
+                    dot = butterfly1(lane_partial<NCH>(iq, di, lane, s[i]));
+                } else {
+                    float v[8];
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) v[jj] = jj < ntok ? lane_partial<NCH>(iq + jj * di4, di, lane, s[i]) : 0.0f;
+                    dot = butterfly8(v, lane);
+                    j = (lane >> 2) & 7;
+                }
+                if ((NT == 1 ? lane == 0 : lane % 4 == 0) && j < ntok) {
+                    const int r = base + b0 + i;
+                    // A block whose summary row is unmapped (flagged) scores 0, never forced.
+                    emit(j, r, route_key(score_of(dot, inv_sqrt), (fm >> j) & 1u, r));
+                }
+            }
+        }
+    }
+}
+
+// The k largest keys of keys[lo, hi) (shared memory, consumed: taken keys become 0) into
+// out[0, k), largest first, 0 past the end. One warp; each lane keeps the maximum of its
+// stride of keys and rescans only when that maximum is taken.
+__device__ void warp_topk(uint64_t* keys, int lo, int hi, int k, uint64_t* out) {
+    const int lane = threadIdx.x % 32;
+    auto lane_max = [&](int& at) {
+        uint64_t m = 0;
+        at = -1;
+        for (int b = lo + lane; b < hi; b += 32)
+            if (keys[b] > m) m = keys[b], at = b;
+        return m;
+    };
+    int at;
+    uint64_t mine = lane_max(at);
+    for (int r = 0; r < k; ++r) {
+        const uint64_t top = warp_max_u64(mine);
+        if (lane == 0) out[r] = top;
+        if (top != 0 && mine == top) {  // keys are distinct: exactly one lane holds it
+            keys[at] = 0;
+            mine = lane_max(at);
+        }
+        __syncwarp();
+    }
+}
+
+// Writes the selection of one token from its k best keys (route order) into sel/forced.
+__device__ void write_selection(const Plan& plan, const uint64_t* best, int k, int32_t* sel, uint8_t* forced,
+                                int tid, int nthreads) {
+    for (int j = tid; j < plan.kmax; j += nthreads) {
+        const uint64_t key = j < k ? best[j] : 0;
+        sel[j] = key != 0 ? key_block(key) : -1;
+        forced[j] = key != 0 ? (uint8_t)(key >> 63) : 0;
+    }
+}
+
+// Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced,
+// with the whole CTA: every warp takes the k best of its slice, then warp 0 the k best of those.
+// Not for dense layers (they select every block without a top-k).
+__device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
+                            int32_t* sel, uint8_t* forced) {
+    const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const int k = min(p.topk, n);
+    const int slice = (n + nwarps - 1) / nwarps;
+    warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
+    __syncthreads();
+    if (warp == 0) {  // merge the warps' lists (each sorted, largest first): lane w walks list w
+        const int lane = threadIdx.x % 32;
+        int at = 0;
+        uint64_t head = lane < nwarps && k > 0 ? cand[lane * k] : 0;
+        for (int r = 0; r < k; ++r) {
+            const uint64_t top = warp_max_u64(head);
+            if (lane == 0) cand[nwarps * k + r] = top;
+            if (top != 0 && head == top) head = ++at < k ? cand[lane * k + at] : 0;
+        }
+    }
+    __syncthreads();
+    write_selection(plan, cand + nwarps * k, k, sel, forced, threadIdx.x, blockDim.x);
+}
+
+__device__ void write_selected_out(const DashParams& p, const Plan& plan, int t, const int32_t* sel) {
+    if (p.selected_out == nullptr) return;
+    __syncthreads();
+    for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
+}
 
 // Fused: one CTA per tile of plan.route_tile (<= kRouteTile) consecutive tokens. Tokens of one
 // sequence share each summary row load; a warp per token then selects from shared memory.
@@ -93,6 +367,196 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
+constexpr int kRankMergeMax = 1024;  // split routing: most candidates merged by a quadratic rank
+
+// A token skipped for bad metadata (flagged): an empty selection, also in selected_out. The
+// whole CTA.
+__device__ void no_selection(const DashParams& p, const Plan& plan, const Workspace& ws, int t) {
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    write_selection(plan, nullptr, 0, sel, ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
+    write_selected_out(p, plan, t, sel);
+}
+
+// Routing of token t over its remote blocks [y * kSplitRows, ...) (seq >= 0; iq in shared
+// memory). Every return is uniform over the CTA.
+__device__ void route_split_cta(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int y, int seq,
+                                int pos, int prompt, const float* iq, unsigned char* smem_raw) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    const int n = remote_blocks(p, plan, pos, prompt);
+    const int ctas = max(1, (n + kSplitRows - 1) / kSplitRows);  // CTAs with blocks (or the one)
+    if (y >= ctas && !p.dense_layer) return;
+    const int r0 = y * kSplitRows, r1 = min(n, r0 + kSplitRows), di4 = (p.index_dim + 3) / 4 * 4;
+    __shared__ __align__(16) uint64_t keys[kSplitRows];
+    __shared__ int s_last;
+    __shared__ int s_qp;
+    if (tid == 0) s_qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
+    if (tid < kSplitRows) keys[tid] = 0;
+    __syncthreads();
+    auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
+    // Rows per warp: kSplitRows spread over the CTA's warps; half as many when the CTA has at
+    // most half its rows (short contexts: every warp then scores, with fewer batches of loads).
+    // A row's score does not depend on the warp that computes it.
+    constexpr int kR = kSplitRows * 32 / kSplitThreads;
+    const int rr = r1 - r0 <= kR / 2 * (kSplitThreads / 32) ? kR / 2 : kR;
+    switch (chunks_per_lane(p.index_dim)) {
+        case 1: score_rows<1, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+        case 2: score_rows<2, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+        default: score_rows<4, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+    }
+    __syncthreads();
+    DASH_MARK(g_route_trace, 2);
+    const int b = r0 + tid;
+    const uint64_t key = tid < kSplitRows ? keys[tid] : 0;
+    if (p.dense_layer) {
+        // Every remote block is selected; the order inside a row does not change the output.
+        if (tid < kSplitRows && b < plan.kmax) {
+            sel[b] = b < n ? b : -1;
+            forced[b] = b < n ? (uint8_t)(key >> 63) : 0;
+            if (p.selected_out != nullptr) p.selected_out[(int64_t)t * plan.kmax + b] = sel[b];
+        }
+        return;
+    }
+    // Rank of each key among the CTA's: two threads per key (kSplitThreads = 2 * kSplitRows),
+    // each counting the larger keys in its half, two keys per 16-byte load.
+    static_assert(kSplitThreads == 2 * kSplitRows, "a pair of threads per key");
+    const uint64_t mine = keys[tid / 2];
+    const ulonglong2* half = reinterpret_cast<const ulonglong2*>(keys + (tid % 2) * (kSplitRows / 2));
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < kSplitRows / 4; ++j) {
+        const ulonglong2 two = half[j];
+        rank += (two.x > mine ? 1 : 0) + (two.y > mine ? 1 : 0);
+    }
+    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+    if (mine == 0 || tid % 2 != 0) rank = kSplitRows;  // one thread of the pair places the key
+    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw);  // [ctas * kk], then the best / scratch
+    const int k = min(p.topk, n);
+    if (ctas == 1) {  // the token's only CTA: its ranks are final
+        if (rank < k) cand[rank] = mine;
+        __syncthreads();
+        write_selection(plan, cand, k, sel, forced, tid, nt);
+        write_selected_out(p, plan, t, sel);
+        DASH_MARK(g_route_trace, 3);
+        return;
+    }
+    const int kk = min(p.topk, kSplitRows);  // candidates per CTA
+    uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
+    if (rank < kk) out[rank] = mine;
+    for (int r = max(0, min(kSplitRows, n - r0)) + tid; r < kk; r += nt) out[r] = 0;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(ws.route_count + t, 1) == ctas - 1;
+    __syncthreads();
+    DASH_MARK(g_route_trace, 3);
+    if (!s_last) return;
+    __threadfence();
+    const int nc = ctas * kk;
+    const uint64_t* src = ws.route_keys + (int64_t)t * plan.route_cand;
+    for (int i = tid; i < nc; i += nt) cand[i] = __ldcg(src + i);  // L2: written by other CTAs
+    __syncthreads();
+    if (nc <= kRankMergeMax) {
+        uint64_t* best = cand + nc;
+        for (int i = tid; i < nc; i += nt) {
+            const uint64_t c = cand[i];
+            if (c == 0) continue;
+            int rk = 0;
+            for (int j = 0; j < nc; ++j) rk += cand[j] > c ? 1 : 0;
+            if (rk < k) best[rk] = c;
+        }
+        __syncthreads();
+        write_selection(plan, best, k, sel, forced, tid, nt);
+    } else {
+        select_topk(p, plan, cand, nc, cand + nc, sel, forced);
+    }
+    write_selected_out(p, plan, t, sel);
+    DASH_MARK(g_route_trace, 4);
+}
+
+// Decode-only calls (Plan::fused_front: at most one new token per sequence, so no token routes
+// over a block completed in this call) fold the write and summary stages in. Every routing CTA
+// finds its token's sequence and rotates its indexer query itself (front_token). CTA y = 0 of a
+// token does the write stage's work for it except K and V (which the attention launch writes,
+// attend.cu) and, when the token completes its sparse block, the summary (front_write): as an
+// extra CTA that does nothing else where the grid still fits the GPU in one wave
+// (Plan::front_writer_cta), else at the end of the token's first routing CTA, so that no routing
+// CTA waits for a free SM behind it.
+struct FrontToken {
+    int seq, pos, prompt, ok;  // ok: consistent lengths (seq = -1 otherwise)
+    float ik_lo, ik_hi;  // this thread's pair of the unrotated index key (CTA y = 0, tid < Di / 2)
+};
+
+template <typename T>
+__device__ FrontToken front_token(const DashParams& p, const Workspace& ws, int t, bool writer, float* iq,
+                                  float2* cs) {
+    const int tid = threadIdx.x, nt = blockDim.x, di = p.index_dim, ihalf = di / 2;
+    __shared__ int s_seq, s_pos, s_prompt, s_ok;
+    FrontToken f{};
+    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
+    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
+    const T* q = static_cast<const T*>(p.iq) + (int64_t)t * di;
+    const T* kx = static_cast<const T*>(p.ik) + (int64_t)t * di;
+    const float ql = tid < ihalf ? to_f(q[tid]) : 0.0f, qh = tid < ihalf ? to_f(q[tid + ihalf]) : 0.0f;
+    if (writer && tid < ihalf) f.ik_lo = to_f(kx[tid]), f.ik_hi = to_f(kx[tid + ihalf]);
+    if (tid < 32) {
+        int sq, ps, pr;
+        const bool ok = locate_token(p, t, sq, ps, pr);
+        if (tid == 0) s_seq = ok ? sq : -1, s_pos = ps, s_ok = ok, s_prompt = pr;
+    }
+    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate, p.rope_page_mod};
+    for (int i = tid - 32; i >= 0 && i < ihalf; i += nt - 32) cs[i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, rope));
+    if (writer) {  // the main RoPE angles, for the attention launch (Workspace::token_cs), by other threads
+        const RopeConfig main_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
+                                   p.rope_page_mod};
+        const int half = p.head_dim / 2, from = 32 + ihalf;
+        for (int i = tid - from; i >= 0 && i < half; i += nt - from)
+            ws.token_cs[(int64_t)t * half + i] = rope_cos_sin<T>(rope_angle(i, p.head_dim, tok, page, main_rope));
+    }
+    __syncthreads();
+    if (tid < ihalf) {
+        const float2 r = index_pair<T>(ql, qh, cs[tid]);
+        iq[tid] = r.x;
+        iq[tid + ihalf] = r.y;
+    }
+    for (int i = di + tid; i < (di + 3) / 4 * 4; i += nt) iq[i] = 0.0f;
+    f.seq = s_seq, f.pos = s_pos, f.prompt = s_prompt, f.ok = s_ok;
+    __syncthreads();
+    return f;
+}
+
+template <typename T>
+__device__ void front_write(const DashParams& p, const Workspace& ws, int t, const FrontToken& f, const float2* cs,
+                            unsigned char* smem_raw) {
+    const int tid = threadIdx.x, di = p.index_dim, ihalf = di / 2;
+    __shared__ int s_seq;
+    __shared__ int64_t s_slot;
+    __syncthreads();  // the routing's use of shared memory (smem_raw) is over
+    if (tid == 0) {
+        if (!f.ok) atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
+        const int64_t slot = f.ok ? cache_slot(p, f.seq, f.pos, ws.error) : -1;
+        s_seq = slot >= 0 ? f.seq : -1, s_slot = slot;
+        ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
+        ws.token_pos[t] = f.pos;
+        ws.token_prompt[t] = f.prompt;
+        ws.token_slot[t] = slot;
+    }
+    DASH_MARK(g_route_trace, 5);
+    __syncthreads();
+    if (s_seq < 0) return;
+    T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
+    if (tid < ihalf) {
+        const float2 r = index_pair<T>(f.ik_lo, f.ik_hi, cs[tid]);
+        ic[tid] = from_f<T>(r.x);
+        ic[tid + ihalf] = from_f<T>(r.y);
+    }
+    if (tid == 0) p.image_page_cache[s_slot] = p.coords[t * DASH_NUM_COORDS + DASH_COORD_IMAGE_PAGE];
+    if ((f.pos + 1) % p.sparse_block_size != 0) return;
+    __syncthreads();  // the key and page stores above, before the summary reads them
+    summarize_block<T>(p, ws, s_seq, f.pos / p.sparse_block_size, smem_raw);
+    DASH_MARK(g_route_trace, 6);
+}
+
 // Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
 // min(topk, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
 // keys are distinct) in the workspace; the token's last CTA merges them the same way
@@ -104,15 +568,13 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
     const int t = blockIdx.x, y = blockIdx.y;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(16) float iq[kMaxIndexDimDevice];
-    __shared__ __align__(16) uint64_t keys[kSplitRows];
     __shared__ float2 cs[Front ? kMaxIndexDimDevice / 2 : 1];
     DASH_MARK(g_route_trace, 0);
     if constexpr (Front) {
         const FrontToken f = front_token<T>(p, ws, t, y == 0, iq, cs);
         DASH_MARK(g_route_trace, 1);
         const int ry = y - plan.front_writer_cta;  // routing CTA index (-1: the writer alone)
-        if (ry >= 0 && f.seq >= 0)
-            route_split_cta<kSplitThreads, kScoreBatch>(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, keys, smem_raw);
+        if (ry >= 0 && f.seq >= 0) route_split_cta(p, plan, ws, t, ry, f.seq, f.pos, f.prompt, iq, smem_raw);
         else if (ry == 0) no_selection(p, plan, ws, t);
         if (y == 0) front_write<T>(p, ws, t, f, cs, smem_raw);
         DASH_MARK(g_route_trace, 7);
@@ -124,8 +586,7 @@ __global__ void __launch_bounds__(kSplitThreads, kSplitCtasPerSm) route_split_ke
         }
         load_index_query(p, ws, t, iq);  // the barrier after it: route_split_cta's first
         DASH_MARK(g_route_trace, 1);
-        route_split_cta<kSplitThreads, kScoreBatch>(p, plan, ws, t, y, seq, ws.token_pos[t], ws.token_prompt[t], iq, keys,
-                                                    smem_raw);
+        route_split_cta(p, plan, ws, t, y, seq, ws.token_pos[t], ws.token_prompt[t], iq, smem_raw);
         DASH_MARK(g_route_trace, 7);
     }
 }

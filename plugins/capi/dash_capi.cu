@@ -208,6 +208,8 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.off_bm_scan = off, off += align_up(plan.bm_scan_bytes);
         plan.off_bm_parts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
         plan.off_bm_work = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
+        plan.off_bm_items = off,
+        off += align_up(16 * (size_t)dash::block_major_items((int64_t)chunk * plan.bm_slots, plan.bm_num_keys));
     }
     plan.bytes = off;
     return DASH_OK;
@@ -244,6 +246,7 @@ dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
         ws.bm_scan_temp = base + plan.off_bm_scan;
         ws.bm_parts = reinterpret_cast<int32_t*>(base + plan.off_bm_parts);
         ws.bm_work = reinterpret_cast<int32_t*>(base + plan.off_bm_work);
+        ws.bm_items = reinterpret_cast<int4*>(base + plan.off_bm_items);
     }
     return ws;
 }

@@ -159,6 +159,7 @@ struct Workspace {
     int32_t* bm_entries;  // [bm_chunk * bm_slots] (token, slot) entries grouped by block
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
     int32_t* bm_work;     // [bm_num_keys + 1] exclusive prefix of bm_parts
+    int4* bm_items;       // [block_major_items(...)] each work item's block, first entry and count
     void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T)
     void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
     float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum; sum 0 = empty slot
@@ -193,7 +194,7 @@ struct Plan {
     size_t bytes;         // workspace size
     size_t off_token_seq, off_token_pos, off_token_prompt, off_token_slot, off_token_cs, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
     size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
-        off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work;
+        off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work, off_bm_items;
 };
 
 // ------------------------------------------------------------------ phase trace (bench only)
@@ -257,6 +258,7 @@ int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 size_t block_major_scan_bytes(int num_items);
+int64_t block_major_items(int64_t entries, int num_keys);  // work items of a pass, at most
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
                                cudaStream_t stream);
 size_t attend_smem_bytes(int dtype_bytes, int group, int head_dim, int stages);

@@ -72,9 +72,9 @@ def report(title: str, route: list[list[int]], attend: list[list[int]]) -> None:
     print("| kernel | from -> to | CTAs | min | median | max |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, rows, marks in (("route", route, ROUTE_MARKS), ("attend", attend, ATTEND_MARKS)):
-        # Marks consecutive in time inside each CTA (the attention's order differs with the
-        # routing handoff: its token read follows the queries' rotation); ones a CTA never
-        # reaches are skipped.
+        # Marks taken in time order inside each CTA, not in slot order (a CTA may reach them in
+        # another order, e.g. the routing's writer marks 5-6 after the candidates' mark 3);
+        # ones a CTA never reaches are skipped.
         phases: dict[tuple[int, int], list[float]] = {}
         for r in rows:
             reached = sorted((r[SLOTS + k], k) for k in range(len(marks)) if r[k])

@@ -186,6 +186,34 @@ def test_cancelled_request_frees_its_blocks(model, prompts, offline):
     assert engine.stats()["kv_blocks_free"] == 64
 
 
+def test_paused_engine_admits_and_cancels_but_runs_no_step(model, prompts, offline):
+    # An injected clock decides when the cancellation poll is due: no real time involved.
+    now = {"t": 0.0}
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16), cancel_poll_interval=1.0,
+                              clock=lambda: now["t"])
+    flag = {"cancel": False}
+    engine.pause()
+    victim = engine.submit(prompts[0], 50, is_cancelled=lambda: flag["cancel"])
+    other = engine.submit(prompts[1], MAX_NEW[1])
+    assert engine.step() is False and not engine.wait_for_work(0)  # paused: admitted, nothing run
+    s = engine.stats()
+    assert s["paused"] and s["running"] == 2 and s["steps"] == 0 and s["tokens_generated"] == 0
+    assert s["kv_blocks_reserved"] == victim.blocks_reserved + other.blocks_reserved
+    flag["cancel"] = True
+    engine.step()  # the poll is not due yet (same instant as the last one)
+    assert victim.status == "running"
+    now["t"] = 1.0
+    engine.step()  # due: the cancelled request goes, while the engine is still paused
+    assert victim.status == "failed" and victim.error_code == CANCELLED and victim.tokens == []
+    assert engine.stats()["kv_blocks_reserved"] == other.blocks_reserved
+    engine.resume()
+    assert engine.wait_for_work(0)
+    engine.run_until_idle()
+    assert other.result(0) == offline[1]
+    s = engine.stats()
+    assert not s["paused"] and s["kv_blocks_free"] == 64 and s["kv_blocks_reserved"] == 0
+
+
 def test_a_failing_step_fails_only_its_requests(model, prompts, offline):
     calls = {"n": 0}
 

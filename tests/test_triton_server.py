@@ -9,9 +9,11 @@ server cannot run on the machine; with ``DASH_REQUIRE_TRITON=1`` (set by ``.ci/r
 that is a failure instead.
 """
 
+import contextlib
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -56,7 +58,7 @@ def server(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("triton")
     ckpt = root / "model.pt"
     M.save_checkpoint(model, ckpt)
-    write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE)
+    write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE, allow_engine_control=True)
     try:
         srv = TritonServer(str(root / "repo"), log_path=str(root / "tritonserver.log"))
     except TritonUnavailable as exc:
@@ -252,22 +254,92 @@ def test_load_32_concurrent_requests(grpc, model, capsys):
     assert sum(len(c.ids) for c in cases) > ENGINE.num_blocks * ENGINE.kv_block_size
 
 
-def test_client_deadline_cancels_the_request_and_frees_its_blocks(server, model):
-    import time
+def _wait_for(client, condition, what, limit=120.0):
+    """Poll the engine's statistics until ``condition(stats)`` holds. The outcome does not
+    depend on how fast the machine is: ``limit`` only turns a hang into a failure."""
+    deadline = time.monotonic() + limit
+    while True:
+        stats = client.stats()
+        if condition(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen in {limit:.0f} s; engine stats {stats}")
+        time.sleep(0.05)
 
-    before = None
-    with C.DashClient(server.grpc_url, protocol="grpc", timeout=0.3) as hasty:
-        before = hasty.stats()
-        prompt = M.document_prompt([48, 48], "Describe everything.", model.config)
-        with pytest.raises(C.DashClientError) as e:
-            hasty.generate(prompt, ENGINE.max_new_tokens_limit, stop_at_eos=False)
-        assert e.value.status == "StatusCode.DEADLINE_EXCEEDED"
-    with C.DashClient(server.grpc_url, protocol="grpc") as c:
-        deadline = time.monotonic() + 60
-        while (s := c.stats())["running"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-    # Triton passed the gRPC cancellation to the model: the engine dropped the sequence
-    # before its 64 tokens and gave its blocks back
-    assert s["running"] == 0 and s["kv_blocks_free"] == ENGINE.num_blocks
-    assert s["failed"] == before["failed"] + 1
-    assert s["tokens_generated"] - before["tokens_generated"] < ENGINE.max_new_tokens_limit
+
+@contextlib.contextmanager
+def paused_engine(client):
+    """The engine runs no model step inside the block: a request sent then cannot finish, so
+    a deadline or a cancellation always reaches it while it is queued or running."""
+    assert client.control("pause")["paused"]
+    try:
+        yield
+    finally:
+        assert not client.control("resume")["paused"]
+
+
+def test_engine_control_is_off_unless_enabled(model):
+    from dash_trt.triton import repository as R
+
+    on = R.python_model_config("dash", model, ENGINE, streaming=False, allow_engine_control=True)
+    off = R.python_model_config("dash", model, ENGINE, streaming=False)
+    value = {p["key"]: p["value"]["string_value"] for p in on["parameters"]}[P.PARAM_ALLOW_CONTROL]
+    assert value == "true"
+    assert {p["key"]: p["value"]["string_value"] for p in off["parameters"]}[P.PARAM_ALLOW_CONTROL] == "false"
+
+
+def test_engine_control_rejects_unknown_actions(grpc):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as e:
+        _raw_infer_grpc_control(grpc, "explode")
+    assert "engine_control must be one of pause, resume, got 'explode'" in e.value.message()
+    assert not grpc.stats()["paused"]
+
+
+def _raw_infer_grpc_control(client, action):
+    import tritonclient.grpc as g
+
+    ids = g.InferInput(P.INPUT_IDS, [0], "INT64")
+    ids.set_data_from_numpy(np.zeros(0, dtype=np.int64))
+    raw = np.frombuffer(action.encode(), dtype=np.uint8)
+    c = g.InferInput(P.ENGINE_CONTROL, [raw.size], "UINT8")
+    c.set_data_from_numpy(raw)
+    return client.client.infer("dash", [ids, c])
+
+
+def test_client_deadline_cancels_the_request_and_frees_its_blocks(server, model, grpc):
+    prompt = M.document_prompt([48, 48], "Describe everything.", model.config)
+    with paused_engine(grpc):
+        before = grpc.stats()
+        with C.DashClient(server.grpc_url, protocol="grpc", timeout=0.3) as hasty:
+            with pytest.raises(C.DashClientError) as e:
+                hasty.generate(prompt, ENGINE.max_new_tokens_limit, stop_at_eos=False)
+            assert e.value.status == "StatusCode.DEADLINE_EXCEEDED"
+        # Triton passed the gRPC deadline to the model as a cancellation: the engine failed
+        # the request while it was queued or running, before any step could run it
+        s = _wait_for(grpc, lambda s: s["failed"] == before["failed"] + 1, "the request's cancellation")
+    assert s["running"] == s["waiting"] == 0
+    assert s["kv_blocks_free"] == ENGINE.num_blocks and s["kv_blocks_reserved"] == 0
+    assert s["tokens_generated"] == before["tokens_generated"]
+
+
+def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
+    prompt = M.document_prompt([48, 48], "Describe everything.", model.config)
+    need = ENGINE.blocks_for(len(prompt) + ENGINE.max_new_tokens_limit - 1)
+    answers = []
+    with paused_engine(grpc):
+        before = grpc.stats()
+        call = grpc.client.async_infer("dash", grpc._inputs(prompt, ENGINE.max_new_tokens_limit, False),
+                                       lambda result, error: answers.append((result, error)))
+        # admitted while paused: its worst case is reserved, no step has run
+        s = _wait_for(grpc, lambda s: s["running"] == 1, "the request's admission")
+        assert s["kv_blocks_reserved"] == need and s["tokens_generated"] == before["tokens_generated"]
+        call.cancel()
+        s = _wait_for(grpc, lambda s: s["failed"] == before["failed"] + 1, "the request's cancellation")
+    assert s["running"] == s["waiting"] == 0
+    assert s["kv_blocks_free"] == ENGINE.num_blocks and s["kv_blocks_reserved"] == 0
+    assert s["tokens_generated"] == before["tokens_generated"]
+    assert len(answers) == 1 and answers[0][1] is not None and "CANCELLED" in str(answers[0][1].status())
+    # and the engine serves normally again after the resume
+    assert grpc.generate(prompt, 2).tokens == offline(model, [prompt], [2])[0]

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default per request (%(default)s)")
     e.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit, help="(%(default)s)")
     e.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at model load")
+    e.add_argument("--allow-engine-control", action="store_true",
+                   help="serve engine_control requests (pause/resume the engine's model steps; any client that "
+                        "reaches the server can then pause it, so leave this off on shared endpoints)")
     e.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads in the model (0: default)")
     t = w.add_argument_group("TensorRT model")
     t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
@@ -104,7 +107,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             a.out, model, checkpoint=None if a.demo or a.unsafe_load else a.checkpoint, engine=engine,
             name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
             plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
-            torch_num_threads=a.torch_threads, force=a.force)
+            torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force)
     except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError) as exc:
         print(f"dash-triton write: error: {exc}", file=err)
         return EXIT_BAD_INPUT

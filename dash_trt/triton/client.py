@@ -135,13 +135,29 @@ class DashClient:
 
     def stats(self) -> dict[str, Any]:
         """The engine's pool and queue statistics (see ``GenerationEngine.stats``)."""
-        inputs = self._inputs([], None, None, stats=True)
+        return self._stats_of(self._inputs([], None, None, stats=True))
+
+    def control(self, action: str) -> dict[str, Any]:
+        """``pause`` or ``resume`` the engine's model steps (a model written with
+        ``dash-triton write --allow-engine-control``); returns the statistics after it."""
+        if action not in P.CONTROL_ACTIONS:
+            raise DashClientError(f"engine control must be one of {', '.join(P.CONTROL_ACTIONS)}, got {action!r}")
+        inputs = self._inputs([], None, None)
+        raw = np.frombuffer(action.encode(), dtype=np.uint8)
+        c = self.mod.InferInput(P.ENGINE_CONTROL, [raw.size], "UINT8")
+        c.set_data_from_numpy(raw)
+        inputs.append(c)
+        return self._stats_of(inputs)
+
+    def _stats_of(self, inputs) -> dict[str, Any]:
         try:
             res = self.client.infer(self.model, inputs, **self._timeout_kw())
         except Exception as exc:
             raise _error(exc) from None
-        raw = res.as_numpy(P.STATS).reshape(-1)[0]
-        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        arr = res.as_numpy(P.STATS)
+        if arr is None or arr.size == 0:
+            raise DashClientError(f"model '{self.model}' sent no statistics")
+        return json.loads(arr.astype(np.uint8).tobytes().decode())
 
     # -------------------------------------------------------------- generation
     def _timeout_kw(self) -> dict:
@@ -301,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop-at-eos", action="store_true", help="generate max-new-tokens even past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stats", action="store_true", help="print the engine's pool statistics and exit")
+    p.add_argument("--engine-control", choices=P.CONTROL_ACTIONS,
+                   help="pause or resume the engine's model steps (a model written with --allow-engine-control), "
+                        "print the statistics and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
     p.add_argument("--wait", type=float, default=0.0,
                    help="first wait up to this many seconds for the server and model to be ready (a server "
@@ -364,8 +383,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             print(f"dash-client: error: the server at {client.url} is not live", file=err)
             return 3
         try:
-            if a.stats:
-                print(json.dumps(client.stats(), indent=None if a.json else 2), file=out)
+            if a.stats or a.engine_control:
+                stats = client.control(a.engine_control) if a.engine_control else client.stats()
+                print(json.dumps(stats, indent=None if a.json else 2), file=out)
                 return 0
             if a.ids:
                 try:

@@ -193,12 +193,15 @@ class GenerationEngine:
     """
 
     def __init__(self, model: DashForCausalLM, config: EngineConfig | None = None, *,
-                 forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2):
+                 forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2,
+                 clock: Callable[[], float] = time.monotonic):
         self.model = model
         # Asking Triton whether a request was cancelled is a round trip to the server
-        # process: do it at most this often (seconds), not on every step.
+        # process: do it at most this often (seconds of ``clock``), not on every step.
         self.cancel_poll_interval = cancel_poll_interval
+        self._clock = clock
         self._last_cancel_poll = float("-inf")
+        self._paused = False
         self.config = config or EngineConfig()
         self.model_config = model.config
         self.state = PagedState(model, self.config.num_blocks, self.config.kv_block_size)
@@ -286,14 +289,39 @@ class GenerationEngine:
             return bool(self._incoming or self._waiting or self._running)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Block until a request arrives (or ``timeout``); True if there is work."""
+        """Block until a request arrives (or ``timeout``); True if there is work to step.
+        While paused, block until resumed, closed or the next cancellation poll is due."""
         with self._work:
-            if not (self._incoming or self._waiting or self._running or self._closed):
+            if self._paused and not self._closed:
+                poll = self.cancel_poll_interval if self.cancel_poll_interval > 0 else 0.05
+                self._work.wait(poll if timeout is None else min(timeout, poll))
+            elif not (self._incoming or self._waiting or self._running or self._closed):
                 self._work.wait(timeout)
-            return bool(self._incoming or self._waiting or self._running)
+            return not self._paused and bool(self._incoming or self._waiting or self._running)
+
+    # ------------------------------------------------------------ operator control
+    def pause(self) -> None:
+        """Stop running model steps (any thread). Requests are still accepted, admitted
+        (their KV blocks reserved) and dropped when cancelled, so an operator can drain or
+        inspect the engine, and tests can hold requests in a known state; nothing runs
+        until :meth:`resume`."""
+        with self._work:
+            self._paused = True
+            self._work.notify_all()
+
+    def resume(self) -> None:
+        """Run model steps again after :meth:`pause` (any thread)."""
+        with self._work:
+            self._paused = False
+            self._work.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def step(self) -> bool:
-        """Admit what fits, run one model step, dispatch events. Returns False when idle."""
+        """Admit what fits, run one model step, dispatch events. Returns False when idle
+        (or paused: then it only admits and drops cancelled requests)."""
         with self._lock:
             while self._incoming:
                 req = self._incoming.popleft()
@@ -301,6 +329,8 @@ class GenerationEngine:
                 self._waiting.append(req)
         self._drop_cancelled()
         self._admit()
+        if self._paused:
+            return False
         plan = self._plan()
         if not plan:
             return False
@@ -340,7 +370,7 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ internals
     def _drop_cancelled(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_cancel_poll < self.cancel_poll_interval:
             return
         self._last_cancel_poll = now
@@ -498,6 +528,7 @@ class GenerationEngine:
                 running=len(self._running),
                 waiting=len(self._waiting) + len(self._incoming),
                 closed=self._closed is not None,
+                paused=self._paused,
             )
         return out
 

@@ -12,7 +12,14 @@ name                Triton type  dims    optional  meaning
 ``stop_at_eos``     TYPE_BOOL    [1]     yes       stop at ``eos_token_id`` (default true)
 ``get_stats``       TYPE_BOOL    [1]     yes       true: answer with the pool's statistics only
                                                    (``input_ids`` is then ignored and may be empty)
+``engine_control``  TYPE_UINT8   [-1]    yes       ``pause`` or ``resume`` (UTF-8) the engine's model
+                                                   steps, answered with the statistics; refused unless
+                                                   the model was written with ``--allow-engine-control``
 ==================  ===========  ======  ========  ====================================================
+
+While paused, the engine still accepts and admits requests (reserving their KV blocks) and
+drops cancelled ones, but runs no model step: an operator drains or inspects it, and a test
+holds requests in a known state without racing the engine.
 
 Outputs:
 
@@ -22,8 +29,13 @@ name                    Triton type   dims  meaning
 ``output_ids``          TYPE_INT64    [-1]  generated token ids (all of them; in the streaming model
                                             the ones new since the previous response)
 ``prompt_tokens_done``  TYPE_INT64    [1]   prompt tokens prefilled so far (progress)
-``stats``               TYPE_STRING   [1]   JSON statistics, only in answers to ``get_stats``
+``stats``               TYPE_UINT8    [-1]  JSON statistics (UTF-8), only in answers to ``get_stats``
+                                            and ``engine_control``
 ======================  ============  ====  =====================================================
+
+No tensor is ``TYPE_STRING`` (BYTES): the Python backend stub of Triton 2.51 (the one in
+``nvidia-pytriton`` 0.7.0) corrupts BYTES tensors under numpy 2.x, and text travels as UTF-8
+in ``TYPE_UINT8`` instead (the model reads and writes every tensor through DLPack).
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ INPUT_IDS = "input_ids"
 MAX_NEW_TOKENS = "max_new_tokens"
 STOP_AT_EOS = "stop_at_eos"
 GET_STATS = "get_stats"
+ENGINE_CONTROL = "engine_control"
+#: Values of ``engine_control``.
+CONTROL_ACTIONS = ("pause", "resume")
 
 OUTPUT_IDS = "output_ids"
 PROMPT_TOKENS_DONE = "prompt_tokens_done"
@@ -43,13 +58,14 @@ INPUTS = (
     (MAX_NEW_TOKENS, "TYPE_INT32", (1,), True),
     (STOP_AT_EOS, "TYPE_BOOL", (1,), True),
     (GET_STATS, "TYPE_BOOL", (1,), True),
+    (ENGINE_CONTROL, "TYPE_UINT8", (-1,), True),
 )
 
 #: (name, Triton data type, dims)
 OUTPUTS = (
     (OUTPUT_IDS, "TYPE_INT64", (-1,)),
     (PROMPT_TOKENS_DONE, "TYPE_INT64", (1,)),
-    (STATS, "TYPE_STRING", (1,)),
+    (STATS, "TYPE_UINT8", (-1,)),
 )
 
 #: Keys of the generation models' ``parameters`` (all strings in config.pbtxt).
@@ -59,6 +75,7 @@ PARAM_ENGINE = "engine_config"           # JSON of EngineConfig
 PARAM_MODEL_CONFIG = "dash_model_config"  # JSON of the model's config.json (the client tokenizes with it)
 PARAM_WARMUP = "warmup"                  # "true": one tiny generation before the model reports ready
 PARAM_TORCH_THREADS = "torch_num_threads"  # "0": torch's default
+PARAM_ALLOW_CONTROL = "allow_engine_control"  # "true": engine_control requests are served
 
 #: Default model names written by ``dash-triton write --name dash``.
 DEFAULT_NAME = "dash"

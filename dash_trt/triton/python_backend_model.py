@@ -31,6 +31,24 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def _check_tensor_interop(torch):
+    """Tensors cross the backend stub through DLPack only, never numpy: the stub's pybind11
+    (2.10 in the Triton 2.51 that nvidia-pytriton 0.7.0 ships) reads numpy's dtype descriptor
+    with the numpy 1.x layout, so under numpy 2.x every item size reads as 0:
+    ``Tensor.as_numpy()`` repeats the first element and ``pb_utils.Tensor(name, ndarray)``
+    carries 0 bytes (BYTES tensors too, which is why this model has none). Raises if DLPack
+    is broken as well; returns a note for the log when only numpy's side is."""
+    want = torch.arange(1, 5, dtype=torch.int64)
+    back = torch.utils.dlpack.from_dlpack(pb_utils.Tensor.from_dlpack("probe", want).to_dlpack()).tolist()
+    if back != want.tolist():
+        raise RuntimeError(f"the Triton Python backend stub corrupts DLPack tensors: {want.tolist()} -> {back}")
+    got = pb_utils.Tensor.from_dlpack("probe", want).as_numpy().tolist()
+    if got != want.tolist():
+        return (f"the backend stub's numpy interop is broken with numpy {np.__version__} ({want.tolist()} -> {got}); "
+                "this model exchanges tensors through DLPack, so requests are not affected")
+    return None
+
+
 class TritonPythonModel:
     def initialize(self, args):
         import torch
@@ -49,7 +67,11 @@ class TritonPythonModel:
         )
 
         self.P = P
+        self.torch = torch
         self.RequestError = RequestError
+        note = _check_tensor_interop(torch)
+        if note:
+            pb_utils.Logger.log_warn(f"{args.get('model_name', 'dash')}: {note}")
         self.codes = {
             INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
             UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
@@ -60,6 +82,7 @@ class TritonPythonModel:
         self.name = config["name"]
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.allow_control = params.get(P.PARAM_ALLOW_CONTROL, "false") == "true"
         threads = int(params.get(P.PARAM_TORCH_THREADS, "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
@@ -91,12 +114,16 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                if self._flag(request, P.GET_STATS, False):
-                    stats = np.array([json.dumps(self.engine.stats()).encode()], dtype=np.object_)
-                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(P.STATS, stats)]),
+                control = self._optional(request, P.ENGINE_CONTROL)
+                if control is not None:
+                    self._control(control)
+                if control is not None or self._flag(request, P.GET_STATS, False):
+                    blob = bytearray(json.dumps(self.engine.stats()).encode())
+                    stats = self.torch.frombuffer(blob, dtype=self.torch.uint8)
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(P.STATS, stats)]),
                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                ids = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS).as_numpy()
+                ids = self._read(pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS))
                 max_new = self._optional(request, P.MAX_NEW_TOKENS)
                 self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
                                    on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender)
@@ -106,9 +133,29 @@ class TritonPythonModel:
                 self._send_error(sender, f"{type(exc).__name__}: {exc}", "internal")
         return None
 
+    def _control(self, arr):
+        P = self.P
+        if not self.allow_control:
+            raise self.RequestError(f"{P.ENGINE_CONTROL} is disabled for this model (write the repository with "
+                                    f"dash-triton write --allow-engine-control to enable it)")
+        action = arr.astype(np.uint8).tobytes().decode("utf-8", "replace")
+        if action == "pause":
+            self.engine.pause()
+        elif action == "resume":
+            self.engine.resume()
+        else:
+            raise self.RequestError(f"{P.ENGINE_CONTROL} must be one of {', '.join(P.CONTROL_ACTIONS)}, "
+                                    f"got {action[:40]!r}")
+        pb_utils.Logger.log_info(f"{self.name}: engine {action}d by a request")
+
+    def _read(self, tensor):
+        # DLPack, not as_numpy() (see _check_tensor_interop); a copy, since the engine keeps
+        # it past the request's lifetime
+        return self.torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).cpu().numpy().copy()
+
     def _optional(self, request, name):
         t = pb_utils.get_input_tensor_by_name(request, name)
-        return None if t is None else t.as_numpy()
+        return None if t is None else self._read(t)
 
     def _flag(self, request, name, default):
         arr = self._optional(request, name)
@@ -120,9 +167,11 @@ class TritonPythonModel:
 
     # -------------------------------------------------------------- responses
     def _outputs(self, tokens, prompt_done):
-        P = self.P
-        return [pb_utils.Tensor(P.OUTPUT_IDS, np.asarray(tokens, dtype=np.int64).reshape(-1)),
-                pb_utils.Tensor(P.PROMPT_TOKENS_DONE, np.array([prompt_done], dtype=np.int64))]
+        P, torch = self.P, self.torch
+        # torch tensors through DLPack (never a numpy array: the stub renames the capsule,
+        # which numpy's destructor rejects)
+        return [pb_utils.Tensor.from_dlpack(P.OUTPUT_IDS, torch.tensor(list(tokens), dtype=torch.int64)),
+                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_DONE, torch.tensor([prompt_done], dtype=torch.int64))]
 
     def _send_error(self, sender, message, code):
         error = pb_utils.TritonError(f"{self.name}: {message}", self.codes.get(code, pb_utils.TritonError.INTERNAL))

@@ -216,7 +216,7 @@ def onnx_kv_block_size(inputs: Sequence[TensorSpec]) -> int | None:
 # ----------------------------------------------------------------- configs
 def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig, *, streaming: bool,
                         device: str = "cpu", checkpoint: str = "model.pt", warmup: bool = True,
-                        torch_num_threads: int = 0) -> dict[str, Any]:
+                        torch_num_threads: int = 0, allow_engine_control: bool = False) -> dict[str, Any]:
     """config.pbtxt (as a dict) of a Python-backend generation model."""
     if device not in ("cpu", "cuda"):
         raise RepositoryError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -251,6 +251,7 @@ def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig,
                                                                                sort_keys=True)}},
             {"key": P.PARAM_WARMUP, "value": {"string_value": "true" if warmup else "false"}},
             {"key": P.PARAM_TORCH_THREADS, "value": {"string_value": str(int(torch_num_threads))}},
+            {"key": P.PARAM_ALLOW_CONTROL, "value": {"string_value": "true" if allow_engine_control else "false"}},
         ],
     }
 
@@ -302,7 +303,8 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
                      engine: EngineConfig | None = None, name: str = P.DEFAULT_NAME, device: str = "cpu",
                      streaming: bool = True, onnx: str | None = None, plan: str | None = None,
                      plugin: str | None = None, plan_instances: int = 1, plan_gpus: Sequence[int] | None = None,
-                     warmup: bool = True, torch_num_threads: int = 0, force: bool = False) -> WrittenRepository:
+                     warmup: bool = True, torch_num_threads: int = 0, allow_engine_control: bool = False,
+                     force: bool = False) -> WrittenRepository:
     """Write the repository at ``out``.
 
     ``model`` is the loaded checkpoint (its config goes into the parameters);
@@ -357,7 +359,8 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
                 save_checkpoint(model, ckpt)
             first_ckpt = first_ckpt or ckpt
             cfg = python_model_config(model_name, model, engine, streaming=stream, device=device,
-                                      warmup=warmup, torch_num_threads=torch_num_threads)
+                                      warmup=warmup, torch_num_threads=torch_num_threads,
+                                      allow_engine_control=allow_engine_control)
             _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
             models.append(model_name)
         if plan_cfg is not None:

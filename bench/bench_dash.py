@@ -5,7 +5,7 @@ one block, top-16, bf16, KV block = sparse block = 64.
 
   decode : 32 sequences, one new token each, at 8k / 32k / 128k context (CUDA-graph replay;
            max_query_len=1, so the write and summary stages ride in later launches unless
-           DASH_TRT_FUSED_FRONT=0)
+           --tuning fused_front=-1)
   prefill: one sequence of 16k / 64k tokens in one call
 
 Prints a markdown table (medians of CUDA-event timings) with bytes moved, achieved bandwidth,
@@ -35,6 +35,8 @@ H, HKV, D, DI, SBS, TOPK = 32, 8, 128, 128, 64, 16
 DT = torch.bfloat16
 CFG = DashConfig.from_dict({"sparse_block_size": SBS, "sparse_local_block": 1, "sparse_topk_blocks": TOPK,
                             "sparse_page_bias": 0.5})
+#: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
+TUNING = None
 
 
 def time_ms(fn, iters=20, warmup=3) -> float:
@@ -107,7 +109,8 @@ def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, max_query_len
 
     def dash():  # a decode step: one new token per sequence (vLLM's max_query_len == 1)
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, max_query_len=max_query_len)
+                                               layer_idx=0, validate=False, max_query_len=max_query_len,
+                                               tuning=TUNING)
 
     return dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length
 
@@ -160,7 +163,7 @@ def prefill_case(seq: int, run_reference: bool, gen) -> dict:
 
     def dash():
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False)
+                                               layer_idx=0, validate=False, tuning=TUNING)
 
     dash_ms = time_ms(dash, iters=5, warmup=1)
     qd = q.transpose(0, 1)[None]
@@ -191,7 +194,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller cases (smoke test)")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
+    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. front_writer=1,attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
+    global TUNING
+    TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
     if not torch.cuda.is_available():
         print("bench_dash: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -54,7 +54,9 @@ def main() -> int:
     ap.add_argument("which", nargs="*", default=["decode", "prefill"])
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
+    B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
     if not torch.cuda.is_available():
         print("breakdown: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -41,6 +41,8 @@ __all__ = [
     "OP_ATTRIBUTES",
     "NODE_ATTRIBUTES",
     "PLUGIN_VERSION",
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_FIELDS",
     "encode",
     "decode",
     "torch_schema_args",
@@ -49,6 +51,17 @@ __all__ = [
 #: Version string of the DASH attention node/plugin contract (ONNX attribute
 #: ``plugin_version``; the TensorRT plugin creator registers the same version).
 PLUGIN_VERSION = "1"
+
+#: Namespace the TensorRT plugin creator registers in (ONNX attribute ``plugin_namespace``).
+#: TensorRT's ONNX parser from 10.15 on imports a node whose op also has a model-local
+#: function as that function unless the node carries a ``plugin_namespace`` attribute (or the
+#: parser flag ENABLE_PLUGIN_OVERRIDE is set); 10.7-10.14 prefer a registered plugin anyway.
+#: With the attribute, every release looks the creator up by (op type, ``plugin_version``,
+#: ``plugin_namespace``).
+PLUGIN_NAMESPACE = ""
+
+#: The contract attributes every node carries, with their fixed values.
+PLUGIN_FIELDS = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
 
 #: ONNX attribute type names (``onnx.AttributeProto.AttributeType`` members).
 _ONNX_TYPE = {
@@ -141,10 +154,13 @@ CALL_ATTRIBUTES: tuple[Attribute, ...] = (
 #: What the torch custom op takes as scalar arguments.
 OP_ATTRIBUTES: tuple[Attribute, ...] = CONFIG_ATTRIBUTES + CALL_ATTRIBUTES
 
-#: What the ONNX node carries: the op's attributes plus the contract version.
+#: What the ONNX node carries: the op's attributes plus the contract's version and namespace.
 NODE_ATTRIBUTES: tuple[Attribute, ...] = OP_ATTRIBUTES + (
     Attribute("plugin_version", "STRING", PLUGIN_VERSION,
               "version of the DashAttention node/plugin contract", "version"),
+    Attribute("plugin_namespace", "STRING", PLUGIN_NAMESPACE,
+              "namespace of the TensorRT plugin creator; marks the node as a plugin node for TensorRT's "
+              "ONNX parser (>= 10.15 otherwise imports the model-local function)", "version"),
 )
 
 

@@ -17,6 +17,8 @@ import ctypes
 import glob
 import os
 import sysconfig
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,10 +36,13 @@ __all__ = [
     "library_path",
     "supported_head_dims",
     "paged_dash_attention_cuda",
+    "supports",
+    "check_sizes",
+    "Tuning",
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -69,11 +74,47 @@ class DashParams(ctypes.Structure):
         ("ik", ctypes.c_void_p), ("coords", ctypes.c_void_p), ("head_cls", ctypes.c_void_p),
         ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
         ("query_start_loc", ctypes.c_void_p), ("prompt_lens", ctypes.c_void_p),
-        ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("index_cache", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("index_key_cache", ctypes.c_void_p),
         ("image_page_cache", ctypes.c_void_p), ("summary_cache", ctypes.c_void_p),
-        ("summary_pages", ctypes.c_void_p), ("out", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
+        ("summary_pages_cache", ctypes.c_void_p), ("out", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t), ("selected_out", ctypes.c_void_p),
+        ("tune_block_major_min_tokens", ctypes.c_int32), ("tune_block_major_chunk", ctypes.c_int32),
+        ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
+        ("tune_front_writer", ctypes.c_int32),
     ]
+
+
+class DashPlan(ctypes.Structure):
+    """ctypes mirror of ``DashPlan`` (dash.h): opaque, filled by ``dash_plan``."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 96)]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The kernels' tuning knobs (``DashParams.tune_*``, plugins/include/dash/params.h); 0 takes
+    the library's documented default. Tests and benchmarks pass others explicitly; the
+    library reads no environment variable."""
+
+    block_major_min_tokens: int = 0  #: prefill attention goes block-major from this many tokens (1024; < 0: never)
+    block_major_chunk: int = 0  #: tokens per block-major pass (8192)
+    attend_ctas: int = 0  #: split-K target (CTAs) of the token-major attention (256)
+    fused_front: int = 0  #: decode-only calls fold the write and summary stages into later launches (< 0: no)
+    front_writer: int = 0  #: the folded write: 0 the plan picks, 1 a CTA of its own, 2 the first routing CTA
+
+    def params(self) -> dict[str, int]:
+        return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def parse(cls, text: str) -> Tuning:
+        """``"name=value,name=value"`` (the field names above), for benchmark command lines."""
+        values = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            name, _, value = item.partition("=")
+            if name not in {f.name for f in fields(cls)}:
+                raise ValueError(f"unknown tuning knob {name!r} (known: {', '.join(f.name for f in fields(cls))})")
+            values[name] = int(value)
+        return cls(**values)
 
 
 def _candidates() -> list[Path]:
@@ -119,6 +160,12 @@ def _library() -> ctypes.CDLL:
     lib.dash_workspace_size.argtypes = [ctypes.POINTER(DashParams), ctypes.POINTER(ctypes.c_size_t)]
     lib.dash_run.restype = ctypes.c_int
     lib.dash_run.argtypes = [ctypes.POINTER(DashParams), ctypes.c_void_p]
+    lib.dash_plan.restype = ctypes.c_int
+    lib.dash_plan.argtypes = [ctypes.POINTER(DashParams), ctypes.POINTER(DashPlan)]
+    lib.dash_plan_workspace_size.restype = ctypes.c_size_t
+    lib.dash_plan_workspace_size.argtypes = [ctypes.POINTER(DashPlan)]
+    lib.dash_run_plan.restype = ctypes.c_int
+    lib.dash_run_plan.argtypes = [ctypes.POINTER(DashParams), ctypes.POINTER(DashPlan), ctypes.c_void_p]
     lib.dash_read_data_errors.restype = ctypes.c_int
     lib.dash_read_data_errors.argtypes = [ctypes.POINTER(DashParams), ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     lib.dash_status_string.restype = ctypes.c_char_p
@@ -165,6 +212,39 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@lru_cache(maxsize=256)
+def _config_fields_cached(cfg, layer_idx: int) -> tuple:
+    return tuple(_config_fields(cfg, layer_idx).items())
+
+
+def _config_fields(cfg, layer_idx: int) -> dict:
+    """The configuration fields of DashParams for one layer."""
+    return dict(
+        sparse_block_size=cfg.sparse_block_size, sparse_local_block=cfg.sparse_local_block,
+        topk=cfg.topk_for(layer_idx), dense_layer=int(cfg.is_dense_layer(layer_idx)),
+        page_bias=float(cfg.sparse_page_bias), rope_page_pairs=cfg.sparse_rope_page_pairs,
+        rope_tok_theta=float(cfg.sparse_rope_tok_theta), rope_page_theta=float(cfg.sparse_rope_page_theta),
+        main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
+        index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
+        rope_page_mod=cfg.sparse_rope_page_mod)
+
+
+def check_sizes(num_heads: int, num_kv_heads: int, head_dim: int, index_dim: int, num_blocks: int,
+                block_size: int, table_width: int, sp: SpLike, dtype: torch.dtype, num_layers: int) -> None:
+    """Ask the kernel library whether it runs these sizes for every layer (no device work):
+    raises :class:`DashKernelError` with its message (e.g. a block table too wide for the
+    routing stage) so a runtime fails when it is built, not at its first step."""
+    cfg = as_config(sp)
+    lib = _library()
+    for layer in range(num_layers):
+        p = DashParams(num_tokens=0, num_seqs=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       index_dim=index_dim, num_blocks=num_blocks, block_size=block_size, table_width=table_width,
+                       max_new_tokens=0, dtype=_DTYPE_CODES[dtype], **_config_fields(cfg, layer))
+        size = ctypes.c_size_t(0)
+        _check(lib, lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)),
+               f"layer {layer}: {table_width} blocks of {block_size} tokens per sequence")
+
+
 def paged_dash_attention_cuda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,6 +265,7 @@ def paged_dash_attention_cuda(
     check_errors: bool | None = None,
     return_selected: bool = False,
     max_query_len: int | None = None,
+    tuning: Tuning | None = None,
 ):
     """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels (same arguments).
 
@@ -197,7 +278,11 @@ def paged_dash_attention_cuda(
     ``max_query_len``; ``None``: T). With 1, a decode-only step, the kernels fold the cache
     write and the block summary into the routing and attention launches (two launches fewer).
     A sequence with more new tokens is an error: a ``ValueError`` with ``validate``, else the
-    kernels skip it and flag it.
+    kernels skip it and flag it. ``tuning`` overrides the kernels' knobs (:class:`Tuning`).
+
+    Planning is separate from the launch (``dash_plan`` / ``dash_run_plan``): the plan of a
+    shape (sizes, layer configuration, tuning) is made once and kept (a small LRU), so every
+    layer of a step with the same shape only fills pointers and launches.
     """
     cfg = as_config(sp)
     lib = _library()
@@ -229,36 +314,25 @@ def paged_dash_attention_cuda(
         if not tensor.is_contiguous():
             raise ValueError(f"cache.{name} must be contiguous (it is written in place)")
     out = torch.empty_like(q)
-    topk = cfg.topk_for(layer_idx)
-    p = DashParams(
-        num_tokens=t, num_seqs=tables32.shape[0], num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
-        num_blocks=nb, block_size=bsz, table_width=tables32.shape[1],
-        max_new_tokens=t if max_query_len is None else min(t, max_query_len),
-        dtype=_DTYPE_CODES[q.dtype], sparse_block_size=cfg.sparse_block_size,
-        sparse_local_block=cfg.sparse_local_block, topk=topk, dense_layer=int(cfg.is_dense_layer(layer_idx)),
-        page_bias=float(cfg.sparse_page_bias), rope_page_pairs=cfg.sparse_rope_page_pairs,
-        rope_tok_theta=float(cfg.sparse_rope_tok_theta), rope_page_theta=float(cfg.sparse_rope_page_theta),
-        main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
-        index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
-        rope_page_mod=cfg.sparse_rope_page_mod,
-        q=_ptr(q), k=_ptr(k), v=_ptr(v), iq=_ptr(iq), ik=_ptr(ik), coords=_ptr(coords32),
-        head_cls=_ptr(head_cls), block_tables=_ptr(tables32), seq_lens=_ptr(lens32),
-        query_start_loc=_ptr(qsl32), prompt_lens=_ptr(prompts32),
-        key_cache=_ptr(cache.key), value_cache=_ptr(cache.value), index_cache=_ptr(cache.index_key),
-        image_page_cache=_ptr(cache.image_page), summary_cache=_ptr(cache.summary),
-        summary_pages=_ptr(cache.summary_pages), out=_ptr(out),
-    )
-    size = ctypes.c_size_t(0)
-    _check(lib, lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)), "dash_workspace_size")
-    workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
-    p.workspace, p.workspace_size = workspace.data_ptr(), size.value
+    tune = tuning if tuning is not None else _DEFAULT_TUNING
+    p, plan, size = _planned(lib, (t, tables32.shape[0], h, hkv, d, di, nb, bsz, tables32.shape[1],
+                                   t if max_query_len is None else min(t, max_query_len), _DTYPE_CODES[q.dtype]),
+                             cfg, layer_idx, tune)
+    p.q, p.k, p.v, p.iq, p.ik, p.coords = _ptr(q), _ptr(k), _ptr(v), _ptr(iq), _ptr(ik), _ptr(coords32)
+    p.head_cls, p.block_tables, p.seq_lens = _ptr(head_cls), _ptr(tables32), _ptr(lens32)
+    p.query_start_loc, p.prompt_lens = _ptr(qsl32), _ptr(prompts32)
+    p.key_cache, p.value_cache, p.index_key_cache = _ptr(cache.key), _ptr(cache.value), _ptr(cache.index_key)
+    p.image_page_cache, p.summary_cache = _ptr(cache.image_page), _ptr(cache.summary)
+    p.summary_pages_cache, p.out = _ptr(cache.summary_pages), _ptr(out)
+    workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+    p.workspace, p.workspace_size = workspace.data_ptr(), size
     selected = None
     if return_selected:
         kmax = lib.dash_max_selected(ctypes.byref(p))
         selected = torch.empty(t, kmax, dtype=torch.int32, device=device)
         p.selected_out = selected.data_ptr()
     stream = torch.cuda.current_stream(device).cuda_stream
-    _check(lib, lib.dash_run(ctypes.byref(p), ctypes.c_void_p(stream)), "dash_run")
+    _check(lib, lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), ctypes.c_void_p(stream)), "dash_run_plan")
     if (validate if check_errors is None else check_errors) and t:
         mask = ctypes.c_int32(0)
         _check(lib, lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
@@ -271,7 +345,86 @@ def paged_dash_attention_cuda(
     return out
 
 
+_DEFAULT_TUNING = Tuning()
+_PLANS: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 256
+
+
+def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
+    """(params with every size, configuration and tuning field set, their plan, workspace
+    bytes) for this shape: planned on first use, then a copy of the kept params."""
+    config = _config_fields_cached(cfg, layer_idx)
+    key = (sizes, config, tune)
+    hit = _PLANS.get(key)
+    if hit is None:
+        t, b, h, hkv, d, di, nb, bsz, w, most, dtype = sizes
+        template = DashParams(num_tokens=t, num_seqs=b, num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
+                              num_blocks=nb, block_size=bsz, table_width=w, max_new_tokens=most, dtype=dtype,
+                              **dict(config), **tune.params())
+        plan = DashPlan()
+        _check(lib, lib.dash_plan(ctypes.byref(template), ctypes.byref(plan)), "dash_plan")
+        hit = (template, plan, int(lib.dash_plan_workspace_size(ctypes.byref(plan))))
+        _PLANS[key] = hit
+        if len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    template, plan, size = hit
+    return DashParams.from_buffer_copy(template), plan, size
+
+
 _warned_fallback = False
+
+
+def _warn_fallback(exc: Exception) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        import warnings
+
+        warnings.warn(f"DASH CUDA kernels: {exc}; running the PyTorch paged operator instead", stacklevel=3)
+        _warned_fallback = True
+
+
+def supports(head_dim: int, index_dim: int, kv_block_size: int, sparse_block_size: int,
+             dtype: torch.dtype) -> str | None:
+    """None if the kernels run these sizes (so the in-place op never falls back to the PyTorch
+    operator, and a step can be captured in a CUDA graph), else the reason."""
+    if not available():
+        return "the kernel library or a CUDA device is not available"
+    if head_dim not in supported_head_dims():
+        return f"unsupported head dim: {head_dim} (supported: {', '.join(map(str, supported_head_dims()))})"
+    if index_dim % 2 or index_dim > 512:
+        return f"unsupported index dim: {index_dim} (even, at most 512)"
+    if kv_block_size % sparse_block_size:
+        return (f"KV block size {kv_block_size} is not a whole multiple of the sparse block size "
+                f"{sparse_block_size}")
+    if dtype not in _DTYPE_CODES:
+        return f"unsupported dtype {dtype}"
+    return None
+
+
+def op_impl_inplace(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary, summary_pages,
+                    block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx, max_query_len):
+    """The CUDA implementation of the in-place op ``dash_trt::paged_attention_`` (see
+    :func:`dash_trt.ops.register_cuda_impl`): the kernels write the caches where they are,
+    with no host validation and no sync (the runtime's metadata is built by its own pool),
+    so the call can be captured in a CUDA graph. Sizes the kernels do not support run the
+    PyTorch paged operator in place instead (which does synchronise), with a warning the
+    first time."""
+    cache = DashKVCache(key, value, index_key, image_page, summary, summary_pages,
+                        sparse_block_size=cfg.sparse_block_size)
+    try:
+        return paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                                         query_start_loc, prompt_lens, cfg, layer_idx, validate=False,
+                                         check_errors=False, max_query_len=int(max_query_len))
+    except DashKernelError as exc:
+        if "DASH_ERR_UNSUPPORTED" not in str(exc):
+            raise
+        _warn_fallback(exc)
+        from .paged import paged_dash_attention
+
+        return paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
+                                    query_start_loc, prompt_lens, cfg, layer_idx)
 
 
 def op_impl(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary, summary_pages,
@@ -281,7 +434,6 @@ def op_impl(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page
     caches, which are returned. Sizes the kernels do not support (a KV block that is not a
     whole multiple of the sparse block, a head dim outside :func:`supported_head_dims`) run
     the PyTorch paged operator instead, with a warning the first time."""
-    global _warned_fallback
     cache = DashKVCache(key.clone(), value.clone(), index_key.clone(), image_page.clone(), summary.clone(),
                         summary_pages.clone(), sparse_block_size=cfg.sparse_block_size)
     try:
@@ -290,11 +442,7 @@ def op_impl(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page
     except DashKernelError as exc:
         if "DASH_ERR_UNSUPPORTED" not in str(exc):
             raise
-        if not _warned_fallback:
-            import warnings
-
-            warnings.warn(f"DASH CUDA kernels: {exc}; running the PyTorch paged operator instead", stacklevel=2)
-            _warned_fallback = True
+        _warn_fallback(exc)
         from .paged import paged_dash_attention
 
         out = paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,

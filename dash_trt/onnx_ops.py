@@ -4,17 +4,21 @@ function.
 Every DASH attention call becomes ONE node (op_type ``DashAttention``, domain
 ``dash_trt``) with the 17 inputs and 7 outputs of the torch op (:mod:`dash_trt.ops`)
 and the configuration as attributes (:mod:`dash_trt.attributes`, plus
-``plugin_version``). The model also carries a model-local function of the same
-domain and name whose body uses standard ONNX ops only, so ONNX Runtime (or any
-runtime without the plugin) runs the file as is, while TensorRT (>= 10.8, which
-prefers a registered plugin over a local function of the same name) runs the plugin.
+``plugin_version`` and ``plugin_namespace``). The model also carries a model-local
+function of the same domain and name whose body uses standard ONNX ops only, so ONNX
+Runtime (or any runtime without the plugin) runs the file as is, while TensorRT runs the
+plugin: its ONNX parser looks the creator up by op type, ``plugin_version`` and
+``plugin_namespace``; 10.7-10.14 prefer a registered plugin over a local function of the
+same name, and from 10.15 on a node is imported as a plugin only when it carries a
+``plugin_namespace`` attribute (read in onnx-tensorrt's ModelImporter.cpp, parseNode, of
+those releases), which every node here does.
 
 How the exporter is made to do this (torch 2.13, onnx 1.23, onnxscript 0.7; measured):
 
 - the exporter refuses a custom-domain op without a schema ("No schema registered for
   'DashAttention'"), so :func:`register_schema` registers an ``onnx.defs.OpSchema``;
   attributes not declared in that schema are silently dropped from the node, hence
-  ``plugin_version`` is declared too;
+  ``plugin_version`` and ``plugin_namespace`` are declared too;
 - the translation (:func:`translation_table`, for ``custom_translation_table``) emits
   the bare custom node; a translation that calls an onnxscript function instead gets
   inlined by the exporter's passes (the function disappears, or the inliner fails on
@@ -67,7 +71,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper
 
 from . import attributes as A
 from .ops import OUTPUTS, TENSOR_INPUTS, paged_attention_op
@@ -161,7 +165,7 @@ def _translate(*inputs, **attrs):
         if a.onnx_type == "INTS":
             # an empty list (no dense layers) has no type of its own: say it
             node_attrs[a.name] = ir.Attr(a.name, ir.AttributeType.INTS, [int(x) for x in attrs[a.name]])
-    return getattr(opset, OP_TYPE)(*inputs, **node_attrs, plugin_version=A.PLUGIN_VERSION)
+    return getattr(opset, OP_TYPE)(*inputs, **node_attrs, **A.PLUGIN_FIELDS)
 
 
 def translation_table() -> dict:
@@ -553,11 +557,12 @@ def node_config(node: onnx.NodeProto):
 # ---------------------------------------------------------------- standalone models
 def make_node(inputs: list[str], outputs: list[str], attrs: dict, name: str = "dash_attention") -> onnx.NodeProto:
     """A ``dash_trt.DashAttention`` node with the op attributes ``attrs`` (from
-    :func:`dash_trt.attributes.encode`) and ``plugin_version``."""
+    :func:`dash_trt.attributes.encode`), ``plugin_version`` and ``plugin_namespace``."""
     node = helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN)
     for a in A.OP_ATTRIBUTES:
         node.attribute.append(helper.make_attribute(a.name, attrs[a.name], attr_type=_ATTR_TYPE[a.onnx_type]))
-    node.attribute.append(helper.make_attribute("plugin_version", A.PLUGIN_VERSION))
+    for name, value in A.PLUGIN_FIELDS.items():
+        node.attribute.append(helper.make_attribute(name, value, attr_type=AttributeProto.STRING))
     return node
 
 

@@ -61,19 +61,22 @@ case " $what " in *" breakdown "*)
   python3 bench/breakdown.py decode prefill 2>&1 | tee "$OUT/breakdown.log"
   status=$(( status | ${PIPESTATUS[0]} ))
   for ctas in ${ATTEND_CTAS_SWEEP:-}; do  # split-K target sweep (decode attention)
-    DASH_TRT_ATTEND_CTAS=$ctas python3 bench/breakdown.py decode 2>&1 | grep -E "^## |attend|combine" \
+    python3 bench/breakdown.py decode --tuning attend_ctas=$ctas 2>&1 | grep -E "^## |attend|combine" \
       | sed "s/^/[ctas=$ctas] /" | tee -a "$OUT/breakdown.log"
   done;;
 esac
 case " $what " in *" ab "*)
-  # The decode-only benchmark once per setting of AB_SETTINGS (space-separated VAR=value, e.g.
-  # "DASH_TRT_FRONT_WRITER=cta DASH_TRT_FRONT_WRITER=route"): an A/B in one call. Two builds:
-  # "DASH_TRT_LIBRARY=$PWD/build-base/plugins/libdash_trt_kernels.so DASH_TRT_LIBRARY=..." with
-  # build-base configured from an older tree (`git archive <commit> CMakeLists.txt plugins`
-  # unpacked into a git-ignored folder that travels with the call).
+  # The decode-only benchmark once per setting of AB_SETTINGS (space-separated), an A/B in one
+  # call. A setting is kernel knobs (dash_trt.cuda.Tuning: "front_writer=1 front_writer=2"), or a
+  # second library, "lib=$PWD/build-base/plugins/libdash_trt_kernels.so", with build-base
+  # configured from an older tree (`git archive <commit> CMakeLists.txt plugins` unpacked into a
+  # git-ignored folder that travels with the call).
   for setting in ${AB_SETTINGS:-}; do
     echo "## $setting" | tee -a "$OUT/ab.log"
-    env "$setting" python3 bench/bench_dash.py --decode-only --no-reference 2>&1 | grep -E "^\| decode|copy" | tee -a "$OUT/ab.log"
+    case "$setting" in
+      lib=*) DASH_TRT_LIBRARY=${setting#lib=} python3 bench/bench_dash.py --decode-only --no-reference 2>&1 ;;
+      *) python3 bench/bench_dash.py --decode-only --no-reference --tuning "$setting" 2>&1 ;;
+    esac | grep -E "^\| decode|copy" | tee -a "$OUT/ab.log"
     status=$(( status | ${PIPESTATUS[0]} ))
   done;;
 esac

@@ -22,6 +22,8 @@ HEAD_DIMS = [64, 128]
 GQA = [(4, 4), (8, 2), (32, 8)]
 KV_MULTIPLES = [1, 2, 4]
 SEEDS = [0, 1]
+#: Placements of the decode-only steps' folded write (Tuning.front_writer).
+WRITERS = {"cta": 1, "route": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +48,14 @@ def build_sequences(gen, n, **kw):
 schedule = prefill_then_decode
 
 
-def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None, exact_max_query=True):
+def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None, exact_max_query=True,
+             tuning=None):
     """Run the same steps through the reference and the kernels; return per-step results.
 
     ``exact_max_query``: tell the kernels each step's largest per-sequence token count, as a
     vLLM-style caller does (decode-only steps then take the fused write path,
-    Plan::fused_front); False leaves it at T (the separate write and summary launches)."""
+    Plan::fused_front); False leaves it at T (the separate write and summary launches).
+    ``tuning``: the kernels' knobs (cuda.Tuning) for every call."""
     num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 2
     hkv, d = seqs[0][0].k.shape[1:]
     di = seqs[0][0].ik.shape[1]
@@ -81,7 +85,7 @@ def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table
         ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
                                             return_routing=True)
         out, sel = cuda.paged_dash_attention_cuda(*args, ker_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
-                                                  return_selected=True,
+                                                  return_selected=True, tuning=tuning,
                                                   max_query_len=max(n for _, n in step) if exact_max_query else None)
         steps.append((out, sel, ref, ref_r))
         for i, a, b in rows:
@@ -166,12 +170,12 @@ def test_split_routing_over_a_wide_table():
 
 @pytest.mark.parametrize("writer", ["cta", "route"])
 @pytest.mark.parametrize("topk", [6, 300])
-def test_split_routing_merges_many_ctas(monkeypatch, topk, writer):
+def test_split_routing_merges_many_ctas(topk, writer):
     """Decode tokens with over a thousand remote blocks: 4-6 routing CTAs each keep their best
     min(topk, 256) keys and the last one merges them. top-6 merges by rank; top-300 reaches
     1024 candidates (rank) for one sequence and 1536 (select_topk's warp lists) for the other.
     The decode-only steps' writer runs in a CTA of its own or in the first routing CTA."""
-    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
+    tuning = cuda.Tuning(front_writer=WRITERS[writer])
     gen = torch.Generator().manual_seed(21)
     cfg = make_config(4, sparse_topk_blocks=topk)
     dtype = torch.bfloat16
@@ -179,7 +183,7 @@ def test_split_routing_merges_many_ctas(monkeypatch, topk, writer):
                            pages=(30, 30), max_images=300, response=4)
     assert sorted(x.length // 4 for x, _ in seqs) == [1013, 1324]  # remote blocks: > 3 and > 5 CTAs' worth
     plans = schedule(gen, seqs, 4)
-    steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype, tuning=tuning)
     assert sum(out.shape[0] == 2 for out, *_ in steps) == 4  # the decode steps
     check(steps, rc, kc, dtype)
 
@@ -295,6 +299,53 @@ def test_bad_block_table_is_flagged_not_read():
         _small_call(block_tables=bad_table)
 
 
+def _garbage_int32(gen, shape, small):
+    """Random int32: a mix of in-range-looking values (0..small), negatives and extremes."""
+    x = torch.randint(-(2 ** 31), 2 ** 31 - 1, shape, generator=gen, dtype=torch.int64)
+    near = torch.randint(-3, small + 3, shape, generator=gen, dtype=torch.int64)
+    pick = torch.randint(0, 3, shape, generator=gen)
+    return torch.where(pick == 0, x, near).to(torch.int32)
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed", "prefill", "block-major"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_arbitrary_metadata_is_never_read_out_of_bounds(case, seed):
+    """TensorRT times a plugin during the build on buffers it fills itself: block tables,
+    lengths, query starts, prompt lengths and coordinates may hold anything. The kernels must
+    then skip the bad accesses (and flag them), never read or write out of bounds:
+    scripts/gpu_check.sh runs this under compute-sanitizer memcheck."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    t, b, w, most = {"decode": (24, 24, 40, 1), "mixed": (300, 6, 40, 300), "prefill": (700, 2, 30, 700),
+                     "block-major": (1100, 3, 24, 1100)}[case]
+    sbs = 64 if case == "block-major" else 16
+    cfg = make_config(sbs, sparse_topk_blocks=4)
+    nb, bsz, h, hkv, d, di = 48, sbs * 2, 8, 2, 128, 64
+    dtype = torch.bfloat16
+    cache = P.DashKVCache.allocate(nb, bsz, hkv, d, di, sbs, dtype, "cuda")
+    fill_garbage(cache, gen)  # TensorRT's timing buffers: the caches are garbage too
+    cache.image_page.copy_(_garbage_int32(gen, tuple(cache.image_page.shape), 40))
+    cache.summary_pages.copy_(_garbage_int32(gen, tuple(cache.summary_pages.shape), 40))
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).cuda()
+
+    meta = dict(block_tables=_garbage_int32(gen, (b, w), nb), seq_lens=_garbage_int32(gen, (b,), w * bsz),
+                query_start_loc=_garbage_int32(gen, (b + 1,), t), prompt_lens=_garbage_int32(gen, (b,), w * bsz))
+    if seed % 2:  # half the cases: only the tables are garbage, the lengths consistent
+        counts = torch.full((b,), t // b, dtype=torch.int32)
+        counts[-1] += t - int(counts.sum())
+        meta["query_start_loc"] = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()])
+        meta["seq_lens"] = counts + torch.randint(0, w * bsz // 2, (b,), generator=gen, dtype=torch.int32)
+    coords = _garbage_int32(gen, (t, 4), 40)
+    meta = {k: v.cuda() for k, v in meta.items()}
+    tuning = cuda.Tuning(block_major_min_tokens=1024) if case == "block-major" else None
+    out = cuda.paged_dash_attention_cuda(rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, di), rnd(t, di),
+                                         coords.cuda(), rnd(di), cache, **meta, sp=cfg, layer_idx=0, validate=False,
+                                         check_errors=False, max_query_len=most, tuning=tuning)
+    torch.cuda.synchronize()  # a fault would surface here (and memcheck reports it)
+    assert out.shape == (t, h, d)
+
+
 def test_max_query_len_below_a_sequences_tokens_is_refused():
     """max_query_len promises at most that many new tokens per sequence: a prompt of many tokens
     with max_query_len=1 is refused on the host, or skipped and flagged by the kernels."""
@@ -307,13 +358,13 @@ def test_max_query_len_below_a_sequences_tokens_is_refused():
 
 
 @pytest.mark.parametrize("writer", ["cta", "route"])
-def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, writer):
+def test_decode_only_steps_write_the_cache_like_separate_launches(writer):
     """A decode-only step (max_query_len=1: the write and summary stages fused into the routing
     and attention launches) leaves the same output and the same cache, bit for bit, as the
     separate launches, on steps that complete a sparse block and steps that do not; with the
     writer in a CTA of its own and in the token's first routing CTA (the plan picks one by the
-    grid's size; the variable forces it)."""
-    monkeypatch.setenv("DASH_TRT_FRONT_WRITER", writer)
+    grid's size; the tuning knob forces it)."""
+    tuning = cuda.Tuning(front_writer=WRITERS[writer])
     gen = torch.Generator().manual_seed(31)
     dtype = torch.bfloat16
     cfg = make_config(16, sparse_topk_blocks=4)
@@ -322,7 +373,7 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(monkeypatch, w
     for exact in (True, False):
         plans = [[x.length - 20] + [1] * 20 for x, _ in seqs]
         steps, rc, kc = run_both(cfg, 0, seqs, plans, 32, [None, None, None], torch.Generator().manual_seed(3),
-                                 dtype, exact_max_query=exact)
+                                 dtype, exact_max_query=exact, tuning=tuning)
         check(steps, rc, kc, dtype)
         results.append((steps, kc))
     (fused, kf), (sep, ks) = results
@@ -463,35 +514,34 @@ def test_queries_at_an_unaligned_address_give_the_same_result():
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (128, 32, 8), (256, 8, 2), (64, 16, 1)])
 @pytest.mark.parametrize("prompt_mode", ["none", "prompt"])
 @pytest.mark.parametrize("local_blocks", [1, 2])
-def test_block_major_prefill_path(monkeypatch, dtype, head_dim, heads, kv_heads, prompt_mode, local_blocks):
+def test_block_major_prefill_path(dtype, head_dim, heads, kv_heads, prompt_mode, local_blocks):
     """Prefill attention by block (count, scan, fill, tensor-core tiles over the selected and
     the local-window blocks, combine), forced on small inputs and split into several passes;
     mixed with decode tokens of another sequence."""
-    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS", "64")
-    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_CHUNK", "300")
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300)
     gen = torch.Generator().manual_seed(head_dim + heads + local_blocks)
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=local_blocks)
     seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
                            pages=(6, 9), max_images=120, response=6)
     plans = schedule(gen, seqs, 6)
     prompts = [None] * 3 if prompt_mode == "none" else [x.length - 6 - 40 * i for i, (x, _) in enumerate(seqs)]
-    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
     assert any(out.shape[0] >= 300 for out, *_ in steps)  # several block-major passes happened
     check(steps, rc, kc, dtype)
 
 
-def test_block_major_decode_only_steps_still_write_the_cache(monkeypatch):
+def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write
     (Plan::fused_front) must not be chosen with them."""
-    monkeypatch.setenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS", "2")
+    tuning = cuda.Tuning(block_major_min_tokens=2)
     gen = torch.Generator().manual_seed(17)
     dtype = torch.bfloat16
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
     seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
                            pages=(6, 9), max_images=120, response=6)
     plans = schedule(gen, seqs, 6)
-    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None] * 3, gen, dtype)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None] * 3, gen, dtype, tuning=tuning)
     assert any(out.shape[0] == 3 for out, *_ in steps)  # decode-only steps of 3 tokens (>= 2)
     check(steps, rc, kc, dtype)
 

@@ -18,8 +18,8 @@ def _params(**kw):
     base.update(kw)
     p = cuda.DashParams(**base)
     for name in ("q", "k", "v", "iq", "ik", "coords", "head_cls", "block_tables", "seq_lens", "query_start_loc",
-                 "prompt_lens", "key_cache", "value_cache", "index_cache", "image_page_cache", "summary_cache",
-                 "summary_pages", "out"):
+                 "prompt_lens", "key_cache", "value_cache", "index_key_cache", "image_page_cache", "summary_cache",
+                 "summary_pages_cache", "out"):
         setattr(p, name, 256)  # never dereferenced by validation
     return p
 
@@ -73,3 +73,52 @@ def test_null_tensor_is_refused():
     p = _params()
     p.q = None
     assert _validate(p) == (1, "a tensor pointer is NULL")
+
+
+def _plan(p):
+    lib = cuda._library()
+    plan = cuda.DashPlan()
+    status = lib.dash_plan(ctypes.byref(p), ctypes.byref(plan))
+    return status, plan, lib.dash_last_error_message().decode()
+
+
+def test_plan_gives_the_workspace_size_and_runs_only_its_own_shape():
+    lib = cuda._library()
+    p = _params(num_tokens=3000, max_new_tokens=3000, num_blocks=64, table_width=8)
+    status, plan, _ = _plan(p)
+    size = ctypes.c_size_t(0)
+    assert status == 0 and lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)) == 0
+    assert lib.dash_plan_workspace_size(ctypes.byref(plan)) == size.value > 0
+    # other pointers are fine; another size, configuration or tuning field is refused
+    # before any device work (no GPU needed to see it)
+    for change in ({"num_tokens": 2999}, {"topk": 8}, {"table_width": 9}, {"tune_attend_ctas": 64}):
+        q = _params(**{**dict(num_tokens=3000, max_new_tokens=3000, num_blocks=64, table_width=8), **change})
+        assert lib.dash_run_plan(ctypes.byref(q), ctypes.byref(plan), None) == 1
+        assert "differ from the plan" in lib.dash_last_error_message().decode()
+    # a plan that dash_plan did not fill
+    assert lib.dash_run_plan(ctypes.byref(p), ctypes.byref(cuda.DashPlan()), None) == 1
+    assert "not filled by dash_plan" in lib.dash_last_error_message().decode()
+    # an empty call with its own plan launches nothing and succeeds anywhere
+    e = _params(num_tokens=0, max_new_tokens=0)
+    status, eplan, _ = _plan(e)
+    assert status == 0 and lib.dash_run_plan(ctypes.byref(e), ctypes.byref(eplan), None) == 0
+
+
+def test_tuning_fields_reach_the_plan():
+    """The knobs are parameters (no environment variable): turning the block-major prefill
+    off or splitting it into smaller passes changes the workspace a 3000-token call needs."""
+    lib = cuda._library()
+
+    def size(**tune):
+        p = _params(num_tokens=3000, max_new_tokens=3000, num_blocks=64, table_width=8, **tune)
+        status, plan, text = _plan(p)
+        assert status == 0, text
+        return lib.dash_plan_workspace_size(ctypes.byref(plan))
+
+    default, off, small = size(), size(tune_block_major_min_tokens=-1), size(tune_block_major_chunk=500)
+    assert default != off and small < default
+    assert size(tune_block_major_min_tokens=1024) == default  # the documented default, spelt out
+    assert cuda.Tuning.parse("block_major_chunk=500, front_writer=2") == cuda.Tuning(block_major_chunk=500,
+                                                                                      front_writer=2)
+    with pytest.raises(ValueError, match="unknown tuning knob 'chunk'"):
+        cuda.Tuning.parse("chunk=5")

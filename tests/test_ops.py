@@ -120,7 +120,7 @@ def test_attribute_table_is_generated_from_config():
     names = [a.name for a in A.CONFIG_ATTRIBUTES]
     assert names == [f.name for f in dataclasses.fields(DashConfig)]
     assert [a.name for a in A.OP_ATTRIBUTES] == names + ["layer_idx"]
-    assert A.NODE_ATTRIBUTES[-1].name == "plugin_version"
+    assert [a.name for a in A.NODE_ATTRIBUTES[-2:]] == list(A.PLUGIN_FIELDS) == ["plugin_version", "plugin_namespace"]
     assert {a.onnx_type for a in A.NODE_ATTRIBUTES} == {"INT", "INTS", "FLOAT", "STRING"}
     by_name = {a.name: a for a in A.OP_ATTRIBUTES}
     assert by_name["sparse_topk_blocks"].onnx_type == "INTS" and by_name["sparse_topk_blocks"].default == [16]
@@ -193,3 +193,20 @@ def test_op_on_cuda_uses_the_registered_kernel_and_falls_back_without_one():
     finally:
         ops.register_cuda_impl(None)
     assert seen == [0] and not bool(out.any())
+
+
+def test_one_name_per_tensor_from_the_op_to_the_plugin_and_the_params():
+    """The TensorRT plugin's I/O table (plugins/trt/dash_plugin.cpp, in order) holds the op's
+    tensor names, and DashParams (params.h) names each cache <field>_cache, as the op does."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plugin = (root / "plugins" / "trt" / "dash_plugin.cpp").read_text()
+    table = re.findall(r'\{"(\w+)", \d, IoType::', plugin)
+    assert table == list(ops.TENSOR_INPUTS)
+    outputs = re.search(r"kOutputNames\[kNbOutputs\] = \{([^}]*)\}", plugin).group(1)
+    assert re.findall(r'"(\w+)"', outputs) == list(ops.OUTPUTS)
+    params = (root / "plugins" / "include" / "dash" / "params.h").read_text()
+    for f in ops.CACHE_FIELDS:
+        assert re.search(rf"\b{f}_cache;", params), f"DashParams has no field {f}_cache"

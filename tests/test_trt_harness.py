@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dash_trt import ops
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
 from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
@@ -45,6 +46,10 @@ def harness_path() -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
+if harness_path() is None and os.environ.get("DASH_REQUIRE_HARNESS") == "1":
+    raise RuntimeError("DASH_REQUIRE_HARNESS=1 (set by .ci/run after building it) but libdash_trt_plugin_harness.so "
+                       "is not found: set DASH_TRT_HARNESS or build with -DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON")
+
 pytestmark = pytest.mark.skipif(
     harness_path() is None,
     reason=f"{HARNESS_NAME} not built (cmake -DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON; or DASH_TRT_HARNESS)",
@@ -62,21 +67,22 @@ INPUTS = [
     ("head_cls", ("Di",)),
     ("key_cache", ("NB", "BSZ", "Hkv", "D")),
     ("value_cache", ("NB", "BSZ", "Hkv", "D")),
-    ("index_cache", ("NB", "BSZ", "Di")),
+    ("index_key_cache", ("NB", "BSZ", "Di")),
     ("image_page_cache", ("NB", "BSZ")),
     ("summary_cache", ("NB", "PER", "Di")),
-    ("summary_pages", ("NB", "PER", 3)),
+    ("summary_pages_cache", ("NB", "PER", 3)),
     ("block_tables", ("B", "W")),
     ("seq_lens", ("B",)),
     ("query_start_loc", ("B+1",)),
     ("prompt_lens", ("B",)),
 ]
 NAMES = [n for n, _ in INPUTS]
+assert NAMES == list(ops.TENSOR_INPUTS), "the plugin's inputs are the op's (one name per tensor)"
 NB_IN, NB_OUT = 17, 7
+
 CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_pages")  # DashKVCache order
 INDEX_INPUTS = ("coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens")
-OUTPUT_OF = [0] + [NAMES.index(n) for n in ("key_cache", "value_cache", "index_cache", "image_page_cache",
-                                            "summary_cache", "summary_pages")]
+OUTPUT_OF = [0] + [NAMES.index(f"{f}_cache") for f in CACHE_FIELDS]
 
 
 def dims_for(sizes: dict, index_types=None, dtype="float16") -> list[tuple[tuple[int, ...], str]]:
@@ -85,7 +91,7 @@ def dims_for(sizes: dict, index_types=None, dtype="float16") -> list[tuple[tuple
     sizes.setdefault("PER", -(-sizes["BSZ"] // sizes.get("sbs", sizes["BSZ"])))
     sizes["B+1"] = sizes["B"] + 1 if sizes["B"] >= 0 else -1
     kinds = {"coords": "index", "block_tables": "index", "seq_lens": "index", "query_start_loc": "index",
-             "prompt_lens": "index", "image_page_cache": "int32", "summary_pages": "int32",
+             "prompt_lens": "index", "image_page_cache": "int32", "summary_pages_cache": "int32",
              "summary_cache": "float32"}
     out = []
     for name, syms in INPUTS:
@@ -279,7 +285,7 @@ def node_fields(cfg: DashConfig, layer_idx: int, *, topk_as_int: bool = False, i
                 reals: str = "float32", version: str = "1"):
     """The fields the ONNX parser builds from a dash_trt.DashAttention node's attributes
     (INT/INTS -> INT32, FLOAT -> FLOAT32, STRING -> CHAR with a NUL), one per DashConfig key plus
-    layer_idx and plugin_version."""
+    layer_idx, plugin_version and plugin_namespace."""
     out = []
     for f in dataclasses.fields(DashConfig):
         kind, v = f.metadata["kind"], getattr(cfg, f.name)
@@ -300,6 +306,7 @@ def node_fields(cfg: DashConfig, layer_idx: int, *, topk_as_int: bool = False, i
             raise AssertionError(kind)
     out.append(("layer_idx", ints, [layer_idx]))
     out.append(("plugin_version", "char", version))
+    out.append(("plugin_namespace", "char", ""))
     return out
 
 
@@ -353,7 +360,7 @@ def test_creator_fields_are_the_config_keys(harness):
         if k == "field":
             name, ftype, length = v.split(":")
             fields[name] = (int(ftype), int(length))
-    expected = set(DashConfig.keys()) | {"layer_idx", "plugin_version"}
+    expected = set(DashConfig.keys()) | {"layer_idx", "plugin_version", "plugin_namespace"}
     assert set(fields) == expected
     kinds = {f.name: f.metadata["kind"] for f in dataclasses.fields(DashConfig)}
     ft = harness.field_types
@@ -436,6 +443,7 @@ BAD_FIELDS = [
     (lambda f: replace(f, "sparse_rope_page_mod", "char", "3"), "'sparse_rope_page_mod' must be integer"),
     (lambda f: replace(f, "image_token_id", values=[-2]), "'image_token_id' must be -1 (not set)"),
     (lambda f: replace(f, "plugin_version", values="2"), "but this plugin implements version \"1\""),
+    (lambda f: replace(f, "plugin_namespace", values="acme"), "'plugin_namespace' is \"acme\""),
 ]
 
 
@@ -596,6 +604,38 @@ def test_enqueue_validates_before_touching_memory(harness):
     assert "enqueue: DASH_ERR_UNSUPPORTED: unsupported head dim: 96" in harness.messages()
     # No new tokens and caches in place: nothing to do, nothing touched.
     assert p.enqueue(io_descs(dict(BASE_SIZES, T=0)), fake, outs, 0, 0) == 0
+
+
+def test_workspace_size_depends_on_every_dim_of_the_profile(harness):
+    """The KV block count sizes the block-major prefill's buffers: two profiles that differ only
+    in it get different answers (the cached answer must not be reused)."""
+    p = plugin_for(harness, make_config(64))  # the block-major path runs sparse blocks of 64
+    sizes = dict(BASE_SIZES, T=2048, B=1, W=8, BSZ=64, sbs=64)
+    small = p.workspace_size(io_descs(dict(sizes, NB=64)))
+    large = p.workspace_size(io_descs(dict(sizes, NB=4096)))
+    assert large > small > 0
+    assert p.workspace_size(io_descs(dict(sizes, NB=64))) == small
+
+
+def test_enqueue_refuses_a_call_larger_than_its_workspace(harness):
+    """Needs no GPU: the workspace TensorRT allocated is getWorkspaceSize's answer for the
+    profile; a call that needs more is refused before any buffer is touched, also after the
+    plugin went through serialization (the bound travels as a field)."""
+    p = plugin_for(harness)
+    bounds = {"T": (1, 8), "B": (1, 2), "W": (1, 4), "NB": (8, 16)}
+    profile = io_descs(dict(BASE_SIZES, T=8, B=2, W=4, NB=16), bounds=bounds)
+    assert p.configure(profile) == 0, harness.messages()
+    ws = p.workspace_size(profile)
+    big = io_descs(dict(BASE_SIZES, T=4000, B=2, W=4, NB=16))
+    fake = [4096 * (i + 1) for i in range(NB_IN)]
+    outs = [1 << 20] + [fake[i] for i in OUTPUT_OF[1:]]
+    for plugin in (p, p.clone(0), p.clone(2)):
+        assert plugin is not None, harness.messages()
+        harness.clear()
+        assert plugin.enqueue(big, fake, outs, 1 << 21, 0) != 0
+        assert f"bytes of workspace, TensorRT allocated {ws}" in harness.messages(), harness.messages()
+    serialized = p.clone(2).info()["serialized"]
+    assert any(f.startswith("workspace_bytes:10:1:") for f in serialized), serialized  # INT64, one value
 
 
 # ============================================================================== GPU tests

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <type_traits>
 
 #include "../kernels/common.cuh"
 #include "dash/dash.h"
@@ -29,35 +30,20 @@ constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused rout
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
 
-// DASH_TRT_BLOCK_MAJOR_MIN_TOKENS overrides the threshold (tests use it to reach the path with
-// small inputs; 0 disables the path).
-int block_major_min_tokens() {
-    const char* env = std::getenv("DASH_TRT_BLOCK_MAJOR_MIN_TOKENS");
-    if (env == nullptr || *env == '\0') return kBlockMajorMinTokens;
-    const long v = std::strtol(env, nullptr, 10);
-    return v <= 0 ? INT32_MAX : (int)v;
+// The tuning fields of DashParams (params.h), 0 meaning the default above. No getenv: every
+// knob is a parameter the caller passes, so a plan depends on its params alone.
+int block_major_min_tokens(const DashParams& p) {
+    const int v = p.tune_block_major_min_tokens;
+    return v == 0 ? kBlockMajorMinTokens : v < 0 ? INT32_MAX : v;
 }
 
-// DASH_TRT_BLOCK_MAJOR_CHUNK overrides the tokens per block-major pass (tests: several passes).
-int block_major_chunk() {
-    const char* env = std::getenv("DASH_TRT_BLOCK_MAJOR_CHUNK");
-    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return v > 0 ? (int)v : kBlockMajorChunk;
+int block_major_chunk(const DashParams& p) {
+    return p.tune_block_major_chunk > 0 ? p.tune_block_major_chunk : kBlockMajorChunk;
 }
 
-// DASH_TRT_FUSED_FRONT=0 keeps the separate write and summary launches on decode-only calls
-// (benchmark A/B).
-bool fused_front_allowed() {
-    const char* env = std::getenv("DASH_TRT_FUSED_FRONT");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-}
+bool fused_front_allowed(const DashParams& p) { return p.tune_fused_front >= 0; }
 
-// DASH_TRT_ATTEND_CTAS overrides the split-K target (benchmark sweeps).
-long attend_target_ctas() {
-    const char* env = std::getenv("DASH_TRT_ATTEND_CTAS");
-    const long v = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return v > 0 ? v : kTargetCtas;
-}
+long attend_target_ctas(const DashParams& p) { return p.tune_attend_ctas > 0 ? p.tune_attend_ctas : kTargetCtas; }
 
 // Shared memory a block may opt in to on the current device (sm_90: 227 KB, sm_80: 163 KB,
 // sm_86 / sm_89: 99 KB). Where it cannot be asked (no device), the sm_90 figure: nothing runs
@@ -92,6 +78,8 @@ bool supported_head_dim(int d) {
     return false;
 }
 
+size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Workspace* ws);
+
 DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     std::memset(&plan, 0, sizeof(plan));
     plan.max_blocks = (int)((long)p.table_width * p.block_size / p.sparse_block_size);
@@ -99,7 +87,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.kmax < 1) plan.kmax = 1;  // keep rows non-empty; -1 padded
     plan.pieces = plan.kmax + p.sparse_local_block;
     const long units = (long)p.num_tokens * p.num_kv_heads;
-    const long target = attend_target_ctas();
+    const long target = attend_target_ctas(p);
     long splits = units >= target || units == 0 ? 1 : (target + units - 1) / units;
     if (splits > plan.pieces) splits = plan.pieces;
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
@@ -116,23 +104,20 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // stages then ride in the routing launch's writer CTAs and the attention launch, since no
     // token can route over a block completed in the same call (Plan::fused_front).
     // (Not with the block-major attention, which writes no K and V: reachable only when
-    // DASH_TRT_BLOCK_MAJOR_MIN_TOKENS is below kFusedRouteTokens.)
+    // tune_block_major_min_tokens is below kFusedRouteTokens.)
     const size_t smem_limit = device_smem_optin();
     plan.block_major =
-        p.num_tokens >= block_major_min_tokens() && dash::block_major_supported(p, smem_limit) ? 1 : 0;
+        p.num_tokens >= block_major_min_tokens(p) && dash::block_major_supported(p, smem_limit) ? 1 : 0;
     const bool few_tokens = p.num_tokens < kFusedRouteTokens;
     plan.fused_front = few_tokens && !plan.block_major && p.max_new_tokens == 1 && p.dtype != DASH_FLOAT32 &&
-                               fused_front_allowed() ? 1 : 0;
+                               fused_front_allowed(p) ? 1 : 0;
     plan.route_split = few_tokens && (split_ctas > 1 || plan.fused_front) ? 1 : 0;
     plan.route_splits = plan.route_split ? split_ctas : 1;
     // The writer gets a CTA of its own where the routing grid still runs in one wave with it
-    // (DASH_TRT_FRONT_WRITER=cta / =route forces one placement: benchmark A/B).
-    const char* placement = std::getenv("DASH_TRT_FRONT_WRITER");
+    // (tune_front_writer 1 / 2 forces one placement: tests and the benchmark's A/B).
     const bool one_wave = (long)p.num_tokens * (plan.route_splits + 1) <=
                           (long)dash::route_split_ctas_per_sm() * device_sm_count();
-    const bool own_cta = placement != nullptr && std::strcmp(placement, "cta") == 0     ? true
-                         : placement != nullptr && std::strcmp(placement, "route") == 0 ? false
-                                                                                         : one_wave;
+    const bool own_cta = p.tune_front_writer == 1 ? true : p.tune_front_writer == 2 ? false : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
     // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
     // Split selection: the keys and the candidates.
@@ -171,84 +156,132 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
-    const size_t t = (size_t)p.num_tokens;
-    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
-    size_t off = align_up(sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0));
-    plan.header_bytes = off;
-    plan.off_token_seq = off, off += align_up(t * sizeof(int32_t));
-    plan.off_token_pos = off, off += align_up(t * sizeof(int32_t));
-    plan.off_token_prompt = off, off += align_up(t * sizeof(int32_t));
-    plan.off_token_slot = off, off += align_up(t * sizeof(int64_t));
-    if (!plan.block_major && p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles
-        plan.off_token_cs = off, off += align_up(t * sizeof(float2) * (size_t)(p.head_dim / 2));
-    plan.off_selected = off, off += align_up(t * plan.kmax * sizeof(int32_t));
-    plan.off_forced = off, off += align_up(t * plan.kmax);
-    plan.off_iq_rot = off, off += align_up(t * sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4));
-    if (plan.splits > 1) {
-        const size_t rows = t * p.num_heads * plan.splits;
-        plan.off_acc = off, off += align_up(rows * p.head_dim * sizeof(float));
-        plan.off_ml = off, off += align_up(rows * sizeof(float2));
-    }
-    if (plan.route_split && !p.dense_layer)
-        plan.off_route_keys = off, off += align_up(t * plan.route_cand * sizeof(uint64_t));
     if (plan.block_major) {
-        const size_t chunk = (size_t)std::min(p.num_tokens, block_major_chunk());
-        const int dtype_bytes = 2;
-        plan.bm_chunk = (int)chunk;
+        plan.bm_chunk = (int)std::min(p.num_tokens, block_major_chunk(p));
         plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
-        plan.off_bm_counts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
-        plan.off_bm_cursor = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
-        plan.off_bm_offsets = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
-        plan.off_bm_entries = off, off += align_up(sizeof(int32_t) * chunk * plan.bm_slots);
-        plan.off_bm_qrot = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * p.head_dim);
-        plan.off_bm_part_o = off, off += align_up((size_t)dtype_bytes * chunk * p.num_heads * plan.bm_slots * p.head_dim);
-        plan.off_bm_part_ml = off, off += align_up(sizeof(float2) * chunk * p.num_heads * plan.bm_slots);
-        plan.off_bm_scan = off, off += align_up(plan.bm_scan_bytes);
-        plan.off_bm_parts = off, off += align_up(sizeof(int32_t) * plan.bm_num_keys);
-        plan.off_bm_work = off, off += align_up(sizeof(int32_t) * (plan.bm_num_keys + 1));
-        plan.off_bm_items = off,
-        off += align_up(16 * (size_t)dash::block_major_items((int64_t)chunk * plan.bm_slots, plan.bm_num_keys));
     }
-    plan.bytes = off;
+    plan.bytes = lay_out(p, plan, nullptr, nullptr);
     return DASH_OK;
 }
 
-dash::Workspace carve(const DashParams& p, const dash::Plan& plan) {
-    char* base = static_cast<char*>(p.workspace);
-    dash::Workspace ws{};
-    ws.error = reinterpret_cast<int32_t*>(base);
-    ws.token_seq = reinterpret_cast<int32_t*>(base + plan.off_token_seq);
-    ws.token_pos = reinterpret_cast<int32_t*>(base + plan.off_token_pos);
-    ws.token_prompt = reinterpret_cast<int32_t*>(base + plan.off_token_prompt);
-    ws.token_slot = reinterpret_cast<int64_t*>(base + plan.off_token_slot);
-    if (plan.off_token_cs != 0) ws.token_cs = reinterpret_cast<float2*>(base + plan.off_token_cs);
-    ws.selected = reinterpret_cast<int32_t*>(base + plan.off_selected);
-    ws.forced = reinterpret_cast<uint8_t*>(base + plan.off_forced);
-    ws.iq_rot = reinterpret_cast<float*>(base + plan.off_iq_rot);
+// The workspace layout, in one place: with base == nullptr it only measures (the size
+// query), else it also points each of ws's buffers into base (the carve). Every buffer
+// starts on a 256-byte boundary. Returns the bytes used.
+size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Workspace* ws) {
+    size_t off = 0;
+    auto take = [&](auto*& dst, size_t bytes) {
+        using T = std::remove_reference_t<decltype(*dst)>;
+        if (base != nullptr) dst = reinterpret_cast<T*>(base + off);
+        off += align_up(bytes);
+    };
+    dash::Workspace scratch{};
+    dash::Workspace& w = ws != nullptr ? *ws : scratch;
+    const size_t t = (size_t)p.num_tokens;
+    // Header, zeroed by dash_run: the error word, then (split routing) a counter per token.
+    take(w.error, sizeof(int32_t) + (plan.route_split ? t * sizeof(int32_t) : 0));
+    if (plan.route_split && base != nullptr) w.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
+    take(w.token_seq, t * sizeof(int32_t));
+    take(w.token_pos, t * sizeof(int32_t));
+    take(w.token_prompt, t * sizeof(int32_t));
+    take(w.token_slot, t * sizeof(int64_t));
+    if (!plan.block_major && p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles
+        take(w.token_cs, t * sizeof(float2) * (size_t)(p.head_dim / 2));
+    take(w.selected, t * plan.kmax * sizeof(int32_t));
+    take(w.forced, t * plan.kmax);
+    take(w.iq_rot, t * sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4));
     if (plan.splits > 1) {
-        ws.part_acc = reinterpret_cast<float*>(base + plan.off_acc);
-        ws.part_ml = reinterpret_cast<float2*>(base + plan.off_ml);
+        const size_t rows = t * p.num_heads * plan.splits;
+        take(w.part_acc, rows * p.head_dim * sizeof(float));
+        take(w.part_ml, rows * sizeof(float2));
     }
-    if (plan.route_split) {
-        ws.route_count = reinterpret_cast<int32_t*>(base + sizeof(int32_t));
-        if (!p.dense_layer) ws.route_keys = reinterpret_cast<uint64_t*>(base + plan.off_route_keys);
-    }
+    if (plan.route_split && !p.dense_layer) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
     if (plan.block_major) {
-        ws.bm_counts = reinterpret_cast<int32_t*>(base + plan.off_bm_counts);
-        ws.bm_cursor = reinterpret_cast<int32_t*>(base + plan.off_bm_cursor);
-        ws.bm_offsets = reinterpret_cast<int32_t*>(base + plan.off_bm_offsets);
-        ws.bm_entries = reinterpret_cast<int32_t*>(base + plan.off_bm_entries);
-        ws.bm_qrot = base + plan.off_bm_qrot;
-        ws.bm_part_o = base + plan.off_bm_part_o;
-        ws.bm_part_ml = reinterpret_cast<float2*>(base + plan.off_bm_part_ml);
-        ws.bm_scan_temp = base + plan.off_bm_scan;
-        ws.bm_parts = reinterpret_cast<int32_t*>(base + plan.off_bm_parts);
-        ws.bm_work = reinterpret_cast<int32_t*>(base + plan.off_bm_work);
-        ws.bm_items = reinterpret_cast<int4*>(base + plan.off_bm_items);
+        const size_t chunk = (size_t)plan.bm_chunk;
+        const size_t elt = 2;  // fp16 / bf16: the block-major path's only dtypes
+        char* bytes = nullptr;
+        take(w.bm_counts, sizeof(int32_t) * plan.bm_num_keys);
+        take(w.bm_cursor, sizeof(int32_t) * plan.bm_num_keys);
+        take(w.bm_offsets, sizeof(int32_t) * (plan.bm_num_keys + 1));
+        take(w.bm_entries, sizeof(int32_t) * chunk * plan.bm_slots);
+        take(bytes, elt * chunk * p.num_heads * p.head_dim);
+        w.bm_qrot = bytes;
+        take(bytes, elt * chunk * p.num_heads * plan.bm_slots * p.head_dim);
+        w.bm_part_o = bytes;
+        take(w.bm_part_ml, sizeof(float2) * chunk * p.num_heads * plan.bm_slots);
+        take(bytes, plan.bm_scan_bytes);
+        w.bm_scan_temp = bytes;
+        take(w.bm_parts, sizeof(int32_t) * plan.bm_num_keys);
+        take(w.bm_work, sizeof(int32_t) * (plan.bm_num_keys + 1));
+        take(w.bm_items, 16 * (size_t)dash::block_major_items((int64_t)chunk * plan.bm_slots, plan.bm_num_keys));
     }
-    return ws;
+    return off;
+}
+
+// What a DashPlan holds: the plan and the params it was made for (pointers cleared), so a run
+// can check that its params have the same sizes, configuration and tuning.
+struct PlanRecord {
+    uint32_t magic;
+    DashParams params;
+    dash::Plan plan;
+};
+constexpr uint32_t kPlanMagic = 0x44415348u;  // "DASH"
+static_assert(sizeof(PlanRecord) <= sizeof(DashPlan), "DashPlan too small for the plan record");
+
+// The fields a plan depends on: every size, configuration and tuning field.
+DashParams plan_key(const DashParams& p) {
+    DashParams k{};
+    k.num_tokens = p.num_tokens, k.num_seqs = p.num_seqs, k.num_heads = p.num_heads, k.num_kv_heads = p.num_kv_heads;
+    k.head_dim = p.head_dim, k.index_dim = p.index_dim, k.num_blocks = p.num_blocks, k.block_size = p.block_size;
+    k.table_width = p.table_width, k.max_new_tokens = p.max_new_tokens, k.dtype = p.dtype;
+    k.sparse_block_size = p.sparse_block_size, k.sparse_local_block = p.sparse_local_block, k.topk = p.topk;
+    k.dense_layer = p.dense_layer, k.page_bias = p.page_bias, k.rope_page_pairs = p.rope_page_pairs;
+    k.rope_tok_theta = p.rope_tok_theta, k.rope_page_theta = p.rope_page_theta, k.main_truncate = p.main_truncate;
+    k.index_truncate = p.index_truncate, k.rope_page_mod = p.rope_page_mod;
+    k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
+    k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
+    k.tune_front_writer = p.tune_front_writer;
+    return k;
+}
+
+bool same_key(const DashParams& a, const DashParams& b) {
+    const DashParams ka = plan_key(a), kb = plan_key(b);
+    return std::memcmp(&ka, &kb, sizeof(DashParams)) == 0;
+}
+
+// Every tensor a call with tokens reads or writes must be there (selected_out is optional).
+DashStatus check_pointers(const DashParams& p) {
+    if (p.num_tokens == 0) return DASH_OK;
+    const void* needed[] = {p.q, p.k, p.v, p.iq, p.ik, p.coords, p.head_cls, p.block_tables,
+                            p.seq_lens, p.query_start_loc, p.prompt_lens, p.key_cache, p.value_cache,
+                            p.index_key_cache, p.image_page_cache, p.summary_cache, p.summary_pages_cache, p.out};
+    for (const void* ptr : needed)
+        if (ptr == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "a tensor pointer is NULL");
+    return DASH_OK;
+}
+
+DashStatus launch(const DashParams& p, const dash::Plan& plan, void* stream_ptr) {
+    if (p.num_tokens == 0) return DASH_OK;
+    if (p.workspace == nullptr || p.workspace_size < plan.bytes)
+        return fail(DASH_ERR_WORKSPACE, "workspace of " + std::to_string(p.workspace_size) + " bytes, need " +
+                                            std::to_string(plan.bytes));
+    if (reinterpret_cast<uintptr_t>(p.workspace) % kAlign != 0)
+        return fail(DASH_ERR_WORKSPACE, "workspace must be 256-byte aligned");
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    dash::Workspace ws{};
+    lay_out(p, plan, static_cast<char*>(p.workspace), &ws);
+    // The data-error word describes this run only; the routing counters start at 0.
+    const size_t header = align_up(sizeof(int32_t) + (plan.route_split ? (size_t)p.num_tokens * sizeof(int32_t) : 0));
+    cudaError_t err = cudaMemsetAsync(ws.error, 0, header, stream);
+    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_write(p, ws, stream);
+    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_summarize(p, plan, ws, stream);
+    if (err == cudaSuccess) err = dash::launch_route(p, plan, ws, stream);
+    if (err == cudaSuccess && !plan.block_major) err = dash::launch_attend(p, plan, ws, stream);
+    for (int t0 = 0; plan.block_major && err == cudaSuccess && t0 < p.num_tokens; t0 += plan.bm_chunk)
+        err = dash::launch_block_major(p, plan, ws, t0, std::min(plan.bm_chunk, p.num_tokens - t0), stream);
+    if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("CUDA launch failed: ") + cudaGetErrorString(err));
+    return DASH_OK;
 }
 
 }  // namespace
@@ -270,9 +303,11 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(main_truncate) DASH_FIELD(index_truncate) DASH_FIELD(rope_page_mod) DASH_FIELD(q)
     DASH_FIELD(k) DASH_FIELD(v) DASH_FIELD(iq) DASH_FIELD(ik) DASH_FIELD(coords) DASH_FIELD(head_cls)
     DASH_FIELD(block_tables) DASH_FIELD(seq_lens) DASH_FIELD(query_start_loc) DASH_FIELD(prompt_lens)
-    DASH_FIELD(key_cache) DASH_FIELD(value_cache) DASH_FIELD(index_cache) DASH_FIELD(image_page_cache)
-    DASH_FIELD(summary_cache) DASH_FIELD(summary_pages) DASH_FIELD(out) DASH_FIELD(workspace)
-    DASH_FIELD(workspace_size) DASH_FIELD(selected_out)
+    DASH_FIELD(key_cache) DASH_FIELD(value_cache) DASH_FIELD(index_key_cache) DASH_FIELD(image_page_cache)
+    DASH_FIELD(summary_cache) DASH_FIELD(summary_pages_cache) DASH_FIELD(out) DASH_FIELD(workspace)
+    DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
+    DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
+    DASH_FIELD(tune_front_writer)
 #undef DASH_FIELD
     return -1;
 }
@@ -331,13 +366,7 @@ DashStatus dash_validate(const DashParams* p) {
                                               std::to_string(p->sparse_block_size));
     if (!(p->page_bias == p->page_bias) || p->page_bias > 3.0e38f || p->page_bias < -3.0e38f)
         return fail(DASH_ERR_INVALID_ARGUMENT, "page_bias must be finite");
-    if (p->num_tokens > 0) {
-        const void* needed[] = {p->q, p->k, p->v, p->iq, p->ik, p->coords, p->head_cls, p->block_tables,
-                                p->seq_lens, p->query_start_loc, p->prompt_lens, p->key_cache, p->value_cache,
-                                p->index_cache, p->image_page_cache, p->summary_cache, p->summary_pages, p->out};
-        for (const void* ptr : needed)
-            if (ptr == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "a tensor pointer is NULL");
-    }
+    if ((s = check_pointers(*p)) != DASH_OK) return s;
     dash::Plan plan;
     return make_plan(*p, plan);
 }
@@ -363,24 +392,39 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
     if (s != DASH_OK) return s;
     dash::Plan plan;
     if ((s = make_plan(*p, plan)) != DASH_OK) return s;
-    if (p->num_tokens == 0) return DASH_OK;
-    if (p->workspace == nullptr || p->workspace_size < plan.bytes)
-        return fail(DASH_ERR_WORKSPACE, "workspace of " + std::to_string(p->workspace_size) + " bytes, need " +
-                                            std::to_string(plan.bytes));
-    if (reinterpret_cast<uintptr_t>(p->workspace) % kAlign != 0)
-        return fail(DASH_ERR_WORKSPACE, "workspace must be 256-byte aligned");
-    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    const dash::Workspace ws = carve(*p, plan);
-    // The data-error word describes this run only; the routing counters start at 0.
-    cudaError_t err = cudaMemsetAsync(ws.error, 0, plan.header_bytes, stream);
-    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_write(*p, ws, stream);
-    if (err == cudaSuccess && !plan.fused_front) err = dash::launch_summarize(*p, plan, ws, stream);
-    if (err == cudaSuccess) err = dash::launch_route(*p, plan, ws, stream);
-    if (err == cudaSuccess && !plan.block_major) err = dash::launch_attend(*p, plan, ws, stream);
-    for (int t0 = 0; plan.block_major && err == cudaSuccess && t0 < p->num_tokens; t0 += plan.bm_chunk)
-        err = dash::launch_block_major(*p, plan, ws, t0, std::min(plan.bm_chunk, p->num_tokens - t0), stream);
-    if (err != cudaSuccess) return fail(DASH_ERR_CUDA, std::string("CUDA launch failed: ") + cudaGetErrorString(err));
+    return launch(*p, plan, stream_ptr);
+}
+
+DashStatus dash_plan(const DashParams* p, DashPlan* out) {
+    if (out == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "plan is NULL");
+    std::memset(out, 0, sizeof(DashPlan));
+    DashStatus s = dash_validate(p);
+    if (s != DASH_OK) return s;
+    PlanRecord rec{};
+    if ((s = make_plan(*p, rec.plan)) != DASH_OK) return s;
+    rec.magic = kPlanMagic;
+    rec.params = plan_key(*p);
+    std::memcpy(out, &rec, sizeof(rec));
     return DASH_OK;
+}
+
+size_t dash_plan_workspace_size(const DashPlan* plan) {
+    if (plan == nullptr) return 0;
+    PlanRecord rec;
+    std::memcpy(&rec, plan, sizeof(rec));
+    return rec.magic == kPlanMagic ? rec.plan.bytes : 0;
+}
+
+DashStatus dash_run_plan(const DashParams* p, const DashPlan* plan, void* stream_ptr) {
+    if (p == nullptr || plan == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "params and plan must not be NULL");
+    PlanRecord rec;
+    std::memcpy(&rec, plan, sizeof(rec));
+    if (rec.magic != kPlanMagic) return fail(DASH_ERR_INVALID_ARGUMENT, "plan was not filled by dash_plan");
+    if (!same_key(rec.params, *p))
+        return fail(DASH_ERR_INVALID_ARGUMENT, "params differ from the plan's in a size, configuration or tuning field "
+                                               "(plan again for these params)");
+    if (DashStatus s = check_pointers(*p); s != DASH_OK) return s;
+    return launch(*p, rec.plan, stream_ptr);
 }
 
 DashStatus dash_read_data_errors(const DashParams* p, void* stream_ptr, int32_t* mask) {

@@ -190,11 +190,7 @@ struct Plan {
     size_t summarize_smem;
     int attend_stages;    // pipeline stages per warp of the tensor-core attention (2 or 3)
     size_t attend_smem;
-    size_t header_bytes;  // error word and routing counters, zeroed by every dash_run
-    size_t bytes;         // workspace size
-    size_t off_token_seq, off_token_pos, off_token_prompt, off_token_slot, off_token_cs, off_selected, off_forced, off_iq_rot, off_acc, off_ml, off_route_keys;
-    size_t off_bm_counts, off_bm_cursor, off_bm_offsets, off_bm_entries, off_bm_qrot, off_bm_part_o,
-        off_bm_part_ml, off_bm_scan, off_bm_parts, off_bm_work, off_bm_items;
+    size_t bytes;         // workspace size (lay_out in dash_capi.cu places every buffer)
 };
 
 // ------------------------------------------------------------------ phase trace (bench only)

@@ -79,7 +79,7 @@ __device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s)
 // Whether block b (summary row si) is forced for query page qp: a same-page image block.
 __device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b, int64_t si,
                                              int qp) {
-    const int32_t* pg = p.summary_pages + si * 3;
+    const int32_t* pg = p.summary_pages_cache + si * 3;
     const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
     const bool inside = qp >= 0 && lo <= qp && qp <= hi;
     bool cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
@@ -544,7 +544,7 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
     DASH_MARK(g_route_trace, 5);
     __syncthreads();
     if (s_seq < 0) return;
-    T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
+    T* ic = static_cast<T*>(p.index_key_cache) + s_slot * di;
     if (tid < ihalf) {
         const float2 r = index_pair<T>(f.ik_lo, f.ik_hi, cs[tid]);
         ic[tid] = from_f<T>(r.x);

@@ -55,7 +55,7 @@ __device__ void summarize_block(const DashParams& p, const Workspace& ws, int se
     constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
     constexpr int kBatch = 8;
     const int nt = blockDim.x;
-    if (di % kVec == 0 && reinterpret_cast<uintptr_t>(p.index_cache) % 16 == 0) {
+    if (di % kVec == 0 && reinterpret_cast<uintptr_t>(p.index_key_cache) % 16 == 0) {
         const int per_row = di / kVec;
         for (int base = threadIdx.x; base < sbs * per_row; base += kBatch * nt) {
             uint4 w[kBatch];
@@ -63,7 +63,7 @@ __device__ void summarize_block(const DashParams& p, const Workspace& ws, int se
             for (int u = 0; u < kBatch; ++u) {
                 const int c = base + u * nt;
                 if (c < sbs * per_row)
-                    w[u] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.index_cache) +
+                    w[u] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.index_key_cache) +
                                                            slots[c / per_row] * di + (c % per_row) * kVec);
             }
 #pragma unroll
@@ -78,7 +78,7 @@ __device__ void summarize_block(const DashParams& p, const Workspace& ws, int se
     } else {
         for (int c = threadIdx.x; c < sbs * di; c += nt) {
             const int j = c / di, i = c % di;
-            keys[j * ks + i] = to_f(static_cast<const T*>(p.index_cache)[slots[j] * di + i]);
+            keys[j * ks + i] = to_f(static_cast<const T*>(p.index_key_cache)[slots[j] * di + i]);
         }
     }
     __syncthreads();
@@ -140,7 +140,7 @@ __device__ void summarize_block(const DashParams& p, const Workspace& ws, int se
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int32_t* dst = p.summary_pages + s_sum_index * 3;
+        int32_t* dst = p.summary_pages_cache + s_sum_index * 3;
         if (s_hi < 0) {
             dst[DASH_PAGE_LO] = -1, dst[DASH_PAGE_HI] = -1, dst[DASH_PAGE_DENSE] = 1;
         } else {

@@ -97,7 +97,7 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     // The index key goes to the cache; the indexer query (same angles) to the workspace.
     const T* ik = static_cast<const T*>(p.ik) + (int64_t)t * di;
     const T* iq = static_cast<const T*>(p.iq) + (int64_t)t * di;
-    T* ic = static_cast<T*>(p.index_cache) + s_slot * di;
+    T* ic = static_cast<T*>(p.index_key_cache) + s_slot * di;
     float* iq_rot = ws.iq_rot + (int64_t)t * ((di + 3) / 4 * 4);
     for (int i = threadIdx.x; i < ihalf; i += nt) {
         const float kl = to_f(ik[i]), kh = to_f(ik[i + ihalf]), ql = to_f(iq[i]), qh = to_f(iq[i + ihalf]);

@@ -36,10 +36,10 @@ constexpr IoSpec kInputs[kNbInputs] = {
     {"head_cls", 1, IoType::kData, {kDi}},
     {"key_cache", 4, IoType::kData, {kNB, kBSZ, kHkv, kD}},
     {"value_cache", 4, IoType::kData, {kNB, kBSZ, kHkv, kD}},
-    {"index_cache", 3, IoType::kData, {kNB, kBSZ, kDi}},
+    {"index_key_cache", 3, IoType::kData, {kNB, kBSZ, kDi}},
     {"image_page_cache", 2, IoType::kInt32, {kNB, kBSZ}},
     {"summary_cache", 3, IoType::kFloat32, {kNB, kPER, kDi}},
-    {"summary_pages", 3, IoType::kInt32, {kNB, kPER, kThree}},
+    {"summary_pages_cache", 3, IoType::kInt32, {kNB, kPER, kThree}},
     {"block_tables", 2, IoType::kIndex, {kB, kW}},
     {"seq_lens", 1, IoType::kIndex, {kB}},
     {"query_start_loc", 1, IoType::kIndex, {kBP1}},
@@ -49,10 +49,10 @@ constexpr IoSpec kInputs[kNbInputs] = {
 constexpr char const* kOutputNames[kNbOutputs] = {"out",
                                                   "key_cache_out",
                                                   "value_cache_out",
-                                                  "index_cache_out",
+                                                  "index_key_cache_out",
                                                   "image_page_cache_out",
                                                   "summary_cache_out",
-                                                  "summary_pages_out"};
+                                                  "summary_pages_cache_out"};
 
 constexpr char const* kSymNames[kNbSyms] = {"T (new tokens)", "H (query heads)", "D (head dim)",
                                             "Hkv (KV heads)", "Di (index dim)", "NB (KV blocks)",
@@ -246,8 +246,8 @@ DashParams shapeParams(Sizes const& s, DataType qType, DashAttributes const& att
     attrs.fillConfig(p);
     p.q = p.k = p.v = p.iq = p.ik = p.head_cls = kShapeOnly;
     p.coords = p.block_tables = p.seq_lens = p.query_start_loc = p.prompt_lens = static_cast<int32_t const*>(kShapeOnly);
-    p.key_cache = p.value_cache = p.index_cache = p.out = kShapeOnly;
-    p.image_page_cache = p.summary_pages = static_cast<int32_t*>(kShapeOnly);
+    p.key_cache = p.value_cache = p.index_key_cache = p.out = kShapeOnly;
+    p.image_page_cache = p.summary_pages_cache = static_cast<int32_t*>(kShapeOnly);
     p.summary_cache = static_cast<float*>(kShapeOnly);
     return p;
 }
@@ -313,7 +313,8 @@ DashAttentionPlugin::DashAttentionPlugin(DashAttentionPlugin const& other)
       mLayerName(other.mLayerName),
       mNamespace(other.mNamespace),
       mAttrs(other.mAttrs),
-      mMetadata(other.mMetadata) {}
+      mMetadata(other.mMetadata),
+      mWorkspaceBound(other.mWorkspaceBound) {}
 
 std::string DashAttentionPlugin::where() const { return "layer '" + mLayerName + "'"; }
 
@@ -428,6 +429,8 @@ int32_t DashAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, 
         DashParams const p = shapeParams(maxSizes, in[kQ].desc.type, mAttrs);
         DashStatus const status = dash_validate(&p);
         if (status != DASH_OK) return fail("configurePlugin", dashError(status));
+        // What getWorkspaceSize will answer for this profile: the bound enqueue checks.
+        if (workspaceFor(in, error) == 0) return fail("configurePlugin", error);
         return 0;
     } catch (std::exception const& e) {
         return fail("configurePlugin", e.what());
@@ -444,9 +447,12 @@ size_t DashAttentionPlugin::workspaceFor(DynamicPluginTensorDesc const* in, std:
     DataType const qType = in[kQ].desc.type;
     auto typeOf = [&](int32_t i) { return in[i].desc.type; };
 
+    // Every input of the size: all nine dims (the KV block count sizes the block-major
+    // buffers), the smallest token count, q's type and each index input's type.
     dash::trt::Text key;
     key << maxSizes.T << ',' << maxSizes.H << ',' << maxSizes.D << ',' << maxSizes.Hkv << ',' << maxSizes.Di << ','
-        << maxSizes.BSZ << ',' << maxSizes.B << ',' << maxSizes.W << ',' << minT << ',' << static_cast<int32_t>(qType);
+        << maxSizes.NB << ',' << maxSizes.BSZ << ',' << maxSizes.B << ',' << maxSizes.W << ',' << minT << ','
+        << static_cast<int32_t>(qType);
     for (int32_t i : kIndexInputs) key << ',' << static_cast<int32_t>(typeOf(i));
     std::lock_guard<std::mutex> lock(mWorkspaceMutex);
     if (key.str() == mWorkspaceKey) return mWorkspaceBytes;
@@ -476,6 +482,9 @@ size_t DashAttentionPlugin::workspaceFor(DynamicPluginTensorDesc const* in, std:
     size_t const total = kAlign /* to align TensorRT's pointer */ + dashBytes + indexBytes(maxSizes, typeOf);
     mWorkspaceKey = key.str();
     mWorkspaceBytes = total;
+    // The largest answer: with several profiles, TensorRT sizes each one's workspace by its own
+    // answer, and its own shape checks keep a call inside its profile.
+    mWorkspaceBound = std::max(mWorkspaceBound, total);
     return total;
 }
 
@@ -558,10 +567,10 @@ int32_t DashAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         DashParams p = shapeParams(sizes, qType, mAttrs);
         p.q = inputs[kQ], p.k = inputs[kK], p.v = inputs[kV], p.iq = inputs[kIQ], p.ik = inputs[kIK];
         p.head_cls = inputs[kHeadCls];
-        p.key_cache = outputs[1], p.value_cache = outputs[2], p.index_cache = outputs[3];
+        p.key_cache = outputs[1], p.value_cache = outputs[2], p.index_key_cache = outputs[3];
         p.image_page_cache = static_cast<int32_t*>(outputs[4]);
         p.summary_cache = static_cast<float*>(outputs[5]);
-        p.summary_pages = static_cast<int32_t*>(outputs[6]);
+        p.summary_pages_cache = static_cast<int32_t*>(outputs[6]);
         p.out = outputs[0];
         int32_t const** indexFields[] = {&p.coords, &p.block_tables, &p.seq_lens, &p.query_start_loc, &p.prompt_lens};
         for (size_t j = 0; j < sizeof(kIndexInputs) / sizeof(kIndexInputs[0]); ++j)
@@ -573,6 +582,14 @@ int32_t DashAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
             DashStatus const status = dash_workspace_size(&p, &dashBytes);
             if (status != DASH_OK) return fail("enqueue", dashError(status));
             if (workspace == nullptr) return fail("enqueue", "no workspace (getWorkspaceSize failed?)");
+            // Never write past the workspace TensorRT allocated (getWorkspaceSize's answer for
+            // the profile): shapes outside it, or an engine built for other sizes, fail here.
+            size_t const needed = kAlign + alignUp(dashBytes) + indexBytes(sizes, [&](int32_t i) { return inputDesc[i].type; });
+            if (mWorkspaceBound > 0 && needed > mWorkspaceBound)
+                return fail("enqueue", "this call needs " + std::to_string(needed) + " bytes of workspace, TensorRT "
+                                       "allocated " + std::to_string(mWorkspaceBound) +
+                                       " (getWorkspaceSize for the profile): the shapes are outside the profile the "
+                                       "engine was built for");
         }
 
         // The caches: in place when TensorRT aliased them (or the caller bound the same buffer
@@ -631,7 +648,16 @@ nvinfer1::IPluginV3* DashAttentionPlugin::attachToContext(nvinfer1::IPluginResou
 
 nvinfer1::PluginFieldCollection const* DashAttentionPlugin::getFieldsToSerialize() noexcept {
     try {
-        return mSerialized.build(mAttrs);
+        // The attributes, then the workspace bound when it is known (the runtime checks it).
+        nvinfer1::PluginFieldCollection const* attrs = mSerialized.build(mAttrs);
+        mSerializedFields.assign(attrs->fields, attrs->fields + attrs->nbFields);
+        if (mWorkspaceBound > 0) {
+            mSerializedBound = static_cast<int64_t>(mWorkspaceBound);
+            mSerializedFields.emplace_back(kWorkspaceField, &mSerializedBound, nvinfer1::PluginFieldType::kINT64, 1);
+        }
+        mSerializedCollection.nbFields = static_cast<int32_t>(mSerializedFields.size());
+        mSerializedCollection.fields = mSerializedFields.data();
+        return &mSerializedCollection;
     } catch (std::exception const& e) {
         fail("getFieldsToSerialize", e.what());
     } catch (...) {
@@ -651,14 +677,36 @@ nvinfer1::IPluginV3* DashAttentionCreator::createPlugin(char const* name, nvinfe
                                                         nvinfer1::TensorRTPhase phase) noexcept {
     std::string const layer = name != nullptr ? name : "";
     try {
+        char const* where = phase == nvinfer1::TensorRTPhase::kBUILD ? "build" : "runtime";
+        // The serialized workspace bound is not an attribute: take it out before parsing.
+        std::vector<nvinfer1::PluginField> fields;
+        int64_t bound = 0;
+        for (int32_t i = 0; fc != nullptr && fc->fields != nullptr && i < fc->nbFields; ++i) {
+            nvinfer1::PluginField const& f = fc->fields[i];
+            if (f.name != nullptr && std::string(f.name) == kWorkspaceField) {
+                if (f.type != nvinfer1::PluginFieldType::kINT64 || f.length != 1 || f.data == nullptr ||
+                    *static_cast<int64_t const*>(f.data) <= 0) {
+                    logError("layer '" + layer + "': createPlugin (" + where + "): field '" + kWorkspaceField +
+                             "' must be one positive INT64");
+                    return nullptr;
+                }
+                bound = *static_cast<int64_t const*>(f.data);
+                continue;
+            }
+            fields.push_back(f);
+        }
+        nvinfer1::PluginFieldCollection rest{};
+        rest.nbFields = static_cast<int32_t>(fields.size());
+        rest.fields = fields.data();
         DashAttributes attrs;
         std::string error;
-        if (!attrs.parse(fc, error)) {
-            logError("layer '" + layer + "': createPlugin (" +
-                     (phase == nvinfer1::TensorRTPhase::kBUILD ? "build" : "runtime") + "): " + error);
+        if (!attrs.parse(fc == nullptr ? nullptr : &rest, error)) {
+            logError("layer '" + layer + "': createPlugin (" + where + "): " + error);
             return nullptr;
         }
-        return new DashAttentionPlugin(layer, mNamespace, attrs);
+        auto* plugin = new DashAttentionPlugin(layer, mNamespace, attrs);
+        plugin->mWorkspaceBound = static_cast<size_t>(bound);
+        return plugin;
     } catch (std::exception const& e) {
         logError("layer '" + layer + "': createPlugin: " + e.what());
     } catch (...) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "NvInferRuntime.h"
 #include "dash/params.h"
@@ -124,7 +125,20 @@ private:
     mutable std::mutex mWorkspaceMutex;
     mutable std::string mWorkspaceKey;
     mutable size_t mWorkspaceBytes{0};
+    // The workspace TensorRT gives enqueue: the largest getWorkspaceSize answer (profile
+    // bounds, also computed by configurePlugin), carried by clones and serialized as the
+    // kWorkspaceField field; 0 while unknown. enqueue refuses a call that needs more.
+    mutable size_t mWorkspaceBound{0};
+    int64_t mSerializedBound{0};
+    std::vector<nvinfer1::PluginField> mSerializedFields;
+    nvinfer1::PluginFieldCollection mSerializedCollection{};
+
+    friend class DashAttentionCreator;
 };
+
+//! The serialized field (not an ONNX attribute) that carries the workspace bytes an engine
+//! was built with: INT64, length 1.
+constexpr char const* kWorkspaceField = "workspace_bytes";
 
 // ----------------------------------------------------------------------------------- creator
 class DashAttentionCreator : public nvinfer1::IPluginCreatorV3One {

@@ -58,8 +58,21 @@ DASH_API DashStatus dash_validate(const DashParams* p);
 /* Scratch bytes dash_run needs for these sizes. */
 DASH_API DashStatus dash_workspace_size(const DashParams* p, size_t* bytes);
 
-/* Enqueue the operator on `stream` (a cudaStream_t). */
+/* Enqueue the operator on `stream` (a cudaStream_t): dash_plan, then dash_run_plan. */
 DASH_API DashStatus dash_run(const DashParams* p, void* stream);
+
+/* Plan once, run many times. dash_plan() validates the sizes, configuration and tuning of `p`
+ * (its pointers are not read) and fills `plan`: grids, paths, shared memory and the workspace
+ * layout. dash_run_plan() launches a plan for params with those same sizes, configuration and
+ * tuning (checked, cheaply) and any pointers: a runtime plans once per step and layer shape and
+ * runs each layer with its own tensors. The plan is plain data (copyable, no resources). */
+typedef struct DashPlan {
+    uint64_t opaque[96];
+} DashPlan;
+DASH_API DashStatus dash_plan(const DashParams* p, DashPlan* plan);
+/* Workspace bytes of a plan (what dash_workspace_size gives for its params). */
+DASH_API size_t dash_plan_workspace_size(const DashPlan* plan);
+DASH_API DashStatus dash_run_plan(const DashParams* p, const DashPlan* plan, void* stream);
 
 /* Copies the data-error mask of the last run using this workspace to *mask, synchronising
  * `stream`, then clears it. For tests and eager front ends; not for capture. */

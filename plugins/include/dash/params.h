@@ -21,8 +21,8 @@
 extern "C" {
 #endif
 
-/* Bumped whenever DashParams changes layout. */
-#define DASH_ABI_VERSION 1
+/* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
+#define DASH_ABI_VERSION 2
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -80,10 +80,10 @@ typedef struct DashParams {
     /* ---- the paged cache (read and written in place) ---- */
     void* key_cache;            /* [NB, block_size, Hkv, D] dtype, keys after page RoPE */
     void* value_cache;          /* [NB, block_size, Hkv, D] dtype */
-    void* index_cache;          /* [NB, block_size, Di] dtype, index keys after page RoPE */
+    void* index_key_cache;      /* [NB, block_size, Di] dtype, index keys after page RoPE */
     int32_t* image_page_cache;  /* [NB, block_size]: image page per token, -1 if none */
     float* summary_cache;       /* [NB, block_size / sbs, Di] float32: complete block summaries */
-    int32_t* summary_pages;     /* [NB, block_size / sbs, 3]: lo, hi, dense flag */
+    int32_t* summary_pages_cache;/* [NB, block_size / sbs, 3]: lo, hi, dense flag */
 
     /* ---- output ---- */
     void* out;                  /* [T, H, D] dtype */
@@ -94,6 +94,17 @@ typedef struct DashParams {
 
     /* ---- optional debugging outputs (may be NULL) ---- */
     int32_t* selected_out;      /* [T, dash_max_selected(params)]: selected blocks, -1 padded */
+
+    /* ---- tuning: 0 takes the documented default; tests and benchmarks pass others ---- */
+    int32_t tune_block_major_min_tokens; /* prefill attention goes block-major from this many tokens
+                                            (0: 1024; < 0: never) */
+    int32_t tune_block_major_chunk;      /* tokens per block-major pass (0: 8192) */
+    int32_t tune_attend_ctas;            /* split-K target (CTAs) of the token-major attention (0: 256) */
+    int32_t tune_fused_front;            /* decode-only calls (max_new_tokens 1) fold the write and summary
+                                            stages into the routing and attention launches (0: yes; < 0: no) */
+    int32_t tune_front_writer;           /* where the folded write runs (0: its own CTA where the routing grid
+                                            fits one wave, else the token's first routing CTA; 1: own CTA;
+                                            2: the first routing CTA) */
 } DashParams;
 
 #ifdef __cplusplus

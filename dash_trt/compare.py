@@ -6,8 +6,9 @@ runner carrying its own caches from step to step):
 - ``pytorch``: the reference: the model on CPU, whose DASH layers run the PyTorch paged
   operator;
 - ``onnxrt``: ONNX Runtime on the exported file (the model-local ONNX function);
-- ``pytorch-cuda``: the model on the GPU, DASH layers on the CUDA kernels (when a GPU and the
-  kernel library are present; ``--no-cuda`` leaves it out);
+- ``pytorch-cuda``: the model's serving form on the GPU (the runtime's in-place op on the
+  CUDA kernels, caches written where they are; when a GPU and the kernel library are present;
+  ``--no-cuda`` leaves it out);
 - ``tensorrt``: an engine built by ``dash-build`` (``--engine``, with ``--plugin``), when the
   TensorRT Python package is installed.
 
@@ -37,7 +38,7 @@ import torch
 
 from .model import DashForCausalLM, demo_model, document_prompt, generate, load_checkpoint
 
-__all__ = ["CompareReport", "compare", "main", "TorchRunner"]
+__all__ = ["CompareReport", "compare", "main", "TorchRunner", "InPlaceTorchRunner"]
 
 #: Tolerances against the float32 reference, by the exported dtype (the export check's).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-2, 5e-2), torch.bfloat16: (2e-1, 1e-1)}
@@ -94,6 +95,50 @@ class TorchRunner(_runner_base()):  # type: ignore[misc]
         return OrderedDict((n, _to_numpy(t)) for n, t in zip(self.output_names, out))
 
 
+class InPlaceTorchRunner(TorchRunner):
+    """The model's serving form (:meth:`DashForCausalLM.forward_paged`: the in-place op, on the
+    CUDA kernels on a GPU), as the runtime runs it: the runner keeps its own device caches,
+    copies each step's ``past.*`` feed into them, lets the step write them in place and
+    returns them as ``present.*``."""
+
+    def __init__(self, model: DashForCausalLM, input_names: Sequence[str], output_names: Sequence[str],
+                 name: str):
+        super().__init__(model, input_names, output_names, name)
+        from .model import MODEL_INPUTS
+
+        self.n_meta = len(MODEL_INPUTS)
+        self.caches = None
+
+    def infer_impl(self, feed_dict):
+        from .ops import CACHE_FIELDS
+        from .paged import DashBatch, DashKVCache
+
+        device = self.model.device
+        names = self.input_names
+        meta = [_to_torch(feed_dict[n]).to(device) for n in names[:self.n_meta]]
+        past = [_to_torch(feed_dict[n]) for n in names[self.n_meta:]]
+        n = len(CACHE_FIELDS)
+        fresh = self.caches is None or any(
+            getattr(c, f).shape != past[n * i + j].shape for i, c in enumerate(self.caches)
+            for j, f in enumerate(CACHE_FIELDS))
+        if fresh:
+            sbs = self.model.config.dash.sparse_block_size
+            self.caches = [DashKVCache(*(t.to(device).clone() for t in past[n * i:n * (i + 1)]), sparse_block_size=sbs)
+                           for i in range(len(past) // n)]
+        else:
+            for i, c in enumerate(self.caches):
+                for j, f in enumerate(CACHE_FIELDS):
+                    getattr(c, f).copy_(past[n * i + j])
+        ids, coords, tables, lens, qsl, prompts, rows = meta
+        counts = np.diff(feed_dict[names[4]])
+        batch = DashBatch(tables.int(), lens.int(), qsl.int(), prompts.int(),
+                          max_query_len=int(counts.max()) if counts.size else 1)
+        with torch.no_grad():
+            logits = self.model.forward_paged(ids, coords, batch, self.caches, rows)
+        out = [logits] + [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+        return OrderedDict((name, _to_numpy(t)) for name, t in zip(self.output_names, out))
+
+
 @dataclass
 class CompareReport:
     runners: list[str]
@@ -148,7 +193,11 @@ def _tensorrt_runner(engine: str, plugin: str | None):
                            "an engine") from None
     if plugin is None or not os.path.isfile(plugin):
         raise CompareError(f"--engine needs --plugin pointing at libdash_trt_plugin.so (got {plugin!r})")
-    trt.get_plugin_registry().load_library(plugin)
+    from .build import load_plugin_library
+
+    problem = load_plugin_library(trt.get_plugin_registry(), plugin)
+    if problem:
+        raise CompareError(problem)
     with open(engine, "rb") as fh:
         data = fh.read()
     return TrtRunner(EngineFromBytes(data), name="tensorrt")
@@ -190,7 +239,7 @@ def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None
         else:
             import copy
 
-            runners.append(TorchRunner(copy.deepcopy(model).cuda(), in_names, out_names, "pytorch-cuda"))
+            runners.append(InPlaceTorchRunner(copy.deepcopy(model).cuda(), in_names, out_names, "pytorch-cuda"))
     if engine is not None:
         runners.append(_tensorrt_runner(engine, plugin))
     else:
@@ -204,6 +253,10 @@ def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None
         r.activate()
     try:
         def forward(inputs: dict, caches: list):
+            # Every runner scores every new token (a stronger check than the sampled rows);
+            # generation gets back the rows it asked for.
+            wanted = inputs["logits_indices"]
+            inputs = dict(inputs, logits_indices=torch.arange(inputs["input_ids"].shape[0]))
             meta = [_to_numpy(v) for v in inputs.values()]
             ref_caches = [_to_numpy(c) for c in caches]
             out = None
@@ -222,7 +275,7 @@ def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None
             report.steps += 1
             log(f"  step {report.steps}: {inputs['input_ids'].shape[0]} new tokens in "
                 f"{inputs['seq_lens'].shape[0]} sequences through {len(runners)} runners")
-            return _to_torch(out[out_names[0]]), [_to_torch(out[n]) for n in out_names[1:]]
+            return _to_torch(out[out_names[0]])[wanted.cpu()], [_to_torch(out[n]) for n in out_names[1:]]
 
         generate(model, default_prompts(model, seed), decode_steps, prefill_chunk=prefill_chunk,
                  kv_block_size=kv_block_size, stop_at_eos=False, forward=forward)

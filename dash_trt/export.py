@@ -6,13 +6,14 @@ becomes one ``dash_trt.DashAttention`` node with the configuration as attributes
 the file carries the model-local function of that name (:mod:`dash_trt.onnx_ops`), so
 ONNX Runtime runs it as is and TensorRT can run the plugin instead.
 
-Graph interface (T new tokens, B sequences, NB KV blocks, W block-table width; all
-four dynamic; the KV block size is fixed at export, ``--kv-block-size``):
+Graph interface (T new tokens, B sequences, NB KV blocks, W block-table width, N rows
+scored; all five dynamic; the KV block size is fixed at export, ``--kv-block-size``):
 
 inputs  ``input_ids`` [T] int64, ``coords`` [T, 4] int32, ``block_tables`` [B, W] int32,
         ``seq_lens`` [B] int32, ``query_start_loc`` [B+1] int32, ``prompt_lens`` [B] int32,
+        ``logits_indices`` [N] int64 (rows of the new tokens to score),
         ``past.{layer}.{key,value,index_key,image_page,summary,summary_pages}``
-outputs ``logits`` [T, vocab] float32, ``present.{layer}.{...}`` (the updated caches)
+outputs ``logits`` [N, vocab] float32, ``present.{layer}.{...}`` (the updated caches)
 
 The file is written atomically: everything goes to a temporary folder beside the
 output, is checked there (``onnx.checker`` full check, then ONNX Runtime against
@@ -164,7 +165,9 @@ def _example_inputs(model: DashForCausalLM, kv_block_size: int):
     batch = state.pool.schedule([(0, n[0]), (1, n[1])], device=model.device, table_width=width)
     coords = torch.cat([sequence_coords(token_roles(p, cfg)) for p in prompts]).to(model.device)
     ids = torch.tensor(prompts[0] + prompts[1], dtype=torch.long, device=model.device)
-    return (ids, coords, *batch.kwargs().values(), *state.tensors())
+    # Rows to score: each sequence's last token, then others (9 rows: apart from every other size).
+    rows = torch.tensor([n[0] - 1, n[0] + n[1] - 1, 0, 1, 2, 3, 4, 5, 6], dtype=torch.long, device=model.device)
+    return (ids, coords, *batch.tensors(), rows, *state.tensors())
 
 
 def _dynamic_shapes(model: DashForCausalLM):
@@ -173,6 +176,7 @@ def _dynamic_shapes(model: DashForCausalLM):
     seqs = Dim("num_seqs", min=1)
     blocks = Dim("num_kv_blocks", min=1)
     width = Dim("block_table_width", min=1)
+    scored = Dim("num_logits", min=1)
     per_input = {
         "input_ids": {0: tokens},
         "coords": {0: tokens},
@@ -180,6 +184,7 @@ def _dynamic_shapes(model: DashForCausalLM):
         "seq_lens": {0: seqs},
         "query_start_loc": {0: seqs + 1},
         "prompt_lens": {0: seqs},
+        "logits_indices": {0: scored},
     }
     # forward(*inputs, *caches): torch.export sees the caches as one varargs tuple
     return (*(per_input[n] for n in MODEL_INPUTS), tuple({0: blocks} for _ in model.cache_names("past")))
@@ -347,6 +352,10 @@ def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_siz
 
     def forward(inputs: dict, caches: list):
         nonlocal ort_caches
+        # Score every new token in both runtimes (a stronger check than the sampled rows);
+        # generation gets the rows it asked for.
+        wanted = inputs["logits_indices"]
+        inputs = dict(inputs, logits_indices=torch.arange(inputs["input_ids"].shape[0], device=wanted.device))
         with torch.no_grad():
             out = model(*inputs.values(), *caches)
         if ort_caches is None:
@@ -382,7 +391,7 @@ def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_siz
         if progress is not None:
             progress.note(f"step {report.steps}: {t} new tokens in {b} sequences, max |logits err| "
                           f"{float(err.max()):.2e}")
-        return out[0], out[1:]
+        return out[0][wanted], out[1:]
 
     generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
              num_blocks=num_blocks, stop_at_eos=False, forward=forward)

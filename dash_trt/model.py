@@ -15,10 +15,13 @@ and is read with ``torch.load(weights_only=True)``; unpickling arbitrary objects
 whole pickled module) needs ``allow_pickle=True`` (``dash-export --unsafe-load``).
 
 The forward pass is the exported graph: ``forward(input_ids, coords, block_tables,
-seq_lens, query_start_loc, prompt_lens, *caches) -> (logits, *new_caches)`` over a ragged
-batch of new tokens, six cache tensors per layer (:data:`dash_trt.ops.CACHE_FIELDS`)
-in, updated ones out. :func:`generate` drives it: prefill (optionally chunked, mixed
-with other sequences' decode steps in one batch) then greedy decode.
+seq_lens, query_start_loc, prompt_lens, logits_indices, *caches) -> (logits, *new_caches)``
+over a ragged batch of new tokens, six cache tensors per layer
+(:data:`dash_trt.ops.CACHE_FIELDS`) in, updated ones out, logits only for the rows in
+``logits_indices``. It is functional (the export form). Serving runs
+:meth:`DashForCausalLM.forward_paged` instead: the same computation with the caches
+written in place (the in-place op), driven by :mod:`dash_trt.runtime`; :func:`generate`
+is greedy generation on that runtime.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attributes as A
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
-from .ops import CACHE_FIELDS, paged_attention
-from .paged import DashKVCache, KVBlockPool, sequence_coords
+from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
+from .paged import DashBatch, DashKVCache, KVBlockPool, sequence_coords
 from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
 __all__ = [
@@ -67,7 +71,11 @@ __all__ = [
 ]
 
 #: Names of the forward pass's non-cache inputs, in order (also the ONNX input names).
-MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens")
+#: ``logits_indices`` [N] int64 are the rows of the new tokens to score (vLLM's logits
+#: indices: the last token of each sequence that samples), so no runtime materialises
+#: [T, vocab] logits for prefill chunks; ``torch.arange(T)`` scores every token.
+MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens",
+                "logits_indices")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -306,6 +314,7 @@ class DashAttention(nn.Module):
         self.iq_proj = nn.Linear(h, self.index_dim, bias=False)
         self.ik_proj = nn.Linear(h, self.index_dim, bias=False)
         self.head_cls = nn.Parameter(torch.zeros(self.index_dim))
+        self._attrs: dict | None = None  # the op's encoded config, built on first use
 
     def project(self, x: torch.Tensor):
         t = x.shape[0]
@@ -322,6 +331,15 @@ class DashAttention(nn.Module):
         out, new = paged_attention(q, k, v, iq, ik, coords, self.head_cls, caches, block_tables, seq_lens,
                                    query_start_loc, prompt_lens, self.sp, self.layer_idx)
         return self.o_proj(out.reshape(x.shape[0], -1)), new
+
+    def forward_inplace(self, x, coords, cache: DashKVCache, batch: DashBatch):
+        """The serving form: ``cache`` is written in place (no copy of the pool)."""
+        if self._attrs is None:
+            self._attrs = A.encode(self.sp, self.layer_idx)
+        q, k, v, iq, ik = self.project(x)
+        out = paged_attention_inplace(q, k, v, iq, ik, coords, self.head_cls, cache, batch, self.sp,
+                                      self.layer_idx, self._attrs)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
     def reference(self, x, roles, prompt_length):
         """Dense reference: the whole sequence at once (:func:`reference.dash_attention`)."""
@@ -354,6 +372,10 @@ class DecoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), new
 
+    def forward_inplace(self, x, coords, cache, batch):
+        x = x + self.self_attn.forward_inplace(self.input_layernorm(x), coords, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def reference(self, x, roles, prompt_length):
         x = x + self.self_attn.reference(self.input_layernorm(x), roles, prompt_length)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -384,8 +406,10 @@ class DashForCausalLM(nn.Module):
         """Flat names of the cache tensors (``{prefix}.{layer}.{field}``)."""
         return [f"{prefix}.{i}.{f}" for i in range(len(self.layers)) for f in CACHE_FIELDS]
 
-    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, *caches):
-        """Logits [T, vocab] (float32) of the new tokens and the updated caches."""
+    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices,
+                *caches):
+        """Logits [N, vocab] (float32) of the rows ``logits_indices`` of the new tokens, and
+        the updated caches (the functional, exported form)."""
         n = len(CACHE_FIELDS)
         if len(caches) != n * len(self.layers):
             raise ValueError(f"expected {n * len(self.layers)} cache tensors ({n} per layer), got {len(caches)}")
@@ -394,7 +418,23 @@ class DashForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, c = layer(x, coords, caches[n * i:n * (i + 1)], block_tables, seq_lens, query_start_loc, prompt_lens)
             new.extend(c)
-        return (self.lm_head(self.norm(x)).float(), *new)
+        return (self.logits(x, logits_indices), *new)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the rows ``logits_indices`` of the last hidden states."""
+        return self.lm_head(self.norm(torch.index_select(hidden, 0, logits_indices))).float()
+
+    def forward_paged(self, input_ids: torch.Tensor, coords: torch.Tensor, batch: DashBatch,
+                      caches: Sequence[DashKVCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """The forward pass with every layer's cache written in place (the serving form of
+        :meth:`forward`): the same ``batch`` for every layer, no copy of the pool, no host
+        synchronisation on the CUDA kernels. Returns the logits [N, vocab] (float32)."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} layer caches, got {len(caches)}")
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward_inplace(x, coords, cache, batch)
+        return self.logits(x, logits_indices)
 
     def reference_logits(self, ids: Sequence[int] | torch.Tensor, prompt_length: int | None = None) -> torch.Tensor:
         """Logits [S, vocab] of a whole sequence without a cache (dense reference
@@ -406,11 +446,13 @@ class DashForCausalLM(nn.Module):
             x = layer.reference(x, roles, prompt_length)
         return self.lm_head(self.norm(x)).float()
 
-    def allocate_cache(self, num_blocks: int, kv_block_size: int) -> list[DashKVCache]:
+    def allocate_cache(self, num_blocks: int, kv_block_size: int,
+                       device: str | torch.device | None = None) -> list[DashKVCache]:
+        """One :class:`DashKVCache` per layer (on the model's device unless ``device``)."""
         c = self.config
         return [DashKVCache.allocate(num_blocks, kv_block_size, c.num_key_value_heads, c.head_dim,
                                      c.index_head_dim, c.dash.sparse_block_size, dtype=self.dtype,
-                                     device=self.device) for _ in self.layers]
+                                     device=self.device if device is None else device) for _ in self.layers]
 
 
 def _init_weights(model: DashForCausalLM, gen: torch.Generator) -> None:
@@ -418,22 +460,28 @@ def _init_weights(model: DashForCausalLM, gen: torch.Generator) -> None:
     decoding and top-k routing are not decided by float rounding."""
     with torch.no_grad():
         for name, p in model.named_parameters():
+            kw = {"generator": gen, "device": gen.device, "dtype": torch.float32}
             if name.endswith("layernorm.weight") or name == "norm.weight":
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, **kw))
             elif p.ndim == 2 and "embed_tokens" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                p.copy_(torch.randn(p.shape, **kw) / math.sqrt(p.shape[1]))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, **kw))
 
 
 def random_model(config: DashModelConfig | Mapping[str, Any], *, seed: int = 0,
-                 dtype: torch.dtype | None = None) -> DashForCausalLM:
-    """A model of ``config`` with random weights (for demos, tests and benchmarks)."""
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> DashForCausalLM:
+    """A model of ``config`` with random weights (for demos, tests and benchmarks).
+    ``device`` builds and fills it there (a GPU's generator: other numbers than the CPU's,
+    and seconds instead of minutes for a billion-parameter benchmark model)."""
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config)
-    model = DashForCausalLM(config)
-    _init_weights(model, torch.Generator().manual_seed(seed))
-    return model.to(dtype or config.dtype).eval()
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    dtype = dtype or config.dtype
+    with torch.device(device):
+        model = DashForCausalLM(config).to(dtype)
+    _init_weights(model, torch.Generator(device=device).manual_seed(seed))
+    return model.eval()
 
 
 def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DashForCausalLM:
@@ -577,7 +625,8 @@ class PagedState:
                 setattr(c, f, tensors[n * i + j])
 
 
-#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [T, V], new caches)
+#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches): a
+#: functional backend (the exported graph's interface; :class:`dash_trt.runtime.PagedRuntime`).
 ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
 
 
@@ -591,6 +640,7 @@ class Generation:
     steps: int = 0
     batches: list[list[tuple[int, int]]] = field(default_factory=list)  #: (sequence, new tokens) per step
     blocks_in_use: int = 0  #: KV blocks still held at the end (0 once every sequence finished)
+    graph_steps: int = 0  #: decode steps replayed from a CUDA graph
 
 
 def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
@@ -603,80 +653,62 @@ def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
 
 def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              prefill_chunk: int | None = None, kv_block_size: int = 16, num_blocks: int | None = None,
-             stop_at_eos: bool = True, forward: ForwardFn | None = None) -> Generation:
-    """Greedy generation over the paged cache.
+             stop_at_eos: bool = True, forward: ForwardFn | None = None, cuda_graphs: bool | None = None,
+             keep_logits: bool = True) -> Generation:
+    """Greedy generation over the paged cache, on the serving runtime
+    (:class:`dash_trt.runtime.PagedRuntime`: caches written in place, logits only for the
+    tokens chosen, decode steps replayed from CUDA graphs on the kernels).
 
     Every step is one batch: each sequence contributes its next prefill chunk (of up to
     ``prefill_chunk`` tokens; the whole prompt if None) or its next decode token, so
-    prefill chunks and decode steps of different sequences mix. ``forward`` replaces
-    the model call (used by the ONNX check to run another runtime on the same steps).
+    prefill chunks and decode steps of different sequences mix. Each sequence's blocks for
+    its prompt and ``max_new_tokens - 1`` generated tokens are allocated up front
+    (``num_blocks`` defaults to their sum). ``forward`` replaces the model call with a
+    functional one (the ONNX check runs another runtime on the same steps);
+    ``cuda_graphs=False`` runs decode steps eagerly; ``keep_logits=False`` skips copying
+    the chosen rows' logits to the host.
     """
+    from .runtime import PagedRuntime
+
     cfg = model.config
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one non-empty prompt")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    reserve = [len(p) + max(max_new_tokens, 1) - 1 for p in prompts]
     if num_blocks is None:
-        num_blocks = sum(-(-(len(p) + max_new_tokens) // kv_block_size) for p in prompts) + 1
-    state = PagedState(model, num_blocks, kv_block_size)
-    device = model.device
-    if forward is None:
-        def forward(inputs, caches):
-            with torch.no_grad():
-                out = model(*inputs.values(), *caches)
-            return out[0], out[1:]
-
+        num_blocks = sum(-(-r // kv_block_size) for r in reserve) + 1
+    runtime = PagedRuntime(model, num_blocks, kv_block_size, forward=forward, max_model_len=max(reserve),
+                           max_num_seqs=len(prompts), cuda_graphs=cuda_graphs)
     n = len(prompts)
-    history = [list(p) for p in prompts]
-    prompt_coords = [sequence_coords(token_roles(p, cfg)) for p in prompts]
-    fed = [0] * n  # tokens already in the cache
-    generated: list[list[int]] = [[] for _ in range(n)]
-    logits_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    finished = [max_new_tokens <= 0] * n
     for i, p in enumerate(prompts):
-        state.pool.add(i, prompt_length=len(p))
-    result = Generation([], [])
+        runtime.add(i, p, reserve[i])
+    finished = [max_new_tokens <= 0] * n
+    result = Generation([[] for _ in range(n)], [])
+    logits_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
     while True:
         plan = []
         for i in range(n):
-            if finished[i] or fed[i] == len(history[i]):
+            if finished[i]:
                 continue
-            left = len(history[i]) - fed[i]
+            left = runtime.seq(i).pending
             plan.append((i, left if prefill_chunk is None else min(left, prefill_chunk)))
         if not plan:
             break
-        batch = state.pool.schedule(plan, device=device)
-        ids, coords = [], []
-        for i, cnt in plan:
-            ids += history[i][fed[i]:fed[i] + cnt]
-            if fed[i] + cnt <= len(prompts[i]):
-                coords.append(prompt_coords[i][fed[i]:fed[i] + cnt])
-            else:
-                full = sequence_coords(token_roles(history[i][:fed[i] + cnt], cfg))
-                coords.append(full[fed[i]:fed[i] + cnt])
-        inputs = {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
-                  "coords": torch.cat(coords).to(device), **batch.kwargs()}
-        logits, caches = forward(inputs, state.tensors())
-        state.update(list(caches))
+        step = runtime.step(plan, return_logits=keep_logits)
         result.steps += 1
         result.batches.append(plan)
-        qsl = batch.query_start_loc.tolist()
-        for j, (i, cnt) in enumerate(plan):
-            fed[i] += cnt
-            if fed[i] < len(history[i]):
-                continue  # more prompt to prefill
-            last = logits[qsl[j + 1] - 1].float().cpu()
-            tok = _greedy(last, cfg)
-            generated[i].append(tok)
-            logits_out[i].append(last)
-            history[i].append(tok)
-            if len(generated[i]) >= max_new_tokens or (stop_at_eos and tok == cfg.eos_token_id):
+        for i, tok in step.tokens.items():
+            result.tokens[i].append(tok)
+            if keep_logits:
+                logits_out[i].append(step.logits[i])
+            if len(result.tokens[i]) >= max_new_tokens or (stop_at_eos and tok == cfg.eos_token_id):
                 finished[i] = True
-                state.pool.free(i)
-    result.tokens = generated
-    result.blocks_in_use = state.pool.num_blocks - state.pool.num_free_blocks
+                runtime.free(i)
+    result.blocks_in_use = runtime.pool.num_blocks - runtime.pool.num_free_blocks
     result.logits = [torch.stack(x) if x else torch.empty(0, cfg.vocab_size) for x in logits_out]
+    result.graph_steps = runtime.graph_steps
     return result
 
 

@@ -1,4 +1,13 @@
-"""The paged DASH operator as a PyTorch custom op: ``torch.ops.dash_trt.paged_attention``.
+"""The paged DASH operator as PyTorch custom ops, in two forms:
+
+- ``torch.ops.dash_trt.paged_attention`` (:func:`paged_attention`): **functional, for
+  export**. The caches go in and updated copies come out, which is what an ONNX or
+  TensorRT graph with caches as inputs and outputs needs.
+- ``torch.ops.dash_trt.paged_attention_`` (:func:`paged_attention_inplace`): **in place,
+  for serving**. The six caches are declared mutated (``Tensor(a!)``) and written where
+  they are; nothing is copied, so a step costs what its tokens cost, not the pool's size.
+  It also takes the step's ``max_query_len``. :mod:`dash_trt.runtime` runs every model step
+  through it.
 
 Why a *functional* op (the cache tensors go in, updated copies come out) when the paged
 operator (:func:`dash_trt.paged.paged_dash_attention`) writes the cache in place:
@@ -39,7 +48,7 @@ import torch
 
 from . import attributes as A
 from .config import DashConfig
-from .paged import DashKVCache, paged_dash_attention
+from .paged import DashBatch, DashKVCache, paged_dash_attention
 
 __all__ = [
     "OP_NAMESPACE",
@@ -49,6 +58,8 @@ __all__ = [
     "OUTPUTS",
     "paged_attention",
     "paged_attention_op",
+    "paged_attention_inplace",
+    "paged_attention_inplace_op",
     "register_cuda_impl",
 ]
 
@@ -76,13 +87,28 @@ _SCHEMA = (
 
 torch.library.define(QUALNAME, _SCHEMA)
 
+#: The in-place op: same inputs, the caches mutated, only ``out`` returned.
+INPLACE_NAME = OP_NAME + "_"
+INPLACE_QUALNAME = f"{OP_NAMESPACE}::{INPLACE_NAME}"
+_ALIASES = "abcdef"
+_INPLACE_SCHEMA = (
+    "(" + ", ".join(
+        f"Tensor({_ALIASES[TENSOR_INPUTS.index(n) - 7]}!) {n}" if n.endswith("_cache") else f"Tensor {n}"
+        for n in TENSOR_INPUTS)
+    + ", *, int max_query_len, " + A.torch_schema_args() + ") -> Tensor"
+)
+torch.library.define(INPLACE_QUALNAME, _INPLACE_SCHEMA)
+
 
 # --------------------------------------------------------------- CUDA kernel hook
-#: The CUDA implementation, or None to run the PyTorch paged operator on CUDA too.
+#: The CUDA implementations (functional, in place), or None to run the PyTorch paged
+#: operator on CUDA too.
 _cuda_impl: Callable[..., tuple[torch.Tensor, ...]] | None = None
+_cuda_inplace_impl: Callable[..., torch.Tensor] | None = None
 
 
-def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None) -> None:
+def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None,
+                       inplace: Callable[..., torch.Tensor] | None = None) -> None:
     """Plug the CUDA kernels into the op (``None`` restores the PyTorch fallback).
 
     ``fn(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary,
@@ -93,14 +119,21 @@ def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None) -> No
     summary_pages)``. The returned caches must be new tensors (the op is functional:
     it may not return or modify its inputs); the usual kernel writes into clones.
 
+    ``inplace(..., cfg, layer_idx, max_query_len)`` (same tensors) implements the in-place
+    op: it writes the six caches where they are and returns ``out``; it must not synchronise
+    the host (the runtime captures it in CUDA graphs). Without it, the in-place op runs the
+    PyTorch paged operator on CUDA.
+
     A C++ binding that registers its own torch ops should use
     ``TORCH_LIBRARY_FRAGMENT(dash_trt, m)`` (this module defines ``dash_trt`` ops from
-    Python) and op names other than ``paged_attention``.
+    Python) and op names other than ``paged_attention`` and ``paged_attention_``.
     """
-    global _cuda_impl
-    if fn is not None and not callable(fn):
-        raise TypeError(f"register_cuda_impl expects a callable or None, got {type(fn).__name__}")
+    global _cuda_impl, _cuda_inplace_impl
+    for f in (fn, inplace):
+        if f is not None and not callable(f):
+            raise TypeError(f"register_cuda_impl expects callables or None, got {type(f).__name__}")
     _cuda_impl = fn
+    _cuda_inplace_impl = inplace
 
 
 # ------------------------------------------------------------------ implementations
@@ -117,6 +150,24 @@ def _paged_attention_impl(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tens
     cache = DashKVCache(*(c.clone() for c in caches), sparse_block_size=cfg.sparse_block_size)
     out = paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
     return (out, *(getattr(cache, f) for f in CACHE_FIELDS))
+
+
+@torch.library.register_kernel(INPLACE_QUALNAME, ("cpu", "cuda"))
+def _paged_attention_inplace_impl(*args: torch.Tensor, max_query_len: int, **attrs: Any) -> torch.Tensor:
+    cfg, layer_idx = A.decode(attrs)
+    inputs, caches, batch = _split(args)
+    if inputs[0].device.type == "cuda" and _cuda_inplace_impl is not None:
+        return _cuda_inplace_impl(*inputs, *caches, *batch, cfg, layer_idx, max_query_len)
+    cache = DashKVCache(*caches, sparse_block_size=cfg.sparse_block_size)
+    return paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
+
+
+@torch.library.register_fake(INPLACE_QUALNAME)
+def _paged_attention_inplace_fake(*args: torch.Tensor, max_query_len: int, **attrs: Any) -> torch.Tensor:
+    q = args[0]
+    if q.dim() != 3:
+        raise ValueError(f"{INPLACE_QUALNAME}: q must be [T, H, D], got {q.dim()} dims")
+    return torch.empty_like(q)
 
 
 @torch.library.register_fake(QUALNAME)
@@ -168,13 +219,45 @@ def paged_attention(
     return res[0], tuple(res[1:])
 
 
+def paged_attention_inplace_op() -> torch._ops.OpOverload:
+    """``torch.ops.dash_trt.paged_attention_.default``."""
+    return torch.ops.dash_trt.paged_attention_.default
+
+
+def paged_attention_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    coords: torch.Tensor,
+    head_cls: torch.Tensor,
+    cache: DashKVCache,
+    batch: DashBatch,
+    sp: DashConfig | Mapping[str, Any],
+    layer_idx: int,
+    attrs: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """The in-place op: writes the new tokens into ``cache`` and returns ``out`` [T, H, D].
+
+    ``batch`` is the step's :class:`~dash_trt.paged.DashBatch`, the same object for every
+    layer; ``attrs`` (``dash_trt.attributes.encode(sp, layer_idx)``) may be passed in to
+    skip encoding the config on every call.
+    """
+    most = batch.max_query_len if batch.max_query_len is not None else q.shape[0]
+    return paged_attention_inplace_op()(
+        q, k, v, iq, ik, coords, head_cls, *(getattr(cache, f) for f in CACHE_FIELDS), *batch.tensors(),
+        max_query_len=int(most), **(attrs if attrs is not None else A.encode(sp, layer_idx)),
+    )
+
+
 def _register_kernels_if_built() -> None:
     """Eager PyTorch users get the CUDA kernels whenever the kernel library was built
     (``pip install .`` with nvcc); CPU tensors keep the PyTorch paged operator."""
     from . import cuda as _cuda  # no import cycle: cuda does not import ops
 
     if _cuda.library_path() is not None:
-        register_cuda_impl(_cuda.op_impl)
+        register_cuda_impl(_cuda.op_impl, _cuda.op_impl_inplace)
 
 
 _register_kernels_if_built()

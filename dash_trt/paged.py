@@ -54,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from .config import DashConfig, as_config
@@ -81,6 +82,9 @@ __all__ = [
     "NUM_COORDS",
     "DashKVCache",
     "DashBatch",
+    "BatchHost",
+    "BATCH_FIELDS",
+    "PageCoordState",
     "KVBlockPool",
     "CacheFullError",
     "sequence_coords",
@@ -100,6 +104,66 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def sequence_coords(roles: torch.Tensor) -> torch.Tensor:
     """``coords`` [S, 4] int32 for a whole sequence from its roles [S]."""
     return torch.stack(page_coordinates(roles), -1).to(torch.int32)
+
+
+class PageCoordState:
+    """Page coordinates of a growing sequence, one new token at a time in O(1).
+
+    :func:`sequence_coords` needs the whole sequence (the prompt's last image token splits
+    it into prompt and response). Generated tokens are never image tokens, so once the
+    prompt is known the coordinates of every later token follow from a few counters:
+    ``next(role)`` returns the row ``sequence_coords(roles + [role])[-1]`` would give,
+    without recomputing the sequence. ``from_prompt`` also returns the prompt's own rows.
+    """
+
+    __slots__ = ("_i", "_cum", "_pages", "_counts", "_prev_page", "_run_start", "_last_marker")
+
+    def __init__(self, i: int, cum: int, num_pages: int, prompt_counts: list[int], prev_page: int,
+                 run_start: int, last_marker: int):
+        self._i, self._cum, self._pages, self._counts = i, cum, num_pages, prompt_counts
+        self._prev_page, self._run_start, self._last_marker = prev_page, run_start, last_marker
+
+    @classmethod
+    def from_prompt(cls, roles: torch.Tensor) -> tuple[PageCoordState, torch.Tensor]:
+        """The state after ``roles`` (a whole prompt, [S]) and its coords [S, 4] int32."""
+        from .reference import ROLE_IMAGE, ROLE_PAGE
+
+        coords = sequence_coords(roles)  # validates the prompt (pages, image tokens)
+        r = roles.long().cpu()
+        n = int(r.numel())
+        ar = torch.arange(n)
+        last_image = int(torch.where(r == ROLE_IMAGE, ar, -1).max())
+        marker = r == ROLE_PAGE
+        cum = int(marker.sum())
+        num_pages = int(marker[: last_image + 1].sum())
+        page = coords[:, COORD_PAGE].long()
+        counts = torch.bincount(page[: last_image + 1], minlength=num_pages + 1).tolist()
+        changes = torch.nonzero(page[1:] != page[:-1]).flatten()
+        run_start = int(changes[-1]) + 1 if changes.numel() else 0
+        late = torch.nonzero(marker & (ar > last_image)).flatten()
+        last_marker = int(late[-1]) if late.numel() else 0
+        return cls(n, cum, num_pages, counts, int(page[-1]), run_start, last_marker), coords
+
+    def next(self, role: int) -> tuple[int, int, int, int]:
+        """Coordinates (tok, page, image_page, query_page) of the next token, whose role is
+        text (0) or ``<PAGE>`` (2); advances the state."""
+        from .reference import ROLE_IMAGE, ROLE_PAGE
+
+        if role == ROLE_IMAGE:
+            raise ValueError("an image token after the prompt: its position would move the prompt/response "
+                             "boundary of the whole sequence (generated tokens are never image tokens)")
+        i = self._i
+        if role == ROLE_PAGE:
+            self._cum += 1
+            self._last_marker = i
+        raw = max(self._cum - self._pages, 0)
+        page = min(raw, self._pages)
+        if page != self._prev_page:
+            self._run_start = i
+        base = self._counts[page]
+        tok = base + (i - self._last_marker if raw > self._pages else i - self._run_start)
+        self._prev_page, self._i = page, i + 1
+        return tok, page, -1, self._cum - self._pages - 1
 
 
 # ------------------------------------------------------------------------ the cache
@@ -184,20 +248,68 @@ def summaries_per_block(block_size: int, sparse_block_size: int) -> int:
 
 
 # ---------------------------------------------------------------------- batch state
+#: The batch metadata tensors of one call, in op argument order (every list of them derives
+#: from this tuple).
+BATCH_FIELDS = ("block_tables", "seq_lens", "query_start_loc", "prompt_lens")
+
+
+@dataclass
+class BatchHost:
+    """Host (numpy) copies of a :class:`DashBatch`'s metadata: what the host needs during a
+    step (row ranges, lengths) without reading the device."""
+
+    block_tables: np.ndarray     #: [B, W] int32
+    seq_lens: np.ndarray         #: [B] int32
+    query_start_loc: np.ndarray  #: [B+1] int32
+    prompt_lens: np.ndarray      #: [B] int32
+
+
 @dataclass
 class DashBatch:
-    """Metadata of one call (see the module docstring)."""
+    """Metadata of one call (see the module docstring): the plan of one step, built once by
+    :meth:`KVBlockPool.schedule` and handed unchanged to every layer.
+
+    ``max_query_len`` is the most new tokens of any one sequence (vLLM's name; 1 for a
+    decode-only step, which lets the kernels fold the cache write into later launches;
+    ``None``: not known, treated as the number of tokens). ``host`` holds numpy copies when
+    the batch was built on the host.
+    """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     prompt_lens: torch.Tensor
+    max_query_len: int | None = None
+    host: BatchHost | None = None
 
     def kwargs(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The four metadata tensors by name (:data:`BATCH_FIELDS` order)."""
+        return {f: getattr(self, f) for f in BATCH_FIELDS}
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in BATCH_FIELDS)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
     def to(self, device) -> DashBatch:
-        return DashBatch(**{k: v.to(device) for k, v in self.kwargs().items()})
+        return DashBatch(**{k: v.to(device) for k, v in self.kwargs().items()}, max_query_len=self.max_query_len,
+                         host=self.host)
+
+    @classmethod
+    def from_host(cls, host: BatchHost, device: str | torch.device = "cpu",
+                  max_query_len: int | None = None) -> DashBatch:
+        """Device tensors of ``host`` in one host-to-device copy (one packed int32 buffer)."""
+        arrays = [np.ascontiguousarray(getattr(host, f), dtype=np.int32) for f in BATCH_FIELDS]
+        packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
+        if torch.device(device).type != "cpu":
+            packed = packed.to(device)
+        views, off = [], 0
+        for a in arrays:
+            views.append(packed[off:off + a.size].view(a.shape))
+            off += a.size
+        return cls(*views, max_query_len=max_query_len, host=host)
 
 
 class CacheFullError(RuntimeError):
@@ -207,10 +319,13 @@ class CacheFullError(RuntimeError):
 class KVBlockPool:
     """Allocation of KV blocks to sequences, and the batch metadata of each step.
 
-    ``schedule`` reserves the blocks a step needs for every sequence at once or
-    raises :class:`CacheFullError` having reserved none; ``free`` returns a
-    sequence's blocks. Lengths advance when a step is scheduled, since the paged
-    operator writes the new tokens in place.
+    ``add`` registers a sequence, optionally with its whole reservation allocated at once
+    (``reserve_tokens``: its block table then never changes); ``schedule`` allocates the
+    blocks a step needs beyond that for every sequence at once or raises
+    :class:`CacheFullError` having allocated none; ``free`` returns a sequence's blocks.
+    Lengths advance when a step is scheduled, since the paged operator writes the new tokens
+    in place. Each sequence keeps its block ids in a numpy row, so building a step's block
+    table is one copy per sequence, not a loop over its blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -220,32 +335,48 @@ class KVBlockPool:
         self.block_size = int(block_size)
         # Hand out low block ids first (a stack of free ids, lowest on top).
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
-        self._blocks: dict[object, list[int]] = {}
+        self._rows: dict[object, np.ndarray] = {}  # block ids (int32), capacity >= count
+        self._count: dict[object, int] = {}
         self._lens: dict[object, int] = {}
         self._prompt: dict[object, int] = {}
 
     # -- sequences
-    def add(self, seq_id: object, prompt_length: int | None = None) -> None:
-        if seq_id in self._blocks:
+    def add(self, seq_id: object, prompt_length: int | None = None, reserve_tokens: int = 0) -> None:
+        """Register ``seq_id``; with ``reserve_tokens`` > 0 its blocks for that many tokens
+        are allocated now (:class:`CacheFullError`, nothing registered, if they do not fit)."""
+        if seq_id in self._rows:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if prompt_length is not None and prompt_length < 0:
             raise ValueError(f"prompt_length must be None or >= 0, got {prompt_length}")
-        self._blocks[seq_id], self._lens[seq_id] = [], 0
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
+        want = -(-int(reserve_tokens) // self.block_size)
+        if want > len(self._free):
+            raise CacheFullError(f"sequence {seq_id!r} needs {want} KV blocks, only {len(self._free)} of "
+                                 f"{self.num_blocks} are free")
+        row = np.empty(max(want, 4), dtype=np.int32)
+        for j in range(want):
+            row[j] = self._free.pop()
+        self._rows[seq_id], self._count[seq_id], self._lens[seq_id] = row, want, 0
         self._prompt[seq_id] = -1 if prompt_length is None else int(prompt_length)
 
     def free(self, seq_id: object) -> None:
-        blocks = self._blocks.pop(self._known(seq_id))
+        row = self._rows.pop(self._known(seq_id))
+        n = self._count.pop(seq_id)
         del self._lens[seq_id], self._prompt[seq_id]
-        self._free.extend(sorted(blocks, reverse=True))
+        self._free.extend(sorted(row[:n].tolist(), reverse=True))
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._blocks
+        return seq_id in self._rows
 
     def length(self, seq_id: object) -> int:
         return self._lens[self._known(seq_id)]
 
     def blocks(self, seq_id: object) -> list[int]:
-        return list(self._blocks[self._known(seq_id)])
+        return self._rows[self._known(seq_id)][: self._count[seq_id]].tolist()
+
+    def num_seq_blocks(self, seq_id: object) -> int:
+        return self._count[self._known(seq_id)]
 
     @property
     def num_free_blocks(self) -> int:
@@ -253,15 +384,22 @@ class KVBlockPool:
 
     def blocks_needed(self, seq_id: object, num_new_tokens: int) -> int:
         total = self._lens[self._known(seq_id)] + int(num_new_tokens)
-        return max(0, -(-total // self.block_size) - len(self._blocks[seq_id]))
+        return max(0, -(-total // self.block_size) - self._count[seq_id])
+
+    def _append(self, seq_id: object, n: int) -> None:
+        row, count = self._rows[seq_id], self._count[seq_id]
+        if count + n > row.size:
+            grown = np.empty(max(2 * row.size, count + n), dtype=np.int32)
+            grown[:count] = row[:count]
+            self._rows[seq_id] = row = grown
+        for j in range(n):
+            row[count + j] = self._free.pop()
+        self._count[seq_id] = count + n
 
     # -- steps
-    def schedule(
-        self, step: Sequence[tuple[object, int]], device: str | torch.device = "cpu",
-        table_width: int | None = None,
-    ) -> DashBatch:
-        """Reserve blocks for ``step`` = [(seq_id, num_new_tokens), ...] and return
-        the batch metadata for that call."""
+    def schedule_host(self, step: Sequence[tuple[object, int]], table_width: int | None = None) -> BatchHost:
+        """Reserve blocks for ``step`` = [(seq_id, num_new_tokens), ...] and return the
+        batch metadata for that call as numpy arrays."""
         ids = [sid for sid, _ in step]
         if len(set(ids)) != len(ids):
             raise ValueError("a sequence may appear only once per step")
@@ -274,28 +412,41 @@ class KVBlockPool:
             raise CacheFullError(
                 f"step needs {need} more KV blocks, only {len(self._free)} of {self.num_blocks} are free"
             )
-        for sid, n in step:
-            for _ in range(self.blocks_needed(sid, n)):
-                self._blocks[sid].append(self._free.pop())
+        counts = np.empty(len(step), dtype=np.int32)
+        for i, (sid, n) in enumerate(step):
+            extra = self.blocks_needed(sid, n)
+            if extra:
+                self._append(sid, extra)
             self._lens[sid] += int(n)
-        width = max(len(self._blocks[sid]) for sid in ids)
+            counts[i] = n
+        width = max(self._count[sid] for sid in ids)
         if table_width is not None:
             if table_width < width:
                 raise ValueError(f"table_width {table_width} < blocks of the longest sequence ({width})")
             width = table_width
-        table = torch.full((len(ids), width), -1, dtype=torch.int32)
+        table = np.full((len(ids), width), -1, dtype=np.int32)
         for i, sid in enumerate(ids):
-            table[i, : len(self._blocks[sid])] = torch.tensor(self._blocks[sid], dtype=torch.int32)
-        counts = torch.tensor([int(n) for _, n in step], dtype=torch.int32)
-        return DashBatch(
-            block_tables=table,
-            seq_lens=torch.tensor([self._lens[s] for s in ids], dtype=torch.int32),
-            query_start_loc=torch.cat((torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32))),
-            prompt_lens=torch.tensor([self._prompt[s] for s in ids], dtype=torch.int32),
-        ).to(device)
+            c = self._count[sid]
+            table[i, :c] = self._rows[sid][:c]
+        qsl = np.zeros(len(ids) + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        return BatchHost(block_tables=table,
+                         seq_lens=np.array([self._lens[s] for s in ids], dtype=np.int32),
+                         query_start_loc=qsl,
+                         prompt_lens=np.array([self._prompt[s] for s in ids], dtype=np.int32))
+
+    def schedule(
+        self, step: Sequence[tuple[object, int]], device: str | torch.device = "cpu",
+        table_width: int | None = None,
+    ) -> DashBatch:
+        """:meth:`schedule_host`, with the metadata on ``device`` (one copy) and
+        ``max_query_len`` set."""
+        host = self.schedule_host(step, table_width)
+        most = int(max(n for _, n in step))
+        return DashBatch.from_host(host, device, max_query_len=most)
 
     def _known(self, seq_id: object) -> object:
-        if seq_id not in self._blocks:
+        if seq_id not in self._rows:
             raise KeyError(f"unknown sequence {seq_id!r}")
         return seq_id
 

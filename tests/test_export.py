@@ -153,6 +153,10 @@ def test_export_nodes_domain_function_attributes(demo32):
         assert cfg == model.config.dash and layer_idx == layer
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["plugin_version"] == A.PLUGIN_VERSION.encode()
+        # TensorRT >= 10.15 imports the node as a plugin (not as its local function) only when it
+        # carries a plugin_namespace attribute: a STRING, the creator's namespace ""
+        namespace = next(a for a in node.attribute if a.name == "plugin_namespace")
+        assert namespace.type == onnx.AttributeProto.STRING and namespace.s == A.PLUGIN_NAMESPACE.encode() == b""
         assert set(attrs) == {a.name for a in A.NODE_ATTRIBUTES}
         assert node.input[6] == f"layers.{layer}.self_attn.head_cls" and node.input[6] in initializers
         assert list(node.input[7:13]) == [f"past.{layer}.{f}" for f in CACHE_FIELDS]
@@ -177,16 +181,17 @@ def test_export_graph_interface_has_dynamic_axes(demo32):
 
     ins = {i.name: dims(i) for i in m.graph.input}
     outs = {o.name: dims(o) for o in m.graph.output}
-    assert list(ins)[:6] == list(M.MODEL_INPUTS)
+    assert list(ins)[:len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
     assert ins["input_ids"] == ["num_tokens"] and ins["coords"] == ["num_tokens", 4]
+    assert ins["logits_indices"] == ["num_logits"]
     assert ins["block_tables"] == ["num_seqs", "block_table_width"]
     assert ins["query_start_loc"] == ["num_seqs + 1"] and ins["prompt_lens"] == ["num_seqs"]
     c = model.config
     assert ins["past.1.key"] == ["num_kv_blocks", 16, c.num_key_value_heads, c.head_dim]
     assert ins["past.0.summary_pages"] == ["num_kv_blocks", 1, 3]
-    assert outs["logits"] == ["num_tokens", c.vocab_size]
+    assert outs["logits"] == ["num_logits", c.vocab_size]
     assert [n for n in outs if n != "logits"] == model.cache_names("present")
-    assert len(ins) == 6 + 6 * c.num_hidden_layers
+    assert len(ins) == len(M.MODEL_INPUTS) + 6 * c.num_hidden_layers
 
 
 def test_ort_reproduces_pytorch_prefill_and_decode(demo32):
@@ -208,12 +213,15 @@ def test_one_file_runs_other_token_counts_and_cache_sizes(demo32):
                         prompts=[M.document_prompt([40, 17], "?", cfg)])
     three = E.verify_onnx(path, model, num_blocks=41, decode_steps=2, prefill_chunk=19,
                           prompts=[M.document_prompt([n], "q", cfg) for n in (30, 45, 12)])
-    assert one.ok and three.ok, (one.failures, three.failures)
-    shapes = one.shapes + three.shapes
+    # blocks are allocated when a sequence is added, so each run has one table width
+    wide = E.verify_onnx(path, model, num_blocks=29, decode_steps=1, prefill_chunk=50,
+                         prompts=[M.document_prompt([90, 60], "", cfg)])
+    assert one.ok and three.ok and wide.ok, (one.failures, three.failures, wide.failures)
+    shapes = one.shapes + three.shapes + wide.shapes
     tokens = {s[0] for s in shapes}
     assert len(tokens) >= 4 and 1 in tokens and 60 in tokens  # decode, chunks, a 60-token prefill
     assert {s[1] for s in shapes} >= {1, 3}  # sequences
-    assert {s[2] for s in shapes} == {23, 41}  # KV blocks in the cache
+    assert {s[2] for s in shapes} == {23, 41, 29}  # KV blocks in the cache
     assert len({s[3] for s in shapes}) >= 3  # block-table widths
 
 

@@ -5,16 +5,16 @@ runs (and is tested) in a plain Python process; the Python-backend ``model.py`` 
 parses requests, calls :meth:`GenerationEngine.submit` and turns :class:`Event` s into
 responses, while an :class:`EngineRunner` thread calls :meth:`GenerationEngine.step`.
 
-One step is one call of the model's forward pass (:class:`~dash_trt.model.DashForCausalLM`,
-the exported graph) over a ragged batch, built exactly like
-:func:`dash_trt.model.generate` builds its batches, so the served tokens are the
-tokens offline generation gives: every running sequence contributes either its next
-decode token or its next prefill chunk (at most ``prefill_chunk`` tokens, within the
-step's ``max_batch_tokens``), so prefill chunks and decode steps of different requests
-share a step, and requests that arrive while others are decoding join at the next
-step (continuous batching).
+One step is one step of the serving runtime (:class:`~dash_trt.runtime.PagedRuntime`:
+the model with its caches written in place, logits only for the chosen tokens, decode
+steps from CUDA graphs on the kernels), the runtime :func:`dash_trt.model.generate` uses
+too, so the served tokens are the tokens offline generation gives: every running
+sequence contributes either its next decode token or its next prefill chunk (at most
+``prefill_chunk`` tokens, within the step's ``max_batch_tokens``), so prefill chunks and
+decode steps of different requests share a step, and requests that arrive while others
+are decoding join at the next step (continuous batching).
 
-Admission reserves a request's worst case up front: ``ceil((prompt + max_new_tokens - 1)
+Admission allocates a request's worst case up front: ``ceil((prompt + max_new_tokens - 1)
 / kv_block_size)`` KV blocks (the last generated token is never written to the cache).
 A running sequence therefore never runs out of blocks, and nothing is ever preempted or
 recomputed; the price is that a request that stops early at EOS held more than it used.
@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import MODEL_INPUTS, DashForCausalLM, ForwardFn, PagedState, token_roles
-from ..model import _greedy as greedy_token  # the exact rule generate() uses (image tokens masked)
-from ..paged import CacheFullError, sequence_coords
+from ..model import DashForCausalLM, ForwardFn, token_roles
+from ..paged import PageCoordState
+from ..runtime import PagedRuntime, size_pool_for_memory
 
 __all__ = [
     "EngineConfig",
@@ -90,6 +90,14 @@ class EngineConfig:
     max_num_seqs: int = 64          #: most sequences running at once (the rest wait)
     default_max_new_tokens: int = 32  #: when a request does not say
     max_new_tokens_limit: int = 4096  #: the most a request may ask for
+    #: most tokens (prompt + generated) of one request; 0: the pool's size, at most 131072. On the
+    #: CUDA kernels every block table has this width (max_model_len / kv_block_size columns).
+    max_model_len: int = 0
+    #: on CUDA, the pool takes this fraction of the GPU's memory (less the model and a step's
+    #: activations) instead of ``num_blocks`` blocks; 0: off
+    gpu_memory_fraction: float = 0.0
+    #: replay decode steps from CUDA graphs (where the CUDA kernels run the model)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_blocks", "kv_block_size", "prefill_chunk", "max_batch_tokens", "max_num_seqs",
@@ -97,6 +105,14 @@ class EngineConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"engine config '{f}' must be a positive integer, got {v!r}")
+        if not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 0:
+            raise EngineConfigError(f"engine config 'max_model_len' must be an integer >= 0, got "
+                                    f"{self.max_model_len!r}")
+        f = self.gpu_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise EngineConfigError(f"engine config 'gpu_memory_fraction' must be a number in [0, 1], got {f!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise EngineConfigError(f"engine config 'cuda_graphs' must be true or false, got {self.cuda_graphs!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise EngineConfigError(f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
                                     f"max_new_tokens_limit ({self.max_new_tokens_limit})")
@@ -143,9 +159,7 @@ class Request:
     t_first_token: float | None = None
     t_end: float | None = None
     # engine-internal
-    _coords: torch.Tensor | None = field(default=None, repr=False)
-    _history: list[int] = field(default_factory=list, repr=False)
-    _fed: int = 0
+    _coords: tuple[PageCoordState, torch.Tensor] | None = field(default=None, repr=False)
     _waited: bool = False
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -185,16 +199,18 @@ class Event:
 
 
 class GenerationEngine:
-    """Greedy generation for many requests at once over one :class:`~dash_trt.model.PagedState`.
+    """Greedy generation for many requests at once over one
+    :class:`~dash_trt.runtime.PagedRuntime` (one paged KV pool).
 
     ``forward`` replaces the model call, as in :func:`dash_trt.model.generate`
     (``forward(inputs, caches) -> (logits, new_caches)``), so another runtime
-    (ONNX Runtime, a TensorRT engine) can run the same steps.
+    (ONNX Runtime, a TensorRT engine) can run the same steps; ``backend`` is a runtime
+    backend object (:class:`dash_trt.trt_runtime.TensorRTBackend`).
     """
 
     def __init__(self, model: DashForCausalLM, config: EngineConfig | None = None, *,
                  forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, backend: Any = None):
         self.model = model
         # Asking Triton whether a request was cancelled is a round trip to the server
         # process: do it at most this often (seconds of ``clock``), not on every step.
@@ -202,15 +218,17 @@ class GenerationEngine:
         self._clock = clock
         self._last_cancel_poll = float("-inf")
         self._paused = False
-        self.config = config or EngineConfig()
+        self.config = ecfg = config or EngineConfig()
         self.model_config = model.config
-        self.state = PagedState(model, self.config.num_blocks, self.config.kv_block_size)
-        if forward is None:
-            def forward(inputs, caches):
-                with torch.no_grad():
-                    out = model(*(inputs[k] for k in MODEL_INPUTS), *caches)
-                return out[0], out[1:]
-        self._forward = forward
+        num_blocks = ecfg.num_blocks
+        if ecfg.gpu_memory_fraction > 0 and model.device.type == "cuda" and forward is None and backend is None:
+            num_blocks = size_pool_for_memory(model, ecfg.kv_block_size, ecfg.gpu_memory_fraction,
+                                              ecfg.max_batch_tokens)
+        #: KV blocks in the pool (``config.num_blocks``, or what ``gpu_memory_fraction`` gave)
+        self.num_blocks = num_blocks
+        self.runtime = PagedRuntime(model, num_blocks, ecfg.kv_block_size, forward=forward, backend=backend,
+                                    max_model_len=ecfg.max_model_len or None, max_num_seqs=ecfg.max_num_seqs,
+                                    cuda_graphs=ecfg.cuda_graphs)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Request] = deque()
@@ -225,36 +243,43 @@ class GenerationEngine:
                          "peak_blocks_in_use": 0}
 
     # ----------------------------------------------------------------- requests
-    def check(self, prompt: Any, max_new_tokens: Any = None) -> tuple[list[int], int, torch.Tensor]:
-        """Validate a request; returns (prompt ids, max_new_tokens, prompt coords) or raises
-        :class:`RequestError` with a message that says what is wrong."""
+    def check(self, prompt: Any, max_new_tokens: Any = None) -> tuple[list[int], int, tuple]:
+        """Validate a request; returns (prompt ids, max_new_tokens, prompt coordinates: a
+        :class:`~dash_trt.paged.PageCoordState` and the rows) or raises :class:`RequestError`
+        with a message that says what is wrong. Sizes are checked before any work that grows
+        with the prompt."""
         cfg, ecfg = self.model_config, self.config
-        ids = _as_id_list(prompt)
-        if not ids:
-            raise RequestError("input_ids is empty: a prompt needs at least one document page "
-                               f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})")
-        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-        if bad:
-            raise RequestError(f"input_ids holds {len(bad)} id(s) outside the vocabulary 0..{cfg.vocab_size - 1}: "
-                               f"{bad[:5]}")
-        try:
-            coords = sequence_coords(token_roles(ids, cfg))
-        except ValueError as exc:
-            raise RequestError(f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
-                               f"<image> is id {cfg.image_token_id})") from None
         if max_new_tokens is None:
             max_new = ecfg.default_max_new_tokens
         else:
             max_new = _as_int("max_new_tokens", max_new_tokens)
         if not 1 <= max_new <= ecfg.max_new_tokens_limit:
             raise RequestError(f"max_new_tokens must be 1..{ecfg.max_new_tokens_limit}, got {max_new}")
-        need = ecfg.blocks_for(len(ids) + max_new - 1)
-        if need > ecfg.num_blocks:
+        length = _prompt_length(prompt)
+        if length == 0:
+            raise RequestError("input_ids is empty: a prompt needs at least one document page "
+                               f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})")
+        need = ecfg.blocks_for(length + max_new - 1)
+        if need > self.num_blocks:
             raise RequestError(
-                f"request too long for the KV pool: a prompt of {len(ids)} tokens plus up to {max_new} new tokens "
-                f"needs {need} KV blocks of {ecfg.kv_block_size} tokens, the pool has {ecfg.num_blocks} in all "
-                f"({ecfg.num_blocks * ecfg.kv_block_size} tokens); shorten the prompt or max_new_tokens, or give "
+                f"request too long for the KV pool: a prompt of {length} tokens plus up to {max_new} new tokens "
+                f"needs {need} KV blocks of {ecfg.kv_block_size} tokens, the pool has {self.num_blocks} in all "
+                f"({self.num_blocks * ecfg.kv_block_size} tokens); shorten the prompt or max_new_tokens, or give "
                 f"the model a larger pool (dash-triton write --num-blocks)")
+        if length + max_new - 1 > self.runtime.max_model_len:
+            raise RequestError(
+                f"request too long: a prompt of {length} tokens plus up to {max_new} new tokens exceeds the "
+                f"model's max_model_len of {self.runtime.max_model_len} tokens (dash-triton write --max-model-len)")
+        ids = _as_id_list(prompt)
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids holds {len(bad)} id(s) outside the vocabulary 0..{cfg.vocab_size - 1}: "
+                               f"{bad[:5]}")
+        try:
+            coords = PageCoordState.from_prompt(token_roles(ids, cfg))
+        except ValueError as exc:
+            raise RequestError(f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
+                               f"<image> is id {cfg.image_token_id})") from None
         return ids, max_new, coords
 
     def submit(self, prompt: Any, max_new_tokens: Any = None, *, stop_at_eos: bool = True,
@@ -272,7 +297,7 @@ class GenerationEngine:
         req = Request(id=-1, prompt=ids, max_new_tokens=max_new, stop_at_eos=bool(stop_at_eos),
                       blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1), on_event=on_event,
                       is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter())
-        req._coords, req._history = coords, list(ids)
+        req._coords = coords
         with self._work:
             if self._closed is not None:
                 self.counters["refused"] += 1
@@ -353,6 +378,16 @@ class GenerationEngine:
         self.run_until_idle()
         return [r.result(timeout=0) for r in reqs]
 
+    def warmup(self) -> None:
+        """One tiny generation (the op's first call pays torch's compile-machinery import) and,
+        on the CUDA kernels, the decode graphs' capture: paid before serving, not in the
+        first requests' latency. Counters are reset afterwards."""
+        from ..model import document_prompt
+
+        self.generate([document_prompt([1], "", self.model_config)], 2, stop_at_eos=False)
+        self.runtime.capture_decode_graphs()
+        self.reset_counters()
+
     def close(self, reason: str = "the generation engine is shutting down") -> int:
         """Refuse new requests and fail every queued or running one with ``reason``
         (code ``unavailable``). Call it with no step in progress (the runner's
@@ -385,14 +420,15 @@ class GenerationEngine:
                 self._fail(req, "request cancelled by the client", CANCELLED)
 
     def _admit(self) -> None:
-        cap, limit = self.config.num_blocks, self.config.max_num_seqs
+        cap, limit = self.num_blocks, self.config.max_num_seqs
         while self._waiting and len(self._running) < limit:
             req = self._waiting[0]
             if self._reserved + req.blocks_reserved > cap:
                 break  # FIFO: the head waits for blocks; the ones behind it wait for the head
             self._waiting.popleft()
             self._reserved += req.blocks_reserved
-            self.state.pool.add(req.id, prompt_length=len(req.prompt))
+            self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords)
+            req._coords = None  # the runtime holds the sequence's coordinates now
             req.status, req.t_admit = "running", time.perf_counter()
             if req._waited:
                 self.counters["waited"] += 1
@@ -407,69 +443,46 @@ class GenerationEngine:
         """Decode tokens first (one per decoding sequence), then prefill chunks in
         admission order within what is left of ``max_batch_tokens``."""
         ecfg = self.config
-        decode = [r for r in self._running if r._fed >= len(r.prompt)]
-        plan = [(r, 1) for r in decode]
-        budget = ecfg.max_batch_tokens - len(decode)
-        for r in self._running:
-            if r._fed >= len(r.prompt):
+        seqs = [(r, self.runtime.seq(r.id)) for r in self._running]
+        plan = [(r, 1) for r, s in seqs if s.fed >= s.prompt_len]
+        budget = ecfg.max_batch_tokens - len(plan)
+        for r, s in seqs:
+            if s.fed >= s.prompt_len:
                 continue
             if budget <= 0:
                 break
-            n = min(len(r._history) - r._fed, ecfg.prefill_chunk, budget)
+            n = min(s.pending, ecfg.prefill_chunk, budget)
             plan.append((r, n))
             budget -= n
         return plan
 
-    def _coords(self, req: Request, n: int) -> torch.Tensor:
-        a = req._fed
-        if a + n <= len(req.prompt):
-            return req._coords[a:a + n]
-        # A generated token's coordinates depend on the whole sequence (as in generate()).
-        return sequence_coords(token_roles(req._history[:a + n], self.model_config))[a:a + n]
-
     def _run(self, plan: list[tuple[Request, int]]) -> None:
         cfg = self.model_config
-        device = self.model.device
-        try:
-            batch = self.state.pool.schedule([(r.id, n) for r, n in plan], device=device)
-        except CacheFullError as exc:  # cannot happen with reservations; fail loudly, keep serving
-            for r, _ in plan:
-                self._fail(r, f"internal error: {exc}", INTERNAL)
-            return
         self.counters["steps"] += 1
         self._step_no += 1
-        used = self.state.pool.num_blocks - self.state.pool.num_free_blocks
-        self.counters["peak_blocks_in_use"] = max(self.counters["peak_blocks_in_use"], used)
-        ids: list[int] = []
-        coords = []
-        for r, n in plan:
-            ids += r._history[r._fed:r._fed + n]
-            coords.append(self._coords(r, n))
-        inputs = {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
-                  "coords": torch.cat(coords).to(device), **batch.kwargs()}
+        pool = self.runtime.pool
+        self.counters["peak_blocks_in_use"] = max(self.counters["peak_blocks_in_use"],
+                                                  pool.num_blocks - pool.num_free_blocks)
         try:
-            logits, caches = self._forward(inputs, self.state.tensors())
-            self.state.update(list(caches))
+            result = self.runtime.step([(r.id, n) for r, n in plan])
         except Exception as exc:
             # The planned sequences' cache rows are now undefined: fail them, keep the rest.
             log.exception("model step failed")
             for r, _ in plan:
                 self._fail(r, f"internal error in the model step: {type(exc).__name__}: {exc}", INTERNAL)
             return
-        qsl = batch.query_start_loc.tolist()
-        for j, (r, n) in enumerate(plan):
-            r._fed += n
-            if r._fed <= len(r.prompt):
-                r.prompt_done = r._fed
+        for r, n in plan:
+            seq = self.runtime.seq(r.id)
+            if seq.fed <= seq.prompt_len:
+                r.prompt_done = seq.fed
                 self.counters["prompt_tokens"] += n
                 self._emit(Event("progress", r, step=self._step_no))
-            if r._fed < len(r._history):
+            tok = result.tokens.get(r.id)
+            if tok is None:
                 continue  # more prompt to prefill
-            tok = greedy_token(logits[qsl[j + 1] - 1].float().cpu(), cfg)
             if r.t_first_token is None:
                 r.t_first_token = time.perf_counter()
             r.tokens.append(tok)
-            r._history.append(tok)
             self.counters["tokens_generated"] += 1
             self._emit(Event("token", r, (tok,), step=self._step_no))
             if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == cfg.eos_token_id):
@@ -479,7 +492,7 @@ class GenerationEngine:
         if req in self._running:
             self._running.remove(req)
             self._reserved -= req.blocks_reserved
-            self.state.pool.free(req.id)
+            self.runtime.free(req.id)
         elif req in self._waiting:
             self._waiting.remove(req)
 
@@ -517,7 +530,7 @@ class GenerationEngine:
 
     def stats(self) -> dict[str, Any]:
         """Pool and queue state and counters (any thread)."""
-        pool = self.state.pool
+        pool = self.runtime.pool
         with self._lock:
             out = dict(self.counters)
             out.update(
@@ -574,6 +587,20 @@ class EngineRunner:
 
 
 # -------------------------------------------------------------------- helpers
+def _prompt_length(prompt: Any) -> int:
+    """Tokens in a prompt, read without converting it (RequestError if it has no length)."""
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        if prompt.ndim != 1:
+            raise RequestError(f"input_ids must be 1-D [num_tokens], got shape {list(prompt.shape)}")
+        return int(prompt.shape[0])
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError("input_ids must be token ids, got a string (tokenize it first: dash_trt.model.tokenize)")
+    try:
+        return len(prompt)
+    except TypeError:
+        raise RequestError(f"input_ids must be a sequence of token ids, got {type(prompt).__name__}") from None
+
+
 def _as_id_list(prompt: Any) -> list[int]:
     """Token ids from a list, a 1-D integer numpy array or tensor; RequestError otherwise."""
     if isinstance(prompt, torch.Tensor):

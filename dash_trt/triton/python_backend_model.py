@@ -53,7 +53,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        from dash_trt.model import document_prompt, load_checkpoint
+        from dash_trt.model import load_checkpoint
         from dash_trt.triton import protocol as P
         from dash_trt.triton.engine import (
             CANCELLED,
@@ -98,10 +98,9 @@ class TritonPythonModel:
         engine_config = EngineConfig.from_json(params[P.PARAM_ENGINE]) if P.PARAM_ENGINE in params else EngineConfig()
         self.engine = GenerationEngine(model, engine_config)
         if params.get(P.PARAM_WARMUP, "true") == "true":
-            # The first call of the op imports torch's compile machinery (seconds): pay it
-            # before the model reports ready, not in the first request's latency.
-            self.engine.generate([document_prompt([1], "", model.config)], 1)
-            self.engine.reset_counters()
+            # The first call of the op imports torch's compile machinery (seconds), and the
+            # decode graphs are captured: pay it before the model reports ready.
+            self.engine.warmup()
         self.runner = EngineRunner(self.engine, name=f"{self.name}-engine").start()
         pb_utils.Logger.log_info(
             f"{self.name}: {'decoupled' if self.decoupled else 'unary'} DASH generation on {device}; "

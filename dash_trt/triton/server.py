@@ -63,14 +63,17 @@ class TritonDist:
 def find_tritonserver() -> TritonDist:
     """Locate the server of the installed ``nvidia-pytriton`` wheel, or raise
     :class:`TritonUnavailable` saying what is missing."""
-    try:
-        import pytriton
-    except ImportError:
+    import importlib.util
+
+    # Locate the package without importing it: pytriton's __init__ imports its own Python
+    # server stack (gevent, zmq, aiohttp, ...), none of which the binary needs.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         raise TritonUnavailable("the 'nvidia-pytriton' package (which ships the tritonserver binary) is not "
-                                "installed: pip install nvidia-pytriton") from None
+                                "installed: pip install nvidia-pytriton")
     if not sys.platform.startswith("linux"):
         raise TritonUnavailable(f"the bundled tritonserver runs on Linux only, this is {sys.platform}")
-    pkg = os.path.dirname(os.path.abspath(pytriton.__file__))
+    pkg = os.path.abspath(list(spec.submodule_search_locations)[0])
     root = os.path.join(pkg, "tritonserver")
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     dist = TritonDist(

@@ -1,0 +1,544 @@
+"""The serving runtime: paged generation over one KV pool, caches written in place.
+
+Every path that generates tokens runs on it: :func:`dash_trt.model.generate`, the Triton
+service's :class:`~dash_trt.triton.engine.GenerationEngine`, the benchmark
+(``bench/bench_generate.py``). One step is one call of the model over a ragged batch,
+each sequence contributing its next prefill chunk or its next decode token:
+
+1. **One plan per step.** :meth:`KVBlockPool.schedule_host` builds the step's metadata
+   (block tables, lengths, query starts, prompt lengths) on the host from the pool's own
+   state, so it is valid by construction; it reaches the device in one copy as a
+   :class:`~dash_trt.paged.DashBatch` (with ``max_query_len``) and is handed unchanged to
+   every layer. Nothing in a step reads the device back except the chosen tokens.
+2. **In place.** Each layer calls the in-place op (``torch.ops.dash_trt.paged_attention_``):
+   the cache tensors keep their storage for the runtime's whole life (no step copies the
+   pool). Block tables never change while a sequence lives: its whole reservation is
+   allocated when it is added.
+3. **O(1) page coordinates.** A sequence keeps a :class:`~dash_trt.paged.PageCoordState`;
+   a generated token's coordinates come from it, not from the whole sequence again.
+4. **Logits only where a token is chosen** (the model's ``logits_indices``), and the
+   greedy choice (image tokens masked, as :func:`dash_trt.model.generate` always did) on
+   the device: one small read per step.
+5. **CUDA graphs for decode steps** on the CUDA kernels: a step where every sequence feeds
+   one token runs a graph captured for the next batch-size bucket
+   (:data:`GRAPH_BATCH_SIZES`), its rows padded with idle sequences on a scratch KV block
+   that no sequence owns. With ``cuda_graphs=False`` the same padded step runs eagerly, so
+   graph replay and eager give the same bits. Prefill and mixed steps run eagerly.
+
+On CUDA the kernels take every step's block table at one width
+(``max_model_len / kv_block_size`` columns), so graph and eager calls see the same
+shapes. Elsewhere (CPU, or sizes the kernels do not run) the in-place op runs the PyTorch
+paged operator and no graph is used.
+
+Backends: the model in PyTorch (default); a functional ``forward(inputs, caches) ->
+(logits, new_caches)`` (ONNX Runtime in the export check and dash-compare), whose new
+caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.trt_runtime`) whose
+``present.*`` outputs are bound to the ``past.*`` buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .ops import CACHE_FIELDS
+from .paged import BatchHost, CacheFullError, DashBatch, DashKVCache, KVBlockPool, PageCoordState
+from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
+
+__all__ = [
+    "GRAPH_BATCH_SIZES",
+    "DEFAULT_MAX_MODEL_LEN",
+    "RuntimeConfigError",
+    "PoolTooSmallError",
+    "SequenceState",
+    "StepResult",
+    "PagedRuntime",
+    "ForwardFn",
+    "greedy_tokens",
+    "pool_block_bytes",
+    "blocks_for_memory",
+    "size_pool_for_memory",
+]
+
+#: Decode batch sizes a CUDA graph is captured for (a step of B sequences runs the graph of
+#: the smallest size >= B; up to the runtime's ``max_num_seqs``).
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+#: Longest sequence (prompt + generated tokens) when ``max_model_len`` is not given: the
+#: pool's size, at most this (it sets the block-table width of every kernel call).
+DEFAULT_MAX_MODEL_LEN = 131072
+
+#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches)
+ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime size is unusable (pool, max_model_len, batch sizes)."""
+
+
+class PoolTooSmallError(RuntimeConfigError):
+    """The model, its activations and the KV pool do not fit the device memory allowed."""
+
+
+def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """Greedy choice per row [N] (int64): argmax with image tokens masked (image tokens come
+    from the vision encoder, never from the decoder; a generated one would also move the
+    prompt/response boundary of the page coordinates). Ties go to the lower id."""
+    masked = logits.clone()
+    masked[:, image_token_id] = -math.inf  # a fill kernel: no host-to-device copy (graph capture)
+    return masked.argmax(-1)
+
+
+def pool_block_bytes(model, kv_block_size: int) -> int:
+    """Device bytes of one KV block in every layer's cache (the six cache tensors)."""
+    return _block_bytes(model.config, torch.empty(0, dtype=model.dtype).element_size(), kv_block_size)
+
+
+def _block_bytes(c, elt: int, bs: int) -> int:
+    per_tok = 2 * c.num_key_value_heads * c.head_dim * elt + c.index_head_dim * elt + 4
+    per = -(-bs // c.dash.sparse_block_size)
+    return c.num_hidden_layers * (bs * per_tok + per * (c.index_head_dim * 4 + 3 * 4))
+
+
+def blocks_for_memory(model, kv_block_size: int, memory_fraction: float, *, activation_bytes: int,
+                      device: torch.device | None = None) -> int:
+    """KV blocks that fit in ``memory_fraction`` of the device's memory next to what is
+    already allocated (the model's weights) and ``activation_bytes`` (a step's peak
+    activations). Raises :class:`PoolTooSmallError` if not even one block fits."""
+    device = device or model.device
+    if not 0.0 < memory_fraction <= 1.0:
+        raise RuntimeConfigError(f"gpu_memory_fraction must be in (0, 1], got {memory_fraction}")
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(total * memory_fraction) - used - int(activation_bytes)
+    per = _block_bytes(model.config, torch.empty(0, dtype=model.dtype).element_size(), kv_block_size)
+    blocks = budget // per
+    if blocks < 1:
+        raise PoolTooSmallError(
+            f"no room for the KV pool: {memory_fraction:.0%} of {total / 2**30:.1f} GiB is "
+            f"{total * memory_fraction / 2**30:.1f} GiB; the model and what else is on the device take "
+            f"{used / 2**30:.1f} GiB and a step's activations about {activation_bytes / 2**30:.1f} GiB "
+            f"(one KV block of {kv_block_size} tokens in all layers is {per / 2**20:.2f} MiB). Raise "
+            f"gpu_memory_fraction, lower max_batch_tokens, or use a smaller model or dtype")
+    return int(blocks)
+
+
+#: Device memory kept free beside the measured peak of a step when the pool is sized from the
+#: GPU's memory: the decode graphs' private pool and the allocator's fragmentation.
+MEMORY_HEADROOM_BYTES = 512 * 2**20
+
+
+def size_pool_for_memory(model, kv_block_size: int, memory_fraction: float, max_batch_tokens: int) -> int:
+    """KV blocks for a pool that takes ``memory_fraction`` of the model's GPU: one step of
+    ``max_batch_tokens`` prompt tokens is run on a scratch pool to measure the activations'
+    peak (as vLLM profiles a step), then what is left of the fraction goes to the pool."""
+    from .model import document_prompt
+
+    device = model.device
+    if device.type != "cuda":
+        raise RuntimeConfigError("gpu_memory_fraction needs the model on a CUDA device")
+    cfg = model.config
+    tokens = max(2, int(max_batch_tokens))
+    prompt = document_prompt([tokens - 1], "", cfg)[:tokens]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    blocks = -(-len(prompt) // kv_block_size) + 1
+    probe = PagedRuntime(model, blocks, kv_block_size, max_model_len=len(prompt), max_num_seqs=1, cuda_graphs=False)
+    probe.add(0, prompt, len(prompt))
+    probe.step([(0, len(prompt))])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    cache_bytes = sum(t.numel() * t.element_size() for t in probe.tensors())
+    del probe
+    torch.cuda.empty_cache()
+    return blocks_for_memory(model, kv_block_size, memory_fraction,
+                             activation_bytes=peak - cache_bytes + MEMORY_HEADROOM_BYTES, device=device)
+
+
+@dataclass
+class SequenceState:
+    """One sequence in the runtime: its tokens (prompt, then generated) and their page
+    coordinates, and how many are in the cache."""
+
+    seq_id: object
+    tokens: list[int]
+    prompt_len: int
+    coords: np.ndarray  #: [capacity, 4] int32, rows 0..len(tokens)-1 filled
+    coord_state: PageCoordState
+    fed: int = 0  #: tokens already in the cache
+    reserved: int = 0  #: tokens the sequence may hold (its blocks are allocated for them)
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet in the cache (the rest of the prompt, or the last token)."""
+        return len(self.tokens) - self.fed
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class StepResult:
+    """What a step produced: the chosen token of every sequence whose known tokens are now
+    all in the cache (its prompt is prefilled), in plan order."""
+
+    tokens: dict[object, int] = field(default_factory=dict)
+    logits: dict[object, torch.Tensor] | None = None  #: float32 rows on the CPU, if asked for
+    num_tokens: int = 0
+    graph: bool = False  #: the step replayed a CUDA graph
+
+
+@dataclass
+class _Static:
+    """The static buffers of one decode bucket (graph inputs and outputs)."""
+
+    size: int
+    host: torch.Tensor  #: pinned int32 staging: ids, coords, table, seq_lens, qsl, prompt_lens, logits_indices
+    device: torch.Tensor
+    views: dict[str, torch.Tensor]
+    host_views: dict[str, np.ndarray]
+    graph: Any = None
+    tokens: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class PagedRuntime:
+    """Greedy generation steps for many sequences over one paged KV pool (see the module
+    docstring).
+
+    ``num_blocks`` KV blocks of ``kv_block_size`` tokens, shared by every layer's cache.
+    ``forward`` replaces the PyTorch model call with a functional backend. ``cuda_graphs``
+    (default: on where the CUDA kernels run the model) captures decode steps;
+    ``max_num_seqs`` bounds a step's sequences and so the largest graph;
+    ``max_model_len`` the tokens of one sequence. ``decode_padding`` (default: where the
+    kernels run) pads decode steps to the graph sizes, graphs or not. ``backend``: an object
+    with ``run(ids, coords, host_batch, rows, max_query_len, runtime) -> logits`` that runs
+    the model on the runtime's caches in place (:class:`dash_trt.trt_runtime.TensorRTBackend`).
+    """
+
+    def __init__(self, model, num_blocks: int, kv_block_size: int, *, forward: ForwardFn | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
+                 graph_batch_sizes: Sequence[int] | None = None, backend: Any = None,
+                 decode_padding: bool | None = None, device: str | torch.device | None = None):
+        from . import cuda as dcuda
+
+        self.model = model
+        self.config = model.config
+        #: Where the caches and step tensors live: the model's device, or ``device`` (a backend
+        #: such as TensorRT runs the model; its weights may then stay on the CPU).
+        self.device = torch.device(device) if device is not None else model.device
+        if device is not None and backend is None and forward is None and self.device != model.device:
+            raise RuntimeConfigError(f"the model is on {model.device}, device={self.device}: only a backend "
+                                     f"(forward=, backend=) may run elsewhere")
+        self.kv_block_size = int(kv_block_size)
+        if int(num_blocks) < 1 or self.kv_block_size < 1:
+            raise RuntimeConfigError(f"num_blocks and kv_block_size must be positive, got {num_blocks}, "
+                                     f"{kv_block_size}")
+        if max_num_seqs < 1:
+            raise RuntimeConfigError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        self.pool = KVBlockPool(int(num_blocks), self.kv_block_size)
+        self.max_num_seqs = int(max_num_seqs)
+        self._forward = forward
+        self._backend = backend
+        c = self.config
+        reason = None
+        if self.device.type != "cuda":
+            reason = "not on a CUDA device"
+        elif forward is not None or backend is not None:
+            reason = "another backend runs the model"
+        else:
+            reason = dcuda.supports(c.head_dim, c.index_head_dim, self.kv_block_size, c.dash.sparse_block_size,
+                                    model.dtype)
+        #: None when every step runs the CUDA kernels (fixed table width, padding, graphs), else why not.
+        self.kernels_reason = reason
+        self.kernels = reason is None
+        #: Decode steps run the padded bucket body (every row scored, idle rows on scratch
+        #: blocks); on by default where the kernels run, so graph and eager steps agree.
+        self.decode_padding = self.kernels if decode_padding is None else bool(decode_padding)
+        most = self.pool.num_blocks * self.kv_block_size
+        if max_model_len is None:
+            max_model_len = min(most, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len < 1:
+            raise RuntimeConfigError(f"max_model_len must be positive, got {max_model_len}")
+        self.max_model_len = int(max_model_len)
+        sizes = sorted({int(b) for b in (graph_batch_sizes or GRAPH_BATCH_SIZES) if 0 < int(b)})
+        if not sizes:
+            raise RuntimeConfigError("graph_batch_sizes must hold a positive size")
+        if sizes[-1] < self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        self.graph_batch_sizes = tuple(b for b in sizes if b <= self.max_num_seqs) or (self.max_num_seqs,)
+        #: Block-table width of every call (None: each step's own, the longest sequence's).
+        self.table_width = -(-self.max_model_len // self.kv_block_size) if self.decode_padding else None
+        # Blocks past the pool's, never handed out: idle row j of a padded decode step is a
+        # one-token-deep sequence at slot j of them (every idle row writes its own slot).
+        self._scratch = self.pool.num_blocks
+        scratch = -(-self.graph_batch_sizes[-1] // self.kv_block_size) if self.decode_padding else 0
+        self.caches: list[DashKVCache] = model.allocate_cache(self.pool.num_blocks + scratch, self.kv_block_size,
+                                                             device=self.device)
+        if self.kernels:
+            dcuda.check_sizes(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.index_head_dim,
+                              self.pool.num_blocks + scratch, self.kv_block_size, self.table_width, c.dash,
+                              model.dtype, c.num_hidden_layers)
+        self.cuda_graphs = self.kernels and self.decode_padding and (cuda_graphs is None or bool(cuda_graphs))
+        self._static: dict[int, _Static] = {}
+        self._graph_pool = None
+        self._seqs: dict[object, SequenceState] = {}
+        self.steps = 0
+        self.graph_steps = 0
+
+    # ------------------------------------------------------------- sequences
+    def tensors(self) -> list[torch.Tensor]:
+        """The cache tensors, flat, ``(layer, field)`` order (the exported graph's ``past.*``)."""
+        return [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+
+    def update(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replace the cache tensors (a functional backend's ``present.*``)."""
+        n = len(CACHE_FIELDS)
+        if len(tensors) != n * len(self.caches):
+            raise ValueError(f"expected {n * len(self.caches)} cache tensors, got {len(tensors)}")
+        for i, c in enumerate(self.caches):
+            for j, f in enumerate(CACHE_FIELDS):
+                setattr(c, f, tensors[n * i + j])
+
+    def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
+            coords: tuple[PageCoordState, torch.Tensor] | None = None) -> SequenceState:
+        """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
+        plus the generated tokens that will be written to the cache). ``coords`` is
+        ``PageCoordState.from_prompt(roles)`` when the caller has it already. Raises
+        :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
+        ``ValueError`` for a bad prompt."""
+        from .model import token_roles
+
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a sequence needs a non-empty prompt")
+        if reserve_tokens < len(prompt):
+            raise ValueError(f"reserve_tokens ({reserve_tokens}) is less than the prompt ({len(prompt)} tokens)")
+        if reserve_tokens > self.max_model_len:
+            raise ValueError(f"sequence of up to {reserve_tokens} tokens exceeds max_model_len {self.max_model_len}")
+        state, prompt_coords = coords if coords is not None else PageCoordState.from_prompt(
+            token_roles(prompt, self.config))
+        self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens)
+        buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
+        buf[: len(prompt)] = prompt_coords.numpy()
+        seq = SequenceState(seq_id, prompt, len(prompt), buf, state, reserved=int(reserve_tokens))
+        self._seqs[seq_id] = seq
+        return seq
+
+    def free(self, seq_id: object) -> None:
+        self._seqs.pop(seq_id, None)
+        if seq_id in self.pool:
+            self.pool.free(seq_id)
+
+    def seq(self, seq_id: object) -> SequenceState:
+        return self._seqs[seq_id]
+
+    def sequences(self) -> list[SequenceState]:
+        """The sequences now in the runtime (in the order they were added)."""
+        return list(self._seqs.values())
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def _append(self, seq: SequenceState, token: int) -> None:
+        c = self.config
+        role = ROLE_PAGE if token == c.page_token_id else ROLE_IMAGE if token == c.image_token_id else ROLE_TEXT
+        n = len(seq.tokens)
+        if n >= seq.coords.shape[0]:
+            grown = np.empty((2 * n, 4), dtype=np.int32)
+            grown[:n] = seq.coords[:n]
+            seq.coords = grown
+        seq.coords[n] = seq.coord_state.next(role)
+        seq.tokens.append(int(token))
+
+    # ----------------------------------------------------------------- steps
+    def step(self, plan: Sequence[tuple[object, int]], *, return_logits: bool = False) -> StepResult:
+        """Feed ``plan`` = [(seq_id, n_new), ...]: each sequence's next ``n_new`` known
+        tokens go into the cache; every sequence whose known tokens are then all in the cache
+        gets its next token chosen (greedy) and appended. Returns those tokens."""
+        if not plan:
+            raise ValueError("a step needs at least one sequence")
+        seqs = [self._seqs[sid] for sid, _ in plan]
+        for s, (_, n) in zip(seqs, plan):
+            if not 1 <= n <= s.pending:
+                raise ValueError(f"sequence {s.seq_id!r}: {n} new tokens, {s.pending} are pending")
+            if s.fed + n > s.reserved:
+                raise CacheFullError(f"sequence {s.seq_id!r} would hold {s.fed + n} tokens, {s.reserved} reserved")
+        samples = [s.fed + n == len(s.tokens) for s, (_, n) in zip(seqs, plan)]
+        decode = all(n == 1 for _, n in plan)
+        graph = False
+        every_row = self.decode_padding and decode and len(plan) <= self.graph_batch_sizes[-1]
+        if every_row:  # the padded decode body (graph or eager) scores every row
+            tokens, logits, graph = self._decode(seqs)
+        else:
+            tokens, logits = self._eager(seqs, plan, samples)
+        out = StepResult(num_tokens=sum(n for _, n in plan), graph=graph)
+        chosen = tokens.tolist()  # the one read of the step
+        rows = logits.float().cpu() if return_logits else None
+        if return_logits:
+            out.logits = {}
+        k = 0  # eager steps score the sampling rows only; decode steps score every row
+        for j, (s, (sid, n), sample) in enumerate(zip(seqs, plan, samples)):
+            s.fed += n
+            if not sample:
+                continue
+            row = j if every_row else k
+            k += 1
+            tok = int(chosen[row])
+            if rows is not None:
+                out.logits[sid] = rows[row]
+            out.tokens[sid] = tok
+            self._append(s, tok)
+        self.steps += 1
+        self.graph_steps += int(graph)
+        return out
+
+    def _eager(self, seqs, plan, samples):
+        """A step run op by op: rows to score are the sampling sequences' last tokens (at
+        least one row, so no shape is ever empty)."""
+        host = self.pool.schedule_host(plan, table_width=self.table_width)
+        qsl = host.query_start_loc
+        rows = [int(qsl[j + 1]) - 1 for j, sample in enumerate(samples) if sample] or [int(qsl[-1]) - 1]
+        ids = np.concatenate([np.asarray(s.tokens[s.fed:s.fed + n], dtype=np.int64) for s, (_, n) in zip(seqs, plan)])
+        coords = np.concatenate([s.coords[s.fed:s.fed + n] for s, (_, n) in zip(seqs, plan)])
+        most = max(n for _, n in plan)
+        if self._forward is not None:
+            return self._functional(ids, coords, host, rows, most)
+        if self._backend is not None:
+            logits = self._backend.run(ids, coords, host, np.asarray(rows, dtype=np.int64), most, self)
+            return greedy_tokens(logits, self.config.image_token_id), logits
+        dev = self.device
+        packed = np.concatenate([ids.astype(np.int32), coords.ravel(), np.asarray(rows, dtype=np.int32)])
+        packed_t = torch.from_numpy(packed)
+        if dev.type != "cpu":
+            packed_t = packed_t.pin_memory().to(dev, non_blocking=True)
+        t = ids.shape[0]
+        ids_t = packed_t[:t]
+        coords_t = packed_t[t:t + 4 * t].view(t, 4)
+        rows_t = packed_t[5 * t:]
+        batch = DashBatch.from_host(host, dev, max_query_len=most)
+        with torch.no_grad():
+            logits = self.model.forward_paged(ids_t, coords_t, batch, self.caches, rows_t)
+            tokens = greedy_tokens(logits, self.config.image_token_id)
+        return tokens, logits
+
+    def _functional(self, ids, coords, host: BatchHost, rows, most):
+        from .model import MODEL_INPUTS
+
+        dev = self.device
+        batch = DashBatch.from_host(host, dev, max_query_len=most)
+        values = [torch.from_numpy(ids).to(dev), torch.from_numpy(np.ascontiguousarray(coords)).to(dev),
+                  *batch.tensors(), torch.tensor(rows, dtype=torch.long, device=dev)]
+        inputs = dict(zip(MODEL_INPUTS, values))
+        logits, caches = self._forward(inputs, self.tensors())
+        self.update(list(caches))
+        return greedy_tokens(logits, self.config.image_token_id), logits
+
+    # ----------------------------------------------------------- decode graphs
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.graph_batch_sizes if b >= n)
+
+    def _static_for(self, size: int) -> _Static:
+        st = self._static.get(size)
+        if st is not None:
+            return st
+        w = self.table_width
+        layout = (("ids", (size,)), ("coords", (size, 4)), ("block_tables", (size, w)), ("seq_lens", (size,)),
+                  ("query_start_loc", (size + 1,)), ("prompt_lens", (size,)), ("logits_indices", (size,)))
+        total = sum(int(np.prod(shape)) for _, shape in layout)
+        pinned = self.device.type == "cuda"
+        host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)
+        device = torch.empty(total, dtype=torch.int32, device=self.device) if pinned else host
+        hv, dv, off = {}, {}, 0
+        for name, shape in layout:
+            n = int(np.prod(shape))
+            hv[name] = host.numpy()[off:off + n].reshape(shape)
+            dv[name] = device[off:off + n].view(shape)
+            off += n
+        # Constant rows: one token per sequence, every row scored; idle rows on the scratch block.
+        hv["query_start_loc"][:] = np.arange(size + 1, dtype=np.int32)
+        hv["logits_indices"][:] = np.arange(size, dtype=np.int32)
+        st = _Static(size, host, device, dv, hv)
+        self._fill_idle(st, 0)
+        self._static[size] = st
+        return st
+
+    def _fill_idle(self, st: _Static, first: int) -> None:
+        """Rows ``first:`` of a bucket: idle sequences, row j ending at slot j of the scratch
+        blocks (text token 0, no page; what they read is scratch too)."""
+        hv = st.host_views
+        rows = np.arange(first, st.size)
+        bs = self.kv_block_size
+        hv["ids"][first:] = 0
+        hv["coords"][first:] = (0, 0, -1, -1)
+        hv["block_tables"][first:] = -1
+        hv["block_tables"][first:, 0] = self._scratch + rows // bs
+        hv["seq_lens"][first:] = rows % bs + 1
+        hv["prompt_lens"][first:] = -1
+
+    def _run_static(self, st: _Static) -> None:
+        """The decode body on a bucket's static buffers (captured, or run eagerly)."""
+        v = st.views
+        batch = DashBatch(v["block_tables"], v["seq_lens"], v["query_start_loc"], v["prompt_lens"], max_query_len=1)
+        with torch.no_grad():
+            st.logits = self.model.forward_paged(v["ids"], v["coords"], batch, self.caches, v["logits_indices"])
+            st.tokens = greedy_tokens(st.logits, self.config.image_token_id)
+
+    def capture_decode_graphs(self) -> int:
+        """Capture a CUDA graph for every decode batch size (largest first, sharing one memory
+        pool); returns how many were captured. Runs idle rows only: no sequence's cache is
+        touched. Called on the first decode step when not called before."""
+        if not self.cuda_graphs:
+            return 0
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        done = 0
+        for size in sorted(self.graph_batch_sizes, reverse=True):
+            st = self._static_for(size)
+            if st.graph is not None:
+                continue
+            self._fill_idle(st, 0)
+            st.device.copy_(st.host)  # the capture path is CUDA only
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: cuBLAS handles, the op's first-call setup
+                    self._run_static(st)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._run_static(st)
+            st.graph = graph
+            done += 1
+        torch.cuda.synchronize(self.device)
+        return done
+
+    def _decode(self, seqs: list[SequenceState]):
+        b = len(seqs)
+        size = self._bucket(b)
+        if self.cuda_graphs and (size not in self._static or self._static[size].graph is None):
+            self.capture_decode_graphs()
+        st = self._static_for(size)
+        host = self.pool.schedule_host([(s.seq_id, 1) for s in seqs], table_width=self.table_width)
+        hv = st.host_views
+        hv["ids"][:b] = [s.tokens[s.fed] for s in seqs]
+        hv["coords"][:b] = [s.coords[s.fed] for s in seqs]
+        hv["block_tables"][:b] = host.block_tables
+        hv["seq_lens"][:b] = host.seq_lens
+        hv["prompt_lens"][:b] = host.prompt_lens
+        self._fill_idle(st, b)
+        if st.device is not st.host:
+            st.device.copy_(st.host, non_blocking=True)
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            self._run_static(st)
+        return st.tokens[:b], st.logits[:b], st.graph is not None
+

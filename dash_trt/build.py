@@ -7,8 +7,11 @@ plugin.
         --max-tokens 1,256,8192 --max-seqs 1,16,64 --max-context 32768
 
 Steps: load the plugin library into TensorRT's plugin registry (``load_library``: the library's
-``getCreators`` entry point), parse the ONNX file (TensorRT >= 10.7 prefers the registered
-plugin over the node's ONNX function), build one optimization profile from the model's dynamic
+``getCreators`` entry point), parse the ONNX file (every DashAttention node becomes a plugin
+layer: the nodes carry ``plugin_namespace``, which TensorRT >= 10.15's parser needs to prefer
+the plugin over the node's ONNX function; 10.8-10.14 prefer a registered plugin anyway; a file
+exported without it is parsed again with ``OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE`` where that
+flag exists), build one optimization profile from the model's dynamic
 dims and the limits below, turn on aliased plugin I/O (``PreviewFeature.ALIASED_PLUGIN_IO_10_03``)
 when the network has plugin layers, so the paged caches are written in place, build, save the
 plan and the timing cache, and print the engine's layer summary (engine inspector).
@@ -34,7 +37,11 @@ Types: strongly typed by default (every type from the ONNX model); ``--fp16``/``
 weakly typed network on TensorRT 10 (TensorRT 11 is always strongly typed and refuses them).
 
 ``--print-trtexec`` prints the equivalent ``trtexec`` command line and exits; it needs the
-``onnx`` package (to read the inputs) but not TensorRT.
+``onnx`` package (to read the inputs) but not TensorRT. The flags follow the TensorRT version
+(``--trt-version``, default the installed one, else 10.8; read from trtexec's
+``samples/common/sampleOptions.cpp`` of 10.8.0, 10.15, 10.16, 11.0 and 11.1): 11.x has no
+``--fp16``/``--bf16`` and ``--stronglyTyped`` is a no-op there; ``--enablePluginOverride`` (10.15
+on) is added only for a file whose nodes lack ``plugin_namespace``. Paths are shell-quoted.
 
 Exit codes: 0 built (or command printed); 1 TensorRT could not parse the model or build the
 engine; 2 bad arguments or files, or TensorRT (>= 10.8) not installed.
@@ -64,6 +71,8 @@ __all__ = [
     "derive_limits",
     "profile_shapes",
     "trtexec_command",
+    "nodes_carry_namespace",
+    "load_plugin_library",
     "summarize_engine",
     "main",
 ]
@@ -264,27 +273,76 @@ def _shape_text(shape: Sequence[int]) -> str:
 def trtexec_command(model: str, plugin: str, out: str,
                     shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], *,
                     strongly_typed: bool = True, fp16: bool = False, bf16: bool = False, aliasing: bool = True,
-                    timing_cache: str | None = None, workspace_mib: int | None = None) -> str:
-    """The trtexec command line that builds the same engine as dash-build."""
+                    timing_cache: str | None = None, workspace_mib: int | None = None,
+                    trt_version: tuple[int, int] = (10, 8), plugin_override: bool = False) -> str:
+    """The trtexec command line that builds the same engine as dash-build, for trtexec of
+    ``trt_version``; every path shell-quoted. ``plugin_override``: the model's nodes lack
+    ``plugin_namespace`` (an older export), so TensorRT >= 10.15 needs ``--enablePluginOverride``.
+    Raises ValueError for what that trtexec cannot do (``--fp16``/``--bf16`` on 11.x)."""
+    import shlex
+
+    major = trt_version[0]
+    if major >= 11 and (fp16 or bf16):
+        raise ValueError(f"trtexec {trt_version[0]}.{trt_version[1]} has no --fp16/--bf16 (TensorRT 11 builds "
+                         f"strongly typed networks only: the types come from the ONNX model)")
 
     def spec(k: int) -> str:
         return ",".join(f"{name}:{_shape_text(s[k])}" for name, s in shapes.items())
 
-    parts = ["trtexec", f"--onnx={model}", f"--dynamicPlugins={plugin}"]
+    q = shlex.quote
+    parts = ["trtexec", f"--onnx={q(model)}", f"--dynamicPlugins={q(plugin)}"]
     if shapes:
-        parts += [f"--minShapes={spec(0)}", f"--optShapes={spec(1)}", f"--maxShapes={spec(2)}"]
-    if strongly_typed:
+        parts += [q(f"--minShapes={spec(0)}"), q(f"--optShapes={spec(1)}"), q(f"--maxShapes={spec(2)}")]
+    if strongly_typed and major < 11:
         parts.append("--stronglyTyped")
     parts += ["--fp16"] if fp16 else []
     parts += ["--bf16"] if bf16 else []
+    if plugin_override and tuple(trt_version) >= (10, 15):
+        parts.append("--enablePluginOverride")
     if aliasing:
         parts.append("--preview=+aliasedPluginIO1003")
     if timing_cache:
-        parts.append(f"--timingCacheFile={timing_cache}")
+        parts.append(f"--timingCacheFile={q(timing_cache)}")
     if workspace_mib:
         parts.append(f"--memPoolSize=workspace:{workspace_mib}M")
-    parts += ["--profilingVerbosity=detailed", "--dumpLayerInfo", "--skipInference", f"--saveEngine={out}"]
+    parts += ["--profilingVerbosity=detailed", "--dumpLayerInfo", "--skipInference", f"--saveEngine={q(out)}"]
     return " \\\n    ".join(parts)
+
+
+def nodes_carry_namespace(path: Path) -> bool:
+    """Every DashAttention node of the ONNX file has a ``plugin_namespace`` attribute (what
+    TensorRT >= 10.15's parser needs to import it as the plugin); needs the onnx package."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [n for n in model.graph.node if (n.domain, n.op_type) == ONNX_OP]
+    return all(any(a.name == "plugin_namespace" for a in n.attribute) for n in nodes)
+
+
+def load_plugin_library(registry, path: str) -> str | None:
+    """Load the plugin into a TensorRT plugin registry (``IPluginRegistry.load_library``: its
+    ``getCreators``) and check that the DashAttention creator is there; the problem, or None."""
+    try:
+        handle = registry.load_library(path)
+    except Exception as exc:  # the bindings raise on some failures, return None on others
+        return f"TensorRT could not load {path}: {exc}"
+    if handle is None:
+        return f"TensorRT could not load {path} (see the TensorRT log above)"
+    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, "") is None:
+        return f"{path} is loaded but registers no {PLUGIN_NAME} v{PLUGIN_VERSION} creator"
+    return None
+
+
+def _installed_trt_version() -> tuple[int, int] | None:
+    import importlib.metadata
+
+    for dist in ("tensorrt", "tensorrt-cu13", "tensorrt-cu12"):
+        try:
+            v = _version_tuple(importlib.metadata.version(dist))
+            return (v[0], v[1] if len(v) > 1 else 0)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 # ------------------------------------------------------------------------------ engine summary
@@ -411,6 +469,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="TensorRT verbose logging")
     p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec command and exit "
                    "(needs the onnx package, not TensorRT)")
+    p.add_argument("--trt-version", metavar="MAJOR.MINOR", help="with --print-trtexec: the TensorRT version whose "
+                   "trtexec runs the command [default: the installed tensorrt package's, else 10.8]")
     return p
 
 
@@ -484,11 +544,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             shapes = profile_shapes(inputs, limits, dict(args.shape))
         except (ProfileError, ValueError) as exc:
             return _fail(str(exc))
-        print(trtexec_command(str(args.model), str(args.plugin), str(args.out or "model.plan"), shapes,
-                              strongly_typed=strongly_typed, fp16=args.fp16, bf16=args.bf16,
-                              aliasing=not args.no_aliasing,
-                              timing_cache=str(args.timing_cache) if args.timing_cache else None,
-                              workspace_mib=args.workspace))
+        if args.trt_version:
+            v = _version_tuple(args.trt_version)
+            if not v or not re.fullmatch(r"\d+(\.\d+){0,2}", args.trt_version):
+                return _fail(f"--trt-version must be MAJOR.MINOR (e.g. 10.8 or 11.1), got {args.trt_version!r}")
+            trt_version = (v[0], v[1] if len(v) > 1 else 0)
+        else:
+            trt_version = _installed_trt_version() or (10, 8)
+            if _installed_trt_version() is None:
+                print("dash-build: no tensorrt package: the command is for TensorRT 10.8 (pass --trt-version for "
+                      "another)", file=sys.stderr)
+        override = not nodes_carry_namespace(args.model)
+        if override and trt_version >= (10, 15):
+            print("dash-build: warning: the model's DashAttention nodes have no plugin_namespace attribute (exported "
+                  "before it was added): --enablePluginOverride makes TensorRT import them as the plugin, and also "
+                  "imports ScatterND/ScatterElements as TensorRT's own plugins; re-export to drop it", file=sys.stderr)
+        try:
+            command = trtexec_command(str(args.model), str(args.plugin), str(args.out or "model.plan"), shapes,
+                                      strongly_typed=strongly_typed, fp16=args.fp16, bf16=args.bf16,
+                                      aliasing=not args.no_aliasing,
+                                      timing_cache=str(args.timing_cache) if args.timing_cache else None,
+                                      workspace_mib=args.workspace, trt_version=trt_version,
+                                      plugin_override=override)
+        except ValueError as exc:
+            return _fail(str(exc))
+        print(command)
         return EXIT_OK
 
     try:
@@ -509,24 +589,39 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
     t0 = time.perf_counter()
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    registry = builder.get_plugin_registry()
-    try:
-        handle = registry.load_library(str(args.plugin))
-    except Exception as exc:  # the bindings raise on some failures, return None on others
-        return _fail(f"TensorRT could not load {args.plugin}: {exc}")
-    if handle is None:
-        return _fail(f"TensorRT could not load {args.plugin} (see the TensorRT log above)")
-    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, "") is None:
-        return _fail(f"{args.plugin} is loaded but registers no {PLUGIN_NAME} v{PLUGIN_VERSION} creator")
+    problem = load_plugin_library(builder.get_plugin_registry(), str(args.plugin))
+    if problem:
+        return _fail(problem)
 
     # TensorRT 11 is always strongly typed (its STRONGLY_TYPED flag is deprecated and ignored).
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed and major < 11 else 0
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(args.model)):
-        for i in range(parser.num_errors):
-            print(f"dash-build: ONNX parser: {parser.get_error(i)}", file=sys.stderr)
+    def parse(override: bool):
+        net = builder.create_network(flags)
+        onnx_parser = trt.OnnxParser(net, logger)
+        if override:
+            onnx_parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+        if not onnx_parser.parse_from_file(str(args.model)):
+            for i in range(onnx_parser.num_errors):
+                print(f"dash-build: ONNX parser: {onnx_parser.get_error(i)}", file=sys.stderr)
+            return None, onnx_parser
+        return net, onnx_parser
+
+    def plugin_count(net) -> int:
+        return sum(1 for i in range(net.num_layers) if net.get_layer(i).type == trt.LayerType.PLUGIN_V3)
+
+    network, parser = parse(False)
+    if network is None:
         return _fail(f"TensorRT could not parse {args.model}", EXIT_BUILD_FAILED)
+    if plugin_count(network) == 0 and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+        # An export whose nodes lack plugin_namespace, on TensorRT >= 10.15: the parser imported
+        # the ONNX functions. Parse again with the override (it also swaps ScatterND /
+        # ScatterElements for TensorRT's own plugins).
+        print("dash-build: warning: the parser imported the DashAttention ONNX functions (nodes without "
+              "plugin_namespace: re-export with this dash-trt); parsing again with ENABLE_PLUGIN_OVERRIDE",
+              file=sys.stderr)
+        network, parser = parse(True)
+        if network is None:
+            return _fail(f"TensorRT could not parse {args.model} with ENABLE_PLUGIN_OVERRIDE", EXIT_BUILD_FAILED)
 
     onnx_names: dict[str, tuple[str | None, ...]] = {}
     try:
@@ -554,11 +649,11 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         print(f"DASH config: {json.dumps(config.to_dict())}")
     _print_profile(shapes, limits)
 
-    plugin_layers = sum(1 for i in range(network.num_layers)
-                        if network.get_layer(i).type == trt.LayerType.PLUGIN_V3)
+    plugin_layers = plugin_count(network)
     if plugin_layers == 0:
         print("dash-build: warning: the network has no plugin layer: TensorRT imported the DashAttention ONNX "
-              "function instead of the plugin (TensorRT < 10.7, or the plugin was not registered)", file=sys.stderr)
+              "function instead of the plugin (the plugin was not registered, or the nodes lack plugin_namespace on "
+              "a TensorRT >= 10.15 without ENABLE_PLUGIN_OVERRIDE)", file=sys.stderr)
 
     bconfig = builder.create_builder_config()
     if args.fp16:

@@ -202,6 +202,27 @@ def test_trtexec_command():
     assert "--fp16" in weak and "--stronglyTyped" not in weak and "--preview" not in weak
 
 
+def test_trtexec_command_follows_the_tensorrt_version():
+    """trtexec's options per release (samples/common/sampleOptions.cpp): 11.x has no --fp16/--bf16
+    and --stronglyTyped is a no-op there; --enablePluginOverride exists from 10.15 and is needed
+    only for nodes without plugin_namespace; paths are shell-quoted."""
+    limits = B.derive_limits(EXPORT_INPUTS, tokens=Limit(1, 64, 4096), seqs=Limit(1, 8, 32), max_context=1000)
+    shapes = B.profile_shapes(EXPORT_INPUTS[:3], limits)
+    v11 = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(11, 1))
+    assert "--stronglyTyped" not in v11 and "--preview=+aliasedPluginIO1003" in v11
+    with pytest.raises(ValueError, match="trtexec 11.1 has no --fp16/--bf16"):
+        B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(11, 1), fp16=True, strongly_typed=False)
+    assert "--enablePluginOverride" in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(10, 15),
+                                                           plugin_override=True)
+    assert "--enablePluginOverride" not in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(10, 8),
+                                                               plugin_override=True)
+    assert "--enablePluginOverride" not in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(11, 1))
+    hostile = B.trtexec_command("my model $(rm -rf x).onnx", "lib;ls.so", "out plan", shapes)
+    flat = hostile.replace(" \\\n    ", " ")
+    assert "--onnx='my model $(rm -rf x).onnx'" in flat and "--dynamicPlugins='lib;ls.so'" in flat
+    assert "--saveEngine='out plan'" in flat
+
+
 def test_engine_summary():
     info = {"Layers": [
         {"Name": "/layers.0/attn/DashAttention", "LayerType": "PluginV3", "Inputs": [{"Name": "q"}],
@@ -237,7 +258,8 @@ def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
     if node:
         nodes.append(helper.make_node("DashAttention", ["coords"], ["unused"], domain="dash_trt",
                                       sparse_block_size=32, sparse_local_block=1, sparse_topk_blocks=[4],
-                                      layer_idx=0, sparse_main_rope_tok_freq_mode="", plugin_version="1"))
+                                      layer_idx=0, sparse_main_rope_tok_freq_mode="", plugin_version="1",
+                                      **({} if node == "no-namespace" else {"plugin_namespace": ""})))
     graph = helper.make_graph(nodes, "tiny", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("dash_trt", 1)])
     if metadata:
@@ -268,6 +290,24 @@ def test_print_trtexec_checks_the_config(tmp_path, capsys, source):
     assert f"KV block size 24 is not a whole multiple of sparse_block_size {sbs}" in capsys.readouterr().err
 
 
+def test_print_trtexec_per_version_and_for_old_exports(tmp_path, capsys, no_tensorrt):
+    marked = _tiny_onnx(tmp_path / "marked.onnx", node=True)
+    old = _tiny_onnx(tmp_path / "old.onnx", node="no-namespace")
+    base = ["--plugin", "lib.so", "--print-trtexec", "--max-tokens", "8", "--max-seqs", "2", "--max-context", "64"]
+    assert B.main([str(marked), *base, "--trt-version", "10.15"]) == 0
+    out, err = capsys.readouterr()
+    assert "--enablePluginOverride" not in out and "--stronglyTyped" in out
+    assert B.main([str(old), *base, "--trt-version", "10.15"]) == 0
+    out, err = capsys.readouterr()
+    assert "--enablePluginOverride" in out and "no plugin_namespace attribute" in err
+    assert B.main([str(marked), *base, "--trt-version", "11.1", "--fp16"]) == 2
+    assert "trtexec 11.1 has no --fp16/--bf16" in capsys.readouterr().err
+    assert B.main([str(marked), *base]) == 0  # no tensorrt package: says which version it assumed
+    assert "the command is for TensorRT 10.8" in capsys.readouterr().err
+    assert B.main([str(marked), *base, "--trt-version", "eleven"]) == 2
+    assert "--trt-version must be MAJOR.MINOR" in capsys.readouterr().err
+
+
 def test_print_trtexec_without_onnx(files, monkeypatch, capsys):
     model, plugin, _ = files
     monkeypatch.setitem(sys.modules, "onnx", None)
@@ -280,3 +320,24 @@ def test_real_tensorrt_refuses_a_missing_plugin(files):
     """With TensorRT installed: the argument checks run before TensorRT is touched."""
     model, _, out = files
     assert B.main([str(model), "--plugin", os.fspath(out) + ".so", "--out", str(out)]) == 2
+
+
+def test_loading_the_plugin_is_checked():
+    """dash-build and dash-compare both use load_plugin_library: a library TensorRT cannot load,
+    or one that registers no DashAttention creator, is an error with a message."""
+    class Registry:
+        def __init__(self, handle, creator):
+            self.handle, self.creator = handle, creator
+
+        def load_library(self, path):
+            if self.handle == "raise":
+                raise RuntimeError("dlopen failed: undefined symbol")
+            return self.handle
+
+        def get_creator(self, name, version, namespace):
+            return self.creator if (name, version, namespace) == ("DashAttention", "1", "") else None
+
+    assert B.load_plugin_library(Registry(object(), object()), "p.so") is None
+    assert "could not load p.so: dlopen failed" in B.load_plugin_library(Registry("raise", None), "p.so")
+    assert "could not load p.so (see the TensorRT log" in B.load_plugin_library(Registry(None, None), "p.so")
+    assert "registers no DashAttention v1 creator" in B.load_plugin_library(Registry(object(), None), "p.so")

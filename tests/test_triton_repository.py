@@ -57,6 +57,7 @@ def fake_export(model, path, kv_block_size=16, dtype=onnx.TensorProto.FLOAT):
         helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["num_seqs"]),
         helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["num_seqs + 1"]),
         helper.make_tensor_value_info("prompt_lens", TensorProto.INT32, ["num_seqs"]),
+        helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["num_logits"]),
     ]
     shapes = {"key": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
               "value": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
@@ -64,7 +65,7 @@ def fake_export(model, path, kv_block_size=16, dtype=onnx.TensorProto.FLOAT):
               "image_page": (TensorProto.INT32, [kv_block_size]),
               "summary": (TensorProto.FLOAT, [per, c.index_head_dim]),
               "summary_pages": (TensorProto.INT32, [per, 3])}
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_tokens", c.vocab_size])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", c.vocab_size])]
     nodes = [helper.make_node("Identity", ["input_ids"], ["ids_copy"])]
     for layer in range(c.num_hidden_layers):
         for f in CACHE_FIELDS:
@@ -124,37 +125,52 @@ def test_cuda_device_and_no_stream_model(tmp_path, model):
 def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
     onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=16, dtype=dtype)
     (tmp_path / "model.plan").write_bytes(b"not a real engine: TensorRT is not installed here")
-    (tmp_path / "libdash_plugin.so").write_bytes(b"\x7fELF stand-in")
+    (tmp_path / "libdash_trt_plugin_static.so").write_bytes(b"\x7fELF stand-in: registers itself")
+    (tmp_path / "libdash_trt_plugin.so").write_bytes(b"\x7fELF stand-in: the plugin")
     written = write_repository(tmp_path / "repo", model, onnx=onnx_path, plan=str(tmp_path / "model.plan"),
-                               plugin=str(tmp_path / "libdash_plugin.so"), plan_instances=2, plan_gpus=[0, 1])
+                               plugin=str(tmp_path / "libdash_trt_plugin_static.so"), plan_instances=2,
+                               plan_gpus=[0, 1])
     assert written.models == ["dash", "dash_stream", "dash_plan"]
     assert NO_PLAN_MESSAGE not in written.messages
-    assert any("LD_PRELOAD=" in m and "--backend-config=tensorrt,plugins=" in m for m in written.messages)
+    lib = str(tmp_path / "repo" / "dash_plan" / "1" / "libdash_trt_plugin_static.so")
+    # one library and one loading method: what Triton's TensorRT backend does (dlopen the
+    # libraries of --backend-config=tensorrt,plugins=...); no LD_PRELOAD (it would load the
+    # plugin before libnvinfer, and nothing would register)
+    assert any(f"--backend-config=tensorrt,plugins={lib}" in m for m in written.messages)
+    assert not any("LD_PRELOAD" in m for m in written.messages)
     plan_dir = tmp_path / "repo" / "dash_plan"
     cfg = parse_config(plan_dir / "config.pbtxt")
     assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 0 and cfg.default_model_filename == "model.plan"
     ins = {i.name: (model_config_pb2.DataType.Name(i.data_type), list(i.dims)) for i in cfg.input}
     outs = {o.name: (model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output}
     c = model.config
-    assert list(ins)[:6] == list(M.MODEL_INPUTS)
+    assert list(ins)[:len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
     assert ins["input_ids"] == ("TYPE_INT64", [-1])
     assert ins["coords"] == ("TYPE_INT32", [-1, 4])
     assert ins["block_tables"] == ("TYPE_INT32", [-1, -1])
     assert ins["query_start_loc"] == ("TYPE_INT32", [-1])
     assert ins["past.1.key"] == (triton_type, [-1, 16, c.num_key_value_heads, c.head_dim])
     assert ins["past.0.summary"] == ("TYPE_FP32", [-1, 1, c.index_head_dim])
-    assert len(ins) == 6 + 6 * c.num_hidden_layers and len(outs) == 1 + 6 * c.num_hidden_layers
+    assert len(ins) == len(M.MODEL_INPUTS) + 6 * c.num_hidden_layers and len(outs) == 1 + 6 * c.num_hidden_layers
     assert outs["logits"] == ("TYPE_FP32", [-1, c.vocab_size])
     assert outs["present.0.image_page"] == ("TYPE_INT32", [-1, 16])
     group = cfg.instance_group[0]
     assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert group.count == 2 and list(group.gpus) == [0, 1]
     assert (plan_dir / "1" / "model.plan").read_bytes().startswith(b"not a real engine")
-    assert (plan_dir / "1" / "libdash_plugin.so").exists()
+    assert (plan_dir / "1" / "libdash_trt_plugin_static.so").read_bytes().endswith(b"registers itself")
+    assert (plan_dir / "1" / "libdash_trt_plugin.so").read_bytes().endswith(b"the plugin")
     text = (plan_dir / "config.pbtxt").read_text()
     readme = (tmp_path / "repo" / "README.md").read_text()
     for doc in (text, readme):
-        assert "LD_PRELOAD=" in doc and "--backend-config=tensorrt,plugins=" in doc
+        assert "LD_PRELOAD" not in doc and "--backend-config=tensorrt,plugins=" in doc
+        assert "libdash_trt_plugin_static.so" in doc and "ships the whole KV cache in and out" in doc.replace("\n# ", " ")
+    # either file of the build finds the other; a missing partner is named
+    (tmp_path / "solo").mkdir()
+    (tmp_path / "solo" / "libdash_trt_plugin.so").write_bytes(b"x")
+    with pytest.raises(RepositoryError, match="libdash_trt_plugin_static.so"):
+        write_repository(tmp_path / "repo2", model, onnx=onnx_path, plan=str(tmp_path / "model.plan"),
+                         plugin=str(tmp_path / "solo" / "libdash_trt_plugin.so"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("dash_trt.export") is None,
@@ -172,8 +188,9 @@ def test_plan_model_from_a_real_export(tmp_path, model):  # pragma: no cover - r
 def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model):
     plan = tmp_path / "model.plan"
     plan.write_bytes(b"x")
-    plugin = tmp_path / "libdash_plugin.so"
+    plugin = tmp_path / "libdash_trt_plugin_static.so"
     plugin.write_bytes(b"x")
+    (tmp_path / "libdash_trt_plugin.so").write_bytes(b"x")
     with pytest.raises(RepositoryError, match="needs --plan, --onnx .* and --plugin"):
         write_repository(tmp_path / "a", model, plan=str(plan), plugin=str(plugin))
     with pytest.raises(RepositoryError, match="needs --plan, --onnx .* and --plugin"):
@@ -251,3 +268,22 @@ def test_cli_write(tmp_path, model, capsys):
     assert "give a checkpoint" in capsys.readouterr().err
     assert cli.main(["serve", str(tmp_path / "missing")]) == 2
     assert "model repository not found" in capsys.readouterr().err
+
+
+def test_the_server_is_located_without_importing_pytriton():
+    """pytriton's package imports its own server stack (gevent, zmq, aiohttp...), which a
+    machine with only the binary's needs lacks: the binary is found by the package's path."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from dash_trt.triton.server import find_tritonserver, TritonUnavailable\n"
+            "try:\n"
+            "    dist = find_tritonserver()\n"
+            "    print('found', dist.binary.endswith('bin/tritonserver'))\n"
+            "except TritonUnavailable as exc:\n"
+            "    print('unavailable', exc)\n"
+            "print('imported', 'pytriton' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "imported False" in out, out
+    assert "found True" in out or "unavailable" in out, out

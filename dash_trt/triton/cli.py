@@ -1,6 +1,6 @@
 """``dash-triton``: write a Triton model repository for a DASH model, and serve it.
 
-    dash-triton write model.pt --out repo [--onnx model.onnx --plan model.plan --plugin libdash.so]
+    dash-triton write model.pt --out repo [--onnx model.onnx --plan model.plan --plugin libdash_trt_plugin_static.so]
     dash-triton write --demo --out repo          # the built-in random demo model
     dash-triton serve repo                       # the tritonserver of nvidia-pytriton, on 127.0.0.1
 
@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     t = w.add_argument_group("TensorRT model")
     t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
     t.add_argument("--plan", help="TensorRT engine built from --onnx")
-    t.add_argument("--plugin", help="the DASH TensorRT plugin library the engine needs")
+    t.add_argument("--plugin", help="build/plugins/trt/libdash_trt_plugin_static.so of the plugin build the engine was "
+                   "built with (libdash_trt_plugin.so beside it is copied too)")
     t.add_argument("--plan-instances", type=int, default=1, help="instances per GPU (%(default)s)")
     t.add_argument("--plan-gpus", help="comma-separated GPU ids (default: all)")
 

@@ -14,8 +14,9 @@ Layout (model names from ``--name``, default ``dash``)::
       dash_plan/                only with --plan (and --onnx): the TensorRT engine, one forward step
         config.pbtxt            inputs/outputs and dims read from the ONNX file, dynamic axes -1
         1/model.plan
-        1/<plugin>.so           the DASH plugin library, loaded with LD_PRELOAD or
-                                --backend-config=tensorrt,plugins=...
+        1/libdash_trt_plugin_static.so  the plugin library Triton loads: registers itself when
+                                        dlopened (--backend-config=tensorrt,plugins=<this file>)
+        1/libdash_trt_plugin.so         the plugin code it links against ($ORIGIN)
 
 Every ``config.pbtxt`` is plain protobuf text of Triton's ``inference.ModelConfig``
 (the tests parse each one with the schema shipped in ``tritonclient``).
@@ -47,6 +48,8 @@ __all__ = [
     "onnx_io",
     "python_model_config",
     "plan_model_config",
+    "plugin_libraries",
+    "PLUGIN_LIBRARY",
     "write_repository",
     "WrittenRepository",
     "PYTHON_MODEL_SOURCE",
@@ -59,8 +62,23 @@ PYTHON_MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "
 NO_PLAN_MESSAGE = (
     "no --plan given: the tensorrt_plan model was not written. Build a TensorRT engine from the ONNX file "
     "(with the DASH plugin, against the TensorRT version of your Triton server) and pass --plan model.plan "
-    "--onnx model.onnx --plugin libdash_plugin.so; TensorRT is not installed on this project's CPU machines."
+    "--onnx model.onnx --plugin build/plugins/trt/libdash_trt_plugin_static.so."
 )
+
+#: The plugin library Triton's TensorRT backend loads, and the one it links against. The backend
+#: only dlopens the libraries named in --backend-config=tensorrt,plugins=... (after loading
+#: libnvinfer; tensorrt_backend src/tensorrt.cc, r24.12 to r26.01): it calls no entry point,
+#: so the library must register its creator itself when loaded, which the static variant does.
+PLUGIN_LIBRARY = "libdash_trt_plugin_static.so"
+PLUGIN_DEPENDENCY = "libdash_trt_plugin.so"
+
+#: What the tensorrt_plan model costs: Triton's TensorRT backend gives every input and output its
+#: own device buffer (instance_state.cc), so present.* cannot be bound to past.*: each request
+#: carries the whole KV pool in and out. For serving, the generation models own the pool.
+PLAN_MODEL_NOTE = (
+    "Triton's TensorRT backend gives every input and output its own buffer, so present.* cannot be bound to "
+    "past.*: every request ships the whole KV cache in and out. This model is for inspecting and checking the "
+    "engine; serving runs the generation models, which keep the pool in place.")
 
 
 class RepositoryError(ValueError):
@@ -257,7 +275,7 @@ def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig,
 
 
 def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], *,
-                      plugin: str, instances: int = 1, gpus: Sequence[int] | None = None) -> dict[str, Any]:
+                      instances: int = 1, gpus: Sequence[int] | None = None) -> dict[str, Any]:
     """config.pbtxt (as a dict) of the ``tensorrt_plan`` model: one forward step of
     the exported graph; the caller owns the cache (it passes ``past.*`` in and gets
     ``present.*`` back) and the block tables."""
@@ -267,11 +285,13 @@ def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence
     if gpus:
         group["gpus"] = [int(g) for g in gpus]
     return {
-        "# ": ("TensorRT engine of the exported DASH graph, written by dash-triton. It needs the DASH\n"
-               f"plugin library ({plugin}, in the version folder) loaded into tritonserver:\n"
-               f"  LD_PRELOAD=<repo>/{name}/1/{plugin} tritonserver --model-repository=<repo>\n"
-               f"or tritonserver --backend-config=tensorrt,plugins=<repo>/{name}/1/{plugin} ...\n"
+        "# ": ("TensorRT engine of the exported DASH graph, written by dash-triton. The DASH plugin must be\n"
+               f"loaded into tritonserver: {PLUGIN_LIBRARY} (in the version folder, beside\n"
+               f"{PLUGIN_DEPENDENCY}) registers its creator when the TensorRT backend opens it:\n"
+               f"  tritonserver --model-repository=<repo> --backend-config=tensorrt,plugins=<repo>/{name}/1/"
+               f"{PLUGIN_LIBRARY}\n"
                "Build plan and plugin against the TensorRT version of the server.\n"
+               + "\n".join(_wrap(PLAN_MODEL_NOTE)) + "\n"
                "Inputs/outputs and dims come from the ONNX graph (dynamic axes are -1); no batch\n"
                "dimension: the graph takes ragged batches of tokens with their block tables."),
         "name": name,
@@ -282,6 +302,29 @@ def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence
         "output": [s.to_config() for s in outputs],
         "instance_group": [group],
     }
+
+
+def _wrap(text: str, width: int = 96) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
+def plugin_libraries(plugin: str) -> tuple[str, str]:
+    """(the self-registering library, the one it links against) for ``--plugin``: either file
+    of the plugin build, the other one found beside it."""
+    folder, base = os.path.dirname(os.path.abspath(plugin)), os.path.basename(plugin)
+    if base == PLUGIN_DEPENDENCY:
+        pair = (os.path.join(folder, PLUGIN_LIBRARY), os.path.abspath(plugin))
+    else:
+        pair = (os.path.abspath(plugin), os.path.join(folder, PLUGIN_DEPENDENCY))
+    for path in pair:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise RepositoryError(
+                f"plugin library not found or empty: {path}. Triton's TensorRT backend loads {PLUGIN_LIBRARY} (which "
+                f"registers the DashAttention creator when it is opened) and that needs {PLUGIN_DEPENDENCY} beside "
+                f"it: pass --plugin build/plugins/trt/{PLUGIN_LIBRARY} from a plugin build (plugins/trt/README.md)")
+    return pair
 
 
 # ---------------------------------------------------------------- the writer
@@ -329,15 +372,15 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
         if plan is None or onnx is None or plugin is None:
             raise RepositoryError("the tensorrt_plan model needs --plan, --onnx (for its inputs and outputs) and "
                                   "--plugin (the DASH plugin library the engine was built with) together")
-        for what, p in (("plan", plan), ("plugin library", plugin)):
-            if not os.path.isfile(p) or os.path.getsize(p) == 0:
-                raise RepositoryError(f"{what} not found or empty: {p}")
+        if not os.path.isfile(plan) or os.path.getsize(plan) == 0:
+            raise RepositoryError(f"plan not found or empty: {plan}")
+        libraries = plugin_libraries(plugin)
     if onnx is not None:
         inputs, outputs = onnx_io(onnx)
         _check_onnx_matches(inputs, outputs, model, engine.kv_block_size, onnx)
         if plan is not None:
-            plan_cfg = plan_model_config(name + P.PLAN_SUFFIX, inputs, outputs,
-                                         plugin=os.path.basename(plugin), instances=plan_instances, gpus=plan_gpus)
+            plan_cfg = plan_model_config(name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances,
+                                         gpus=plan_gpus)
     if plan_cfg is None:
         messages.append(NO_PLAN_MESSAGE)
 
@@ -367,12 +410,13 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
             vdir = os.path.join(tmp, plan_cfg["name"], "1")
             os.makedirs(vdir)
             shutil.copyfile(plan, os.path.join(vdir, "model.plan"))
-            shutil.copyfile(plugin, os.path.join(vdir, os.path.basename(plugin)))
+            for lib, target in zip(libraries, (PLUGIN_LIBRARY, PLUGIN_DEPENDENCY)):
+                shutil.copy2(lib, os.path.join(vdir, target))
             _write(os.path.join(tmp, plan_cfg["name"], "config.pbtxt"), to_pbtxt(plan_cfg))
             models.append(plan_cfg["name"])
-            messages.append(f"{plan_cfg['name']}: load the plugin with LD_PRELOAD={out}/{plan_cfg['name']}/1/"
-                            f"{os.path.basename(plugin)} or --backend-config=tensorrt,plugins=<same path>")
-        _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg, plugin))
+            messages.append(f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
+                            f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}")
+        _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -388,18 +432,14 @@ def _write(path: str, text: str) -> None:
 
 
 def pool_bytes(model: DashForCausalLM, engine: EngineConfig) -> int:
-    """Memory of the KV pool of one generation model instance."""
-    c = model.config
-    elt = model.embed_tokens.weight.element_size()
-    per_tok = c.num_key_value_heads * c.head_dim * 2 * elt + c.index_head_dim * elt + 4
-    per_block = engine.kv_block_size * per_tok
-    summaries = -(-engine.kv_block_size // c.dash.sparse_block_size)
-    per_block += summaries * (c.index_head_dim * 4 + 3 * 4)
-    return per_block * engine.num_blocks * c.num_hidden_layers
+    """Memory of the KV pool of one generation model instance (``num_blocks`` blocks)."""
+    from ..runtime import pool_block_bytes
+
+    return pool_block_bytes(model, engine.kv_block_size) * engine.num_blocks
 
 
 def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model: DashForCausalLM,
-            plan_cfg: dict | None, plugin: str | None) -> str:
+            plan_cfg: dict | None) -> str:
     c = model.config
     lines = [
         "# DASH model repository (written by dash-triton)",
@@ -434,16 +474,17 @@ def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model:
         f"uses, then `tritonserver --model-repository={out}`.",
     ]
     if plan_cfg is not None:
-        lib = f"{out}/{plan_cfg['name']}/1/{os.path.basename(plugin)}"
+        lib = f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}"
         lines += [
             "",
-            "The TensorRT model needs the DASH plugin library in the server process, either way:",
+            f"The TensorRT model needs the DASH plugin in the server process. Triton's TensorRT backend opens the "
+            f"libraries named in `--backend-config=tensorrt,plugins=...` after loading TensorRT; {PLUGIN_LIBRARY} "
+            f"registers its creator when opened ({PLUGIN_DEPENDENCY}, beside it, is the code it links against):",
             "",
             "```bash",
-            f"LD_PRELOAD={lib} tritonserver --model-repository={out}",
             f"tritonserver --model-repository={out} --backend-config=tensorrt,plugins={lib}",
             "```",
             "",
-            "The plan and the plugin must be built against the TensorRT version of the server.",
+            "The plan and the plugin must be built against the TensorRT version of the server. " + PLAN_MODEL_NOTE,
         ]
     return "\n".join(lines) + "\n"

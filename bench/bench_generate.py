@@ -3,13 +3,16 @@
 Model: export/configs/benchmark.json (hidden 4096, 32 heads, 8 KV heads of 128, indexer 128,
 sparse blocks of 64, top-16, one local block) with ``--layers`` decoder layers (default 8),
 bf16, random weights built on the GPU. Cases (``--cases``, default ``32x32768,8x131072``):
-B document prompts of L tokens each (pages of 1023 image tokens and a question), 32 new
-tokens each (``--new-tokens``), greedy, no EOS stop.
+B document prompts of L tokens each (pages of 1023 image tokens and a question), greedy, no
+EOS stop; ``--new-tokens`` (32) decode steps of the whole batch are measured.
 
 - **DASH, the serving path**: :class:`dash_trt.triton.engine.GenerationEngine`'s step loop
   (the Triton service's engine) over one paged pool of KV blocks of 64 tokens: prefill in
-  chunks of ``--prefill-chunk`` tokens (one step each), decode steps replayed from the
+  chunks of ``--prefill-chunk`` tokens (one step each, with the decode tokens of the
+  sequences already prefilled: continuous batching), decode steps replayed from the
   runtime's CUDA graphs. Every step reads its tokens back to the host, as serving does.
+  Requests ask for as many extra tokens as there are prefill steps, so that after the last
+  prefill the whole batch decodes together for ``--new-tokens`` steps: those are measured.
 - **Dense peer**: the same modules with causal SDPA (the flash backend, pinned: the run
   fails rather than fall back) over a contiguous cache [B, Hkv, L, D]: each prompt prefilled
   in one call (KV heads repeated), every decode step one CUDA graph (one per context
@@ -98,15 +101,20 @@ class Clock:
 # ------------------------------------------------------------------ the DASH serving path
 def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
     b, length = len(prompts), len(prompts[0])
-    reserve = length + new_tokens - 1
+    # The engine decodes the sequences prefilled first while it prefills the others
+    # (continuous batching), so each request asks for as many more tokens as there are prefill
+    # steps: after the last prefill, the whole batch decodes together for new_tokens steps,
+    # which are the decode steps measured.
+    max_new = new_tokens + -(-b * length // chunk) + 2
+    reserve = length + max_new - 1
     blocks = b * -(-reserve // KV_BLOCK) + 1
     engine = GenerationEngine(model, EngineConfig(
         num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk, max_num_seqs=b,
-        max_model_len=reserve, default_max_new_tokens=new_tokens, max_new_tokens_limit=new_tokens))
+        max_model_len=reserve, default_max_new_tokens=max_new, max_new_tokens_limit=max_new))
     engine.warmup()  # the op's first call, the decode graphs' capture
     rt = engine.runtime
     t0 = clock.now()
-    reqs = [engine.submit(p, new_tokens, stop_at_eos=False) for p in prompts]
+    reqs = [engine.submit(p, max_new, stop_at_eos=False) for p in prompts]
     decode_walls, prefill_steps = [], 0
     while True:
         seqs = rt.sequences()

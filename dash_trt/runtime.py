@@ -271,9 +271,8 @@ class PagedRuntime:
         sizes = sorted({int(b) for b in (graph_batch_sizes or GRAPH_BATCH_SIZES) if 0 < int(b)})
         if not sizes:
             raise RuntimeConfigError("graph_batch_sizes must hold a positive size")
-        if sizes[-1] < self.max_num_seqs:
-            sizes.append(self.max_num_seqs)
-        self.graph_batch_sizes = tuple(b for b in sizes if b <= self.max_num_seqs) or (self.max_num_seqs,)
+        # Every batch up to max_num_seqs has a bucket: the sizes below it, and it.
+        self.graph_batch_sizes = tuple(b for b in sizes if b < self.max_num_seqs) + (self.max_num_seqs,)
         #: Block-table width of every call (None: each step's own, the longest sequence's).
         self.table_width = -(-self.max_model_len // self.kv_block_size) if self.decode_padding else None
         # Blocks past the pool's, never handed out: idle row j of a padded decode step is a

@@ -2,7 +2,8 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|sanitize-quick|bench|breakdown|ab|trace|ncu|ncu-source|gather|compare|all]...
+#   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|generate|triton|breakdown|ab|trace|ncu|
+#                         ncu-source|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
 # everything in one archive, $OUT/gpu_check_logs.tgz.
@@ -33,8 +34,8 @@ harness=$(find build-gpu -name libdash_trt_plugin_harness.so | head -1)
 [ -n "$harness" ] && export DASH_TRT_HARNESS=$PWD/$harness
 status=0
 case " $what " in *" tests "*|*" all "*)
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py tests/test_ops.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py tests/test_ops.py \
+    tests/test_runtime.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
   # Separate process: on the H200 image the harness library crashed (SIGSEGV inside iostream
   # formatting in dash_harness_creator_info; see plugins/trt/README.md), which must not take
@@ -51,6 +52,34 @@ case " $what " in *" sanitize "*|*" all "*)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     -k "bad_block or unsupported or prompt_length-0-dtype2 or dense_layer-0-dtype1 or 2-8-2-64-dtype1 or prompt-128-8-2-dtype1" 2>&1 | tee "$OUT/memcheck.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" memcheck-meta "*|*" all "*)
+  # Random int32 metadata and caches (what TensorRT's build-time timing feeds a plugin): no
+  # out-of-bounds access anywhere, under memcheck.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_META_S:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py -k arbitrary_metadata 2>&1 \
+    | tee "$OUT/memcheck_meta.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer|ERROR SUMMARY" | tail -24
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck-meta: stopped after ${MEMCHECK_META_S:-200} s"
+  status=$(( status | rc ));;
+esac
+case " $what " in *" generate "*|*" all "*)
+  # End to end: the serving runtime (the engine's step loop) beside the dense peer.
+  python3 bench/bench_generate.py ${GENERATE_ARGS:-} --json "$OUT/generate.json" --png "$OUT/generate.png" 2>&1 \
+    | tee "$OUT/generate.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" triton "*)
+  # The real Triton server on the GPU (the nvidia-pytriton, tritonclient and python-rapidjson
+  # wheels carried in .whl/): a KIND_GPU generation model, concurrent long-document requests,
+  # every answer against offline generation. The backend stub's embedded Python finds dash_trt
+  # through a .pth file in the interpreter's site-packages (it ignores PYTHONPATH).
+  site=$(python3 -c "import site; print(site.getsitepackages()[0])")
+  echo "$PWD" > "$site/dash_trt_checkout.pth"
+  python3 -m dash_trt.triton.loadtest --device cuda --random-init "${TRITON_CONFIG:-export/configs/benchmark.json}" \
+    --dtype float32 --kv-block-size 64 --num-blocks "${TRITON_BLOCKS:-4096}" --requests "${TRITON_REQUESTS:-32}" \
+    --pages "${TRITON_PAGES:-2,6}" --images "${TRITON_IMAGES:-500,1300}" --max-new-tokens "${TRITON_NEW:-8,24}" \
+    --prefill-chunk 2048 --max-batch-tokens 4096 --server-log "$OUT/tritonserver.log" 2>&1 | tee "$OUT/triton_gpu.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" bench "*|*" all "*)

@@ -5,6 +5,8 @@ be fully free afterwards.
 
     python3 -m dash_trt.triton.loadtest --requests 32            # starts its own server (demo model)
     python3 -m dash_trt.triton.loadtest --url 127.0.0.1:8001 --checkpoint model.pt
+    python3 -m dash_trt.triton.loadtest --device cuda --random-init config.json --requests 32 \
+        --pages 2,8 --images 600,1400 --kv-block-size 64     # a GPU server, long documents
 
 Prints requests/s, generated tokens/s and latency percentiles (from sending a request
 to its answer); exits 1 if any answer is wrong, missing or an error, or blocks stay in use.
@@ -28,6 +30,7 @@ import torch
 
 from ..model import DashForCausalLM, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
 from .client import DashClient, DashClientError, Generation
+from .engine import EngineConfig
 
 __all__ = ["LoadCase", "LoadReport", "make_cases", "expected_tokens", "run_load", "main"]
 
@@ -165,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
     p.add_argument("--checkpoint", help="model.pt the server runs (default: the built-in demo model)")
+    p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "
+                   "(seed --demo-seed) instead of the demo model")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="dtype of the --random-init model (default: its config's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the server it starts runs the model (KIND_GPU for cuda); the offline generation "
+                        "that checks the answers runs there too")
     p.add_argument("--demo-seed", type=int, default=2,
                    help="seed of the demo model's random weights (default 2: its greedy outputs vary from prompt "
                         "to prompt, so a wrong answer shows)")
@@ -176,7 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", default="1,8", help="min,max new tokens per request")
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool of the server it starts")
     p.add_argument("--kv-block-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
+    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     p.add_argument("--no-check", action="store_true", help="skip the offline generation (no correctness check)")
+    p.add_argument("--server-log", help="the started server's log file (default: a scratch file)")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
     return p
 
 
@@ -188,7 +202,17 @@ def _pair(text: str) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout
-    model = load_checkpoint(a.checkpoint) if a.checkpoint else demo_model(seed=a.demo_seed)
+    if a.checkpoint:
+        model = load_checkpoint(a.checkpoint)
+    elif a.random_init:
+        from ..model import DTYPES, load_model_config, random_model
+
+        model = random_model(load_model_config(a.random_init), seed=a.demo_seed,
+                             dtype=DTYPES[a.dtype] if a.dtype else None)
+    else:
+        model = demo_model(seed=a.demo_seed)
+    if a.device == "cuda":
+        model = model.cuda()
     cases = make_cases(model.config, a.requests, a.seed, pages=_pair(a.pages), images=_pair(a.images),
                        max_new_tokens=_pair(a.max_new_tokens))
     expected = None
@@ -201,18 +225,20 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     try:
         url = a.url
         if url is None:
-            from .engine import EngineConfig
             from .repository import write_repository
             from .server import TritonServer
 
             scratch = tempfile.mkdtemp(prefix="dash-loadtest-")
             repo = os.path.join(scratch, "repo")
-            write_repository(repo, model, engine=EngineConfig(num_blocks=a.num_blocks, kv_block_size=a.kv_block_size),
-                             streaming=False)
+            engine = EngineConfig(num_blocks=a.num_blocks, kv_block_size=a.kv_block_size, prefill_chunk=a.prefill_chunk,
+                                  max_batch_tokens=a.max_batch_tokens, max_num_seqs=max(a.requests, 1),
+                                  default_max_new_tokens=_pair(a.max_new_tokens)[1],
+                                  max_new_tokens_limit=max(_pair(a.max_new_tokens)[1], 1))
+            write_repository(repo, model, engine=engine, streaming=False, device=a.device)
             t = time.perf_counter()
-            server = TritonServer(repo).start()
+            server = TritonServer(repo, log_path=a.server_log).start(timeout=a.start_timeout)
             print(f"tritonserver ready in {time.perf_counter() - t:.1f} s at {server.grpc_url} (KV pool "
-                  f"{a.num_blocks} x {a.kv_block_size})", file=out, flush=True)
+                  f"{a.num_blocks} x {a.kv_block_size}, model on {a.device})", file=out, flush=True)
             url = server.grpc_url
         with DashClient(url, protocol="grpc", model=a.model) as client:
             report = run_load(client, cases, expected)

@@ -54,15 +54,6 @@ case " $what " in *" sanitize "*|*" all "*)
     -k "bad_block or unsupported or prompt_length-0-dtype2 or dense_layer-0-dtype1 or 2-8-2-64-dtype1 or prompt-128-8-2-dtype1" 2>&1 | tee "$OUT/memcheck.log" | tail -8
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
-case " $what " in *" memcheck-meta "*|*" all "*)
-  # Random int32 metadata and caches (what TensorRT's build-time timing feeds a plugin): no
-  # out-of-bounds access anywhere, under memcheck.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_META_S:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py -k arbitrary_metadata 2>&1 \
-    | tee "$OUT/memcheck_meta.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer|ERROR SUMMARY" | tail -24
-  rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck-meta: stopped after ${MEMCHECK_META_S:-200} s"
-  status=$(( status | rc ));;
-esac
 case " $what " in *" generate "*|*" all "*)
   # End to end: the serving runtime (the engine's step loop) beside the dense peer.
   python3 bench/bench_generate.py ${GENERATE_ARGS:-} --json "$OUT/generate.json" --png "$OUT/generate.png" 2>&1 \
@@ -81,6 +72,15 @@ case " $what " in *" triton "*)
     --pages "${TRITON_PAGES:-2,6}" --images "${TRITON_IMAGES:-500,1300}" --max-new-tokens "${TRITON_NEW:-8,24}" \
     --prefill-chunk 2048 --max-batch-tokens 4096 --server-log "$OUT/tritonserver.log" 2>&1 | tee "$OUT/triton_gpu.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" memcheck-meta "*|*" all "*)
+  # Random int32 metadata and caches (what TensorRT's build-time timing feeds a plugin): no
+  # out-of-bounds access anywhere, under memcheck.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_META_S:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py -k arbitrary_metadata 2>&1 \
+    | tee "$OUT/memcheck_meta.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer|ERROR SUMMARY" | tail -24
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck-meta: stopped after ${MEMCHECK_META_S:-200} s"
+  status=$(( status | rc ));;
 esac
 case " $what " in *" bench "*|*" all "*)
   python3 bench/bench_dash.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

@@ -122,3 +122,21 @@ def test_tuning_fields_reach_the_plan():
                                                                                       front_writer=2)
     with pytest.raises(ValueError, match="unknown tuning knob 'chunk'"):
         cuda.Tuning.parse("chunk=5")
+
+
+def test_planning_needs_no_pointers_running_does():
+    """A plan (and the workspace size) is made from the shape alone, with every pointer NULL
+    (the Python binding plans a shape once, before any tensor of it exists); a run needs them."""
+    lib = cuda._library()
+    base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
+                num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
+                sparse_local_block=1, topk=16, dense_layer=0, page_bias=0.0, rope_page_pairs=1,
+                rope_tok_theta=10000.0, rope_page_theta=256.0)
+    bare = cuda.DashParams(**base)
+    status, plan, text = _plan(bare)
+    assert status == 0, text
+    size = ctypes.c_size_t(0)
+    assert lib.dash_workspace_size(ctypes.byref(bare), ctypes.byref(size)) == 0 and size.value > 0
+    assert lib.dash_run_plan(ctypes.byref(bare), ctypes.byref(plan), None) == 1
+    assert lib.dash_last_error_message().decode() == "a tensor pointer is NULL"
+    assert _validate(bare) == (1, "a tensor pointer is NULL")

@@ -254,6 +254,7 @@ def test_greedy_choice_masks_image_tokens_and_breaks_ties_low():
 # --------------------------------------------------------------------- GPU
 GPU_CONFIG = dict(M.DEMO_CONFIG, hidden_size=256, head_dim=64, index_head_dim=64, num_attention_heads=8,
                   num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
+GPU_CONFIG[M.CONFIG_SECTION] = dict(M.DEMO_CONFIG[M.CONFIG_SECTION], sparse_topk_blocks=[4, 2, 3])
 
 
 def _gpu_model(dtype):

@@ -321,7 +321,8 @@ int32_t dash_supported_head_dims(int32_t* dims, int32_t cap) {
     return n;
 }
 
-DashStatus dash_validate(const DashParams* p) {
+// Sizes, configuration and tuning (what a plan depends on); no pointer is looked at.
+static DashStatus validate_sizes(const DashParams* p) {
     if (p == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "params is NULL");
     auto positive = [&](const char* name, long v) -> DashStatus {
         if (v <= 0) return fail(DASH_ERR_INVALID_ARGUMENT, std::string(name) + " must be positive, got " + std::to_string(v));
@@ -366,19 +367,23 @@ DashStatus dash_validate(const DashParams* p) {
                                               std::to_string(p->sparse_block_size));
     if (!(p->page_bias == p->page_bias) || p->page_bias > 3.0e38f || p->page_bias < -3.0e38f)
         return fail(DASH_ERR_INVALID_ARGUMENT, "page_bias must be finite");
-    if ((s = check_pointers(*p)) != DASH_OK) return s;
     dash::Plan plan;
     return make_plan(*p, plan);
 }
 
+DashStatus dash_validate(const DashParams* p) {
+    const DashStatus s = validate_sizes(p);
+    return s != DASH_OK ? s : check_pointers(*p);
+}
+
 int32_t dash_max_selected(const DashParams* p) {
     dash::Plan plan;
-    if (p == nullptr || dash_validate(p) != DASH_OK || make_plan(*p, plan) != DASH_OK) return -1;
+    if (p == nullptr || validate_sizes(p) != DASH_OK || make_plan(*p, plan) != DASH_OK) return -1;
     return plan.kmax;
 }
 
 DashStatus dash_workspace_size(const DashParams* p, size_t* bytes) {
-    DashStatus s = dash_validate(p);
+    DashStatus s = validate_sizes(p);
     if (s != DASH_OK) return s;
     if (bytes == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "bytes is NULL");
     dash::Plan plan;
@@ -398,7 +403,7 @@ DashStatus dash_run(const DashParams* p, void* stream_ptr) {
 DashStatus dash_plan(const DashParams* p, DashPlan* out) {
     if (out == nullptr) return fail(DASH_ERR_INVALID_ARGUMENT, "plan is NULL");
     std::memset(out, 0, sizeof(DashPlan));
-    DashStatus s = dash_validate(p);
+    DashStatus s = validate_sizes(p);
     if (s != DASH_OK) return s;
     PlanRecord rec{};
     if ((s = make_plan(*p, rec.plan)) != DASH_OK) return s;

@@ -52,10 +52,11 @@ DASH_API int32_t dash_supported_head_dims(int32_t* dims, int32_t cap);
 /* Width of selected_out rows: the most blocks one token can select (topk, or all for dense). */
 DASH_API int32_t dash_max_selected(const DashParams* p);
 
-/* Checks sizes and configuration (no device access). */
+/* Checks sizes and configuration (no device access), and that every tensor pointer a call with
+ * tokens needs is set. */
 DASH_API DashStatus dash_validate(const DashParams* p);
 
-/* Scratch bytes dash_run needs for these sizes. */
+/* Scratch bytes dash_run needs for these sizes (pointers are not looked at). */
 DASH_API DashStatus dash_workspace_size(const DashParams* p, size_t* bytes);
 
 /* Enqueue the operator on `stream` (a cudaStream_t): dash_plan, then dash_run_plan. */

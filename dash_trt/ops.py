@@ -61,6 +61,7 @@ __all__ = [
     "paged_attention_inplace",
     "paged_attention_inplace_op",
     "register_cuda_impl",
+    "cuda_impls",
 ]
 
 OP_NAMESPACE = "dash_trt"
@@ -137,6 +138,12 @@ def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None,
 
 
 # ------------------------------------------------------------------ implementations
+def cuda_impls() -> tuple[Callable | None, Callable | None]:
+    """The registered CUDA implementations (functional, in place): what
+    ``register_cuda_impl(*cuda_impls())`` restores."""
+    return _cuda_impl, _cuda_inplace_impl
+
+
 def _split(args: tuple) -> tuple[tuple, tuple, tuple]:
     return args[:7], args[7:13], args[13:]
 

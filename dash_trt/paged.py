@@ -60,6 +60,8 @@ import torch
 from .config import DashConfig, as_config
 from .reference import (
     FLOAT_DTYPES,
+    ROLE_IMAGE,
+    ROLE_PAGE,
     Routing,
     SpLike,
     _record_routing,
@@ -126,8 +128,6 @@ class PageCoordState:
     @classmethod
     def from_prompt(cls, roles: torch.Tensor) -> tuple[PageCoordState, torch.Tensor]:
         """The state after ``roles`` (a whole prompt, [S]) and its coords [S, 4] int32."""
-        from .reference import ROLE_IMAGE, ROLE_PAGE
-
         coords = sequence_coords(roles)  # validates the prompt (pages, image tokens)
         r = roles.long().cpu()
         n = int(r.numel())
@@ -147,8 +147,6 @@ class PageCoordState:
     def next(self, role: int) -> tuple[int, int, int, int]:
         """Coordinates (tok, page, image_page, query_page) of the next token, whose role is
         text (0) or ``<PAGE>`` (2); advances the state."""
-        from .reference import ROLE_IMAGE, ROLE_PAGE
-
         if role == ROLE_IMAGE:
             raise ValueError("an image token after the prompt: its position would move the prompt/response "
                              "boundary of the whole sequence (generated tokens are never image tokens)")
@@ -397,6 +395,17 @@ class KVBlockPool:
         self._count[seq_id] = count + n
 
     # -- steps
+    def advance_within(self, seq_ids: Sequence[object], n: int = 1) -> bool:
+        """Advance each sequence by ``n`` tokens if every one stays within the blocks it holds
+        (a decode step of sequences whose reservation was allocated up front): True, lengths
+        advanced, tables unchanged. False, nothing changed, if one would need a new block."""
+        lens, count, bs = self._lens, self._count, self.block_size
+        if any(lens[s] + n > count[s] * bs for s in seq_ids):
+            return False
+        for s in seq_ids:
+            lens[s] += n
+        return True
+
     def schedule_host(self, step: Sequence[tuple[object, int]], table_width: int | None = None) -> BatchHost:
         """Reserve blocks for ``step`` = [(seq_id, num_new_tokens), ...] and return the
         batch metadata for that call as numpy arrays."""

@@ -287,6 +287,7 @@ class PagedRuntime:
                               model.dtype, c.num_hidden_layers)
         self.cuda_graphs = self.kernels and self.decode_padding and (cuda_graphs is None or bool(cuda_graphs))
         self._static: dict[int, _Static] = {}
+        self._last_decode: tuple | None = None  # (bucket, sequence ids) of the last decode step
         self._graph_pool = None
         self._seqs: dict[object, SequenceState] = {}
         self.steps = 0
@@ -377,6 +378,7 @@ class PagedRuntime:
         if every_row:  # the padded decode body (graph or eager) scores every row
             tokens, logits, graph = self._decode(seqs)
         else:
+            self._last_decode = None  # the static buffers' lengths are stale now
             tokens, logits = self._eager(seqs, plan, samples)
         out = StepResult(num_tokens=sum(n for _, n in plan), graph=graph)
         chosen = tokens.tolist()  # the one read of the step
@@ -504,6 +506,7 @@ class PagedRuntime:
             if st.graph is not None:
                 continue
             self._fill_idle(st, 0)
+            self._last_decode = None
             st.device.copy_(st.host)  # the capture path is CUDA only
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -525,14 +528,21 @@ class PagedRuntime:
         if self.cuda_graphs and (size not in self._static or self._static[size].graph is None):
             self.capture_decode_graphs()
         st = self._static_for(size)
-        host = self.pool.schedule_host([(s.seq_id, 1) for s in seqs], table_width=self.table_width)
         hv = st.host_views
+        ids = tuple(s.seq_id for s in seqs)
+        if self._last_decode == (size, ids) and self.pool.advance_within(ids):
+            # The previous step was a decode step of these sequences in this bucket: their
+            # tables and prompt lengths are in place, each is one token longer.
+            hv["seq_lens"][:b] += 1
+        else:
+            host = self.pool.schedule_host([(sid, 1) for sid in ids], table_width=self.table_width)
+            hv["block_tables"][:b] = host.block_tables
+            hv["seq_lens"][:b] = host.seq_lens
+            hv["prompt_lens"][:b] = host.prompt_lens
+            self._fill_idle(st, b)
+        self._last_decode = (size, ids)
         hv["ids"][:b] = [s.tokens[s.fed] for s in seqs]
         hv["coords"][:b] = [s.coords[s.fed] for s in seqs]
-        hv["block_tables"][:b] = host.block_tables
-        hv["seq_lens"][:b] = host.seq_lens
-        hv["prompt_lens"][:b] = host.prompt_lens
-        self._fill_idle(st, b)
         if st.device is not st.host:
             st.device.copy_(st.host, non_blocking=True)
         if st.graph is not None:

@@ -442,7 +442,7 @@ def test_decode_only_call_with_an_idle_sequence():
     pair = pool.schedule([(0, 1), (2, 1)], device="cuda")
     width = pair.block_tables.shape[1]
     row1 = torch.full((1, width), -1, dtype=torch.int32)
-    used = pool._blocks[1]
+    used = pool.blocks(1)
     row1[0, :len(used)] = torch.tensor(used[:width], dtype=torch.int32)
     idle = P.DashBatch(
         block_tables=torch.cat([pair.block_tables[:1], row1.to(pair.block_tables.device), pair.block_tables[1:]]),
@@ -551,7 +551,7 @@ def test_torch_op_runs_the_kernels_on_cuda():
     library is built) and returns updated caches without touching its inputs."""
     from dash_trt import ops
 
-    assert ops._cuda_impl is cuda.op_impl
+    assert ops.cuda_impls() == (cuda.op_impl, cuda.op_impl_inplace)
     gen = torch.Generator().manual_seed(21)
     dtype = torch.bfloat16
     cfg = make_config(16)

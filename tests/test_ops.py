@@ -159,18 +159,20 @@ def test_attribute_errors():
 
 
 def test_cuda_hook_registration():
+    saved = ops.cuda_impls()  # the kernels, where they are built: put back for the next tests
     with pytest.raises(TypeError):
         ops.register_cuda_impl(42)
     calls = []
-    ops.register_cuda_impl(lambda *a: calls.append(a))
+    ops.register_cuda_impl(lambda *a: calls.append(a), lambda *a: calls.append(a))
     try:
-        # CPU tensors never go to the CUDA implementation
+        # CPU tensors never go to the CUDA implementations
         args, cfg, cache = _batch(0)
         out, _ = ops.paged_attention(*args[:7], cache, *args[13:], cfg, 0)
         assert out.shape == args[0].shape and not calls
-    finally:
         ops.register_cuda_impl(None)
-    assert ops._cuda_impl is None
+        assert ops.cuda_impls() == (None, None)
+    finally:
+        ops.register_cuda_impl(*saved)
 
 
 @pytest.mark.gpu
@@ -187,11 +189,12 @@ def test_op_on_cuda_uses_the_registered_kernel_and_falls_back_without_one():
         seen.append(a[-1])
         return (torch.zeros_like(a[0]), *(t.clone() for t in a[7:13]))
 
+    saved = ops.cuda_impls()
     ops.register_cuda_impl(fake_kernel)
     try:
         out, _ = ops.paged_attention(*cuda_args[:7], cuda_args[7:13], *cuda_args[13:], cfg, 0)
     finally:
-        ops.register_cuda_impl(None)
+        ops.register_cuda_impl(*saved)
     assert seen == [0] and not bool(out.any())
 
 

@@ -221,6 +221,33 @@ def test_padded_decode_steps_give_the_unpadded_tokens(demo):
     assert rt.pool.num_free_blocks == 64  # idle rows never took a pool block
 
 
+def test_padded_decode_steps_after_other_steps_use_the_current_lengths(demo):
+    """Consecutive decode steps of the same sequences only advance the lengths in the static
+    buffers; any other step in between (here a prefill chunk joins) makes the next decode step
+    rebuild them. Tokens equal the unpadded runtime's for the same plans, and the lengths the
+    padded body saw equal the pool's."""
+    cfg = demo.config
+    a, b, c = (M.document_prompt([9], "a", cfg), M.document_prompt([14, 3], "", cfg), M.document_prompt([20], "", cfg))
+    plans = [[("a", len(a)), ("b", len(b))], [("a", 1), ("b", 1)], [("a", 1), ("b", 1)],
+             [("a", 1), ("b", 1), ("c", 12)], [("a", 1), ("b", 1)], [("a", 1), ("b", 1), ("c", len(c) - 12)],
+             [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)]]
+    runs = []
+    for padding in (True, False):
+        rt = PagedRuntime(demo, 32, 8, max_model_len=64, max_num_seqs=4, decode_padding=padding)
+        for sid, p in (("a", a), ("b", b)):
+            rt.add(sid, p, len(p) + 8)
+        got = []
+        for k, plan in enumerate(plans):
+            if k == 3:
+                rt.add("c", c, len(c) + 4)
+            got.append(rt.step(plan).tokens)
+            if padding and all(n == 1 for _, n in plan):
+                st = rt._static[rt._bucket(len(plan))]
+                assert st.host_views["seq_lens"][:len(plan)].tolist() == [rt.pool.length(s) for s, _ in plan]
+        runs.append(got)
+    assert runs[0] == runs[1]
+
+
 def test_runtime_refuses_bad_plans(demo):
     prompt = _prompts(demo.config)[1]
     rt = PagedRuntime(demo, 16, 16)

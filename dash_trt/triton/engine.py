@@ -471,22 +471,27 @@ class GenerationEngine:
             for r, _ in plan:
                 self._fail(r, f"internal error in the model step: {type(exc).__name__}: {exc}", INTERNAL)
             return
+        chosen, step_no, eos = result.tokens, self._step_no, cfg.eos_token_id
+        generated = 0
         for r, n in plan:
             seq = self.runtime.seq(r.id)
             if seq.fed <= seq.prompt_len:
                 r.prompt_done = seq.fed
                 self.counters["prompt_tokens"] += n
-                self._emit(Event("progress", r, step=self._step_no))
-            tok = result.tokens.get(r.id)
+                if r.on_event is not None:
+                    self._emit(Event("progress", r, step=step_no))
+            tok = chosen.get(r.id)
             if tok is None:
                 continue  # more prompt to prefill
             if r.t_first_token is None:
                 r.t_first_token = time.perf_counter()
             r.tokens.append(tok)
-            self.counters["tokens_generated"] += 1
-            self._emit(Event("token", r, (tok,), step=self._step_no))
-            if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == cfg.eos_token_id):
+            generated += 1
+            if r.on_event is not None:
+                self._emit(Event("token", r, (tok,), step=step_no))
+            if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == eos):
                 self._finish(r)
+        self.counters["tokens_generated"] += generated
 
     def _release(self, req: Request) -> None:
         if req in self._running:

@@ -18,8 +18,9 @@ EOS stop; ``--new-tokens`` (32) decode steps of the whole batch are measured.
   in one call (KV heads repeated), every decode step one CUDA graph (one per context
   length, all sequences at the same length), its tokens read back each step too.
 
-Reported per case and path: time to first token (mean over the B requests, and the last
-one, which is the whole batch's prefill), decode ms/step (median of the decode steps' wall
+Both paths first run one prefill of a whole chunk (the first calls at those sizes) and are
+then measured. Reported per case and path: time to first token (mean over the B requests,
+and the last one, which is the whole batch's prefill), decode ms/step (median of the decode steps' wall
 times), decode tokens/s (B / that), and the GPU time of one captured decode step (median of
 20 replays timed with CUDA events); for DASH also the ratio of the step's wall time to its
 GPU time. Writes a markdown table, JSON (``--json``) and a PNG (``--png``: decode tokens/s
@@ -112,10 +113,14 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
         num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk, max_num_seqs=b,
         max_model_len=reserve, default_max_new_tokens=max_new, max_new_tokens_limit=max_new))
     engine.warmup()  # the op's first call, the decode graphs' capture
+    # ... and one prefill step of a whole chunk (cuBLAS' first calls at that size), so the
+    # figures are the steady state; the dense peer warms up the same way.
+    engine.generate([document(min(chunk, length), model.config)], 1, stop_at_eos=False)
+    engine.reset_counters()
     rt = engine.runtime
     t0 = clock.now()
     reqs = [engine.submit(p, max_new, stop_at_eos=False) for p in prompts]
-    decode_walls, prefill_steps = [], 0
+    decode_walls, other_steps = [], 0  # other: prefill, mixed, and decode steps of part of the batch
     while True:
         seqs = rt.sequences()
         decoding = len(seqs) == b and all(s.fed >= s.prompt_len for s in seqs)
@@ -126,7 +131,7 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
         if decoding:
             decode_walls.append(wall)
         else:
-            prefill_steps += 1
+            other_steps += 1
     total = clock.now() - t0
     ttft = [r.t_first_token - t0 for r in reqs]
     st = rt._static[rt._bucket(b)] if rt.cuda_graphs else None
@@ -135,7 +140,7 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
     out = {"ttft_mean_s": statistics.mean(ttft), "ttft_last_s": max(ttft), "decode_ms": step_ms,
            "decode_ms_min": min(decode_walls) * 1e3 if decode_walls else float("nan"),
            "decode_tok_s": b / step_ms * 1e3, "graph_gpu_ms": gpu, "wall_over_gpu": step_ms / gpu,
-           "decode_steps": len(decode_walls), "prefill_steps": prefill_steps, "total_s": total,
+           "decode_steps": len(decode_walls), "other_steps": other_steps, "total_s": total,
            "tokens": [r.result(0) for r in reqs], "pool_blocks": blocks}
     del engine, rt, st
     return out
@@ -217,6 +222,8 @@ def run_dense(model, prompts, new_tokens: int, clock: Clock, backend) -> dict:
     roles = [M.token_roles(p, cfg) for p in prompts]
     firsts, ttft = [], []
     with torch.no_grad():
+        # warm-up: one whole prefill (overwritten below), as the serving path warms up
+        peer.prefill(0, torch.tensor(prompts[0], device=dev), sequence_coords(roles[0]).to(dev))
         t0 = clock.now()
         for row, p in enumerate(prompts):
             coords = sequence_coords(roles[row]).to(dev)
@@ -262,6 +269,40 @@ def run_dense(model, prompts, new_tokens: int, clock: Clock, backend) -> dict:
             "decode_tok_s": b / step_ms * 1e3, "graph_gpu_ms": gpu, "decode_steps": len(walls)}
 
 
+GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
+DASH_NAMES = ("dash", "route", "attend", "summar", "write_kernel", "items_kernel", "combine", "bm_")
+
+
+def profile_prefill(model, length: int) -> list[tuple[str, float]]:
+    """GPU time of one serving prefill step of ``length`` tokens (one sequence), by kind of
+    kernel: the projections' and MLP's GEMMs, the DASH attention kernels, the rest."""
+    from dash_trt.runtime import PagedRuntime
+
+    rt = PagedRuntime(model, -(-length // KV_BLOCK) + 2, KV_BLOCK, max_model_len=length, max_num_seqs=1,
+                      cuda_graphs=False)
+    warm = document(1024, model.config)
+    rt.add("warm", warm, len(warm))
+    rt.step([("warm", len(warm))])
+    rt.free("warm")
+    prompt = document(length, model.config)
+    rt.add(0, prompt, len(prompt))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        rt.step([(0, len(prompt))])
+        torch.cuda.synchronize()
+    kinds = {"GEMM (projections, MLP, lm_head)": 0.0, "DASH attention kernels": 0.0, "other (norms, elementwise, copies)": 0.0}
+    names = list(kinds)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time) / 1e3
+        low = ev.name.lower()
+        key = names[0] if any(k in low for k in GEMM_NAMES) else names[1] if any(k in low for k in DASH_NAMES) \
+            else names[2]
+        kinds[key] += ms
+    return list(kinds.items())
+
+
 def _plot(results: list[dict], path: str) -> str | None:
     try:
         import matplotlib
@@ -302,6 +343,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 1024 (cases 4x4096 and 2x8192 unless given)")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--profile-prefill", type=int, metavar="TOKENS",
+                    help="only profile one serving prefill step of TOKENS tokens: GPU time by kind of kernel")
     ap.add_argument("--json")
     ap.add_argument("--png")
     a = ap.parse_args()
@@ -326,6 +369,14 @@ def main() -> int:
     title = (f"{name}, torch {torch.__version__}, {a.layers if not a.quick else 2} layers, {a.dtype}, "
              f"{a.new_tokens} new tokens, commit {commit}")
     print(f"# bench_generate: {title}; dense peer SDPA backend: {backend}", flush=True)
+    if a.profile_prefill:
+        rows = profile_prefill(model, a.profile_prefill)
+        total = sum(ms for _, ms in rows)
+        print(f"\none serving prefill step of {a.profile_prefill} tokens: {total:.1f} ms of kernels\n")
+        print("| kernels | ms | share |\n| --- | ---: | ---: |")
+        for name, ms in rows:
+            print(f"| {name} | {ms:.1f} | {100 * ms / total:.0f}% |")
+        return 0
     results = []
     for b, length in cases:
         cfg = model.config

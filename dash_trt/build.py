@@ -26,6 +26,7 @@ tokens          ``--max-tokens``                        ``1,256,8192`` new token
 seqs            ``--max-seqs``                          ``1,16,64`` sequences per step
 width           ``--max-table-width``                   ``ceil(--max-context / KV block size)``
 blocks          ``--max-blocks``                        ``1, seqs.opt * width.opt, seqs.max * width.max``
+logits          (derived)                               ``1, seqs.opt, max(seqs.max, tokens.max)`` rows scored
 ==============  ======================================  ============================================
 
 Any other dynamic input needs ``--shape NAME:MIN:OPT:MAX`` (dims as ``AxB``, trtexec style).
@@ -90,8 +91,9 @@ DIM_ROLES: dict[str, str] = {
     "num_blocks": "blocks",
     "block_table_width": "width",
     "table_width": "width",
+    "num_logits": "logits",
 }
-ROLES = ("tokens", "seqs", "width", "blocks")
+ROLES = ("tokens", "seqs", "width", "blocks", "logits")
 
 NOT_FOUND = (
     "TensorRT not found: pip install tensorrt (TensorRT >= 10.8; e.g. 'pip install tensorrt-cu12' for "
@@ -226,7 +228,10 @@ def derive_limits(inputs: Sequence[InputSpec], *, tokens: Limit | None = None, s
         width = Limit(1, min(top, math.ceil(min(max_context, 4096) / bsz)), top)
     if blocks is None:
         blocks = Limit(1, max(1, seqs.opt * width.opt), max(1, seqs.max * width.max))
-    return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks}
+    # Rows scored (logits_indices): one per sampling sequence when serving, every new token in
+    # the export check and dash-compare.
+    logits = Limit(1, seqs.opt, max(seqs.max, tokens.max))
+    return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks, "logits": logits}
 
 
 def profile_shapes(inputs: Sequence[InputSpec], limits: Mapping[str, Limit],

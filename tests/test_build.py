@@ -23,6 +23,7 @@ EXPORT_INPUTS = [
     InputSpec("seq_lens", (-1,), ("num_seqs",)),
     InputSpec("query_start_loc", (-1,), ("num_seqs + 1",)),
     InputSpec("prompt_lens", (-1,), ("num_seqs",)),
+    InputSpec("logits_indices", (-1,), ("num_logits",)),
     InputSpec("past.0.key", (-1, 16, 2, 64), ("num_kv_blocks", None, None, None)),
     InputSpec("past.0.image_page", (-1, 16), ("num_kv_blocks", None)),
     InputSpec("past.0.summary_pages", (-1, 1, 3), ("num_kv_blocks", None, None)),
@@ -152,6 +153,8 @@ def test_profile_from_the_export_interface():
     assert shapes["query_start_loc"] == ((2,), (9,), (33,))
     assert shapes["past.0.key"] == ((1, 16, 2, 64), (504, 16, 2, 64), (2016, 16, 2, 64))
     assert shapes["past.0.summary_pages"][2] == (2016, 1, 3)
+    # rows scored: a few per step when serving, every new token in the checks
+    assert shapes["logits_indices"] == ((1,), (8,), (4096,))
 
 
 def test_default_limits_and_context():

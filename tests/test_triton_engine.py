@@ -287,3 +287,29 @@ def test_engine_config_validation_and_json():
         EngineConfig.from_json('{"num_blockz": 3}')
     with pytest.raises(EngineConfigError, match="not valid JSON"):
         EngineConfig.from_json("{")
+
+
+def test_sizes_are_checked_before_the_prompt_is_read(model):
+    """A prompt too long for the pool is refused from its length alone: its ids are never
+    converted or scanned (a 16M-token prompt used to be converted, checked and its
+    coordinates computed before the pool-size check)."""
+    class Huge:
+        def __init__(self, n=16_000_000):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            raise AssertionError("the prompt's ids were read")
+
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16))
+    with pytest.raises(RequestError, match="too long for the KV pool: a prompt of 16000000 tokens"):
+        engine.submit(Huge(), 4)
+    big = np.zeros(16_000_000, dtype=np.int64)  # an array: its length is its shape, nothing copied
+    with pytest.raises(RequestError, match="too long for the KV pool"):
+        engine.submit(big, 4)
+    long = EngineConfig(num_blocks=1000, kv_block_size=16, max_model_len=4096)
+    with pytest.raises(RequestError, match="exceeds the model's max_model_len of 4096 tokens"):
+        GenerationEngine(model, long).submit(Huge(10_000), 4)
+    assert engine.stats()["refused"] == 2

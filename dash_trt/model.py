@@ -44,7 +44,14 @@ from torch import nn
 from . import attributes as A
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
 from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
-from .paged import DashBatch, DashKVCache, KVBlockPool, sequence_coords
+from .paged import (
+    DashBatch,
+    DashKVCache,
+    KVBlockPool,
+    assign_flat_cache_tensors,
+    flat_cache_tensors,
+    sequence_coords,
+)
 from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
 __all__ = [
@@ -614,15 +621,10 @@ class PagedState:
         self.caches = model.allocate_cache(num_blocks, kv_block_size)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+        return flat_cache_tensors(self.caches)
 
     def update(self, tensors: Sequence[torch.Tensor]) -> None:
-        n = len(CACHE_FIELDS)
-        if len(tensors) != n * len(self.caches):
-            raise ValueError(f"expected {n * len(self.caches)} cache tensors, got {len(tensors)}")
-        for i, c in enumerate(self.caches):
-            for j, f in enumerate(CACHE_FIELDS):
-                setattr(c, f, tensors[n * i + j])
+        assign_flat_cache_tensors(self.caches, tensors)
 
 
 #: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches): a

@@ -87,6 +87,8 @@ __all__ = [
     "BatchHost",
     "BATCH_FIELDS",
     "PageCoordState",
+    "flat_cache_tensors",
+    "assign_flat_cache_tensors",
     "KVBlockPool",
     "CacheFullError",
     "sequence_coords",
@@ -239,6 +241,24 @@ class DashKVCache:
         devices = {t.device for t in self.tensors().values()}
         if len(devices) != 1:
             raise ValueError(f"cache tensors live on different devices: {sorted(map(str, devices))}")
+
+
+def flat_cache_tensors(caches: Sequence[DashKVCache]) -> list[torch.Tensor]:
+    """Every layer's six cache tensors, flat, ``(layer, field)`` order: the exported graph's
+    ``past.*`` inputs."""
+    return [t for c in caches for t in c.tensors().values()]
+
+
+def assign_flat_cache_tensors(caches: Sequence[DashKVCache], tensors: Sequence[torch.Tensor]) -> None:
+    """Put ``tensors`` (:func:`flat_cache_tensors` order; a functional step's ``present.*``) into
+    ``caches``."""
+    names = [f.name for f in fields(DashKVCache) if f.name != "sparse_block_size"]
+    n = len(names)
+    if len(tensors) != n * len(caches):
+        raise ValueError(f"expected {n * len(caches)} cache tensors, got {len(tensors)}")
+    for i, c in enumerate(caches):
+        for j, name in enumerate(names):
+            setattr(c, name, tensors[n * i + j])
 
 
 def summaries_per_block(block_size: int, sparse_block_size: int) -> int:

@@ -46,8 +46,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .ops import CACHE_FIELDS
-from .paged import BatchHost, CacheFullError, DashBatch, DashKVCache, KVBlockPool, PageCoordState
+from .paged import (
+    BatchHost,
+    CacheFullError,
+    DashBatch,
+    DashKVCache,
+    KVBlockPool,
+    PageCoordState,
+    assign_flat_cache_tensors,
+    flat_cache_tensors,
+)
 from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 
 __all__ = [
@@ -296,16 +304,11 @@ class PagedRuntime:
     # ------------------------------------------------------------- sequences
     def tensors(self) -> list[torch.Tensor]:
         """The cache tensors, flat, ``(layer, field)`` order (the exported graph's ``past.*``)."""
-        return [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+        return flat_cache_tensors(self.caches)
 
     def update(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replace the cache tensors (a functional backend's ``present.*``)."""
-        n = len(CACHE_FIELDS)
-        if len(tensors) != n * len(self.caches):
-            raise ValueError(f"expected {n * len(self.caches)} cache tensors, got {len(tensors)}")
-        for i, c in enumerate(self.caches):
-            for j, f in enumerate(CACHE_FIELDS):
-                setattr(c, f, tensors[n * i + j])
+        assign_flat_cache_tensors(self.caches, tensors)
 
     def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
             coords: tuple[PageCoordState, torch.Tensor] | None = None) -> SequenceState:

@@ -179,6 +179,7 @@ class SequenceState:
     prompt_len: int
     coords: np.ndarray  #: [capacity, 4] int32, rows 0..len(tokens)-1 filled
     coord_state: PageCoordState
+    prompt_ids: np.ndarray  #: [prompt_len] int64: prefill chunks are sliced from it, not converted
     fed: int = 0  #: tokens already in the cache
     reserved: int = 0  #: tokens the sequence may hold (its blocks are allocated for them)
 
@@ -319,7 +320,9 @@ class PagedRuntime:
         ``ValueError`` for a bad prompt."""
         from .model import token_roles
 
-        prompt = [int(t) for t in prompt]
+        prompt = list(prompt)
+        if not set(map(type, prompt)) <= {int}:  # numpy or torch integers: plain ints (a C-speed check first)
+            prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a sequence needs a non-empty prompt")
         if reserve_tokens < len(prompt):
@@ -331,7 +334,8 @@ class PagedRuntime:
         self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens)
         buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
         buf[: len(prompt)] = prompt_coords.numpy()
-        seq = SequenceState(seq_id, prompt, len(prompt), buf, state, reserved=int(reserve_tokens))
+        seq = SequenceState(seq_id, prompt, len(prompt), buf, state, np.array(prompt, dtype=np.int64),
+                            reserved=int(reserve_tokens))
         self._seqs[seq_id] = seq
         return seq
 
@@ -410,7 +414,8 @@ class PagedRuntime:
         host = self.pool.schedule_host(plan, table_width=self.table_width)
         qsl = host.query_start_loc
         rows = [int(qsl[j + 1]) - 1 for j, sample in enumerate(samples) if sample] or [int(qsl[-1]) - 1]
-        ids = np.concatenate([np.asarray(s.tokens[s.fed:s.fed + n], dtype=np.int64) for s, (_, n) in zip(seqs, plan)])
+        ids = np.concatenate([s.prompt_ids[s.fed:s.fed + n] if s.fed + n <= s.prompt_len
+                              else np.asarray(s.tokens[s.fed:s.fed + n], dtype=np.int64) for s, (_, n) in zip(seqs, plan)])
         coords = np.concatenate([s.coords[s.fed:s.fed + n] for s, (_, n) in zip(seqs, plan)])
         most = max(n for _, n in plan)
         if self._forward is not None:

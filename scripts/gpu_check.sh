@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
-# Used on the project's H200 machine (see docs/performance.md); works on any CUDA machine with
+# Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|generate|triton|breakdown|ab|trace|ncu|
 #                         ncu-source|gather|compare|all]...

@@ -111,31 +111,27 @@ class InPlaceTorchRunner(TorchRunner):
 
     def infer_impl(self, feed_dict):
         from .ops import CACHE_FIELDS
-        from .paged import DashBatch, DashKVCache
+        from .paged import DashBatch, DashKVCache, flat_cache_tensors
 
         device = self.model.device
         names = self.input_names
         meta = [_to_torch(feed_dict[n]).to(device) for n in names[:self.n_meta]]
         past = [_to_torch(feed_dict[n]) for n in names[self.n_meta:]]
-        n = len(CACHE_FIELDS)
-        fresh = self.caches is None or any(
-            getattr(c, f).shape != past[n * i + j].shape for i, c in enumerate(self.caches)
-            for j, f in enumerate(CACHE_FIELDS))
-        if fresh:
-            sbs = self.model.config.dash.sparse_block_size
+        mine = flat_cache_tensors(self.caches) if self.caches is not None else []
+        if [(t.shape, t.dtype) for t in mine] == [(t.shape, t.dtype) for t in past]:
+            for dst, src in zip(mine, past):
+                dst.copy_(src)
+        else:  # first step, or the feed's pool changed: caches of the feed's own shapes
+            n, sbs = len(CACHE_FIELDS), self.model.config.dash.sparse_block_size
             self.caches = [DashKVCache(*(t.to(device).clone() for t in past[n * i:n * (i + 1)]), sparse_block_size=sbs)
                            for i in range(len(past) // n)]
-        else:
-            for i, c in enumerate(self.caches):
-                for j, f in enumerate(CACHE_FIELDS):
-                    getattr(c, f).copy_(past[n * i + j])
         ids, coords, tables, lens, qsl, prompts, rows = meta
         counts = np.diff(feed_dict[names[4]])
         batch = DashBatch(tables.int(), lens.int(), qsl.int(), prompts.int(),
                           max_query_len=int(counts.max()) if counts.size else 1)
         with torch.no_grad():
             logits = self.model.forward_paged(ids, coords, batch, self.caches, rows)
-        out = [logits] + [getattr(c, f) for c in self.caches for f in CACHE_FIELDS]
+        out = [logits, *flat_cache_tensors(self.caches)]
         return OrderedDict((name, _to_numpy(t)) for name, t in zip(self.output_names, out))
 
 

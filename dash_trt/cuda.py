@@ -237,9 +237,8 @@ def check_sizes(num_heads: int, num_kv_heads: int, head_dim: int, index_dim: int
     cfg = as_config(sp)
     lib = _library()
     for layer in range(num_layers):
-        p = DashParams(num_tokens=0, num_seqs=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       index_dim=index_dim, num_blocks=num_blocks, block_size=block_size, table_width=table_width,
-                       max_new_tokens=0, dtype=_DTYPE_CODES[dtype], **_config_fields(cfg, layer))
+        p = _shape_params((0, 1, num_heads, num_kv_heads, head_dim, index_dim, num_blocks, block_size, table_width,
+                           0, _DTYPE_CODES[dtype]), _config_fields_cached(cfg, layer), _DEFAULT_TUNING)
         size = ctypes.c_size_t(0)
         _check(lib, lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)),
                f"layer {layer}: {table_width} blocks of {block_size} tokens per sequence")
@@ -350,6 +349,15 @@ _PLANS: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 256
 
 
+def _shape_params(sizes: tuple, config: tuple, tune: Tuning) -> DashParams:
+    """DashParams with every size, configuration (:func:`_config_fields_cached`) and tuning
+    field set, no pointers."""
+    t, b, h, hkv, d, di, nb, bsz, w, most, dtype = sizes
+    return DashParams(num_tokens=t, num_seqs=b, num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
+                      num_blocks=nb, block_size=bsz, table_width=w, max_new_tokens=most, dtype=dtype,
+                      **dict(config), **tune.params())
+
+
 def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
     """(params with every size, configuration and tuning field set, their plan, workspace
     bytes) for this shape: planned on first use, then a copy of the kept params."""
@@ -357,10 +365,7 @@ def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
     key = (sizes, config, tune)
     hit = _PLANS.get(key)
     if hit is None:
-        t, b, h, hkv, d, di, nb, bsz, w, most, dtype = sizes
-        template = DashParams(num_tokens=t, num_seqs=b, num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
-                              num_blocks=nb, block_size=bsz, table_width=w, max_new_tokens=most, dtype=dtype,
-                              **dict(config), **tune.params())
+        template = _shape_params(sizes, config, tune)
         plan = DashPlan()
         _check(lib, lib.dash_plan(ctypes.byref(template), ctypes.byref(plan)), "dash_plan")
         hit = (template, plan, int(lib.dash_plan_workspace_size(ctypes.byref(plan))))

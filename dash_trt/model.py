@@ -51,7 +51,6 @@ from .paged import (
     KVBlockPool,
     assign_flat_cache_tensors,
     flat_cache_tensors,
-    sequence_coords,
 )
 from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
@@ -71,6 +70,7 @@ __all__ = [
     "tokenize",
     "detokenize",
     "document_prompt",
+    "token_role",
     "token_roles",
     "PagedState",
     "Generation",
@@ -280,6 +280,11 @@ def document_prompt(image_tokens_per_page: Sequence[int], question: str, config:
     """``preamble <PAGE><image>... <PAGE><image>... question``."""
     pages = "".join(f"<PAGE><image*{n}>" for n in image_tokens_per_page)
     return tokenize(preamble + pages + question, config)
+
+
+def token_role(token: int, config: DashModelConfig) -> int:
+    """The role of one token id (:func:`token_roles` for one token)."""
+    return ROLE_PAGE if token == config.page_token_id else ROLE_IMAGE if token == config.image_token_id else ROLE_TEXT
 
 
 def token_roles(ids: Sequence[int] | torch.Tensor, config: DashModelConfig) -> torch.Tensor:
@@ -653,11 +658,10 @@ class Generation:
 
 
 def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
-    # Image tokens come from the vision encoder, never from the decoder: a generated
-    # image token would also move the prompt/response boundary of page_coordinates.
-    masked = logits.clone()
-    masked[config.image_token_id] = -torch.inf
-    return int(masked.argmax())
+    """The greedy choice for one row of logits [vocab] (:func:`dash_trt.runtime.greedy_tokens`)."""
+    from .runtime import greedy_tokens
+
+    return int(greedy_tokens(logits[None], config.image_token_id)[0])
 
 
 def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

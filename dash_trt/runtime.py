@@ -39,7 +39,7 @@ caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.trt_runtime`) 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ from .paged import (
     assign_flat_cache_tensors,
     flat_cache_tensors,
 )
-from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
+from .model import ForwardFn, token_role  # ForwardFn: forward(inputs, caches) -> (logits [N, V], new caches)
 
 __all__ = [
     "GRAPH_BATCH_SIZES",
@@ -81,8 +81,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: pool's size, at most this (it sets the block-table width of every kernel call).
 DEFAULT_MAX_MODEL_LEN = 131072
 
-#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches)
-ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
 
 
 class RuntimeConfigError(ValueError):
@@ -103,14 +101,11 @@ def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
 
 
 def pool_block_bytes(model, kv_block_size: int) -> int:
-    """Device bytes of one KV block in every layer's cache (the six cache tensors)."""
-    return _block_bytes(model.config, torch.empty(0, dtype=model.dtype).element_size(), kv_block_size)
-
-
-def _block_bytes(c, elt: int, bs: int) -> int:
-    per_tok = 2 * c.num_key_value_heads * c.head_dim * elt + c.index_head_dim * elt + 4
-    per = -(-bs // c.dash.sparse_block_size)
-    return c.num_hidden_layers * (bs * per_tok + per * (c.index_head_dim * 4 + 3 * 4))
+    """Device bytes of one KV block in every layer's cache (the six cache tensors), measured on
+    the caches :meth:`~dash_trt.model.DashForCausalLM.allocate_cache` makes (on the meta
+    device: nothing is allocated)."""
+    caches = model.allocate_cache(1, kv_block_size, device="meta")
+    return sum(t.numel() * t.element_size() for t in flat_cache_tensors(caches))
 
 
 def blocks_for_memory(model, kv_block_size: int, memory_fraction: float, *, activation_bytes: int,
@@ -124,7 +119,7 @@ def blocks_for_memory(model, kv_block_size: int, memory_fraction: float, *, acti
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = int(total * memory_fraction) - used - int(activation_bytes)
-    per = _block_bytes(model.config, torch.empty(0, dtype=model.dtype).element_size(), kv_block_size)
+    per = pool_block_bytes(model, kv_block_size)
     blocks = budget // per
     if blocks < 1:
         raise PoolTooSmallError(
@@ -355,8 +350,7 @@ class PagedRuntime:
         return seq_id in self._seqs
 
     def _append(self, seq: SequenceState, token: int) -> None:
-        c = self.config
-        role = ROLE_PAGE if token == c.page_token_id else ROLE_IMAGE if token == c.image_token_id else ROLE_TEXT
+        role = token_role(token, self.config)
         n = len(seq.tokens)
         if n >= seq.coords.shape[0]:
             grown = np.empty((2 * n, 4), dtype=np.int32)

@@ -10,7 +10,7 @@ keep it on the CPU); the caches live on the engine's GPU. The plan must be built
 ``dash-build`` from the same export (aliased plugin I/O on: ``present.*`` may then share
 ``past.*``'s memory, which is what is bound here).
 
-Not run: no TensorRT runtime exists on the machines this project was developed on. The
+Unverified: this module has never run against a TensorRT runtime. The
 binding logic (names, shapes, addresses) is tested against a stand-in of the ``tensorrt``
 module (tests/test_trt_runtime.py); the calls are the TensorRT 10 Python API
 (``IExecutionContext.set_input_shape``, ``set_tensor_address``, ``execute_async_v3``). Steps

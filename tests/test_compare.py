@@ -99,3 +99,33 @@ def test_engine_without_tensorrt_is_a_clear_error(demo_onnx, tmp_path, capsys):
     plan.write_bytes(b"not an engine")
     assert C.main([demo_onnx, "--demo", "--no-cuda", "--engine", str(plan), "--plugin", "x.so"]) == 2
     assert "TensorRT not found" in capsys.readouterr().err
+
+
+def test_in_place_runner_gives_the_functional_runners_outputs(demo_onnx):
+    """The runner of the serving form (``pytorch-cuda`` on a GPU; here on the CPU, where its
+    in-place op runs the PyTorch paged operator) gives the functional model's logits and
+    caches on every step of a chunked generation, carrying its caches between steps and
+    refreshing them when the feed's pool changes."""
+    import torch
+
+    in_names, out_names, kv_block_size = C._onnx_io(demo_onnx)
+    model = M.demo_model(seed=0)
+    ref = C.TorchRunner(model, in_names, out_names, "ref")
+    inplace = C.InPlaceTorchRunner(model, in_names, out_names, "inplace")
+    n_in = in_names.index(next(n for n in in_names if n.startswith("past.")))
+    steps = []
+
+    def forward(inputs, caches):
+        feed = dict(zip(in_names, [C._to_numpy(v) for v in inputs.values()][:n_in] + [C._to_numpy(c) for c in caches]))
+        want, got = ref.infer_impl(feed), inplace.infer_impl(feed)
+        for name in out_names:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+        steps.append(len(inputs["input_ids"]))
+        return C._to_torch(want[out_names[0]]), [C._to_torch(want[n]) for n in out_names[1:]]
+
+    # the second generation starts from fresh caches of the same shapes (copied in), the third has another pool
+    for num_blocks in (None, None, 40):
+        M.generate(model, C.default_prompts(model, 0), 3, prefill_chunk=40, kv_block_size=kv_block_size,
+                   num_blocks=num_blocks, stop_at_eos=False, forward=forward)
+    assert len(steps) >= 8 and max(steps) > 2
+    assert inplace.caches[0].key.shape[0] == 40 and inplace.caches[0].key.dtype == torch.float32

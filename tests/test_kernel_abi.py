@@ -140,3 +140,20 @@ def test_planning_needs_no_pointers_running_does():
     assert lib.dash_run_plan(ctypes.byref(bare), ctypes.byref(plan), None) == 1
     assert lib.dash_last_error_message().decode() == "a tensor pointer is NULL"
     assert _validate(bare) == (1, "a tensor pointer is NULL")
+
+
+def test_check_sizes_asks_the_library_for_every_layer():
+    """A runtime's sizes are checked when it is built: what the kernels run passes, a block
+    table too wide for the routing stage and an unsupported head dim are refused with the
+    library's message (no device work, so no GPU needed)."""
+    import torch
+
+    from dash_trt.model import demo_model
+
+    sp = demo_model().config.dash  # sparse blocks of 16
+    cuda.check_sizes(8, 2, 64, 64, 100, 64, 10, sp, torch.bfloat16, 2)
+    with pytest.raises(cuda.DashKernelError, match=r"layer 0: 10000 blocks .*context too long for the routing stage: "
+                                                   r"40000 sparse blocks"):
+        cuda.check_sizes(8, 2, 64, 64, 100, 64, 10000, sp, torch.bfloat16, 2)
+    with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 48"):
+        cuda.check_sizes(8, 2, 48, 64, 100, 64, 10, sp, torch.bfloat16, 2)

@@ -10,9 +10,9 @@ import torch
 from dash_trt import attributes as A
 from dash_trt import model as M
 from dash_trt import ops
-from dash_trt.paged import CacheFullError, DashBatch, KVBlockPool, PageCoordState, sequence_coords
+from dash_trt.paged import CacheFullError, DashBatch, KVBlockPool, PageCoordState, flat_cache_tensors, sequence_coords
 from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
-from dash_trt.runtime import PagedRuntime, RuntimeConfigError, greedy_tokens
+from dash_trt.runtime import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
 
 from test_ops import _batch
 
@@ -188,6 +188,21 @@ def test_no_step_copies_the_pool(demo):
         assert [t.data_ptr() for t in rt.tensors()] == storage
     assert [tokens[i] for i in range(len(prompts))] == small.tokens
     assert rt.steps == small.steps
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.bfloat16, 64), (torch.float16, 48)])
+def test_pool_block_bytes_is_what_one_block_of_every_cache_takes(dtype, block):
+    """The pool-sizing figure equals the bytes the runtime's caches take per block (pools of
+    3 and 5 blocks differ by exactly two blocks' worth)."""
+    model = M.demo_model(dtype=dtype)
+    per = pool_block_bytes(model, block)
+
+    def total(n):
+        return sum(t.numel() * t.element_size() for t in flat_cache_tensors(model.allocate_cache(n, block)))
+
+    assert total(5) - total(3) == 2 * per and total(1) == per
+    c = model.config
+    assert per > c.num_hidden_layers * block * 2 * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
 
 
 def test_padded_decode_steps_give_the_unpadded_tokens(demo):

@@ -1,5 +1,5 @@
 """The TensorRT backend of the serving runtime, against a stand-in of the ``tensorrt`` module
-(no TensorRT runtime exists here): the engine's interface is checked against the model, every
+(it needs no TensorRT runtime): the engine's interface is checked against the model, every
 input is bound with the step's shape, every ``present.*`` output to its ``past.*`` buffer (the
 runtime's own cache tensors: in place), the logits to the rows the step scores."""
 
@@ -8,7 +8,6 @@ import types
 
 import numpy as np
 import pytest
-import torch
 
 from dash_trt import model as M
 from dash_trt.ops import CACHE_FIELDS

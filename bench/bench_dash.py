@@ -16,6 +16,7 @@ the same as JSON with --json. Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -145,7 +146,12 @@ def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool =
                 bytes=total, route_bytes=bytes_route)
 
 
-def prefill_case(seq: int, run_reference: bool, gen) -> dict:
+def prefill_case(seq: int, run_reference: bool, gen, tuning=None, label: str = "") -> dict:
+    """One ``seq``-token prompt of 64 document pages in one call. The indexer queries are
+    independent noise, so beyond its page's forced blocks a token's selection shares little
+    with its neighbours' (the hard case for the query-major tiles). ``tuning``: the kernel
+    knobs for this case (default: the command line's)."""
+    tuning = TUNING if tuning is None else tuning
     nb = seq // SBS + 1
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
     pages = 64
@@ -163,7 +169,7 @@ def prefill_case(seq: int, run_reference: bool, gen) -> dict:
 
     def dash():
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, tuning=TUNING)
+                                               layer_idx=0, validate=False, tuning=tuning)
 
     dash_ms = time_ms(dash, iters=5, warmup=1)
     qd = q.transpose(0, 1)[None]
@@ -184,7 +190,8 @@ def prefill_case(seq: int, run_reference: bool, gen) -> dict:
     # Bytes if every token read its own keys from memory once (no reuse): what a token-major
     # kernel would gather (JSON only; the block-major path reads each block once per pass).
     kv_bytes = float((keys * HKV * D * 2 * 2).sum())
-    return dict(case=f"prefill 1 x {seq // 1024}k", dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
+    name = f"prefill 1 x {seq // 1024}k" + label
+    return dict(case=name, dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
                 flops=flops, gather_bytes=kv_bytes)
 
 
@@ -194,6 +201,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller cases (smoke test)")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    ap.add_argument("--ab-tiles", action="store_true",
+                    help="each prefill case also without the query-major tiles (tile_share_min=-1)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. front_writer=1,attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     global TUNING
@@ -207,14 +217,17 @@ def main() -> int:
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"copy bandwidth {bw:.0f} GB/s; commit {os.environ.get('DASH_COMMIT', 'unknown')}")
     rows = []
-    decode = [(32, 8192), (32, 32768), (32, 131072)] if not a.quick else [(4, 8192)]
+    decode = [] if a.prefill_only else [(32, 8192), (32, 32768), (32, 131072)] if not a.quick else [(4, 8192)]
     prefill = [] if a.decode_only else [16384, 65536] if not a.quick else [4096]
     for nseq, ctx in decode:
         rows.append(decode_case(nseq, ctx, not a.no_reference, gen))
         rows.append(decode_case(nseq, ctx, False, gen, mid_block=True))
         torch.cuda.empty_cache()
+    no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
     for s in prefill:
         rows.append(prefill_case(s, not a.no_reference and s <= 16384, gen))
+        if a.ab_tiles:
+            rows.append(prefill_case(s, False, gen, tuning=no_tiles, label=" (block-major only)"))
         torch.cuda.empty_cache()
     print()
     print("| case | DASH kernels ms | dense SDPA ms | speed-up vs SDPA | reference ms | bytes moved | "

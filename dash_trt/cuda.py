@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -80,7 +80,7 @@ class DashParams(ctypes.Structure):
         ("workspace_size", ctypes.c_size_t), ("selected_out", ctypes.c_void_p),
         ("tune_block_major_min_tokens", ctypes.c_int32), ("tune_block_major_chunk", ctypes.c_int32),
         ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
-        ("tune_front_writer", ctypes.c_int32),
+        ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
     ]
 
 
@@ -101,6 +101,9 @@ class Tuning:
     attend_ctas: int = 0  #: split-K target (CTAs) of the token-major attention (256)
     fused_front: int = 0  #: decode-only calls fold the write and summary stages into later launches (< 0: no)
     front_writer: int = 0  #: the folded write: 0 the plan picks, 1 a CTA of its own, 2 the first routing CTA
+    #: block-major prefill: a tile reads a block query-major when this many of its tokens select it
+    #: (3/8 of the tile; < 0: never, every entry goes block-major)
+    tile_share_min: int = 0
 
     def params(self) -> dict[str, int]:
         return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}

@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|generate|triton|breakdown|ab|trace|ncu|
+#   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|prefill|generate|triton|breakdown|ab|trace|ncu|
 #                         ncu-source|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
@@ -86,6 +86,18 @@ case " $what " in *" bench "*|*" all "*)
   python3 bench/bench_dash.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
+case " $what " in *" prefill "*)
+  # The prefill kernels: the benchmark's prefill cases with and without the query-major tiles
+  # (and with page-correlated indexer queries), then each kernel's time at 64k, both ways.
+  python3 bench/bench_dash.py --prefill-only --ab-tiles --no-reference --json "$OUT/bench_prefill.json" 2>&1 \
+    | tee "$OUT/bench_prefill.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+  for tuning in "" "tile_share_min=-1"; do
+    echo "## tuning: ${tuning:-default}" | tee -a "$OUT/breakdown_prefill.log"
+    python3 bench/breakdown.py prefill --tuning "$tuning" 2>&1 | tee -a "$OUT/breakdown_prefill.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done;;
+esac
 case " $what " in *" breakdown "*)
   python3 bench/breakdown.py decode prefill 2>&1 | tee "$OUT/breakdown.log"
   status=$(( status | ${PIPESTATUS[0]} ))
@@ -159,10 +171,10 @@ case " $what " in *" gather "*)
 esac
 case " $what " in *" sanitize-quick "*)
   # Last, and bounded: the split routing's merge, both decode-only writer placements, the
-  # block-major paths. One line per test in the log, so a cut-off run still says how far it got.
+  # block-major paths (with their query-major tiles). One line per test in the log, so a cut-off run still says how far it got.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_QUICK_S:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py \
-    -k "${SANITIZE_QUICK_K:-split_routing_over or prompt-128-8-2-dtype1 or decode_only_steps}" 2>&1 \
+    -k "${SANITIZE_QUICK_K:-split_routing_over or prompt-128-8-2-dtype1 or decode_only_steps or (query_major_tiles and 128-8-2-dtype1)}" 2>&1 \
     | tee "$OUT/memcheck_quick.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Sanitizer" | tail -12
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 124 ] && echo "memcheck quick: stopped after ${SANITIZE_QUICK_S:-240} s"
   status=$(( status | rc ));;

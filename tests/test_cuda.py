@@ -530,6 +530,27 @@ def test_block_major_prefill_path(dtype, head_dim, heads, kv_heads, prompt_mode,
     check(steps, rc, kc, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 8, 2), (64, 4, 4), (64, 16, 1)])
+@pytest.mark.parametrize("share_min", [1, 0, -1])
+def test_query_major_tiles(dtype, head_dim, heads, kv_heads, share_min):
+    """The block-major prefill's query-major tiles (tiles of 128 / G tokens reading the blocks
+    they share: local windows, and blocks read by share_min of their tokens; 0: the default
+    3/8; 1: every block any token reads; -1: none) on pages of up to 11 sparse blocks, so that
+    forced page blocks are shared, and more than top-k of them compete; several passes, tiles
+    that straddle two sequences, decode tokens of other sequences in the same calls."""
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min)
+    gen = torch.Generator().manual_seed(head_dim + heads + share_min)
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
+    seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
+                           pages=(2, 4), max_images=700, response=6)
+    plans = schedule(gen, seqs, 6)
+    prompts = [None, seqs[1][0].length - 100, None]
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
+    assert any(out.shape[0] >= 300 for out, *_ in steps)
+    check(steps, rc, kc, dtype)
+
+
 def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write

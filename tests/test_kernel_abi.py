@@ -124,6 +124,27 @@ def test_tuning_fields_reach_the_plan():
         cuda.Tuning.parse("chunk=5")
 
 
+def test_query_major_tiles_are_planned_where_compiled():
+    """The block-major prefill's query-major tiles (head dims 64 and 128, fp16 / bf16) add
+    their masks to the workspace; tile_share_min < 0 turns them off, a threshold leaves the
+    size alone; head dim 256 and float32 plan none."""
+    lib = cuda._library()
+
+    def size(**kw):
+        p = _params(**{**dict(num_tokens=3000, max_new_tokens=3000, num_blocks=64, table_width=8), **kw})
+        status, plan, text = _plan(p)
+        assert status == 0, text
+        return lib.dash_plan_workspace_size(ctypes.byref(plan))
+
+    for d in (64, 128):
+        on, off = size(head_dim=d), size(head_dim=d, tune_tile_share_min=-1)
+        assert on > off and size(head_dim=d, tune_tile_share_min=5) == on
+        # masks of ceil(3000 / 32) tiles (G = 4: 32 tokens a tile), 128 blocks x 4 words, twice
+        assert on - off >= 94 * 128 * 4 * 4 * 2
+    assert size(head_dim=256) == size(head_dim=256, tune_tile_share_min=-1)
+    assert size(dtype=0) == size(dtype=0, tune_tile_share_min=-1)
+
+
 def test_planning_needs_no_pointers_running_does():
     """A plan (and the workspace size) is made from the shape alone, with every pointer NULL
     (the Python binding plans a shape once, before any tensor of it exists); a run needs them."""

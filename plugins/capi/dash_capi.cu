@@ -161,6 +161,16 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
+        // Query-major tiles where their kernel is compiled for the head dim and fits the device.
+        const size_t qm_smem = dash::query_major_smem(p);
+        const int group = p.num_heads / p.num_kv_heads;
+        if (p.tune_tile_share_min >= 0 && qm_smem > 0 && qm_smem + kStaticSmemAllowance <= smem_limit &&
+            dash::kQmRows % group == 0) {
+            plan.qm_tile = dash::kQmRows / group;
+            plan.qm_min = p.tune_tile_share_min > 0 ? p.tune_tile_share_min : std::max(1, plan.qm_tile * 3 / 8);
+            plan.qm_tiles = (plan.bm_chunk + plan.qm_tile - 1) / plan.qm_tile;
+            plan.qm_smem = qm_smem;
+        }
     }
     plan.bytes = lay_out(p, plan, nullptr, nullptr);
     return DASH_OK;
@@ -215,6 +225,12 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(w.bm_parts, sizeof(int32_t) * plan.bm_num_keys);
         take(w.bm_work, sizeof(int32_t) * (plan.bm_num_keys + 1));
         take(w.bm_items, 16 * (size_t)dash::block_major_items((int64_t)chunk * plan.bm_slots, plan.bm_num_keys));
+        if (plan.qm_tile > 0) {
+            const size_t words = (size_t)plan.qm_tiles * dash::kQmRange * dash::kQmWords;
+            take(w.qm_base, sizeof(int32_t) * plan.qm_tiles);
+            take(w.qm_mask, sizeof(uint32_t) * words);
+            take(w.qm_forced, sizeof(uint32_t) * words);
+        }
     }
     return off;
 }
@@ -241,7 +257,7 @@ DashParams plan_key(const DashParams& p) {
     k.index_truncate = p.index_truncate, k.rope_page_mod = p.rope_page_mod;
     k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
     k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
-    k.tune_front_writer = p.tune_front_writer;
+    k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
     return k;
 }
 
@@ -307,7 +323,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(summary_cache) DASH_FIELD(summary_pages_cache) DASH_FIELD(out) DASH_FIELD(workspace)
     DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
-    DASH_FIELD(tune_front_writer)
+    DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min)
 #undef DASH_FIELD
     return -1;
 }

@@ -10,6 +10,14 @@
 // entry leaves a partial softmax (normalised output in the input dtype, plus max and sum) and a
 // combine kernel merges a token's slots. Tokens are processed in chunks so that the partials
 // fit a fixed workspace. fp16/bf16 only; fp32 and dense layers keep the token-major path.
+//
+// Query-major tiles take the entries that many neighbouring tokens share. Consecutive tokens
+// of one sequence have the same local window blocks, and those of one document page mostly
+// the same forced page blocks (and, with a trained indexer, similar scored ones). A tile of
+// 128 / G such tokens (128 query rows of a KV head) reads each block it shares once, keeps
+// its rows' softmax state in registers across the blocks and writes one partial per row
+// (qm_prep_kernel, qm_attend_kernel): fewer partials to write and merge, no gathered queries.
+// Which entries a tile serves is one rule (qm_serves), applied by both paths.
 #include <cuda_pipeline.h>
 
 #include <cub/device/device_scan.cuh>
@@ -23,25 +31,87 @@ namespace {
 constexpr int kBmThreads = 128;
 constexpr int kWarps = kBmThreads / 32;
 
-// Entry e = t * bm_slots + j of the chunk (chunk-relative token t): for j < kmax the j-th
-// selected block of token t; for j = kmax + i the block i blocks before the token's own, when
-// its local window reaches it. Its key is the physical sparse block it reads (summary_index),
-// or -1 when it reads none.
+// The sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for j < kmax
+// the j-th selected block of the token (forced: page-biased); for j = kmax + i the block i
+// blocks before the token's own, when its local window reaches it.
+__device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
+                                           bool& forced) {
+    forced = false;
+    if (ws.token_seq[t] < 0) return -1;
+    if (j < plan.kmax) {
+        forced = ws.forced[(int64_t)t * plan.kmax + j] != 0;
+        return ws.selected[(int64_t)t * plan.kmax + j];
+    }
+    const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
+    const int b = pos / sbs - (j - plan.kmax);
+    return (b + 1) * sbs <= pos - p.sparse_local_block * sbs + 1 ? -1 : b;  // -1: ends before the window
+}
+
+// Whether entry (chunk-relative token tl, slot j) reading sparse block b is served by its
+// query-major tile (qm_attend_kernel) instead of the block-major tiles: its tile is one
+// sequence's, b is among the kQmRange blocks up to the tile's own, and the entry is a local
+// window one, or b is selected by at least plan.qm_min of the tile's tokens. The one rule both
+// paths apply. (A token may read one block both ways: a selected block that its window
+// overlaps gives the keys before the window, the local entry the rest.)
+__device__ __forceinline__ bool qm_serves(const Plan& plan, const Workspace& ws, int tl, int j, int b) {
+    if (plan.qm_tile == 0) return false;
+    const int tile = tl / plan.qm_tile, base = ws.qm_base[tile];
+    if (base < 0 || b <= base - kQmRange || b > base) return false;
+    if (j >= plan.kmax) return true;
+    const uint32_t* m = ws.qm_mask + ((int64_t)tile * kQmRange + (b - base + kQmRange - 1)) * kQmWords;
+    int readers = 0;
+#pragma unroll
+    for (int w = 0; w < kQmWords; ++w) readers += __popc(m[w]);
+    return readers >= plan.qm_min;
+}
+
+// Entry e = t * bm_slots + j of the chunk (chunk-relative token t): its key is the physical
+// sparse block it reads (summary_index), or -1 when it reads none or its query-major tile
+// serves it.
 __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
                                              int64_t e) {
-    const int t = t0 + (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots);
-    const int seq = ws.token_seq[t];
-    if (seq < 0) return -1;
-    int b;
-    if (j < plan.kmax) {
-        b = ws.selected[(int64_t)t * plan.kmax + j];
-    } else {
-        const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
-        b = pos / sbs - (j - plan.kmax);
-        if ((b + 1) * sbs <= pos - p.sparse_local_block * sbs + 1) b = -1;  // ends before the window
+    const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
+    bool forced;
+    const int b = entry_block(p, plan, ws, t, j, forced);
+    if (b < 0 || qm_serves(plan, ws, tl, j, b)) return -1;
+    return summary_index(p, ws.token_seq[t], b, ws.error);
+}
+
+// Query-major tiles, step 1: for each tile of qm_tile consecutive chunk tokens, whether it is one
+// sequence's (qm_base: its last token's own sparse block, else -1) and which of its tokens
+// selected each of the kQmRange blocks up to that one (qm_mask; qm_forced: as a forced block).
+// Local window reads follow from the positions and take no bit.
+__global__ void qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
+    __shared__ uint32_t mask[kQmRange * kQmWords], forced_mask[kQmRange * kQmWords];
+    __shared__ int s_base;
+    const int tile = blockIdx.x, ta = t0 + tile * plan.qm_tile, tb = min(ta + plan.qm_tile, t0 + tn);
+    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += blockDim.x) mask[i] = forced_mask[i] = 0;
+    if (threadIdx.x == 0) {
+        const int seq = ws.token_seq[ta];
+        const bool one = seq >= 0 && ws.token_seq[tb - 1] == seq &&
+                         ws.token_pos[tb - 1] - ws.token_pos[ta] == tb - 1 - ta;
+        s_base = one ? ws.token_pos[tb - 1] / p.sparse_block_size : -1;
     }
-    if (b < 0) return -1;
-    return summary_index(p, seq, b, ws.error);
+    __syncthreads();
+    const int base = s_base;
+    if (base >= 0) {
+        for (int e = threadIdx.x; e < (tb - ta) * plan.kmax; e += blockDim.x) {
+            const int tl = e / plan.kmax, j = e % plan.kmax;
+            bool forced;
+            const int b = entry_block(p, plan, ws, ta + tl, j, forced);
+            if (b < 0 || b <= base - kQmRange || b > base) continue;
+            const int at = (b - base + kQmRange - 1) * kQmWords + tl / 32;
+            atomicOr(&mask[at], 1u << (tl % 32));
+            if (forced) atomicOr(&forced_mask[at], 1u << (tl % 32));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) ws.qm_base[tile] = base;
+    const int64_t out = (int64_t)tile * kQmRange * kQmWords;
+    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += blockDim.x) {
+        ws.qm_mask[out + i] = mask[i];
+        ws.qm_forced[out + i] = forced_mask[i];
+    }
 }
 
 __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
@@ -324,6 +394,245 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     }
 }
 
+// Shared memory of qm_attend_kernel, in elements of T: the tile's 128 rotated query rows, then
+// two stages of a block's K and V (64 rows each). Rows D + 8 elements apart, as in BmSmem.
+template <int D>
+struct QmSmem {
+    static constexpr int RS = D + 8;
+    static constexpr size_t q_elems = (size_t)kQmRows * RS;
+    static constexpr size_t stage_elems = (size_t)2 * 64 * RS;
+    static constexpr size_t elems = q_elems + 2 * stage_elems;
+};
+constexpr int kQmThreads = 256;  // 8 warps of 16 rows
+constexpr int kQmWarps = kQmThreads / 32;
+static_assert(kQmWarps * 16 == kQmRows, "a warp per 16 query rows");
+
+// Query-major tiles, step 2. One CTA per (tile, KV head): the tile's 128 query rows (its
+// qm_tile tokens x G heads) stay in shared memory while the blocks qm_serves gives it stream
+// through two stages of K and V. Each warp keeps 16 rows' running max, sum and output in
+// registers across the blocks (FlashAttention-2's online softmax), with per-row masks: a row
+// reads a block when its token reads it (local window, or selected by enough of the tile's
+// tokens), over the keys [lo, hi] of that read, with the forced blocks' page bias. The result
+// is the rows' partial in slot kmax (the own block's local slot, which always belongs to the
+// tile), merged with the block-major partials by bm_combine_kernel.
+template <typename T, int D>
+__global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                 int t0, int tn) {
+    using S = QmSmem<D>;
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int base = ws.qm_base[tile];
+    if (base < 0) return;
+    const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
+    const int tt = plan.qm_tile, ta = tile * tt, cnt = min(tt, tn - ta);  // chunk-relative tokens
+    const int seq = ws.token_seq[t0 + ta];
+    const int local = p.sparse_local_block * sbs, per = p.block_size / sbs;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* kv_s = q_s + S::q_elems;  // stage s: K at kv_s + s * stage_elems, V 64 rows later
+    __shared__ uint32_t mask[kQmRange * kQmWords], forced_mask[kQmRange * kQmWords];
+    __shared__ int list_u[kQmRange], list_first[kQmRange];  // blocks read, ascending; first cache slot
+    __shared__ uint8_t list_all[kQmRange];                  // selected by at least qm_min tokens
+    __shared__ int tok_pos[kQmRows], tok_prompt[kQmRows];
+    __shared__ int warp_n[4], s_n;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t m0 = (int64_t)tile * kQmRange * kQmWords;
+    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += kQmThreads) {
+        mask[i] = ws.qm_mask[m0 + i];
+        forced_mask[i] = ws.qm_forced[m0 + i];
+    }
+    for (int i = threadIdx.x; i < cnt; i += kQmThreads) {
+        tok_pos[i] = ws.token_pos[t0 + ta + i];
+        tok_prompt[i] = ws.token_prompt[t0 + ta + i];
+    }
+    // The tile's rotated queries (rows past its tokens are zero).
+    constexpr int kChunk = 8;  // elements per 16-byte copy
+    const T* qrot = static_cast<const T*>(ws.bm_qrot);
+    for (int c = threadIdx.x; c < kQmRows * (D / kChunk); c += kQmThreads) {
+        const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+        const int tok = r / group, g = r % group;
+        const bool in = tok < cnt;
+        const int64_t off = in ? ((int64_t)(ta + tok) * p.num_heads + h * group + g) * D + d : 0;
+        __pipeline_memcpy_async(q_s + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
+    }
+    __pipeline_commit();
+    __syncthreads();
+    // The blocks the tile reads, in ascending order (warps 0-3 scan 32 blocks each): those
+    // selected by at least qm_min of its tokens, and those its local windows may reach.
+    const int first_local = tok_pos[0] / sbs - p.sparse_local_block;
+    bool take = false, all = false;
+    if (warp < kQmRange / 32) {
+        const int u = warp * 32 + lane, b = base - kQmRange + 1 + u;
+        int readers = 0;
+#pragma unroll
+        for (int w = 0; w < kQmWords; ++w) readers += __popc(mask[u * kQmWords + w]);
+        all = readers >= plan.qm_min;
+        take = b >= 0 && (all || b >= first_local);
+        const unsigned bal = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) warp_n[warp] = __popc(bal);
+        __syncwarp();
+        if (take) {
+            int at = __popc(bal & ((1u << lane) - 1));
+            list_u[warp * 32 + at] = u;  // compacted per warp first
+            list_all[warp * 32 + at] = all ? 1 : 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // concatenate the four warps' runs
+        int n = 0;
+        for (int w = 0; w < kQmRange / 32; ++w) {
+            for (int i = 0; i < warp_n[w]; ++i) {
+                list_u[n + i] = list_u[w * 32 + i];
+                list_all[n + i] = list_all[w * 32 + i];
+            }
+            n += warp_n[w];
+        }
+        s_n = n;
+    }
+    __syncthreads();
+    const int n = s_n;
+    for (int i = threadIdx.x; i < n; i += kQmThreads) {
+        const int64_t key = summary_index(p, seq, base - kQmRange + 1 + list_u[i], ws.error);
+        list_first[i] = key < 0 ? -1 : (int)((key / per) * p.block_size + (key % per) * sbs);
+    }
+    __syncthreads();
+    const T* kc = static_cast<const T*>(p.key_cache);
+    const T* vc = static_cast<const T*>(p.value_cache);
+    const int last_pos = tok_pos[cnt - 1];
+    // Block i's K and V into stage `st`; rows the tile never reads (past its last token, or a
+    // block the table does not map) are zero-filled, so that a zero probability never meets a NaN.
+    auto load_block = [&](int i, int st) {
+        T* k_d = kv_s + st * S::stage_elems;
+        T* v_d = k_d + 64 * S::RS;
+        const int first = list_first[i], b = base - kQmRange + 1 + list_u[i];
+        const int rows = first < 0 ? 0 : min(64, max(0, last_pos - b * sbs + 1));
+        for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kQmThreads) {
+            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const bool in = r < rows;
+            const int64_t off = in ? (((int64_t)first + r) * hkv + h) * D + d : 0;
+            __pipeline_memcpy_async(k_d + r * S::RS + d, kc + off, 16, in ? 0 : 16);
+            __pipeline_memcpy_async(v_d + r * S::RS + d, vc + off, 16, in ? 0 : 16);
+        }
+    };
+    if (n > 0) load_block(0, 0);
+    __pipeline_commit();
+
+    const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
+    const int quad = lane % 4, r0 = lane / 4;
+    int tok[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) tok[half] = (warp * 16 + r0 + half * 8) / group;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int nn = 0; nn < D / 8; ++nn) o[nn][0] = o[nn][1] = o[nn][2] = o[nn][3] = 0.0f;
+    const T* q_b = q_s + warp * 16 * S::RS;
+    for (int i = 0; i < n; ++i) {
+        __pipeline_wait_prior(0);
+        __syncthreads();  // block i landed everywhere; every warp is done with block i - 1's stage
+        if (i + 1 < n) load_block(i + 1, (i + 1) & 1);
+        __pipeline_commit();
+        const int u = list_u[i], b = base - kQmRange + 1 + u, bstart = b * sbs;
+        const bool every = list_all[i] != 0;
+        // Per row, the keys it reads here: [0, sel_hi] as a selected block (with the page bias
+        // when forced) and [loc_lo, loc_hi] of its local window; both may be empty.
+        int sel_hi[2], loc_lo[2], loc_hi[2];
+        float bias[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int tk = tok[half];
+            sel_hi[half] = -1, loc_lo[half] = 1, loc_hi[half] = 0, bias[half] = 0.0f;
+            if (tk < cnt && list_first[i] >= 0) {
+                const int pos = tok_pos[tk];
+                if ((b + 1) * sbs > pos - local + 1 && bstart <= pos) {  // the local window reaches b
+                    loc_lo[half] = max(pos - local + 1 - bstart, 0);
+                    loc_hi[half] = min(pos - bstart, sbs - 1);
+                }
+                if (every && (mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u)) {  // selected
+                    const int prompt = tok_prompt[tk];
+                    sel_hi[half] = min(min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - bstart, sbs - 1);
+                    bias[half] = (forced_mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
+                }
+            }
+        }
+        if (!__any_sync(0xffffffffu, sel_hi[0] >= 0 || sel_hi[1] >= 0 || loc_lo[0] <= loc_hi[0] ||
+                                         loc_lo[1] <= loc_hi[1]))
+            continue;  // no row of this warp reads block i
+        const T* k_s = kv_s + (i & 1) * S::stage_elems;
+        const T* v_s = k_s + 64 * S::RS;
+        float s[8][4];
+#pragma unroll
+        for (int nn = 0; nn < 8; ++nn) s[nn][0] = s[nn][1] = s[nn][2] = s[nn][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4(a, q_b + ((lane / 8) % 2 * 8 + lane % 8) * S::RS + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                uint32_t bb[4];
+                ldmatrix_x4(bb, k_s + (np * 16 + (lane / 16) * 8 + lane % 8) * S::RS + kk * 16 + ((lane / 8) % 2) * 8);
+                mma16816<T>(s[2 * np], a, bb[0], bb[1]);
+                mma16816<T>(s[2 * np + 1], a, bb[2], bb[3]);
+            }
+        }
+        float mb[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e / 2, k = nn * 8 + quad * 2 + (e & 1);
+                const float x = k <= sel_hi[half]                        ? s[nn][e] * scale + bias[half]
+                                : k >= loc_lo[half] && k <= loc_hi[half] ? s[nn][e] * scale
+                                                                         : -INFINITY;
+                s[nn][e] = x;
+                mb[half] = fmaxf(mb[half], x);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float mn = fmaxf(m[half], quad_max(mb[half]));
+            alpha[half] = m[half] == -INFINITY ? 0.0f : expf(m[half] - mn);  // exp(0) = 1 when unchanged
+            m[half] = mn;
+            l[half] *= alpha[half];
+        }
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            o[nn][0] *= alpha[0], o[nn][1] *= alpha[0];
+            o[nn][2] *= alpha[1], o[nn][3] *= alpha[1];
+        }
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int nn = 0; nn < 8; ++nn)
+            softmax_tile<T>(s[nn], m, l, pa[nn / 2][(nn % 2) * 2 + 0], pa[nn / 2][(nn % 2) * 2 + 1]);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t bb[4];
+                ldmatrix_x4_trans(bb, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dp * 16 +
+                                          (lane / 16) * 8);
+                mma16816<T>(o[2 * dp], pa[kk], bb[0], bb[1]);
+                mma16816<T>(o[2 * dp + 1], pa[kk], bb[2], bb[3]);
+            }
+        }
+    }
+    // Normalised rows to slot kmax of the partials, (max, sum) beside them.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
+    T* part_o = static_cast<T*>(ws.bm_part_o);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + r0 + half * 8, tk = tok[half];
+        if (tk >= cnt) continue;
+        const int64_t at = ((int64_t)(ta + tk) * plan.bm_slots + plan.kmax) * p.num_heads + h * group + row % group;
+        const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn)
+            *reinterpret_cast<uint32_t*>(part_o + at * D + nn * 8 + quad * 2) =
+                pack2<T>(o[nn][half * 2] * inv, o[nn][half * 2 + 1] * inv);
+        if (quad == 0) ws.bm_part_ml[at] = make_float2(m[half], l[half]);
+    }
+}
+
 // Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks.
 // A lane owns 8 output columns; a CTA covers 128 / (D / 8) heads of one token.
 template <typename T, int D>
@@ -374,6 +683,15 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             block_attend_kernel<T, D><<<dim3((unsigned)items, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
                                                                                                         t0);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            if constexpr (D <= 128) {
+                if (plan.qm_tile > 0) {
+                    if ((err = allow_smem(qm_attend_kernel<T, D>, plan.qm_smem)) != cudaSuccess) return err;
+                    const unsigned tiles = (unsigned)((tn + plan.qm_tile - 1) / plan.qm_tile);
+                    qm_attend_kernel<T, D><<<dim3(tiles, p.num_kv_heads), kQmThreads, plan.qm_smem, stream>>>(
+                        p, plan, ws, t0, tn);
+                    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+                }
+            }
             constexpr int kHeads = kBmThreads / (D / 8);
             bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kBmThreads, 0, stream>>>(p, plan,
                                                                                                            ws, t0);
@@ -383,6 +701,11 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
 }
 
 }  // namespace
+
+size_t query_major_smem(const DashParams& p) {
+    if (p.dtype == DASH_FLOAT32) return 0;
+    return p.head_dim == 64 ? 2 * QmSmem<64>::elems : p.head_dim == 128 ? 2 * QmSmem<128>::elems : 0;
+}
 
 bool block_major_supported(const DashParams& p, size_t smem_limit) {
     const int group = p.num_heads / p.num_kv_heads;
@@ -418,6 +741,10 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
         return err;
     const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
+    if (plan.qm_tile > 0) {  // before the counts: entry_key asks qm_serves
+        qm_prep_kernel<<<(tn + plan.qm_tile - 1) / plan.qm_tile, 128, 0, stream>>>(p, plan, ws, t0, tn);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
     count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     size_t temp = plan.bm_scan_bytes;

@@ -164,7 +164,17 @@ struct Workspace {
     void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
     float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum; sum 0 = empty slot
     void* bm_scan_temp;   // cub scan scratch
+    // Query-major tiles of the block-major prefill (plan.qm_tile > 0), per pass:
+    int32_t* qm_base;     // [qm_tiles] the tile's last token's own sparse block, -1: no tile here
+    uint32_t* qm_mask;    // [qm_tiles, kQmRange, kQmWords] bit i: tile token i reads block base - kQmRange + 1 + u
+    uint32_t* qm_forced;  // [qm_tiles, kQmRange, kQmWords] bit i: ... and it is a forced (page-biased) block
 };
+
+// Query-major tiles (block_attend.cu): a tile is 128 / G consecutive tokens of one sequence,
+// 128 query rows of a KV head; it reads the blocks among the kQmRange before its own one.
+constexpr int kQmRows = 128;
+constexpr int kQmRange = 128;
+constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 128 tokens a tile
 
 constexpr int kMaxIndexDimDevice = 512;
 
@@ -185,6 +195,10 @@ struct Plan {
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
     int bm_num_keys;      // physical sparse blocks: NB * block_size / sbs
+    int qm_tile;          // tokens per query-major tile (kQmRows / G), 0: no query-major tiles
+    int qm_min;           // a tile reads a block query-major when this many of its tokens read it
+    int qm_tiles;         // tiles per pass: ceil(bm_chunk / qm_tile)
+    size_t qm_smem;       // dynamic shared memory of the query-major kernel
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
@@ -253,6 +267,7 @@ int route_split_ctas_per_sm();
 int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
+size_t query_major_smem(const DashParams& p);  // 0 where the query-major tiles are not compiled (head dim)
 size_t block_major_scan_bytes(int num_items);
 int64_t block_major_items(int64_t entries, int num_keys);  // work items of a pass, at most
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,

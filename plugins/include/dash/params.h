@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 2
+#define DASH_ABI_VERSION 3
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -105,6 +105,10 @@ typedef struct DashParams {
     int32_t tune_front_writer;           /* where the folded write runs (0: its own CTA where the routing grid
                                             fits one wave, else the token's first routing CTA; 1: own CTA;
                                             2: the first routing CTA) */
+    int32_t tune_tile_share_min;         /* block-major prefill: a tile of consecutive tokens of one sequence reads
+                                            a sparse block itself (query-major, no partials) when at least this
+                                            many of its tokens select it; its local windows always (0: 3/8 of the
+                                            tile's tokens; < 0: no query-major tiles) */
 } DashParams;
 
 #ifdef __cplusplus

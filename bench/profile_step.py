@@ -1,5 +1,5 @@
-"""One decode step (32 sequences, 32k context unless given) or one 8k prefill, eagerly, for
-profilers (ncu / nsys): profile_step.py [decode [CONTEXT] | prefill]."""
+"""One decode step (32 sequences, 32k context unless given) or one prefill (8k tokens unless
+given), eagerly, for profilers (ncu / nsys): profile_step.py [decode [CONTEXT] | prefill [TOKENS]]."""
 import os
 import sys
 
@@ -16,4 +16,4 @@ if which == "decode":
     B.decode_case(32, int(sys.argv[2]) if len(sys.argv) > 2 else 32768, False, gen)
 else:
     B.time_ms = lambda fn, iters=20, warmup=3: (fn(), torch.cuda.synchronize(), 1.0)[-1]
-    B.prefill_case(8192, False, gen)
+    B.prefill_case(int(sys.argv[2]) if len(sys.argv) > 2 else 8192, False, gen)

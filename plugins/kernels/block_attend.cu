@@ -574,23 +574,47 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
                 mma16816<T>(s[2 * np + 1], a, bb[2], bb[3]);
             }
         }
+        // Logits in the log2 domain (x log2 e: one multiply-add, then exp2). Where every row of
+        // the warp reads the whole block or none of it (a forced page block before every
+        // window), no per-key test.
         float mb[2] = {-INFINITY, -INFINITY};
+        float add[2];
+        bool whole = true, none[2];
 #pragma unroll
-        for (int nn = 0; nn < 8; ++nn)
+        for (int half = 0; half < 2; ++half) {
+            none[half] = sel_hi[half] < 0 && loc_lo[half] > loc_hi[half];
+            whole = whole && (none[half] || sel_hi[half] == sbs - 1 || (loc_lo[half] == 0 && loc_hi[half] == sbs - 1));
+            add[half] = sel_hi[half] >= 0 ? bias[half] * kLog2e : 0.0f;
+        }
+        const float c2 = scale * kLog2e;
+        if (__all_sync(0xffffffffu, whole)) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e / 2, k = nn * 8 + quad * 2 + (e & 1);
-                const float x = k <= sel_hi[half]                        ? s[nn][e] * scale + bias[half]
-                                : k >= loc_lo[half] && k <= loc_hi[half] ? s[nn][e] * scale
-                                                                         : -INFINITY;
-                s[nn][e] = x;
-                mb[half] = fmaxf(mb[half], x);
-            }
+            for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e / 2;
+                    const float x = none[half] ? -INFINITY : fmaf(s[nn][e], c2, add[half]);
+                    s[nn][e] = x;
+                    mb[half] = fmaxf(mb[half], x);
+                }
+        } else {
+#pragma unroll
+            for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e / 2, k = nn * 8 + quad * 2 + (e & 1);
+                    const float x = k <= sel_hi[half]                        ? fmaf(s[nn][e], c2, add[half])
+                                    : k >= loc_lo[half] && k <= loc_hi[half] ? s[nn][e] * c2
+                                                                             : -INFINITY;
+                    s[nn][e] = x;
+                    mb[half] = fmaxf(mb[half], x);
+                }
+        }
         float alpha[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float mn = fmaxf(m[half], quad_max(mb[half]));
-            alpha[half] = m[half] == -INFINITY ? 0.0f : expf(m[half] - mn);  // exp(0) = 1 when unchanged
+            alpha[half] = m[half] == -INFINITY ? 0.0f : exp2f(m[half] - mn);  // 1 when unchanged
             m[half] = mn;
             l[half] *= alpha[half];
         }
@@ -602,7 +626,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         uint32_t pa[4][4];
 #pragma unroll
         for (int nn = 0; nn < 8; ++nn)
-            softmax_tile<T>(s[nn], m, l, pa[nn / 2][(nn % 2) * 2 + 0], pa[nn / 2][(nn % 2) * 2 + 1]);
+            softmax_tile<T, true>(s[nn], m, l, pa[nn / 2][(nn % 2) * 2 + 0], pa[nn / 2][(nn % 2) * 2 + 1]);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -629,7 +653,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         for (int nn = 0; nn < D / 8; ++nn)
             *reinterpret_cast<uint32_t*>(part_o + at * D + nn * 8 + quad * 2) =
                 pack2<T>(o[nn][half * 2] * inv, o[nn][half * 2 + 1] * inv);
-        if (quad == 0) ws.bm_part_ml[at] = make_float2(m[half], l[half]);
+        if (quad == 0) ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
     }
 }
 

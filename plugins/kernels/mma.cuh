@@ -74,14 +74,19 @@ __device__ __forceinline__ float quad_sum(float v) {
 // exp(s - m) per row, masked (-inf) entries and rows with no key yet (m = -inf) giving 0; adds
 // them to the lane's row sums l and packs them as the tile's two A-operand registers of P V
 // (row r0, row r0 + 8).
-template <typename T>
+// Base2: s and m are logits times log2 e, and the numerators exp2(s - m).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+template <typename T, bool Base2 = false>
 __device__ __forceinline__ void softmax_tile(const float (&s)[4], const float (&m)[2], float (&l)[2], uint32_t& row0,
                                              uint32_t& row8) {
     float e4[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int half = e / 2;
-        e4[e] = m[half] == -INFINITY || s[e] == -INFINITY ? 0.0f : expf(s[e] - m[half]);
+        e4[e] = m[half] == -INFINITY || s[e] == -INFINITY ? 0.0f
+                : Base2                                   ? exp2f(s[e] - m[half])
+                                                          : expf(s[e] - m[half]);
         l[half] += e4[e];
     }
     row0 = pack2<T>(e4[0], e4[1]);

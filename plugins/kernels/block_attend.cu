@@ -153,6 +153,27 @@ __global__ void items_kernel(const Plan plan, Workspace ws) {
     }
 }
 
+// S = Q K^T of one warp: 16 query rows (q, rows RS elements apart) against 64 keys (k, the
+// same stride), D deep; s holds eight n-tiles of 8 keys in the mma.sync accumulator layout.
+// Both tile kernels (block-major, query-major) use it.
+template <typename T, int D, int RS>
+__device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k, int lane) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, q + ((lane / 8) % 2 * 8 + lane % 8) * RS + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, k + (np * 16 + (lane / 16) * 8 + lane % 8) * RS + kk * 16 + ((lane / 8) % 2) * 8);
+            mma16816<T>(s[2 * np], a, b[0], b[1]);
+            mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 // Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D]. The
 // angles depend on the token only: cos and sin once per pair index, shared by every head.
 template <typename T, int D>
@@ -296,22 +317,8 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         __pipeline_wait_prior(1);
         __syncwarp();
         T* q_b = q_w + (it & 1) * S::q_rows * S::RS;
-        // S = Q K^T: 16 rows x 64 keys, eight n-tiles of 8 keys.
         float s[8][4];
-#pragma unroll
-        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4(a, q_b + ((lane / 8) % 2 * 8 + lane % 8) * S::RS + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                uint32_t b[4];
-                ldmatrix_x4(b, k_s + (np * 16 + (lane / 16) * 8 + lane % 8) * S::RS + kk * 16 + ((lane / 8) % 2) * 8);
-                mma16816<T>(s[2 * np], a, b[0], b[1]);
-                mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
-            }
-        }
+        qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
         // Masked softmax of rows r0 and r0 + 8 (a quad of lanes shares a row).
         // NOTE: float32 logits; masked keys are -inf and never enter the sums.
         int lo[2], hi[2];
@@ -560,20 +567,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const T* k_s = kv_s + (i & 1) * S::stage_elems;
         const T* v_s = k_s + 64 * S::RS;
         float s[8][4];
-#pragma unroll
-        for (int nn = 0; nn < 8; ++nn) s[nn][0] = s[nn][1] = s[nn][2] = s[nn][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4(a, q_b + ((lane / 8) % 2 * 8 + lane % 8) * S::RS + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                uint32_t bb[4];
-                ldmatrix_x4(bb, k_s + (np * 16 + (lane / 16) * 8 + lane % 8) * S::RS + kk * 16 + ((lane / 8) % 2) * 8);
-                mma16816<T>(s[2 * np], a, bb[0], bb[1]);
-                mma16816<T>(s[2 * np + 1], a, bb[2], bb[3]);
-            }
-        }
+        qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
         // Logits in the log2 domain (x log2 e: one multiply-add, then exp2). Where every row of
         // the warp reads the whole block or none of it (a forced page block before every
         // window), no per-key test.

@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
                     "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
     p.add_argument("onnx", help="a model exported by dash-export")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="the model.pt the file was exported from")
+    src.add_argument("--checkpoint", help="the checkpoint the file was exported from (model.pt or a Hugging Face folder)")
     src.add_argument("--demo", action="store_true", help="the built-in demo model (as dash-export --demo)")
     p.add_argument("--seed", type=int, default=0, help="demo model seed (dash-export --seed) and prompt seed")
     p.add_argument("--engine", help="a TensorRT engine built by dash-build")

@@ -59,6 +59,7 @@ from .model import (
     load_model_config,
     random_model,
     save_checkpoint,
+    save_pretrained,
     token_roles,
 )
 from .paged import sequence_coords
@@ -402,14 +403,19 @@ def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_siz
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-export",
-        description="Export a DASH attention model checkpoint (model.pt) to ONNX: one "
+        description="Export a DASH attention model checkpoint (model.pt, or a Hugging Face folder of "
+                    "config.json and safetensors) to ONNX: one "
                     "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
                     "the file with onnx.checker and against PyTorch in ONNX Runtime.",
         epilog="Exit codes: 0 ok, 1 ONNX Runtime does not reproduce PyTorch, 2 bad input, "
                "3 export failed. See export/README.md.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("checkpoint", nargs="?", help="model.pt: {'config': config.json dict, 'state_dict': ...}")
+    src.add_argument("checkpoint", nargs="?",
+                     help="model.pt ({'config': config.json dict, 'state_dict': ...}), a Hugging Face folder "
+                          "(config.json + model.safetensors, or shards and model.safetensors.index.json; "
+                          "'model.' parameter prefixes and tied embeddings without lm_head.weight are read), "
+                          "or a .safetensors file with its config.json beside it")
     src.add_argument("--demo", action="store_true", help="export the built-in random demo model")
     src.add_argument("--random-init", metavar="CONFIG_JSON",
                      help="export a model of this config.json with random weights (for engine builds and "
@@ -431,6 +437,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and check prompts")
     p.add_argument("--save-checkpoint", metavar="MODEL_PT",
                    help="also write the exported model's weights as model.pt (with --demo / --random-init)")
+    p.add_argument("--save-pretrained", metavar="DIR",
+                   help="also write them as a Hugging Face folder: config.json + model.safetensors")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     return p
 
@@ -468,7 +476,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
     out_stream = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     if not (a.checkpoint or a.demo or a.random_init):
-        parser.error("give a checkpoint (model.pt), --demo or --random-init CONFIG_JSON")
+        parser.error("give a checkpoint (model.pt or a Hugging Face folder), --demo or --random-init CONFIG_JSON")
     if a.kv_block_size < 1 or a.decode_steps < 0:
         parser.error("--kv-block-size must be >= 1 and --decode-steps >= 0")
     progress = Progress(total=4 if a.no_verify else 5, stream=err, enabled=not a.quiet)
@@ -489,6 +497,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
                       f"KV blocks of {a.kv_block_size}")
         if a.save_checkpoint:
             save_checkpoint(model, a.save_checkpoint)
+        if a.save_pretrained:
+            save_pretrained(model, a.save_pretrained)
     except (BadInput, CheckpointError, ModelConfigError, DashConfigError) as exc:
         return fail(EXIT_BAD_INPUT, str(exc))
     except (OSError, ValueError) as exc:

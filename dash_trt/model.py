@@ -65,6 +65,7 @@ __all__ = [
     "demo_model",
     "random_model",
     "save_checkpoint",
+    "save_pretrained",
     "load_checkpoint",
     "load_model_config",
     "tokenize",
@@ -541,10 +542,24 @@ def save_checkpoint(model: DashForCausalLM, path: str | os.PathLike, *, config_j
         _atomic_write(target, dump)
 
 
+def save_pretrained(model: DashForCausalLM, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
+    """Write ``model`` as a Hugging Face folder (``config.json`` + safetensors, sharded above
+    ``max_shard_bytes``); see :func:`dash_trt.pretrained.save_pretrained`."""
+    from . import pretrained as HF
+
+    try:
+        return HF.save_pretrained(model, folder, max_shard_bytes=max_shard_bytes)
+    except HF.PretrainedError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
                     config: DashModelConfig | Mapping[str, Any] | None = None) -> DashForCausalLM:
-    """Read ``model.pt``. ``config`` (a ``config.json`` dict or :class:`DashModelConfig`)
-    overrides the checkpoint's own, so a bare state dict plus a ``config.json`` works too.
+    """Read a checkpoint: a ``model.pt``; a Hugging Face folder (``config.json`` with
+    ``model.safetensors`` or sharded safetensors and their index, :mod:`dash_trt.pretrained`;
+    or with a ``model.pt``); or one ``.safetensors`` file with the ``config.json`` beside it.
+    ``config`` (a ``config.json`` dict or :class:`DashModelConfig`) overrides the checkpoint's
+    own, so a bare state dict plus a ``config.json`` works too.
 
     Uses ``torch.load(weights_only=True)``: tensors and plain containers only. A file
     holding other Python objects (e.g. a pickled module) is refused unless
@@ -552,11 +567,30 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     trust. Raises :class:`CheckpointError` or :class:`ModelConfigError` with a message
     that says what is wrong.
     """
+    from . import pretrained as HF
+
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint not found: {path}")
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} is a directory, expected a model.pt file")
+    try:
+        if os.path.isdir(path):
+            torch_file, config_file = os.path.join(path, HF.TORCH_FILE), os.path.join(path, HF.CONFIG_FILE)
+            if not HF.is_pretrained_folder(path) and os.path.isfile(torch_file):  # a folder holding model.pt
+                if config is None and os.path.isfile(config_file):
+                    config = load_model_config(config_file)
+                return load_checkpoint(torch_file, allow_pickle=allow_pickle, config=config)
+            state, folder_config = HF.read_folder(path)  # or the error that says what is missing
+            return _from_state(path, state, config if config is not None else folder_config)
+        if path.endswith(".safetensors"):
+            if config is None:
+                beside = os.path.join(os.path.dirname(os.path.abspath(path)), HF.CONFIG_FILE)
+                if not os.path.isfile(beside):
+                    raise CheckpointError(f"{path}: a safetensors file holds no config; put the model's "
+                                          f"{HF.CONFIG_FILE} beside it or pass it (dash-export --config)")
+                config = load_model_config(beside)
+            return _from_state(path, HF.to_local_names(HF.read_safetensors(path)), config)
+    except HF.PretrainedError as exc:
+        raise CheckpointError(str(exc)) from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
@@ -597,15 +631,28 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
             raise CheckpointError(f"{path} has no 'config' entry; pass the model's config.json "
                                   f"(dash-export --config)")
         config = ckpt_config
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")
+    return _from_state(path, state, config)
+
+
+def _from_state(path: str, state: Mapping[str, torch.Tensor], config) -> DashForCausalLM:
+    """The model of ``config`` with the weights ``state`` (the module's names). With tied
+    embeddings ``lm_head.weight`` may be absent (it is the embedding table). The dtype is
+    the weights' where they agree, else the config's ``torch_dtype``."""
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config, source=f"config of {path}")
     model = DashForCausalLM(config)
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")
+    expected = model.state_dict()
+    wrong = [f"{k} is {list(v.shape)} in the checkpoint, {list(expected[k].shape)} in the model"
+             for k, v in state.items() if k in expected and isinstance(v, torch.Tensor) and v.shape != expected[k].shape]
+    if wrong:
+        raise CheckpointError(f"{path}: weights do not match the config: {_few(wrong, 3)}")
     result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
+    missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
         raise CheckpointError(
-            f"{path}: weights do not match the config: missing {_few(result.missing_keys)}, "
+            f"{path}: weights do not match the config: missing {_few(missing)}, "
             f"unexpected {_few(result.unexpected_keys)}")
     dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     return model.to(dtypes.pop() if len(dtypes) == 1 else config.dtype).eval()

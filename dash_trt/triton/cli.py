@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                     "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
                     "graph.")
     src = w.add_mutually_exclusive_group()
-    src.add_argument("checkpoint", nargs="?", help="model.pt ({'config': ..., 'state_dict': ...})")
+    src.add_argument("checkpoint", nargs="?",
+                     help="model.pt ({'config': ..., 'state_dict': ...}) or a Hugging Face folder (config.json + "
+                          "safetensors)")
     src.add_argument("--demo", action="store_true", help="the built-in random demo model")
     w.add_argument("--seed", type=int, default=0, help="seed of the demo model's random weights (with --demo)")
     w.add_argument("--out", "-o", required=True, help="repository folder to create")
@@ -95,7 +97,7 @@ def _engine_config(a, kv_block_size: int) -> EngineConfig:
 
 def write_main(a, out: TextIO, err: TextIO) -> int:
     if not (a.checkpoint or a.demo):
-        print("dash-triton write: error: give a checkpoint (model.pt) or --demo", file=err)
+        print("dash-triton write: error: give a checkpoint (model.pt or a Hugging Face folder) or --demo", file=err)
         return EXIT_BAD_INPUT
     try:
         kv = a.kv_block_size
@@ -104,8 +106,12 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         engine = _engine_config(a, kv or EngineConfig().kv_block_size)
         model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load)
         gpus = [int(g) for g in a.plan_gpus.split(",")] if a.plan_gpus else None
+        # A model.pt is copied as it is; a Hugging Face folder or safetensors file (and a
+        # pickled checkpoint) is written into the repository as a model.pt of the loaded model.
+        copy = (a.checkpoint if a.checkpoint and not a.unsafe_load and os.path.isfile(a.checkpoint)
+                and not a.checkpoint.endswith(".safetensors") else None)
         written = write_repository(
-            a.out, model, checkpoint=None if a.demo or a.unsafe_load else a.checkpoint, engine=engine,
+            a.out, model, checkpoint=copy, engine=engine,
             name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
             plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
             torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force)

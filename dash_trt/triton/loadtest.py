@@ -167,7 +167,7 @@ def run_load(client: DashClient, cases: Sequence[LoadCase], expected: Sequence[S
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
-    p.add_argument("--checkpoint", help="model.pt the server runs (default: the built-in demo model)")
+    p.add_argument("--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)")
     p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "
                    "(seed --demo-seed) instead of the demo model")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,

@@ -167,6 +167,29 @@ def _onnx_io(path: str):
     return ins, outs, int(dims[1].dim_value)
 
 
+def _onnx_dims(path: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Input and output name -> dims (-1 where dynamic) of an ONNX graph."""
+    import onnx
+
+    m = onnx.load(path, load_external_data=False)
+
+    def dims(v) -> list[int]:
+        return [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]
+
+    return {v.name: dims(v) for v in m.graph.input}, {v.name: dims(v) for v in m.graph.output}
+
+
+def check_model_matches(onnx_path: str, model: DashForCausalLM) -> None:
+    """CompareError naming every way ``model`` is not the model the file was exported from
+    (layers, cache shapes, vocabulary), before anything runs."""
+    from .export import graph_mismatches
+
+    _, _, kv_block_size = _onnx_io(onnx_path)
+    problems = graph_mismatches(*_onnx_dims(onnx_path), model, kv_block_size)
+    if problems:
+        raise CompareError(f"{onnx_path} was not exported from this checkpoint: " + "; ".join(problems))
+
+
 def _onnxrt_runner(path: str):
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
@@ -373,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"{a.checkpoint}: {exc}") from None
         if a.engine is not None and not os.path.isfile(a.engine):
             raise CompareError(f"{a.engine}: no such file")
+        check_model_matches(a.onnx, model)
         print(f"dash-compare: {a.onnx} against the PyTorch reference")
         report = compare(a.onnx, model, engine=a.engine, plugin=a.plugin, use_cuda=not a.no_cuda, seed=a.seed,
                          decode_steps=a.decode_steps, prefill_chunk=a.prefill_chunk, atol=a.atol, rtol=a.rtol,

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -267,6 +267,42 @@ def export_onnx(model: DashForCausalLM, path: str | os.PathLike, *, kv_block_siz
     with _quiet_exporter():
         program.save(path, external_data=external_data)
     return path
+
+
+def graph_mismatches(inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, Sequence[int]],
+                     model: DashForCausalLM, kv_block_size: int) -> list[str]:
+    """Where an exported graph's interface (input / output name -> dims, -1 where dynamic)
+    differs from what ``model`` exports with KV blocks of ``kv_block_size``: missing or
+    unexpected inputs, each cache's fixed dims (KV heads, head dim, indexer dim, block size),
+    the logits' vocabulary. One line per problem; empty when they match."""
+    problems: list[str] = []
+    want = [*MODEL_INPUTS, *model.cache_names("past")]
+    have_layers = len({n.split(".")[1] for n in inputs if n.startswith("past.") and n.count(".") == 2})
+    if have_layers != model.config.num_hidden_layers:
+        problems.append(f"the graph has caches for {have_layers} layers, the checkpoint has "
+                        f"{model.config.num_hidden_layers}")
+    missing = [n for n in want if n not in inputs]
+    extra = [n for n in inputs if n not in want]
+    if missing and have_layers == model.config.num_hidden_layers:
+        problems.append(f"the graph lacks the input(s) {', '.join(missing[:4])}")
+    if extra and have_layers == model.config.num_hidden_layers:
+        problems.append(f"the graph has unexpected input(s) {', '.join(extra[:4])}")
+    caches = model.allocate_cache(1, kv_block_size, device="meta")
+    for layer, cache in enumerate(caches):
+        for fname, tensor in cache.tensors().items():
+            dims = inputs.get(f"past.{layer}.{fname}")
+            if dims is None:
+                continue
+            exp = list(tensor.shape[1:])
+            got = list(dims[1:])
+            if len(got) != len(exp) or any(g not in (-1, e) for g, e in zip(got, exp)):
+                problems.append(f"past.{layer}.{fname} is [NB, {', '.join(map(str, got))}] in the graph, "
+                                f"[NB, {', '.join(map(str, exp))}] for the checkpoint")
+                break  # one line per layer is enough
+    logits = outputs.get("logits")
+    if logits is not None and logits and logits[-1] not in (-1, model.config.vocab_size):
+        problems.append(f"logits of {logits[-1]} classes, the checkpoint's vocab_size is {model.config.vocab_size}")
+    return problems
 
 
 def check_onnx(path: str | os.PathLike) -> None:

@@ -2,6 +2,7 @@
 demo export; a corrupted or foreign file fails loudly."""
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -129,3 +130,22 @@ def test_in_place_runner_gives_the_functional_runners_outputs(demo_onnx):
                    num_blocks=num_blocks, stop_at_eos=False, forward=forward)
     assert len(steps) >= 8 and max(steps) > 2
     assert inplace.caches[0].key.shape[0] == 40 and inplace.caches[0].key.dtype == torch.float32
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_hidden_layers": 3, "topk": 4}, "the graph has caches for 2 layers, the checkpoint has 3"),
+    ({"head_dim": 16}, r"past.0.key is \[NB, 16, 2, 32\] in the graph, \[NB, 16, 2, 16\] for the checkpoint"),
+    ({"vocab_size": 300}, "logits of 320 classes, the checkpoint's vocab_size is 300"),
+])
+def test_a_checkpoint_of_another_model_is_named_in_one_line(demo_onnx, tmp_path, capsys, change, match):
+    """dash-compare with the checkpoint of a different model: exit 2 and one line saying how
+    it differs from the graph (no KeyError or ONNX Runtime shape error from inside a run)."""
+    cfg = {**M.DEMO_CONFIG, **{k: v for k, v in change.items() if k != "topk"}}
+    if "topk" in change:
+        cfg[M.CONFIG_SECTION] = {**cfg[M.CONFIG_SECTION], "sparse_topk_blocks": change["topk"]}
+    ckpt = tmp_path / "other.pt"
+    M.save_checkpoint(M.random_model(cfg), ckpt)
+    rc = C.main([demo_onnx, "--checkpoint", str(ckpt)])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err) and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

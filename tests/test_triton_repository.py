@@ -198,7 +198,7 @@ def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model):
     # an ONNX file of another model (3 layers, other vocabulary, KV blocks of 32)
     other = M.random_model({**M.DEMO_CONFIG, "num_hidden_layers": 3, "vocab_size": 400,
                             M.CONFIG_SECTION: {**M.DEMO_CONFIG[M.CONFIG_SECTION], "sparse_topk_blocks": 2}})
-    with pytest.raises(RepositoryError, match="3 layers of cache inputs.*400 classes.*KV blocks of 32 tokens"):
+    with pytest.raises(RepositoryError, match="KV blocks of 32 tokens.*caches for 3 layers, the checkpoint has 2.*400 classes"):
         write_repository(tmp_path / "a", model, onnx=fake_export(other, tmp_path / "o.onnx", kv_block_size=32),
                          plan=str(plan), plugin=str(plugin))
     with pytest.raises(RepositoryError, match="plan not found or empty"):

@@ -204,21 +204,18 @@ def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]
 
 def _check_onnx_matches(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                         model: DashForCausalLM, kv_block_size: int, onnx_path: str) -> None:
-    """The ONNX graph and the checkpoint must be the same model: layer count, vocabulary,
-    KV block size."""
-    cfg = model.config
-    names = {s.name: s for s in list(inputs) + list(outputs)}
-    layers = sum(1 for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}"))
+    """The ONNX graph and the checkpoint must be the same model (layers, cache shapes,
+    vocabulary: :func:`dash_trt.export.graph_mismatches`) with the generation models' KV block size."""
+    from ..export import graph_mismatches
+
     problems = []
-    if layers and layers != cfg.num_hidden_layers:
-        problems.append(f"{layers} layers of cache inputs, the checkpoint has {cfg.num_hidden_layers} layers")
-    logits = names.get("logits")
-    if logits is not None and logits.dims[-1] not in (-1, cfg.vocab_size):
-        problems.append(f"logits of {logits.dims[-1]} classes, the checkpoint's vocab_size is {cfg.vocab_size}")
     key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
-    if key is not None and len(key.dims) > 1 and key.dims[1] not in (-1, kv_block_size):
-        problems.append(f"KV blocks of {key.dims[1]} tokens, the generation models use {kv_block_size} "
-                        f"(pass --kv-block-size {key.dims[1]})")
+    graph_kv = key.dims[1] if key is not None and len(key.dims) > 1 and key.dims[1] > 0 else kv_block_size
+    if graph_kv != kv_block_size:
+        problems.append(f"KV blocks of {graph_kv} tokens, the generation models use {kv_block_size} "
+                        f"(pass --kv-block-size {graph_kv})")
+    problems += graph_mismatches({s.name: list(s.dims) for s in inputs}, {s.name: list(s.dims) for s in outputs},
+                                 model, graph_kv)
     if problems:
         raise RepositoryError(f"{onnx_path} does not match the checkpoint: " + "; ".join(problems))
 

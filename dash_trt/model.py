@@ -604,8 +604,11 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
                 f"{{'config': ..., 'state_dict': ...}} (dash_trt.model.save_checkpoint), or, only if you "
                 f"trust the file, pass --unsafe-load (allow_pickle=True): unpickling can run arbitrary "
                 f"code.") from None
+        # Not torch's advice to drop weights_only (that would unpickle untrusted code, and
+        # does not mend a damaged file): the unpickler's own reason.
+        why = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", str(exc), re.S)
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
-                              f"{_first_line(exc)}") from None
+                              f"{' '.join(why.group(1).split()) if why else _first_line(exc)}") from None
     except Exception as exc:  # zip errors, EOF, bad magic number, ...
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None

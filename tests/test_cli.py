@@ -40,3 +40,16 @@ def test_demo_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             cli.demo_main(["--device", "cuda"])
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_model_load_errors_from_a_triton_log():
+    from dash_trt.triton.server import model_load_errors
+
+    log = ('I1201 14:03:22.303905 20811 model_lifecycle.cc:777] "loading: dash:1"\n'
+           'E1201 14:03:22.599982 20811 model_lifecycle.cc:642] "failed to load \'dash\' version 1: Internal: '
+           'CheckpointError: /r/dash/1/model.pt is not a readable PyTorch checkpoint"\n'
+           'E1201 14:03:22.599982 20811 model_lifecycle.cc:642] "failed to load \'dash\' version 1: again"\n'
+           '| dash        | 1       | UNAVAILABLE: Internal: CheckpointError: ... |\n')
+    assert model_load_errors(log) == ["model 'dash' version 1 failed to load: Internal: CheckpointError: "
+                                      "/r/dash/1/model.pt is not a readable PyTorch checkpoint"]
+    assert model_load_errors("no errors here") == []

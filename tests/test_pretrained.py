@@ -214,3 +214,13 @@ def test_dash_triton_write_takes_a_hugging_face_folder(tmp_path):
     assert cli.main(["write", folder, "--out", str(tmp_path / "repo")]) == 0
     ckpts = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "repo") for f in fs if f == "model.pt"]
     assert ckpts and all(same_weights(model, M.load_checkpoint(c)) for c in ckpts)
+
+
+def test_a_damaged_model_pt_gets_the_unpicklers_reason_not_torchs_advice(tmp_path):
+    """torch's message for a damaged file advises weights_only=False (unpickling untrusted
+    code, which mends nothing); the error gives the unpickler's reason instead."""
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint") as info:
+        M.load_checkpoint(bad)
+    assert "weights_only" not in str(info.value) and "file an issue" not in str(info.value)

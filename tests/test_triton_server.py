@@ -343,3 +343,32 @@ def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
     assert len(answers) == 1 and answers[0][1] is not None and "CANCELLED" in str(answers[0][1].status())
     # and the engine serves normally again after the resume
     assert grpc.generate(prompt, 2).tokens == offline(model, [prompt], [2])[0]
+
+
+def test_a_model_that_fails_to_load_is_named_with_its_reason(tmp_path, model):
+    """A repository whose checkpoint is damaged: start() raises with each model's load error
+    from the server log (not Triton's option table) and says where the log is kept, a copy
+    that survives cleanup() of the scratch folder."""
+    try:
+        from dash_trt.triton.server import TritonServer, TritonStartError, TritonUnavailable
+    except ImportError as exc:
+        _unavailable(str(exc))
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False)
+    (ckpt,) = list((tmp_path / "repo").rglob("model.pt"))
+    ckpt.write_bytes(b"not a checkpoint")
+    try:
+        srv = TritonServer(str(tmp_path / "repo"))
+    except TritonUnavailable as exc:
+        _unavailable(str(exc))
+    try:
+        with pytest.raises(TritonStartError) as info:
+            srv.start(timeout=120)
+    finally:
+        srv.cleanup()
+    text = str(info.value)
+    assert "model 'dash' version 1 failed to load" in text and "CheckpointError" in text, text
+    assert "not a readable PyTorch checkpoint" in text and "weights_only" not in text
+    assert "model_control_mode" not in text  # the option table is not the message
+    kept = text.rsplit("(server log: ", 1)[1].rstrip(")")
+    assert os.path.isfile(kept) and "failed to load" in open(kept).read()
+    os.unlink(kept)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -129,6 +130,23 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+_LOAD_FAILED = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)\"?\s*$")
+
+
+def model_load_errors(log: str, limit: int = 400) -> list[str]:
+    """One line per model version the server failed to load, from its log
+    (``model 'dash' version 1 failed to load: Internal: CheckpointError: ...``)."""
+    out, seen = [], set()
+    for line in log.splitlines():
+        m = _LOAD_FAILED.search(line)
+        if m and (m.group(1), m.group(2)) not in seen:
+            seen.add((m.group(1), m.group(2)))
+            reason = m.group(3).replace('\\"', '"')
+            out.append(f"model '{m.group(1)}' version {m.group(2)} failed to load: "
+                       f"{reason if len(reason) <= limit else reason[:limit] + '...'}")
+    return out
+
+
 class TritonServer:
     """A ``tritonserver`` process on 127.0.0.1 serving ``repository``.
 
@@ -206,14 +224,32 @@ class TritonServer:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _start_error(self, what: str) -> TritonStartError:
+        """``what`` plus why: the models' load errors from the log where there are any (else
+        its tail), and where the log is kept (a copy outside the scratch folder, which
+        :meth:`cleanup` removes)."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                text = fh.read().decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        kept = self.log_path
+        if text and os.path.dirname(os.path.abspath(self.log_path)) == self._scratch:
+            fd, kept = tempfile.mkstemp(prefix="dash-tritonserver-", suffix=".log")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        errors = model_load_errors(text)
+        if errors:
+            return TritonStartError(f"{what}: " + "; ".join(errors) + f" (server log: {kept})")
+        return TritonStartError(f"{what}; log {kept}:\n{self.log_tail()}")
+
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
             code = self.proc.poll() if self.proc else -1
             if code is not None:
-                raise TritonStartError(f"tritonserver exited with code {code} before it was ready; log "
-                                       f"{self.log_path}:\n{self.log_tail()}")
+                raise self._start_error(f"tritonserver exited with code {code} before it was ready")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -221,8 +257,7 @@ class TritonServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(0.2)
-        raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s; log {self.log_path}:\n"
-                               f"{self.log_tail()}")
+        raise self._start_error(f"tritonserver not ready after {timeout:.0f} s")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGINT (Triton unloads the models, whose ``finalize`` answers what is still

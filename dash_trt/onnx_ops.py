@@ -47,7 +47,7 @@ B sequences, every step vectorised over tokens):
    are not remote get -1e9. Candidates from the page ranges; the rare "page strictly
    inside the range" pairs are resolved from the image pages (``NonZero`` + gather +
    ``ScatterND``), like :func:`dash_trt.paged._candidates`.
-4. Top-k exactly as SPEC's ``route_blocks``: forced first, then score descending,
+4. Top-k exactly as docs/spec.md's routing: forced first, then score descending,
    ties to the lower block index. ONNX ``TopK`` breaks ties by the lower index, so two
    ``TopK`` calls give the exact order: one over forced blocks only (others at -inf),
    one over the rest (forced at -inf); the first ``F = #forced`` picks come from the

@@ -46,7 +46,7 @@ tokens in total):
 :data:`COORD_QUERY_PAGE`: the four outputs of
 :func:`dash_trt.reference.page_coordinates` for the whole sequence (see
 :func:`sequence_coords`). With them, the output for every token equals
-``dash_attention`` on the sequence's contiguous history (SPEC property 6).
+``dash_attention`` on the sequence's contiguous history (docs/spec.md, property 6).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The PyTorch reference of DASH attention: the function every backend computes.
 
-This follows the seed reference (``shared/seeds/000_*``, ``backend="TRITON_ATTN"``)
-result for result, with ``route_blocks`` as SPEC.md defines it. It is vectorised
+This follows the original DASH reference implementation (its ``backend="TRITON_ATTN"``
+path; not part of this repository) result for result, with ``route_blocks`` as
+docs/spec.md defines it. It is vectorised
 over a chunk of queries and grouped by KV head (GQA) instead of repeating keys per
 query head, and the chunk is bounded by a memory budget so long prefills stay within
-a fixed temporary size. Chunking never changes the output (SPEC property 1).
+a fixed temporary size. Chunking never changes the output (docs/spec.md, property 1).
 
 The building blocks (:func:`block_summaries`, :func:`routing_scores`,
 :func:`route_blocks`, :func:`sparse_attend`) are shared with the paged operator in
@@ -41,7 +42,7 @@ __all__ = [
     "NOT_REMOTE",
 ]
 
-#: Token roles (SPEC "Words").
+#: Token roles (docs/spec.md, "Words").
 ROLE_TEXT, ROLE_IMAGE, ROLE_PAGE = 0, 1, 2
 
 # NOTE: numerics shared by every backend. Indexer logits and block scores are
@@ -213,7 +214,7 @@ def routing_scores(
 def route_blocks(
     scores: torch.Tensor, candidate: torch.Tensor, sp: SpLike, layer_idx: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k block routing as SPEC.md defines it.
+    """Top-k block routing as docs/spec.md defines it.
 
     ``scores`` [Q, N] float32 (clamped, non-remote blocks at -1e9), ``candidate``
     [Q, N] bool (block holds an image token of the query's page). Returns
@@ -306,7 +307,7 @@ def query_chunk_size(cfg: DashConfig, keys_per_query: int, num_heads: int, kv_he
 
 @dataclass
 class Routing:
-    """What routing chose, for comparing implementations (SPEC "Comparing").
+    """What routing chose, for comparing implementations (docs/spec.md, "Comparing").
 
     ``selected`` [T, K] int64: the valid selected blocks, -1 padded; ``forced``
     [T, K] bool; ``scores`` [T, N] float32: every block's score (-1e9 if not remote),

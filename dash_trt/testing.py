@@ -1,7 +1,7 @@
-"""Random DASH problems and the SPEC's comparison rule, shared by the tests, the
+"""Random DASH problems and the the comparison rule of docs/spec.md, shared by the tests, the
 demo and the kernel checks.
 
-Inputs are random and never zeros. Outputs are compared the way SPEC.md asks:
+Inputs are random and never zeros. Outputs are compared the way docs/spec.md asks:
 routing is a top-k, so (a) each token's selected set must match the reference
 except where the blocks that differ score within a small tolerance of each other,
 and (b) attention outputs are compared on the tokens whose selection matched.
@@ -175,7 +175,7 @@ def compare_outputs(
     dtype: torch.dtype | None = None,
     tie_tol: float | None = None,
 ) -> ComparisonReport:
-    """SPEC's comparison rule for ``out`` [T, H, D] against ``ref`` [T, H, D]."""
+    """the comparison rule of docs/spec.md for ``out`` [T, H, D] against ``ref`` [T, H, D]."""
     dtype = dtype or out.dtype
     atol, rtol = TOLERANCES[dtype]
     tie_tol = SCORE_TIE_TOL[dtype] if tie_tol is None else tie_tol

@@ -1,4 +1,4 @@
-"""SPEC's comparison rule (dash_trt.testing.compare_outputs) on hand-made routings."""
+"""The comparison rule of docs/spec.md (dash_trt.testing.compare_outputs) on hand-made routings."""
 import torch
 
 from dash_trt.reference import Routing

@@ -106,3 +106,27 @@ def test_config_is_immutable():
     cfg = DashConfig.from_dict(BASE)
     with pytest.raises(Exception):
         cfg.sparse_block_size = 8  # type: ignore[misc]
+
+
+def test_docs_spec_lists_every_config_key_with_its_default():
+    """docs/spec.md's configuration table is the users' definition of the keys: it names
+    every DashConfig key (and no other), with DashConfig's defaults."""
+    import dataclasses
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "spec.md").read_text()
+    table = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for key in re.findall(r"`(\w+)`", cells[0]):
+                rows[key] = cells[2]
+    assert set(rows) == set(DashConfig.keys())
+    for f in dataclasses.fields(DashConfig):
+        if f.default is dataclasses.MISSING:
+            continue
+        want = {None: {"unset", "none"}, (): {"[]"}}.get(f.default, {str(f.default)})
+        assert rows[f.name] in want, (f.name, rows[f.name], f.default)
+    assert all(rows[k] == "required" for k in DashConfig.required_keys())

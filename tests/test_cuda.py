@@ -1,4 +1,4 @@
-"""The CUDA kernels against the paged reference (SPEC's comparison rule), on a GPU.
+"""The CUDA kernels against the paged reference (the comparison rule of docs/spec.md), on a GPU.
 
 Every case runs the same ragged batches (prefill chunks and decode tokens of several
 sequences mixed in one call) through both implementations, each on its own copy of the

@@ -1,4 +1,4 @@
-"""SPEC property 6: the paged operator equals the reference on every sequence's
+"""docs/spec.md property 6: the paged operator equals the reference on every sequence's
 contiguous history, for any KV-block size, block-table permutation and mix of
 prefill chunks and decode steps. Plus the cache contract and bad input."""
 

@@ -1,4 +1,4 @@
-"""SPEC properties 1-5 and 7 on the PyTorch reference, plus hand-checked cases."""
+"""docs/spec.md properties 1-5 and 7 on the PyTorch reference, plus hand-checked cases."""
 
 import math
 
@@ -139,7 +139,7 @@ def test_route_blocks_dense_layers_and_per_layer_topk():
     st.integers(1, 6), st.integers(1, 12), st.integers(0, 14), st.booleans(), st.integers(0, 2**31 - 1)
 )
 def test_route_blocks_matches_sorting_definition(nq, n, topk, dense, seed):
-    """Against a per-row sort on the SPEC key (not forced, -score, index), with many ties."""
+    """Against a per-row sort on the key of docs/spec.md (not forced, -score, index), with many ties."""
     gen = torch.Generator().manual_seed(seed)
     cfg = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": topk,
            "sparse_dense_layers": [0] if dense else [], "sparse_page_bias": 1.5}
@@ -160,7 +160,7 @@ def test_route_blocks_matches_sorting_definition(nq, n, topk, dense, seed):
 # ----------------------------------------------------------------- properties
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chunking_never_changes_output(seed):
-    """SPEC 1: any dash_query_chunk gives the same output."""
+    """Property 1 (docs/spec.md): any dash_query_chunk gives the same output."""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen, dash_query_chunk=2048)
     x = random_inputs(gen, random_roles(gen, 4, response=12, response_markers=2))
@@ -187,7 +187,7 @@ def test_query_suffix_equals_tail_of_full_run(seed, nq):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 3), (4, 1)])
 def test_dense_layer_equals_causal_attention_with_page_rope(seed, heads, kv_heads):
-    """SPEC 2: bias 0 and a dense layer is causal attention over the whole prefix."""
+    """Property 2 (docs/spec.md): bias 0 and a dense layer is causal attention over the whole prefix."""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen, sparse_page_bias=0.0, sparse_dense_layers=[2])
     x = random_inputs(gen, random_roles(gen, 4, response=10, response_markers=2), heads=heads,
@@ -207,7 +207,7 @@ def test_dense_layer_equals_causal_attention_with_page_rope(seed, heads, kv_head
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_gqa_reads_kv_head_h_div_group(seed):
-    """SPEC 3: with Hkv < H, head h reads KV head h // (H // Hkv): same as repeating KV heads."""
+    """Property 3 (docs/spec.md): with Hkv < H, head h reads KV head h // (H // Hkv): same as repeating KV heads."""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen)
     x = random_inputs(gen, random_roles(gen, 3, response=8), heads=6, kv_heads=2)
@@ -224,7 +224,7 @@ def test_gqa_reads_kv_head_h_div_group(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_prompt_length_limits_remote_reads_and_summaries(seed):
-    """SPEC 4: tokens past prompt_length are read only through the local window."""
+    """Property 4 (docs/spec.md): tokens past prompt_length are read only through the local window."""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen, sparse_block_size=4, sparse_local_block=1, sparse_topk_blocks=64)
     x = random_inputs(gen, random_roles(gen, 3, response=40, response_markers=1))
@@ -257,7 +257,7 @@ def test_prompt_length_limits_remote_reads_and_summaries(seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dtypes_output_dtype_and_fp32_softmax(dtype, seed):
-    """SPEC 5: output dtype is q's; low precision stays within tolerance of fp32."""
+    """Property 5 (docs/spec.md): output dtype is q's; low precision stays within tolerance of fp32."""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen)
     x32 = random_inputs(gen, random_roles(gen, 3, response=6))
@@ -281,7 +281,7 @@ def test_backend_other_than_reference_is_refused():
         _run(x, random_config(gen), backend="FLASH_ATTN")
 
 
-# ----------------------------------------------------------------- bad input (SPEC 7)
+# ----------------------------------------------------------------- bad input (docs/spec.md property 7)
 def _good(gen=None):
     gen = gen or torch.Generator().manual_seed(0)
     cfg = random_config(gen)

@@ -10,7 +10,7 @@ CPU tests (no GPU): the creator's field list against :class:`DashConfig`, attrib
 validation messages, output types and shapes, aliasing, format support, configure and workspace
 sizing, serialization round trips. GPU tests (``gpu``): ragged prefill/decode batches through
 ``enqueue`` on torch CUDA tensors, outputs and caches compared with
-:func:`dash_trt.paged.paged_dash_attention` (SPEC's comparison rule), caches written in place or
+:func:`dash_trt.paged.paged_dash_attention` (the comparison rule of docs/spec.md), caches written in place or
 into separate output buffers, int32 and int64 indices.
 """
 

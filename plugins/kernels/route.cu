@@ -1,5 +1,5 @@
 // Stage 3: score the complete sparse blocks each query may read remotely and pick its top-k,
-// exactly as SPEC.md's route_blocks: forced (same-page image) blocks first, then score
+// exactly as docs/spec.md's routing: forced (same-page image) blocks first, then score
 // descending, ties to the lower block index. Output rows are fixed-size and padded with -1,
 // so nothing downstream depends on data read back to the host.
 //

@@ -56,6 +56,7 @@ from .paged import (
     assign_flat_cache_tensors,
     flat_cache_tensors,
 )
+from .sampling import Sampler, SamplingParams
 from .model import ForwardFn, token_role  # ForwardFn: forward(inputs, caches) -> (logits [N, V], new caches)
 
 __all__ = [
@@ -177,6 +178,7 @@ class SequenceState:
     prompt_ids: np.ndarray  #: [prompt_len] int64: prefill chunks are sliced from it, not converted
     fed: int = 0  #: tokens already in the cache
     reserved: int = 0  #: tokens the sequence may hold (its blocks are allocated for them)
+    sampler: Sampler | None = None  #: draws its tokens (None: greedy, the runtime's own choice)
 
     @property
     def pending(self) -> int:
@@ -307,10 +309,12 @@ class PagedRuntime:
         assign_flat_cache_tensors(self.caches, tensors)
 
     def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
-            coords: tuple[PageCoordState, torch.Tensor] | None = None) -> SequenceState:
+            coords: tuple[PageCoordState, torch.Tensor] | None = None,
+            sampling: SamplingParams | None = None) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
-        ``PageCoordState.from_prompt(roles)`` when the caller has it already. Raises
+        ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
+        draws its tokens instead of the greedy choice (:mod:`dash_trt.sampling`). Raises
         :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         from .model import token_roles
@@ -329,8 +333,9 @@ class PagedRuntime:
         self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens)
         buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
         buf[: len(prompt)] = prompt_coords.numpy()
+        sampler = Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
         seq = SequenceState(seq_id, prompt, len(prompt), buf, state, np.array(prompt, dtype=np.int64),
-                            reserved=int(reserve_tokens))
+                            reserved=int(reserve_tokens), sampler=sampler)
         self._seqs[seq_id] = seq
         return seq
 
@@ -393,7 +398,7 @@ class PagedRuntime:
                 continue
             row = j if every_row else k
             k += 1
-            tok = int(chosen[row])
+            tok = int(chosen[row]) if s.sampler is None else s.sampler.choose(logits[row])
             if rows is not None:
                 out.logits[sid] = rows[row]
             out.tokens[sid] = tok

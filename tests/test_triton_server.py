@@ -372,3 +372,29 @@ def test_a_model_that_fails_to_load_is_named_with_its_reason(tmp_path, model):
     kept = text.rsplit("(server log: ", 1)[1].rstrip(")")
     assert os.path.isfile(kept) and "failed to load" in open(kept).read()
     os.unlink(kept)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_stop_lists_end_generation(http, grpc, model, prompts, want):
+    """Through the real server: a seeded sampling request gives the same tokens over HTTP,
+    gRPC and the streaming model, and the same as the engine offline; a stop list ends the
+    generation at its first stop token; a request without sampling stays greedy."""
+    from dash_trt.triton.engine import GenerationEngine
+
+    s = {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 1234}
+    got = [c.generate(prompts[0], 8, stop_at_eos=False, sampling=s).tokens for c in (http, grpc, http)]
+    streamed = grpc.stream(prompts[0], 8, stop_at_eos=False, sampling=s).tokens
+    assert got[0] == got[1] == got[2] == streamed and len(got[0]) == 8
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        offline_engine = GenerationEngine(model, ENGINE)
+        assert offline_engine.generate([prompts[0]], 8, stop_at_eos=False, sampling=s)[0] == got[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert grpc.generate(prompts[0], 8, stop_at_eos=False, sampling={**s, "seed": 99}).tokens != got[0]
+    stop = want[0][2]
+    stopped = grpc.generate(prompts[0], 8, stop_token_ids=[stop]).tokens
+    assert stopped == want[0][:want[0].index(stop) + 1]
+    assert http.generate(prompts[0], 8).tokens == want[0]
+    with pytest.raises(C.DashClientError, match="temperature must be"):
+        http.generate(prompts[0], 4, sampling={"temperature": -2.0})

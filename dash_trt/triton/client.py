@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -163,7 +164,8 @@ class DashClient:
     def _timeout_kw(self) -> dict:
         return {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
 
-    def _inputs(self, ids, max_new_tokens, stop_at_eos, *, stats=False, ids_dtype="INT64"):
+    def _inputs(self, ids, max_new_tokens, stop_at_eos, *, stats=False, ids_dtype="INT64", stop_token_ids=None,
+                sampling=None):
         mod = self.mod
         arr = np.asarray(ids, dtype=np.int64 if ids_dtype == "INT64" else None)
         if arr.ndim == 1 and arr.size == 0:
@@ -179,6 +181,24 @@ class DashClient:
             s = mod.InferInput(P.STOP_AT_EOS, [1], "BOOL")
             s.set_data_from_numpy(np.array([bool(stop_at_eos)]))
             inputs.append(s)
+        if stop_token_ids is not None:
+            ids_arr = np.asarray(list(stop_token_ids), dtype=np.int64)
+            s = mod.InferInput(P.STOP_TOKEN_IDS, [ids_arr.size], "INT64")
+            s.set_data_from_numpy(ids_arr)
+            inputs.append(s)
+        if sampling is not None:
+            fields = sampling if isinstance(sampling, dict) else dataclasses.asdict(sampling)
+            unknown = sorted(set(fields) - set(P.SAMPLING_INPUTS))
+            if unknown:
+                raise DashClientError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            for field, value in fields.items():
+                if value is None:
+                    continue
+                name, dtype = P.SAMPLING_INPUTS[field]
+                np_dtype = {"TYPE_FP32": np.float32, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64}[dtype]
+                x = mod.InferInput(name, [1], dtype.removeprefix("TYPE_"))
+                x.set_data_from_numpy(np.array([value], dtype=np_dtype))
+                inputs.append(x)
         if stats:
             g = mod.InferInput(P.GET_STATS, [1], "BOOL")
             g.set_data_from_numpy(np.array([True]))
@@ -189,12 +209,16 @@ class DashClient:
         return [self.mod.InferRequestedOutput(P.OUTPUT_IDS), self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE)]
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
-                 stop_at_eos: bool | None = None) -> Generation:
-        """One request to the unary model; blocks until the tokens come back."""
+                 stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
+                 sampling: Any = None) -> Generation:
+        """One request to the unary model; blocks until the tokens come back. ``sampling``: a
+        ``dash_trt.sampling.SamplingParams`` or a dict of its fields (temperature, top_k,
+        top_p, seed); default greedy."""
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         try:
-            res = self.client.infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos),
+            res = self.client.infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
+                                                             stop_token_ids=stop_token_ids, sampling=sampling),
                                     outputs=self._outputs(), **self._timeout_kw())
         except Exception as exc:
             raise _error(exc) from None
@@ -202,7 +226,8 @@ class DashClient:
         return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0)
 
     def generate_async(self, ids: Sequence[int], max_new_tokens: int | None, callback: Callable[[Any], None], *,
-                       stop_at_eos: bool | None = None) -> None:
+                       stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
+                       sampling: Any = None) -> None:
         """gRPC only: send without waiting; ``callback(Generation | DashClientError)``
         runs on the client's thread when the answer arrives (used by the load test)."""
         if self.protocol != "grpc":
@@ -219,14 +244,16 @@ class DashClient:
                 callback(Generation(len(ids), tokens, "", dt))
 
         try:
-            self.client.async_infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos), done,
+            self.client.async_infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
+                                                             stop_token_ids=stop_token_ids, sampling=sampling), done,
                                     outputs=self._outputs(), client_timeout=self.timeout)
         except Exception as exc:
             raise _error(exc) from None
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                stop_at_eos: bool | None = None, on_progress: Callable[[int, int], None] | None = None,
-               on_token: Callable[[int], None] | None = None) -> Generation:
+               on_token: Callable[[int], None] | None = None, stop_token_ids: Sequence[int] | None = None,
+               sampling: Any = None) -> Generation:
         """gRPC streaming through the decoupled model: ``on_progress(done, total)`` after each
         prefill chunk, ``on_token(id)`` for each new token; returns when the final response
         arrives."""
@@ -243,7 +270,9 @@ class DashClient:
             raise _error(exc) from None
         tokens: list[int] = []
         try:
-            self.client.async_stream_infer(self.stream_model, self._inputs(ids, max_new_tokens, stop_at_eos),
+            self.client.async_stream_infer(self.stream_model,
+                                           self._inputs(ids, max_new_tokens, stop_at_eos, stop_token_ids=stop_token_ids,
+                                                        sampling=sampling),
                                            outputs=self._outputs(), enable_empty_final_response=True)
             while True:
                 try:
@@ -315,6 +344,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preamble", default="", help="text before the pages (with --pages)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's")
     p.add_argument("--no-stop-at-eos", action="store_true", help="generate max-new-tokens even past EOS")
+    p.add_argument("--stop-token-ids", help="comma-separated token ids that end the generation (kept in the output)")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample within this much probability (nucleus)")
+    p.add_argument("--seed", type=int, default=None, help="the request's sampling seed (reproducible tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stats", action="store_true", help="print the engine's pool statistics and exit")
     p.add_argument("--engine-control", choices=P.CONTROL_ACTIONS,
@@ -407,6 +441,15 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                 print("dash-client: error: give --prompt, --pages or --ids", file=err)
                 return 2
             stop = False if a.no_stop_at_eos else None
+            try:
+                stop_ids = None if a.stop_token_ids is None else [int(x) for x in a.stop_token_ids.split(",") if x.strip()]
+            except ValueError:
+                print(f"dash-client: error: --stop-token-ids must be comma-separated integers, got {a.stop_token_ids!r}",
+                      file=err)
+                return 2
+            sampling = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p),
+                                          ("seed", a.seed)) if v is not None} or None
+            opts = {"stop_token_ids": stop_ids, "sampling": sampling}
             cfg = client.model_config()
             pages = sum(1 for i in ids if i == cfg.page_token_id)
             served_by = client.stream_model if a.stream else client.model
@@ -428,14 +471,15 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                             state["first"] = False
                         print(f" {t}", end="", file=out, flush=True)
 
-                gen = client.stream(ids, a.max_new_tokens, stop_at_eos=stop, on_progress=progress, on_token=token)
+                gen = client.stream(ids, a.max_new_tokens, stop_at_eos=stop, on_progress=progress, on_token=token,
+                                    **opts)
                 if not a.json:
                     print(file=out)
             elif len(ids) >= a.progress_threshold:
                 with _Ticker(err, len(ids)):
-                    gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop)
+                    gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop, **opts)
             else:
-                gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop)
+                gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop, **opts)
         except DashClientError as exc:
             print(f"dash-client: error: {exc}", file=err)
             return 1

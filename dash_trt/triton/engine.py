@@ -30,13 +30,14 @@ cache. Event callbacks run on the stepping thread and must not block for long.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 from ..model import DashForCausalLM, ForwardFn, token_roles
 from ..paged import PageCoordState
 from ..runtime import PagedRuntime, size_pool_for_memory
+from ..sampling import SamplingError, SamplingParams
 
 __all__ = [
     "EngineConfig",
@@ -65,6 +67,8 @@ log = logging.getLogger("dash_trt.triton")
 
 #: Error codes of failed requests (the Triton model maps them to TritonError codes).
 INVALID_ARGUMENT, UNAVAILABLE, CANCELLED, INTERNAL = "invalid_argument", "unavailable", "cancelled", "internal"
+#: The most stop token ids one request may give.
+MAX_STOP_IDS = 256
 
 
 class EngineConfigError(ValueError):
@@ -149,6 +153,8 @@ class Request:
     on_event: Callable[[Event], None] | None = None
     is_cancelled: Callable[[], bool] | None = None
     tag: Any = None  #: caller's data (the Triton model keeps the response sender here)
+    stop_ids: frozenset[int] = frozenset()  #: generating one of these ends the request (it is kept)
+    sampling: SamplingParams | None = None  #: None: greedy
     tokens: list[int] = field(default_factory=list)  #: generated so far
     status: str = "queued"  #: queued -> waiting -> running -> done | failed
     error: str | None = None
@@ -284,13 +290,44 @@ class GenerationEngine:
                                f"<image> is id {cfg.image_token_id})") from None
         return ids, max_new, coords
 
+    def check_options(self, stop_token_ids: Any = None, sampling: Any = None) -> tuple[frozenset[int],
+                                                                                       SamplingParams | None]:
+        """Validate a request's stop tokens (ids in the vocabulary, at most
+        :data:`MAX_STOP_IDS`) and sampling (a :class:`~dash_trt.sampling.SamplingParams` or a
+        dict of its fields); raises :class:`RequestError` naming the bad value."""
+        vocab = self.model_config.vocab_size
+        stops: frozenset[int] = frozenset()
+        if stop_token_ids is not None:
+            arr = np.asarray(stop_token_ids).reshape(-1)
+            if arr.size > MAX_STOP_IDS:
+                raise RequestError(f"stop_token_ids holds {arr.size} ids, at most {MAX_STOP_IDS}")
+            if arr.size and (arr.dtype.kind not in "iu" or bool(((arr < 0) | (arr >= vocab)).any())):
+                raise RequestError(f"stop_token_ids must be token ids in 0..{vocab - 1}, got {arr[:5].tolist()}")
+            stops = frozenset(int(x) for x in arr)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = sampling
+        elif isinstance(sampling, Mapping):
+            unknown = sorted(set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)})
+            if unknown:
+                raise RequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+            try:
+                params = SamplingParams(**sampling)
+            except SamplingError as exc:
+                raise RequestError(str(exc)) from None
+        else:
+            raise RequestError(f"sampling must be a dict or SamplingParams, got {type(sampling).__name__}")
+        return stops, params
+
     def submit(self, prompt: Any, max_new_tokens: Any = None, *, stop_at_eos: bool = True,
                on_event: Callable[[Event], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
-               tag: Any = None) -> Request:
+               tag: Any = None, stop_token_ids: Any = None, sampling: Any = None) -> Request:
         """Queue a request (any thread). Raises :class:`RequestError` (nothing queued) if it
         is invalid or the engine is closed; otherwise its events follow from
-        :meth:`step` and ``request.result()`` gives the tokens."""
+        :meth:`step` and ``request.result()`` gives the tokens. ``stop_token_ids``: generating
+        any of them ends the request (the token is kept, as EOS is); ``sampling``: temperature,
+        top_k, top_p and seed (:mod:`dash_trt.sampling`; default greedy)."""
         try:
+            stops, params = self.check_options(stop_token_ids, sampling)
             ids, max_new, coords = self.check(prompt, max_new_tokens)
         except RequestError:
             with self._lock:
@@ -298,7 +335,8 @@ class GenerationEngine:
             raise
         req = Request(id=-1, prompt=ids, max_new_tokens=max_new, stop_at_eos=bool(stop_at_eos),
                       blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1), on_event=on_event,
-                      is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter())
+                      is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter(), stop_ids=stops,
+                      sampling=params)
         req._coords = coords
         with self._work:
             if self._closed is not None:
@@ -374,9 +412,10 @@ class GenerationEngine:
         return n
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
-                 stop_at_eos: bool = True) -> list[list[int]]:
+                 stop_at_eos: bool = True, stop_token_ids: Any = None, sampling: Any = None) -> list[list[int]]:
         """Offline convenience: submit every prompt, run until done, return the tokens."""
-        reqs = [self.submit(p, max_new_tokens, stop_at_eos=stop_at_eos) for p in prompts]
+        reqs = [self.submit(p, max_new_tokens, stop_at_eos=stop_at_eos, stop_token_ids=stop_token_ids,
+                            sampling=sampling) for p in prompts]
         self.run_until_idle()
         return [r.result(timeout=0) for r in reqs]
 
@@ -429,7 +468,8 @@ class GenerationEngine:
                 break  # FIFO: the head waits for blocks; the ones behind it wait for the head
             self._waiting.popleft()
             self._reserved += req.blocks_reserved
-            self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords)
+            self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords,
+                             sampling=req.sampling)
             req._coords = None  # the runtime holds the sequence's coordinates now
             req.status, req.t_admit = "running", time.perf_counter()
             if req._waited:
@@ -491,7 +531,7 @@ class GenerationEngine:
             generated += 1
             if r.on_event is not None:
                 self._emit(Event("token", r, (tok,), step=step_no))
-            if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == eos):
+            if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == eos) or tok in r.stop_ids:
                 self._finish(r)
         self.counters["tokens_generated"] += generated
 

@@ -10,6 +10,14 @@ name                Triton type  dims    optional  meaning
 ``input_ids``       TYPE_INT64   [-1]    no        the prompt's token ids (text bytes, ``<PAGE>``, ``<image>``)
 ``max_new_tokens``  TYPE_INT32   [1]     yes       tokens to generate (default: the model's parameter)
 ``stop_at_eos``     TYPE_BOOL    [1]     yes       stop at ``eos_token_id`` (default true)
+``stop_token_ids``  TYPE_INT64   [-1]    yes       generating any of these ends the request (kept in the
+                                                   output, as EOS is); at most 256
+``temperature``     TYPE_FP32    [1]     yes       0 (default): greedy, identical to offline generation;
+                                                   > 0: sample from logits / temperature
+``top_k``           TYPE_INT32   [1]     yes       sample among the k most likely tokens (0: all)
+``top_p``           TYPE_FP32    [1]     yes       sample within the smallest set of probability >= top_p
+``seed``            TYPE_INT64   [1]     yes       the request's generator seed: the same seed, prompt and
+                                                   parameters give the same tokens (default: random)
 ``get_stats``       TYPE_BOOL    [1]     yes       true: answer with the pool's statistics only
                                                    (``input_ids`` is then ignored and may be empty)
 ``engine_control``  TYPE_UINT8   [-1]    yes       ``pause`` or ``resume`` (UTF-8) the engine's model
@@ -43,6 +51,10 @@ from __future__ import annotations
 INPUT_IDS = "input_ids"
 MAX_NEW_TOKENS = "max_new_tokens"
 STOP_AT_EOS = "stop_at_eos"
+STOP_TOKEN_IDS = "stop_token_ids"
+#: Sampling inputs: ``dash_trt.sampling.SamplingParams`` field -> (input name, Triton type).
+SAMPLING_INPUTS = {"temperature": ("temperature", "TYPE_FP32"), "top_k": ("top_k", "TYPE_INT32"),
+                   "top_p": ("top_p", "TYPE_FP32"), "seed": ("seed", "TYPE_INT64")}
 GET_STATS = "get_stats"
 ENGINE_CONTROL = "engine_control"
 #: Values of ``engine_control``.
@@ -57,6 +69,8 @@ INPUTS = (
     (INPUT_IDS, "TYPE_INT64", (-1,), False),
     (MAX_NEW_TOKENS, "TYPE_INT32", (1,), True),
     (STOP_AT_EOS, "TYPE_BOOL", (1,), True),
+    (STOP_TOKEN_IDS, "TYPE_INT64", (-1,), True),
+    *((name, dtype, (1,), True) for name, dtype in SAMPLING_INPUTS.values()),
     (GET_STATS, "TYPE_BOOL", (1,), True),
     (ENGINE_CONTROL, "TYPE_UINT8", (-1,), True),
 )

@@ -125,7 +125,9 @@ class TritonPythonModel:
                 ids = self._read(pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS))
                 max_new = self._optional(request, P.MAX_NEW_TOKENS)
                 self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
-                                   on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender)
+                                   on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender,
+                                   stop_token_ids=self._optional(request, P.STOP_TOKEN_IDS),
+                                   sampling=self._sampling(request))
             except self.RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
             except Exception as exc:  # never let one request take the model down
@@ -155,6 +157,19 @@ class TritonPythonModel:
     def _optional(self, request, name):
         t = pb_utils.get_input_tensor_by_name(request, name)
         return None if t is None else self._read(t)
+
+    def _sampling(self, request):
+        """The request's sampling inputs as SamplingParams fields (None: all absent, greedy)."""
+        P, values = self.P, {}
+        for field, (name, dtype) in P.SAMPLING_INPUTS.items():
+            arr = self._optional(request, name)
+            if arr is None:
+                continue
+            if arr.size != 1:
+                raise self.RequestError(f"{name} must hold one value, got shape {list(arr.shape)}")
+            value = arr.reshape(-1)[0]
+            values[field] = float(value) if dtype == "TYPE_FP32" else int(value)
+        return values or None
 
     def _flag(self, request, name, default):
         arr = self._optional(request, name)

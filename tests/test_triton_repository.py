@@ -287,3 +287,27 @@ def test_the_server_is_located_without_importing_pytriton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "imported False" in out, out
     assert "found True" in out or "unavailable" in out, out
+
+
+def test_force_replaces_only_a_repository_it_wrote(tmp_path, model):
+    """`--force` never deletes a folder that is not a dash-triton repository (issue: `write
+    --out . --force` emptied a working folder): a folder with other files, or a file, is
+    refused and left as it was; an empty folder or a marked repository is replaced."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(RepositoryError, match="replaces only a repository that dash-triton wrote"):
+        write_repository(work, model, streaming=False, force=True)
+    assert os.listdir(work) == ["notes.txt"] and (work / "notes.txt").read_text() == "mine"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(RepositoryError, match="is a file"):
+        write_repository(afile, model, force=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_repository(empty, model, streaming=False, force=True)
+    assert (empty / ".dash-trt-repository").is_file()
+    (empty / "dash" / "extra.txt").write_text("stale")
+    write_repository(empty, model, streaming=False, force=True)  # a marked repository: replaced whole
+    assert not (empty / "dash" / "extra.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "work"]  # no scratch left

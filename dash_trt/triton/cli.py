@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--demo", action="store_true", help="the built-in random demo model")
     w.add_argument("--seed", type=int, default=0, help="seed of the demo model's random weights (with --demo)")
     w.add_argument("--out", "-o", required=True, help="repository folder to create")
-    w.add_argument("--force", action="store_true", help="replace --out if it exists")
+    w.add_argument("--force", action="store_true",
+                   help="replace --out if it is a repository dash-triton wrote (or an empty folder)")
     w.add_argument("--name", default=P.DEFAULT_NAME,
                    help="model name: NAME (unary), NAME_stream (streaming), NAME_plan (default %(default)s)")
     w.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -339,6 +339,10 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+#: The file that marks a folder as a repository ``dash-triton write`` wrote (and so may replace).
+MARKER = ".dash-trt-repository"
+
+
 def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoint: str | None = None,
                      engine: EngineConfig | None = None, name: str = P.DEFAULT_NAME, device: str = "cpu",
                      streaming: bool = True, onnx: str | None = None, plan: str | None = None,
@@ -357,6 +361,13 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
         raise RepositoryError(f"model name must be letters, digits, '_' or '-', got {name!r}")
     if os.path.exists(out) and not force:
         raise RepositoryError(f"{out} already exists (pass --force to replace it)")
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise RepositoryError(f"cannot write {out}: it is a file, not a folder")
+        if os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+            raise RepositoryError(
+                f"--force replaces only a repository that dash-triton wrote (a folder with {MARKER}) or an empty "
+                f"folder; {out} is neither, so nothing was changed: choose another --out, or remove it yourself")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise RepositoryError(f"cannot write {out}: folder {parent} does not exist")
@@ -414,9 +425,15 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
             messages.append(f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
                             f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}")
         _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
-        if os.path.exists(out):
-            shutil.rmtree(out)
+        _write(os.path.join(tmp, MARKER), "A Triton model repository written by `dash-triton write`; "
+                                          "`dash-triton write --force` may replace this folder.\n")
+        old = None
+        if os.path.exists(out):  # the old repository moves aside first: a failure leaves one of the two
+            old = tempfile.mkdtemp(prefix=".dash-triton-old-", dir=parent)
+            os.replace(out, os.path.join(old, "repo"))
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

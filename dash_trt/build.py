@@ -494,6 +494,11 @@ def _check_arguments(args) -> str | None:
             return "--out is required"
         if not args.out.resolve().parent.is_dir():
             return f"the folder of --out does not exist: {args.out.resolve().parent}"
+        inputs = {"the model": args.model, "--plugin": args.plugin, "--config": args.config,
+                  "--timing-cache": args.timing_cache}
+        for what, path in inputs.items():
+            if path is not None and path.resolve() == args.out.resolve():
+                return f"--out {args.out} is {what}: the engine would overwrite it; write the engine elsewhere"
     if args.strongly_typed and (args.fp16 or args.bf16):
         return "--strongly-typed takes every type from the model; drop --fp16/--bf16 (or drop --strongly-typed)"
     if args.config is not None and not args.config.is_file():

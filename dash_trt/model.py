@@ -122,11 +122,25 @@ class DashModelConfig:
     _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "index_head_dim", "intermediate_size")
 
+    #: Upper bounds of the sizes (far above any real decoder; a typo such as 10**9 layers must
+    #: be an error, not an allocation that runs until memory is gone).
+    _LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+               "num_key_value_heads": 1024, "head_dim": 1024, "index_head_dim": 1024, "intermediate_size": 1 << 18}
+
     def __post_init__(self) -> None:
         for name in self._REQUIRED:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ModelConfigError(f"model config key '{name}' must be a positive integer, got {val!r}")
+            if val > self._LIMITS[name]:
+                raise ModelConfigError(f"model config key '{name}' is {val}, more than the supported "
+                                       f"{self._LIMITS[name]}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ModelConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        eos = self.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
+            raise ModelConfigError(f"eos_token_id must be a token id in 0..{self.vocab_size - 1} (or null), "
+                                   f"got {eos!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

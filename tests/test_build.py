@@ -98,6 +98,8 @@ def test_unusable_tensorrt_versions(files, monkeypatch, capsys, version, extra, 
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--fp16", "--strongly-typed"], "--strongly-typed"),
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--config", "nope.json"], "config not found"),
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--workspace", "0"], "--workspace must be >= 1"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{plugin}"], "is --plugin: the engine would overwrite it"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{model}"], "is the model: the engine would overwrite it"),
     ],
 )
 def test_argument_errors_exit_2(files, no_tensorrt, capsys, argv, message):

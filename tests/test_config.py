@@ -130,3 +130,40 @@ def test_docs_spec_lists_every_config_key_with_its_default():
         want = {None: {"unset", "none"}, (): {"[]"}}.get(f.default, {str(f.default)})
         assert rows[f.name] in want, (f.name, rows[f.name], f.default)
     assert all(rows[k] == "required" for k in DashConfig.required_keys())
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": "x"}, "eos_token_id must be a token id"),
+    ({"eos_token_id": 10 ** 9}, "eos_token_id must be a token id"),
+    ({"num_hidden_layers": 10 ** 9}, "'num_hidden_layers' is 1000000000, more than the supported 1024"),
+    ({"vocab_size": 1 << 30}, "more than the supported"),
+])
+def test_model_config_values_are_checked(change, match):
+    from dash_trt import model as M
+
+    with pytest.raises(M.ModelConfigError, match=match):
+        M.DashModelConfig.from_dict({**M.DEMO_CONFIG, **change})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_blocks": 10 ** 9}, "'num_blocks' is 1000000000, more than the supported"),
+    ({"kv_block_size": 1 << 20}, "'kv_block_size'"),
+    ({"max_model_len": 1 << 30}, "'max_model_len' must be an integer in"),
+])
+def test_engine_config_sizes_are_bounded(change, match):
+    from dash_trt.triton.engine import EngineConfig, EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=match):
+        EngineConfig(**change)
+
+
+def test_serve_and_client_refuse_out_of_range_numbers(capsys):
+    from dash_trt.triton import cli
+    from dash_trt.triton import client as C
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", ".", "--http-port", "99999"])
+    assert e.value.code == 2 and "port must be 1..65535, got 99999" in capsys.readouterr().err
+    assert C.main(["--prompt", "x", "--max-new-tokens", "4294967299"]) == 2
+    assert "--max-new-tokens must be 1..2147483647" in capsys.readouterr().err

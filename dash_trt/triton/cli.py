@@ -81,13 +81,24 @@ def _parser() -> argparse.ArgumentParser:
                     "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
                     "the repository's README.md).")
     s.add_argument("repository")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=None, help="enable metrics on this port")
+    s.add_argument("--http-port", type=_port, default=8000)
+    s.add_argument("--grpc-port", type=_port, default=8001)
+    s.add_argument("--metrics-port", type=_port, default=None, help="enable metrics on this port")
     s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
     s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the models to load")
     return p
+
+
+def _port(text: str) -> int:
+    """A TCP port for argparse: 1..65535 (a larger number would bind another port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 1..65535, got {port}")
+    return port
 
 
 def _engine_config(a, kv_block_size: int) -> EngineConfig:

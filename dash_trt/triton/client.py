@@ -393,8 +393,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     protocol = "grpc" if a.stream else a.protocol
-    if a.max_new_tokens is not None and a.max_new_tokens < 1:
-        print("dash-client: error: --max-new-tokens must be >= 1", file=err)
+    if a.max_new_tokens is not None and not 1 <= a.max_new_tokens <= 2 ** 31 - 1:
+        print(f"dash-client: error: --max-new-tokens must be 1..{2 ** 31 - 1}, got {a.max_new_tokens}", file=err)
         return 2
     try:
         client = DashClient(a.url, protocol=protocol, model=a.model, timeout=a.timeout)

@@ -103,14 +103,22 @@ class EngineConfig:
     #: replay decode steps from CUDA graphs (where the CUDA kernels run the model)
     cuda_graphs: bool = True
 
+    #: Upper bounds (checked when the config is made, not when a pool of that size fails to
+    #: allocate at serve time): 2^24 blocks, blocks of 4096 tokens, 2^20-token steps.
+    _LIMITS = {"num_blocks": 1 << 24, "kv_block_size": 4096, "prefill_chunk": 1 << 20, "max_batch_tokens": 1 << 20,
+               "max_num_seqs": 1 << 16, "default_max_new_tokens": 1 << 20, "max_new_tokens_limit": 1 << 20}
+
     def __post_init__(self) -> None:
         for f in ("num_blocks", "kv_block_size", "prefill_chunk", "max_batch_tokens", "max_num_seqs",
                   "default_max_new_tokens", "max_new_tokens_limit"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"engine config '{f}' must be a positive integer, got {v!r}")
-        if not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 0:
-            raise EngineConfigError(f"engine config 'max_model_len' must be an integer >= 0, got "
+            if v > self._LIMITS[f]:
+                raise EngineConfigError(f"engine config '{f}' is {v}, more than the supported {self._LIMITS[f]}")
+        if (not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 0
+                or self.max_model_len > 1 << 24):
+            raise EngineConfigError(f"engine config 'max_model_len' must be an integer in 0..{1 << 24}, got "
                                     f"{self.max_model_len!r}")
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:

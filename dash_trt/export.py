@@ -31,6 +31,7 @@ import copy
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -444,7 +445,7 @@ def _parser() -> argparse.ArgumentParser:
                     "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
                     "the file with onnx.checker and against PyTorch in ONNX Runtime.",
         epilog="Exit codes: 0 ok, 1 ONNX Runtime does not reproduce PyTorch, 2 bad input, "
-               "3 export failed. See export/README.md.",
+               "3 export failed, 130 / 143 interrupted (Ctrl-C / SIGTERM; nothing written). See export/README.md.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("checkpoint", nargs="?",
@@ -515,9 +516,40 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         parser.error("give a checkpoint (model.pt or a Hugging Face folder), --demo or --random-init CONFIG_JSON")
     if a.kv_block_size < 1 or a.decode_steps < 0:
         parser.error("--kv-block-size must be >= 1 and --decode-steps >= 0")
+    # Ctrl-C and SIGTERM end the run through the cleanup below (no temporary folder or
+    # half-written file left), with the shell's exit code for the signal (130 / 143).
+    got: dict[str, int] = {}
+
+    def on_signal(signum, _frame):
+        got["signal"] = signum
+        raise _Interrupted(signum)
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(a, out_stream, err, got)
+    except _Interrupted:
+        pass
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+    name = signal.Signals(got["signal"]).name
+    print(f"dash-export: interrupted ({name}); nothing was written", file=err, flush=True)
+    return 128 + got["signal"]
+
+
+class _Interrupted(BaseException):
+    """Raised by dash-export's SIGINT / SIGTERM handler (a BaseException: no handler of
+    ordinary errors swallows it)."""
+
+
+def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
     progress = Progress(total=4 if a.no_verify else 5, stream=err, enabled=not a.quiet)
 
     def fail(code: int, msg: str) -> int:
+        if "signal" in got:  # an exporter that turned the interruption into its own error
+            raise _Interrupted(got["signal"])
         print(f"dash-export: error: {msg}", file=err, flush=True)
         return code
 
@@ -576,6 +608,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
             if has_data:
                 os.replace(data, out + ".data")
             os.replace(tmp, out)  # the commit point: the .onnx appears complete or not at all
+            if not has_data and os.path.exists(out + ".data"):  # an earlier export's weights: the new
+                os.unlink(out + ".data")                        # file does not read them
+                print(f"removed {base}.data of an earlier export (the weights are inside {base} now)",
+                      file=err, flush=True)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     nodes = _count_dash_nodes(out)

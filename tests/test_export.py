@@ -2,6 +2,7 @@
 PyTorch, dynamic shapes, fp16/bf16, and ``dash-export``'s handling of bad input."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -396,3 +397,38 @@ def test_function_reductions_name_non_negative_axes():
     for n in reductions:
         axes = np.asarray(consts[n.input[1]])
         assert (axes >= 0).all(), f"{n.op_type} {n.name or n.output[0]} reduces over axes {axes.tolist()}"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_cli_interrupted_export_leaves_nothing(tmp_path, capsys, monkeypatch, sig, code, wrapped):
+    """SIGTERM or Ctrl-C while the file is being written: exit 128 + signal, no temporary
+    folder, no output, one line saying so; also when the exporter turns the interruption into
+    its own error (torch's "file an issue" message)."""
+    real = E.export_onnx
+
+    def interrupted(model, path, **kw):
+        real(model, path, **kw)  # a partly written temporary file exists now
+        if not wrapped:
+            os.kill(os.getpid(), sig)
+        try:
+            os.kill(os.getpid(), sig)
+        except BaseException as exc:
+            raise RuntimeError("please file an issue with PyTorch") from exc
+
+    monkeypatch.setattr(E, "export_onnx", interrupted)
+    out = tmp_path / "m.onnx"
+    rc = E.main(["--demo", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == code and f"interrupted ({signal.Signals(sig).name}); nothing was written" in err
+    assert "file an issue" not in err and os.listdir(tmp_path) == []
+
+
+def test_cli_removes_the_stale_data_file_of_an_earlier_export(tmp_path, capsys):
+    out = tmp_path / "m.onnx"
+    assert E.main(["--demo", "--out", str(out), "--quiet", "--no-verify", "--external-data", "always"]) == 0
+    assert (tmp_path / "m.onnx.data").is_file()
+    assert E.main(["--demo", "--out", str(out), "--quiet", "--no-verify", "--external-data", "never"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+    assert "removed m.onnx.data of an earlier export" in capsys.readouterr().err
+    E.check_onnx(out)

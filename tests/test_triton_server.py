@@ -398,3 +398,72 @@ def test_sampling_with_a_seed_is_reproducible_and_stop_lists_end_generation(http
     assert http.generate(prompts[0], 8).tokens == want[0]
     with pytest.raises(C.DashClientError, match="temperature must be"):
         http.generate(prompts[0], 4, sampling={"temperature": -2.0})
+
+
+def _server_or_skip(repo, **kw):
+    try:
+        from dash_trt.triton.server import TritonServer, TritonUnavailable
+    except ImportError as exc:
+        _unavailable(str(exc))
+    try:
+        return TritonServer(str(repo), **kw)
+    except TritonUnavailable as exc:
+        _unavailable(str(exc))
+
+
+def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path, model):
+    """A port already taken (e.g. by a server a killed `serve` left behind) is named, instead
+    of a readiness probe that reaches the other server and reports ready."""
+    import socket
+
+    from dash_trt.triton.server import TritonStartError
+
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        srv = _server_or_skip(tmp_path / "repo", http_port=port)
+        try:
+            with pytest.raises(TritonStartError, match=f"port {port} on 127.0.0.1 is already in use"):
+                srv.start(timeout=60)
+            assert srv.proc is None
+        finally:
+            srv.cleanup()
+
+
+def test_the_server_does_not_outlive_a_killed_parent(tmp_path, model):
+    """kill -9 of the process that started tritonserver (dash-triton serve) takes the server
+    down too (PR_SET_PDEATHSIG): no orphan holding the ports."""
+    import signal
+    import subprocess
+    import sys
+
+    _server_or_skip  # the import check
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False)
+    code = ("import sys, time; from dash_trt.triton.server import TritonServer; "
+            f"s = TritonServer({str(tmp_path / 'repo')!r}); s.start(timeout=120); "
+            "print(s.proc.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        if not line.strip():
+            _unavailable("the server did not start in the child process")
+        child = int(line)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        for _ in range(600):  # up to 60 s for Triton's own shutdown (exit_timeout 10 s)
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{child}/stat") as fh:
+                if fh.read().split(")")[-1].split()[0] == "Z":  # exited, not yet reaped
+                    break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("tritonserver outlived the killed process that started it")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

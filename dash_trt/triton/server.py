@@ -130,6 +130,25 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:``port`` (a server left running, e.g.
+    the orphan of a killed ``dash-triton serve``: its readiness probe would answer for ours)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server gets SIGTERM when the process that started it dies, even by
+    SIGKILL (prctl PR_SET_PDEATHSIG), so no tritonserver outlives its ``serve``."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)\"?\s*$")
 
 
@@ -210,10 +229,16 @@ class TritonServer:
                 if metrics == 0:
                     metrics = ports[2]
             self.http_port, self.grpc_port, self.metrics_port = http, grpc, metrics
+            taken_now = [p for p in self._want if p and port_in_use(p)]  # the ports asked for
+            if taken_now:
+                raise TritonStartError(
+                    f"port {', '.join(map(str, taken_now))} on {HOST} is already in use (another server, or one "
+                    f"left running by a killed dash-triton serve: stop it, or pick other ports)")
             self._log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=server_env(self.dist),
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             try:
                 self.wait_ready(timeout)
                 return self

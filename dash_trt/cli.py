@@ -123,7 +123,13 @@ def demo_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.sequences < 1 or a.pages < 1 or a.decode_steps < 0 or a.kv_block_size < 1:
         p.error("--sequences, --pages and --kv-block-size must be >= 1, --decode-steps >= 0")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(a.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device {a.device!r} is not a device (cpu, cuda, cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {a.device}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {a.device}: no CUDA device is visible to torch")
     ok = run_demo(seed=a.seed, sequences=a.sequences, pages=a.pages, kv_block_size=a.kv_block_size,
                   dtype=DTYPES[a.dtype], device=a.device, decode_steps=a.decode_steps)

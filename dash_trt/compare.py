@@ -387,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not os.path.isfile(a.onnx):
             raise CompareError(f"{a.onnx}: no such file")
+        for flag, path in (("--json", a.json), ("--save-inputs", a.save_inputs), ("--save-outputs", a.save_outputs)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder is not None and not os.path.isdir(folder):  # known before the run, not after it
+                raise CompareError(f"{flag} {path}: folder {folder} does not exist")
         if a.demo:
             model = demo_model(seed=a.seed)
         else:

@@ -40,6 +40,10 @@ def test_demo_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             cli.demo_main(["--device", "cuda"])
         assert "no CUDA device" in capsys.readouterr().err
+    for bad, message in (("bogus", "is not a device"), ("meta", "only cpu and cuda")):
+        with pytest.raises(SystemExit) as e:
+            cli.demo_main(["--device", bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_model_load_errors_from_a_triton_log():

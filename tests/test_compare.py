@@ -149,3 +149,10 @@ def test_a_checkpoint_of_another_model_is_named_in_one_line(demo_onnx, tmp_path,
     err = capsys.readouterr().err
     assert rc == 2 and re.search(match, err) and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--json", "--save-inputs", "--save-outputs"])
+def test_an_output_folder_that_does_not_exist_is_refused_before_the_run(demo_onnx, tmp_path, capsys, flag):
+    rc = C.main([demo_onnx, "--demo", "--no-cuda", flag, str(tmp_path / "missing" / "x.json")])
+    captured = capsys.readouterr()
+    assert rc == 2 and "does not exist" in captured.err and "against the PyTorch reference" not in captured.out

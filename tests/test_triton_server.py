@@ -220,6 +220,11 @@ def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, pr
          "unexpected shape for input 'input_ids' for model 'dash'. Expected [-1], got [1,"),
         ("http", {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([[1, 2]], dtype=np.int32), "INT32")},
          "400", "unexpected shape for input 'max_new_tokens'"),
+        ("http", {P.MAX_NEW_TOKENS: (np.array([3], dtype=np.int32), "INT32")}, "400", "input_ids"),
+        ("http", {P.INPUT_IDS: (ids, "INT64"), P.SAMPLING_INPUTS["top_p"][0]: (np.array([2.0], dtype=np.float32), "FP32")},
+         "400", "top_p must be in (0, 1]"),
+        ("grpc", {P.INPUT_IDS: (ids, "INT64"), P.STOP_TOKEN_IDS: (np.array([999], dtype=np.int64), "INT64")},
+         "StatusCode.INVALID_ARGUMENT", "stop_token_ids must be token ids"),
     ]
     from tritonclient.utils import InferenceServerException
 
@@ -235,7 +240,7 @@ def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, pr
     assert arrived.wait(120) and box["r"].tokens == want[0]
     assert grpc.generate(prompts[2], MAX_NEW[2]).tokens == want[2]
     stats = grpc.stats()
-    assert stats["refused"] >= 7 and stats["kv_blocks_free"] == ENGINE.num_blocks
+    assert stats["refused"] >= 9 and stats["kv_blocks_free"] == ENGINE.num_blocks
 
 
 def test_load_32_concurrent_requests(grpc, model, capsys):

@@ -122,7 +122,9 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(P.STATS, stats)]),
                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                ids = self._read(pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS))
+                ids = self._optional(request, P.INPUT_IDS)
+                if ids is None:
+                    raise self.RequestError(f"{P.INPUT_IDS} is required (the prompt's token ids, INT64 [n])")
                 max_new = self._optional(request, P.MAX_NEW_TOKENS)
                 self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
                                    on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender,

@@ -610,7 +610,13 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     except pickle.UnpicklingError as exc:
         # The weights-only unpickler names the first class it refused ("Unsupported
         # global: GLOBAL pkg.Class"); any other unpickling error is a damaged file.
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        blocked = re.search(r"unsupported GLOBAL ([\w.]+) whose module ([\w.]+) is blocked", str(exc))
+        if blocked:
+            raise CheckpointError(
+                f"{path} is unsafe: unpickling it would call {blocked.group(1)} (module {blocked.group(2)}), which "
+                f"runs code on this machine; a checkpoint holds tensors, so the file is malicious or broken. It was "
+                f"not loaded; do not load it with --unsafe-load (allow_pickle=True), which would make that call") from None
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(exc))
         if found:
             raise CheckpointError(
                 f"{path} holds pickled Python objects ({found.group(1)}; for example a whole nn.Module), which the safe "
@@ -659,6 +665,11 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config) -> DashFor
     the weights' where they agree, else the config's ``torch_dtype``."""
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config, source=f"config of {path}")
+    nonfinite = [k for k, v in state.items()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if nonfinite:
+        raise CheckpointError(f"{path}: {len(nonfinite)} weight tensor(s) hold NaN or inf values "
+                              f"({_few(nonfinite, 3)}); the model would compute NaN logits")
     model = DashForCausalLM(config)
     expected = model.state_dict()
     wrong = [f"{k} is {list(v.shape)} in the checkpoint, {list(expected[k].shape)} in the model"

@@ -224,3 +224,25 @@ def test_a_damaged_model_pt_gets_the_unpicklers_reason_not_torchs_advice(tmp_pat
     with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint") as info:
         M.load_checkpoint(bad)
     assert "weights_only" not in str(info.value) and "file an issue" not in str(info.value)
+
+
+def test_a_pickle_that_runs_code_is_called_unsafe(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo should-not-run",))
+
+    torch.save({"config": M.DEMO_CONFIG, "state_dict": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match=r"is unsafe: unpickling it would call posix.system") as info:
+        M.load_checkpoint(tmp_path / "evil.pt")
+    assert "corrupt" not in str(info.value) and "do not load it with --unsafe-load" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named(tmp_path, bad):
+    model = M.demo_model(seed=12)
+    with torch.no_grad():
+        model.layers[1].self_attn.q_proj.weight[3, 4] = bad
+    M.save_pretrained(model, tmp_path)
+    with pytest.raises(CheckpointError, match=r"1 weight tensor\(s\) hold NaN or inf values "
+                                              r"\(model.layers.1.self_attn.q_proj.weight|layers.1.self_attn.q_proj.weight"):
+        M.load_checkpoint(tmp_path)

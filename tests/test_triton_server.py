@@ -60,7 +60,7 @@ def server(tmp_path_factory, model):
     M.save_checkpoint(model, ckpt)
     write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE, allow_engine_control=True)
     try:
-        srv = TritonServer(str(root / "repo"), log_path=str(root / "tritonserver.log"))
+        srv = TritonServer(str(root / "repo"), log_path=str(root / "tritonserver.log"), metrics_port=0)
     except TritonUnavailable as exc:
         _unavailable(str(exc))
     try:
@@ -472,3 +472,37 @@ def test_the_server_does_not_outlive_a_killed_parent(tmp_path, model):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _metrics(server) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("dash_") and 'model="dash"' in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.replace('model="dash",', "").replace(',model="dash"', "").replace('{model="dash"}', "")] = float(value)
+    return out
+
+
+def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
+    """Triton's metrics endpoint carries the generation model's counters and gauges
+    (dash_trt.triton.metrics): three requests add exactly their requests, prompt and
+    generated tokens and first tokens; the pool gauges show it free afterwards."""
+    before = _metrics(server)
+    assert 'dash_requests_total{outcome="done"}' in before, sorted(before)
+    got = [grpc.generate(p, 4, stop_at_eos=False) for p in prompts]
+    after = _metrics(server)
+
+    def delta(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert delta('dash_requests_total{outcome="done"}') == 3
+    assert delta("dash_prompt_tokens_total") == sum(len(p) for p in prompts)
+    assert delta("dash_generated_tokens_total") == sum(len(g.tokens) for g in got) == 12
+    assert delta("dash_first_tokens_total") == 3
+    assert delta("dash_time_to_first_token_seconds") > 0 and delta("dash_request_seconds") > 0
+    assert after["dash_kv_blocks_total"] == ENGINE.num_blocks
+    assert after["dash_kv_blocks_in_use"] == 0 and after["dash_requests_running"] == 0

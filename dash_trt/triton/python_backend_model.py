@@ -101,6 +101,14 @@ class TritonPythonModel:
             # The first call of the op imports torch's compile machinery (seconds), and the
             # decode graphs are captured: pay it before the model reports ready.
             self.engine.warmup()
+        # Generation metrics on Triton's metrics endpoint (dash_trt.triton.metrics), where this
+        # Triton's Python backend has custom metrics.
+        self.metrics = None
+        if hasattr(pb_utils, "MetricFamily"):
+            from dash_trt.triton.metrics import GenerationMetrics
+
+            self.metrics = GenerationMetrics(pb_utils, self.name)
+            self.metrics.state(self.engine.stats())
         self.runner = EngineRunner(self.engine, name=f"{self.name}-engine").start()
         pb_utils.Logger.log_info(
             f"{self.name}: {'decoupled' if self.decoupled else 'unary'} DASH generation on {device}; "
@@ -197,6 +205,13 @@ class TritonPythonModel:
         """Runs on the engine thread."""
         req, sender = event.request, event.request.tag
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if self.metrics is not None and event.kind != "token":
+            try:
+                if event.kind in ("done", "error"):
+                    self.metrics.finished(req, ok=event.kind == "done")
+                self.metrics.state(self.engine.stats())
+            except Exception as exc:  # metrics must never cost a response
+                pb_utils.Logger.log_warn(f"{self.name}: metrics not updated: {type(exc).__name__}: {exc}")
         if event.kind == "error":
             self._send_error(sender, event.error, event.code)
         elif not self.decoupled:

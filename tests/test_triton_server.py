@@ -506,3 +506,46 @@ def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
     assert delta("dash_time_to_first_token_seconds") > 0 and delta("dash_request_seconds") > 0
     assert after["dash_kv_blocks_total"] == ENGINE.num_blocks
     assert after["dash_kv_blocks_in_use"] == 0 and after["dash_requests_running"] == 0
+
+
+def test_serve_exits_nonzero_when_a_model_worker_dies(tmp_path, model):
+    """kill -9 of a model's worker (the Python-backend stub): Triton would keep reporting the
+    model ready while failing every request; `dash-triton serve` stops the server and exits
+    3 with a line saying which worker died (a supervisor restarts it), leaving no tritonserver."""
+    import signal
+    import subprocess
+    import sys
+
+    from dash_trt.triton.server import free_ports
+
+    _server_or_skip  # the import check
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False)
+    http_port, grpc_port = free_ports(2)
+    serve = subprocess.Popen([sys.executable, "-m", "dash_trt.triton.cli", "serve", str(tmp_path / "repo"),
+                              "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = serve.stdout.readline()
+        if not line.startswith("ready"):
+            serve.kill()
+            _unavailable(f"serve did not start: {line!r} {serve.stderr.read()[-2000:]}")
+        server_pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == serve.pid)
+        stubs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == server_pid]
+        assert stubs, "no model worker found"
+        os.kill(stubs[0], signal.SIGKILL)
+        code = serve.wait(timeout=90)
+        err = serve.stderr.read()
+        assert code == 3 and f"a model worker died (pid {stubs[0]}" in err, err[-2000:]
+        assert _ppid(server_pid) is None  # the server is gone too
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])

@@ -166,9 +166,21 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}"
               + (f", metrics 127.0.0.1:{server.metrics_port}" if server.metrics_port else "")
               + "; Ctrl-C stops", file=out, flush=True)
+        # The models' workers (Python-backend stubs): when one dies, Triton keeps reporting the
+        # model ready while failing every request, so serve stops and exits non-zero instead
+        # (a supervisor then restarts it with a fresh server).
+        workers = server.workers()
         while not stop.wait(0.5):
             if not server.alive():
                 print(f"dash-triton serve: error: tritonserver exited:\n{server.log_tail()}", file=err)
+                return EXIT_SERVER
+            gone = {pid: m for pid, m in workers.items() if not os.path.exists(f"/proc/{pid}") or
+                    _zombie(pid)}
+            if gone:
+                pid, where = next(iter(gone.items()))
+                print(f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "
+                      f"cannot answer any more; stopping the server (exit {EXIT_SERVER}) so that a supervisor can "
+                      f"start a fresh one", file=err, flush=True)
                 return EXIT_SERVER
         print("stopping ...", file=err, flush=True)
     finally:
@@ -176,6 +188,14 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
             signal.signal(sig, handler)
         server.cleanup()
     return EXIT_OK
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

@@ -308,6 +308,29 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def workers(self) -> dict[int, str]:
+        """The server's Python-backend stub processes (one per model instance): pid -> name,
+        from /proc (Linux; empty elsewhere or when none runs)."""
+        if self.proc is None or not os.path.isdir("/proc"):
+            return {}
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    stat = fh.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmdline = fh.read().split(b"\0")
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 1 and int(fields[1]) == self.proc.pid and fields[0] != "Z" and \
+                    b"stub" in os.path.basename(cmdline[0]):
+                model = next((c.decode(errors="replace") for c in cmdline[1:] if c.endswith(b"/model.py")), "")
+                found[int(entry)] = model
+        return found
+
     def log_tail(self, chars: int = 3000) -> str:
         try:
             with open(self.log_path, "rb") as fh:

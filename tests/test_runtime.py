@@ -381,3 +381,29 @@ def test_engine_on_cuda_replays_graphs_like_eager_steps_and_sizes_its_pool_from_
     assert engine.generate(prompts, 7, stop_at_eos=False) == got[True]
     with pytest.raises(PoolTooSmallError, match="no room for the KV pool"):
         GenerationEngine(model, EngineConfig(kv_block_size=16, gpu_memory_fraction=1e-6))
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_graphs_equals_eager_steps():
+    """Per-request sampling on the GPU path: a seeded request draws from the rows of the
+    decode graphs' logits, which are the eager steps' bits, so graphs and eager steps give the
+    same sampled tokens (and the greedy requests batched with them the same greedy tokens)."""
+    from dash_trt.triton.engine import EngineConfig, GenerationEngine
+
+    model = _gpu_model(torch.bfloat16)
+    prompts = _documents(model.config, 4, seed=8)
+    got = {}
+    for graphs in (True, False):
+        engine = GenerationEngine(model, EngineConfig(kv_block_size=16, num_blocks=512, max_model_len=4096,
+                                                      prefill_chunk=64, max_batch_tokens=256, max_num_seqs=8,
+                                                      cuda_graphs=graphs))
+        engine.warmup()
+        sampled = [engine.submit(p, 7, stop_at_eos=False, sampling={"temperature": 0.8, "top_p": 0.9, "seed": i})
+                   for i, p in enumerate(prompts[:2])]
+        greedy = [engine.submit(p, 7, stop_at_eos=False) for p in prompts[2:]]
+        engine.run_until_idle()
+        got[graphs] = ([r.result(timeout=0) for r in sampled], [r.result(timeout=0) for r in greedy])
+        assert (engine.runtime.graph_steps > 0) == graphs
+        del engine
+    assert got[True] == got[False]
+    assert got[True][0][0] != got[True][0][1]  # two seeds, two different draws

@@ -313,3 +313,28 @@ def test_sizes_are_checked_before_the_prompt_is_read(model):
     with pytest.raises(RequestError, match="exceeds the model's max_model_len of 4096 tokens"):
         GenerationEngine(model, long).submit(Huge(10_000), 4)
     assert engine.stats()["refused"] == 2
+
+
+def test_drain_answers_queued_now_and_running_after_the_grace(model, prompts):
+    """drain(): new requests refused, queued ones (not admitted: the pool is full) failed at
+    once with UNAVAILABLE, running ones step on until the grace is over (an injected clock:
+    no real time), then fail UNAVAILABLE; the pool ends free."""
+    now = {"t": 0.0}
+    engine = GenerationEngine(model, EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200),
+                              clock=lambda: now["t"])
+    running = engine.submit(prompts[1], 80, stop_at_eos=False)  # 8 blocks
+    queued = engine.submit(prompts[0], 80, stop_at_eos=False)  # 9 blocks: does not fit beside the first
+    engine.step()
+    assert running.status == "running" and queued.status == "waiting"
+    assert engine.drain("going down", grace=5.0) == 1
+    assert queued.finished and queued.error_code == UNAVAILABLE and queued.error == "going down"
+    with pytest.raises(RequestError, match="going down"):
+        engine.submit(prompts[2], 3)
+    before = len(running.tokens)
+    engine.step()
+    engine.step()
+    assert not running.finished and len(running.tokens) == before + 2  # the grace: it still runs
+    now["t"] = 5.0
+    engine.step()
+    assert running.finished and running.error_code == UNAVAILABLE and running.error == "going down"
+    assert engine.stats()["kv_blocks_free"] == 12 and not engine.has_work()

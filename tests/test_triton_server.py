@@ -549,3 +549,58 @@ def _ppid(pid: int) -> int | None:
     except OSError:
         return None
     return None if fields[0] == "Z" else int(fields[1])
+
+
+def test_sigterm_drains_the_models_and_answers_every_request(tmp_path, model):
+    """SIGTERM to `dash-triton serve` with long requests in flight: every client gets an
+    answer (its tokens, or UNAVAILABLE "shutting down"; never a dropped connection), serve
+    exits 0 after the grace, no tritonserver is left and no shared-memory region leaks."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dash_trt.triton.server import free_ports
+
+    _server_or_skip  # the import check
+    write_repository(tmp_path / "repo", model, engine=EngineConfig(num_blocks=512, kv_block_size=16,
+                                                                   max_new_tokens_limit=512), streaming=True)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    http_port, grpc_port = free_ports(2)
+    serve = subprocess.Popen([sys.executable, "-m", "dash_trt.triton.cli", "serve", str(tmp_path / "repo"),
+                              "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--grace", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if not serve.stdout.readline().startswith("ready"):
+            serve.kill()
+            _unavailable(f"serve did not start: {serve.stderr.read()[-2000:]}")
+        answers, done = [], threading.Event()
+        prompts = [M.document_prompt([200, 200], "q", model.config) for _ in range(6)]
+
+        def keep(result):
+            answers.append(result)
+            if len(answers) == len(prompts):
+                done.set()
+
+        with C.DashClient(f"127.0.0.1:{grpc_port}", protocol="grpc", timeout=120) as c:
+            for p in prompts:
+                c.generate_async(p, 400, keep, stop_at_eos=False)
+            for _ in range(600):  # until the engine runs some of them
+                if c.stats()["running"] > 0:
+                    break
+                time.sleep(0.05)
+            serve.send_signal(signal.SIGTERM)
+            code = serve.wait(timeout=120)
+            assert done.wait(30), f"{len(answers)} of {len(prompts)} requests answered"
+        err = serve.stderr.read()
+        assert code == 0, err[-2000:]
+        for a in answers:
+            if isinstance(a, C.DashClientError):
+                assert a.status == "StatusCode.UNAVAILABLE" and "shutting down" in str(a), str(a)
+            else:
+                assert len(a.tokens) == 400
+        leaked = {f for f in (set(os.listdir("/dev/shm")) - shm_before) if "triton" in f}
+        assert not leaked, leaked
+    finally:
+        if serve.poll() is None:
+            serve.kill()

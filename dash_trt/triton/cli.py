@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
     s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the models to load")
+    s.add_argument("--grace", type=float, default=5.0,
+                   help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
+                        "UNAVAILABLE (default %(default)s)")
     return p
 
 
@@ -182,7 +185,19 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
                       f"cannot answer any more; stopping the server (exit {EXIT_SERVER}) so that a supervisor can "
                       f"start a fresh one", file=err, flush=True)
                 return EXIT_SERVER
-        print("stopping ...", file=err, flush=True)
+        # Graceful: the models answer what they hold while the server still serves, then
+        # the server stops (Triton then has nothing in flight and exits at once).
+        print(f"stopping: new requests refused, queued ones answered UNAVAILABLE, running ones given "
+              f"{a.grace:g} s ...", file=err, flush=True)
+        drained, notes = server.drain(grace=a.grace)
+        for note in notes:
+            print(f"dash-triton serve: {note}", file=err, flush=True)
+        code = server.stop()
+        if not drained or code not in (0, None):
+            print(f"dash-triton serve: error: the shutdown was not clean (tritonserver exit code {code})",
+                  file=err, flush=True)
+            return EXIT_SERVER
+        print("stopped", file=err, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

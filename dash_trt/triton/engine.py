@@ -250,6 +250,7 @@ class GenerationEngine:
         self._running: list[Request] = []
         self._reserved = 0
         self._closed: str | None = None
+        self._drain_deadline: float | None = None  #: drain(): running requests fail from then on
         self._step_no = 0  # steps run so far (not reset with the counters)
         self._ids = itertools.count()
         self.counters = {"submitted": 0, "refused": 0, "done": 0, "failed": 0, "steps": 0, "tokens_generated": 0,
@@ -368,7 +369,7 @@ class GenerationEngine:
             if self._paused and not self._closed:
                 poll = self.cancel_poll_interval if self.cancel_poll_interval > 0 else 0.05
                 self._work.wait(poll if timeout is None else min(timeout, poll))
-            elif not (self._incoming or self._waiting or self._running or self._closed):
+            elif not (self._incoming or self._waiting or self._running):  # closed and idle too: no spinning
                 self._work.wait(timeout)
             return not self._paused and bool(self._incoming or self._waiting or self._running)
 
@@ -401,6 +402,9 @@ class GenerationEngine:
                 req.status = "waiting"
                 self._waiting.append(req)
         self._drop_cancelled()
+        if self._drain_deadline is not None and self._clock() >= self._drain_deadline:
+            for req in list(self._running):  # the drain's grace is over
+                self._fail(req, self._closed or "the server is shutting down", UNAVAILABLE)
         self._admit()
         if self._paused:
             return False
@@ -436,6 +440,21 @@ class GenerationEngine:
         self.generate([document_prompt([1], "", self.model_config)], 2, stop_at_eos=False)
         self.runtime.capture_decode_graphs()
         self.reset_counters()
+
+    def drain(self, reason: str = "the server is shutting down", grace: float = 5.0) -> int:
+        """Graceful shutdown (any thread): refuse new requests and fail the queued ones now
+        (code ``unavailable``, with ``reason``), let the running ones go on for ``grace``
+        seconds, then fail what is left at the next step. Returns how many were failed now."""
+        with self._work:
+            self._closed = reason
+            pending = list(self._incoming) + list(self._waiting)
+            self._incoming.clear()
+            self._waiting.clear()
+            self._drain_deadline = self._clock() + max(0.0, float(grace))
+            self._work.notify_all()
+        for req in pending:
+            self._fail(req, reason, UNAVAILABLE)
+        return len(pending)
 
     def close(self, reason: str = "the generation engine is shutting down") -> int:
         """Refuse new requests and fail every queued or running one with ``reason``

@@ -59,6 +59,12 @@ GET_STATS = "get_stats"
 ENGINE_CONTROL = "engine_control"
 #: Values of ``engine_control``.
 CONTROL_ACTIONS = ("pause", "resume")
+#: ``drain <token> <grace seconds>``: the graceful shutdown that ``dash-triton serve`` sends
+#: each generation model on SIGTERM / Ctrl-C (refuse new requests, answer queued ones
+#: UNAVAILABLE, give running ones the grace, then UNAVAILABLE). Served only with the token
+#: that serve passes to the server's processes in DRAIN_TOKEN_ENV, so no client can drain.
+DRAIN_ACTION = "drain"
+DRAIN_TOKEN_ENV = "DASH_TRT_DRAIN_TOKEN"
 
 OUTPUT_IDS = "output_ids"
 PROMPT_TOKENS_DONE = "prompt_tokens_done"

@@ -24,6 +24,7 @@ are not affected); requests still queued at shutdown get ``UNAVAILABLE``; a fail
 step fails only the sequences in that step (``INTERNAL``).
 """
 
+import hmac
 import json
 import os
 
@@ -146,10 +147,24 @@ class TritonPythonModel:
 
     def _control(self, arr):
         P = self.P
+        action = arr.astype(np.uint8).tobytes().decode("utf-8", "replace")
+        words = action.split()
+        token = os.environ.get(P.DRAIN_TOKEN_ENV, "")
+        if len(words) == 3 and words[0] == P.DRAIN_ACTION:  # from dash-triton serve, with its token
+            if not token or not hmac.compare_digest(words[1], token):
+                raise self.RequestError(f"{P.ENGINE_CONTROL}: drain is reserved for the process that started the "
+                                        f"server")
+            try:
+                grace = float(words[2])
+            except ValueError:
+                raise self.RequestError(f"{P.ENGINE_CONTROL}: drain needs a grace in seconds") from None
+            failed = self.engine.drain(f"{self.name} is shutting down", grace)
+            pb_utils.Logger.log_info(f"{self.name}: draining for shutdown ({failed} queued request(s) answered "
+                                     f"UNAVAILABLE, {grace:g} s for the running ones)")
+            return
         if not self.allow_control:
             raise self.RequestError(f"{P.ENGINE_CONTROL} is disabled for this model (write the repository with "
                                     f"dash-triton write --allow-engine-control to enable it)")
-        action = arr.astype(np.uint8).tobytes().decode("utf-8", "replace")
         if action == "pause":
             self.engine.pause()
         elif action == "resume":

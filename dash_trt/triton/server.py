@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, INPUT_IDS, PARAM_ENGINE, STATS
 
 __all__ = ["TritonUnavailable", "TritonStartError", "TritonDist", "find_tritonserver", "free_ports", "TritonServer"]
 
@@ -190,6 +193,9 @@ class TritonServer:
         self.backends = prepare_backends(self.dist, os.path.join(self._scratch, "backends"))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        #: passed to the server's processes (DRAIN_TOKEN_ENV): the generation models serve the
+        #: drain control only with it (:meth:`drain`)
+        self.drain_token = secrets.token_hex(16)
 
     # ------------------------------------------------------------------ urls
     @property
@@ -236,7 +242,8 @@ class TritonServer:
                     f"left running by a killed dash-triton serve: stop it, or pick other ports)")
             self._log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=server_env(self.dist),
+                                         stdin=subprocess.DEVNULL,
+                                         env={**server_env(self.dist), DRAIN_TOKEN_ENV: self.drain_token},
                                          start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             try:
@@ -304,6 +311,85 @@ class TritonServer:
             self._log.close()
             self._log = None
         return code
+
+    def generation_models(self) -> dict[str, bool]:
+        """The repository's generation models (name -> decoupled): Python-backend models whose
+        config.pbtxt carries the engine configuration parameter (what ``dash-triton write``
+        writes)."""
+        found = {}
+        for entry in sorted(os.listdir(self.repository)):
+            path = os.path.join(self.repository, entry, "config.pbtxt")
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+            except OSError:
+                continue
+            name = re.search(r'^name:\s*"([^"]+)"', text, re.M)
+            if name and re.search(r'^backend:\s*"python"', text, re.M) and f'key: "{PARAM_ENGINE}"' in text:
+                found[name.group(1)] = bool(re.search(r"decoupled:\s*true", text))
+        return found
+
+    def _stats_call(self, client, model: str, decoupled: bool, control: bytes | None) -> dict:
+        """One statistics-answering request (``get_stats`` or ``engine_control``) over gRPC;
+        a decoupled model answers it on a stream."""
+        import json as _json
+        import queue
+
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        ids = grpcclient.InferInput(INPUT_IDS, [0], "INT64")
+        ids.set_data_from_numpy(np.zeros(0, dtype=np.int64))
+        if control is not None:
+            extra = grpcclient.InferInput(ENGINE_CONTROL, [len(control)], "UINT8")
+            extra.set_data_from_numpy(np.frombuffer(control, dtype=np.uint8))
+        else:
+            extra = grpcclient.InferInput(GET_STATS, [1], "BOOL")
+            extra.set_data_from_numpy(np.array([True]))
+        if not decoupled:
+            result = client.infer(model, [ids, extra], client_timeout=10)
+        else:
+            answers: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: answers.put((result, error)))
+            try:
+                client.async_stream_infer(model, [ids, extra])
+                result, error = answers.get(timeout=10)
+            finally:
+                client.stop_stream()
+            if error is not None:
+                raise error
+        return _json.loads(result.as_numpy(STATS).astype(np.uint8).tobytes().decode())
+
+    def drain(self, grace: float = 5.0, timeout: float | None = None) -> tuple[bool, list[str]]:
+        """Graceful shutdown of the generation models, while the server still answers: each
+        refuses new requests, answers its queued ones UNAVAILABLE, gives the running ones
+        ``grace`` seconds and then answers them UNAVAILABLE too. Waits (up to ``timeout``,
+        default grace + 10 s) until no model holds a request. Returns (all drained, notes)."""
+        import tritonclient.grpc as grpcclient
+
+        notes, models = [], self.generation_models()
+        control = f"{DRAIN_ACTION} {self.drain_token} {grace:g}".encode()
+        pending = set()
+        with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            for model, decoupled in models.items():
+                try:
+                    self._stats_call(client, model, decoupled, control)
+                    pending.add(model)
+                except Exception as exc:  # noqa: BLE001 - reported, the shutdown goes on
+                    notes.append(f"{model}: drain not delivered ({type(exc).__name__}: {exc})")
+            deadline = time.monotonic() + (grace + 10.0 if timeout is None else timeout)
+            while pending and time.monotonic() < deadline:
+                for model in sorted(pending):
+                    try:
+                        st = self._stats_call(client, model, models[model], None)
+                    except Exception:  # noqa: BLE001 - asked again until the deadline
+                        continue
+                    if st.get("running", 1) == 0 and st.get("waiting", 1) == 0:
+                        pending.discard(model)
+                if pending:
+                    time.sleep(0.2)
+        notes += [f"{m}: still held requests after the drain" for m in sorted(pending)]
+        return not notes, notes
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

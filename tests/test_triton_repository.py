@@ -311,3 +311,17 @@ def test_force_replaces_only_a_repository_it_wrote(tmp_path, model):
     write_repository(empty, model, streaming=False, force=True)  # a marked repository: replaced whole
     assert not (empty / "dash" / "extra.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "work"]  # no scratch left
+
+
+@pytest.mark.parametrize("name", ["a$(touch pwned)b", "x;y", "with space", "q'uote", "back`tick`"])
+def test_paths_a_shell_would_run_are_refused(tmp_path, model, name, capsys):
+    """Triton's Python backend starts a model's stub through a shell with the model's path in
+    it: write and serve refuse paths with shell metacharacters instead of letting it run them."""
+    from dash_trt.triton import cli
+
+    with pytest.raises(RepositoryError, match="starts its models through a shell"):
+        write_repository(tmp_path / name, model, streaming=False)
+    assert not (tmp_path / name).exists() and not (tmp_path / "pwned").exists()
+    (tmp_path / name).mkdir()
+    assert cli.main(["serve", str(tmp_path / name)]) == 2
+    assert "starts its models through a shell" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from ..config import DashConfigError
 from ..model import CheckpointError, ModelConfigError, demo_model, load_checkpoint
 from . import protocol as P
 from .engine import EngineConfig, EngineConfigError
-from .repository import RepositoryError, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
+from .repository import RepositoryError, check_served_path, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
 
@@ -148,6 +148,11 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
 def serve_main(a, out: TextIO, err: TextIO) -> int:
     from .server import TritonServer, TritonStartError, TritonUnavailable
 
+    try:
+        check_served_path(os.path.abspath(a.repository))
+    except RepositoryError as exc:
+        print(f"dash-triton serve: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
     try:
         server = TritonServer(a.repository, http_port=a.http_port, grpc_port=a.grpc_port,
                               metrics_port=a.metrics_port, log_path=a.log, verbose=a.verbose)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -339,6 +340,21 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+#: Characters a repository path may hold: Triton's Python backend starts each model's stub
+#: through a shell with the model's path in the command line, so ``$(...)``, ``;``, quotes,
+#: spaces and the like would be run or split by that shell.
+_SAFE_CHAR = re.compile(r"[A-Za-z0-9._/+@:,=~%-]")
+
+
+def check_served_path(path: str) -> None:
+    """RepositoryError unless ``path`` is safe to hand to Triton's Python backend."""
+    bad = sorted(set(_SAFE_CHAR.sub("", path)))
+    if bad:
+        raise RepositoryError(
+            f"the repository path {path!r} holds {''.join(bad)!r}: Triton's Python backend starts its models through "
+            f"a shell, which would run or split such characters; use a path of letters, digits and . _ / + @ : , = ~ % -")
+
+
 #: The file that marks a folder as a repository ``dash-triton write`` wrote (and so may replace).
 MARKER = ".dash-trt-repository"
 
@@ -356,6 +372,7 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
     The plan model needs ``plan``, ``onnx`` and ``plugin`` together.
     """
     out = os.path.abspath(os.fspath(out))
+    check_served_path(out)
     engine = engine or EngineConfig()
     if not name or not all(c.isalnum() or c in "_-" for c in name):
         raise RepositoryError(f"model name must be letters, digits, '_' or '-', got {name!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,25 +122,13 @@ def read_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return to_local_names(state), config
 
 
-def _atomic(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_pretrained(model, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
     """Write ``model`` (a :class:`~dash_trt.model.DashForCausalLM`) as a Hugging Face folder:
     ``config.json`` and ``model.safetensors``, or with ``max_shard_bytes`` shards of at most
     that size (a tensor larger than it gets a shard of its own) and their index. Each file is
     written whole and renamed into place, the index and config last; weight files of an
     earlier save that the new one does not use are removed. Returns the files written."""
-    from .model import DTYPES
+    from .model import DTYPES, _atomic_write
 
     st = _safetensors()
     folder = os.fspath(folder)
@@ -176,14 +163,14 @@ def save_pretrained(model, folder: str | os.PathLike, *, max_shard_bytes: int | 
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, part in zip(names, shards):
-        _atomic(os.path.join(folder, fname), lambda tmp, part=part: st.save_file(part, tmp, metadata=meta))
+        _atomic_write(os.path.join(folder, fname), lambda tmp, part=part: st.save_file(part, tmp, metadata=meta))
         written.append(fname)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": {k: fname for fname, part in zip(names, shards) for k in part}}
-        _atomic(os.path.join(folder, INDEX_FILE), lambda tmp: _dump(index, tmp))
+        _atomic_write(os.path.join(folder, INDEX_FILE), lambda tmp: _dump(index, tmp))
         written.append(INDEX_FILE)
-    _atomic(os.path.join(folder, CONFIG_FILE), lambda tmp: _dump(config, tmp))
+    _atomic_write(os.path.join(folder, CONFIG_FILE), lambda tmp: _dump(config, tmp))
     written.append(CONFIG_FILE)
     for old in os.listdir(folder):  # an earlier save's weights would contradict this one
         if old not in written and (old in (WEIGHTS_FILE, INDEX_FILE) or _SHARD.fullmatch(old)):

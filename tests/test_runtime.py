@@ -356,6 +356,13 @@ def test_cuda_runtime_tokens_equal_cpu_generation():
     assert gpu.tokens == cpu.tokens and gpu.graph_steps > 0
 
 
+def _gpu_engine_config(**kw):
+    from dash_trt.triton.engine import EngineConfig
+
+    return EngineConfig(**{**dict(kv_block_size=16, num_blocks=512, max_model_len=4096, prefill_chunk=64,
+                                  max_batch_tokens=256, max_num_seqs=8), **kw})
+
+
 @pytest.mark.gpu
 def test_engine_on_cuda_replays_graphs_like_eager_steps_and_sizes_its_pool_from_memory():
     """The serving engine with decode graphs gives the tokens of the same engine with every
@@ -367,9 +374,7 @@ def test_engine_on_cuda_replays_graphs_like_eager_steps_and_sizes_its_pool_from_
     prompts = _documents(model.config, 6, seed=6)
     got = {}
     for graphs in (True, False):
-        engine = GenerationEngine(model, EngineConfig(kv_block_size=16, num_blocks=512, max_model_len=4096,
-                                                      prefill_chunk=64, max_batch_tokens=256, max_num_seqs=8,
-                                                      cuda_graphs=graphs))
+        engine = GenerationEngine(model, _gpu_engine_config(cuda_graphs=graphs))
         engine.warmup()
         got[graphs] = engine.generate(prompts, 7, stop_at_eos=False)
         assert (engine.runtime.graph_steps > 0) == graphs
@@ -388,15 +393,13 @@ def test_seeded_sampling_on_cuda_graphs_equals_eager_steps():
     """Per-request sampling on the GPU path: a seeded request draws from the rows of the
     decode graphs' logits, which are the eager steps' bits, so graphs and eager steps give the
     same sampled tokens (and the greedy requests batched with them the same greedy tokens)."""
-    from dash_trt.triton.engine import EngineConfig, GenerationEngine
+    from dash_trt.triton.engine import GenerationEngine
 
     model = _gpu_model(torch.bfloat16)
     prompts = _documents(model.config, 4, seed=8)
     got = {}
     for graphs in (True, False):
-        engine = GenerationEngine(model, EngineConfig(kv_block_size=16, num_blocks=512, max_model_len=4096,
-                                                      prefill_chunk=64, max_batch_tokens=256, max_num_seqs=8,
-                                                      cuda_graphs=graphs))
+        engine = GenerationEngine(model, _gpu_engine_config(cuda_graphs=graphs))
         engine.warmup()
         sampled = [engine.submit(p, 7, stop_at_eos=False, sampling={"temperature": 0.8, "top_p": 0.9, "seed": i})
                    for i, p in enumerate(prompts[:2])]

@@ -90,6 +90,11 @@ def page_coordinates(
             "image tokens; this sequence has "
             + ("no image token" if last_image < 0 else "no <PAGE> marker before its image tokens")
         )
+    early = image & (cum == 0)
+    if bool(early.any()):
+        first = int(torch.nonzero(early)[0])
+        raise ValueError(f"image token at position {first} comes before the first <PAGE> marker: every image token "
+                         f"must belong to a document page (<PAGE> followed by its image tokens)")
     num_pages = cum[last_image]
     prefill = ar <= last_image
     raw_page = torch.where(prefill, cum, cum - num_pages).clamp(min=0)

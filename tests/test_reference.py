@@ -54,6 +54,7 @@ def test_page_coordinates_response_markers_past_last_page():
         ([0, 1, 1, 2, 0], "no <PAGE> marker before"),
         ([], "no image token"),
         ([0, 3, 1], "must be 0 \\(text\\), 1 \\(image\\) or 2"),
+        ([0, 1, 2, 1, 1], "image token at position 1 comes before the first <PAGE> marker"),
     ],
 )
 def test_page_coordinates_rejects_prompts_without_pages(roles, match):

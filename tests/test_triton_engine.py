@@ -139,6 +139,7 @@ def _bad_requests(cfg, engine_cfg):
         ([], None, "input_ids is empty"),
         (M.tokenize("no document here", cfg), None, "no image token"),
         ([image, image, 65], None, "no <PAGE> marker before its image tokens"),
+        ([65, image, page, image], None, "image token at position 1 comes before the first <PAGE> marker"),
         ([page, image, cfg.vocab_size + 3, -1], None, r"outside the vocabulary 0\.\.319: \[323, -1\]"),
         (np.array([page, image], dtype=np.float32), None, "integer token ids, got dtype float32"),
         (np.array([[page, image]], dtype=np.int64), None, r"1-D \[num_tokens\], got shape \[1, 2\]"),

@@ -532,11 +532,26 @@ def test_serve_exits_nonzero_when_a_model_worker_dies(tmp_path, model):
         server_pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == serve.pid)
         stubs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == server_pid]
         assert stubs, "no model worker found"
-        os.kill(stubs[0], signal.SIGKILL)
-        code = serve.wait(timeout=90)
+        import threading
+
+        answers, done = [], threading.Event()
+
+        def keep(result):
+            answers.append(result)
+            if len(answers) == 3:
+                done.set()
+
+        with C.DashClient(f"127.0.0.1:{grpc_port}", protocol="grpc", timeout=300) as c:
+            for _ in range(3):  # in flight when the worker dies: the dead worker will never answer them
+                c.generate_async(M.document_prompt([200, 200], "q", model.config), 60, keep, stop_at_eos=False)
+            os.kill(stubs[0], signal.SIGKILL)
+            code = serve.wait(timeout=90)
+            assert done.wait(30), "in-flight requests left hanging"  # not until their 300 s deadline
         err = serve.stderr.read()
         assert code == 3 and f"a model worker died (pid {stubs[0]}" in err, err[-2000:]
         assert _ppid(server_pid) is None  # the server is gone too
+        for a in answers:  # the connection closed with the server: gRPC UNAVAILABLE, or done before the kill
+            assert not isinstance(a, C.DashClientError) or a.status == "StatusCode.UNAVAILABLE", str(a)
     finally:
         if serve.poll() is None:
             serve.kill()

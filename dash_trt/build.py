@@ -27,6 +27,8 @@ seqs            ``--max-seqs``                          ``1,16,64`` sequences pe
 width           ``--max-table-width``                   ``ceil(--max-context / KV block size)``
 blocks          ``--max-blocks``                        ``1, seqs.opt * width.opt, seqs.max * width.max``
 logits          (derived)                               ``1, seqs.opt, max(seqs.max, tokens.max)`` rows scored
+images          (derived)                               ``0, tokens.opt, tokens.max`` image feature rows
+                                                        (models that take image features)
 ==============  ======================================  ============================================
 
 Any other dynamic input needs ``--shape NAME:MIN:OPT:MAX`` (dims as ``AxB``, trtexec style).
@@ -92,8 +94,9 @@ DIM_ROLES: dict[str, str] = {
     "block_table_width": "width",
     "table_width": "width",
     "num_logits": "logits",
+    "num_image_features": "images",
 }
-ROLES = ("tokens", "seqs", "width", "blocks", "logits")
+ROLES = ("tokens", "seqs", "width", "blocks", "logits", "images")
 
 NOT_FOUND = (
     "TensorRT not found: pip install tensorrt (TensorRT >= 10.8; e.g. 'pip install tensorrt-cu12' for "
@@ -231,7 +234,9 @@ def derive_limits(inputs: Sequence[InputSpec], *, tokens: Limit | None = None, s
     # Rows scored (logits_indices): one per sampling sequence when serving, every new token in
     # the export check and dash-compare.
     logits = Limit(1, seqs.opt, max(seqs.max, tokens.max))
-    return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks, "logits": logits}
+    # Image feature rows of a step: at most one per new token (0 when no prompt carries any).
+    images = Limit(0, tokens.opt, tokens.max)
+    return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks, "logits": logits, "images": images}
 
 
 def profile_shapes(inputs: Sequence[InputSpec], limits: Mapping[str, Limit],

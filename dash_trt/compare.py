@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .model import DashForCausalLM, demo_model, document_prompt, generate, load_checkpoint
+from .model import DashModel, check_prompts, demo_model, generate, load_checkpoint
 
 __all__ = ["CompareReport", "compare", "main", "TorchRunner", "InPlaceTorchRunner"]
 
@@ -69,7 +69,7 @@ def _runner_base():
 class TorchRunner(_runner_base()):  # type: ignore[misc]
     """A polygraphy runner over :class:`DashForCausalLM` (feeds and outputs by ONNX name)."""
 
-    def __init__(self, model: DashForCausalLM, input_names: Sequence[str], output_names: Sequence[str],
+    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str],
                  name: str):
         super().__init__(name=name)
         self.model = model
@@ -91,7 +91,7 @@ class TorchRunner(_runner_base()):  # type: ignore[misc]
         device = self.model.device
         args = [_to_torch(feed_dict[n]).to(device) for n in self.input_names]
         with torch.no_grad():
-            out = self.model(*args)
+            out = self.model.export_forward(*args)
         return OrderedDict((n, _to_numpy(t)) for n, t in zip(self.output_names, out))
 
 
@@ -101,12 +101,10 @@ class InPlaceTorchRunner(TorchRunner):
     copies each step's ``past.*`` feed into them, lets the step write them in place and
     returns them as ``present.*``."""
 
-    def __init__(self, model: DashForCausalLM, input_names: Sequence[str], output_names: Sequence[str],
+    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str],
                  name: str):
         super().__init__(model, input_names, output_names, name)
-        from .model import MODEL_INPUTS
-
-        self.n_meta = len(MODEL_INPUTS)
+        self.n_meta = len(model.input_names())
         self.caches = None
 
     def infer_impl(self, feed_dict):
@@ -125,12 +123,12 @@ class InPlaceTorchRunner(TorchRunner):
             n, sbs = len(CACHE_FIELDS), self.model.config.dash.sparse_block_size
             self.caches = [DashKVCache(*(t.to(device).clone() for t in past[n * i:n * (i + 1)]), sparse_block_size=sbs)
                            for i in range(len(past) // n)]
-        ids, coords, tables, lens, qsl, prompts, rows = meta
+        ids, coords, tables, lens, qsl, prompts, rows, *images = meta
         counts = np.diff(feed_dict[names[4]])
         batch = DashBatch(tables.int(), lens.int(), qsl.int(), prompts.int(),
                           max_query_len=int(counts.max()) if counts.size else 1)
         with torch.no_grad():
-            logits = self.model.forward_paged(ids, coords, batch, self.caches, rows)
+            logits = self.model.forward_paged(ids, coords, batch, self.caches, rows, *images)
         out = [logits, *flat_cache_tensors(self.caches)]
         return OrderedDict((name, _to_numpy(t)) for name, t in zip(self.output_names, out))
 
@@ -179,7 +177,7 @@ def _onnx_dims(path: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     return {v.name: dims(v) for v in m.graph.input}, {v.name: dims(v) for v in m.graph.output}
 
 
-def check_model_matches(onnx_path: str, model: DashForCausalLM) -> None:
+def check_model_matches(onnx_path: str, model: DashModel) -> None:
     """CompareError naming every way ``model`` is not the model the file was exported from
     (layers, cache shapes, vocabulary), before anything runs."""
     from .export import graph_mismatches
@@ -222,18 +220,12 @@ def _tensorrt_runner(engine: str, plugin: str | None):
     return TrtRunner(EngineFromBytes(data), name="tensorrt")
 
 
-def default_prompts(model: DashForCausalLM, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-
-    def pages(n):
-        return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
-
-    cfg = model.config
-    return [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
-            document_prompt(pages(2), "Title?", cfg)]
+def default_prompts(model: DashModel, seed: int) -> list[list[int]]:
+    """The check's prompts (:func:`dash_trt.model.check_prompts`)."""
+    return check_prompts(model, seed)[0]
 
 
-def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None, plugin: str | None = None,
+def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plugin: str | None = None,
             use_cuda: bool = True, seed: int = 0, decode_steps: int = 3, prefill_chunk: int | None = 40,
             atol: float | None = None, rtol: float | None = None, save_inputs: str | None = None,
             save_outputs: str | None = None, log=print) -> CompareReport:
@@ -296,8 +288,9 @@ def compare(onnx_path: str, model: DashForCausalLM, *, engine: str | None = None
                 f"{inputs['seq_lens'].shape[0]} sequences through {len(runners)} runners")
             return _to_torch(out[out_names[0]])[wanted.cpu()], [_to_torch(out[n]) for n in out_names[1:]]
 
-        generate(model, default_prompts(model, seed), decode_steps, prefill_chunk=prefill_chunk,
-                 kv_block_size=kv_block_size, stop_at_eos=False, forward=forward)
+        prompts, features = check_prompts(model, seed)
+        generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
+                 stop_at_eos=False, forward=forward, image_features=features)
     finally:
         for r in runners:
             r.deactivate()
@@ -361,6 +354,8 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="the checkpoint the file was exported from (model.pt or a Hugging Face folder)")
     src.add_argument("--demo", action="store_true", help="the built-in demo model (as dash-export --demo)")
+    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
+                   help="the checkpoint's model class (as dash-export --model; default: its config's architecture)")
     p.add_argument("--seed", type=int, default=0, help="demo model seed (dash-export --seed) and prompt seed")
     p.add_argument("--engine", help="a TensorRT engine built by dash-build")
     p.add_argument("--plugin", help="libdash_trt_plugin.so (with --engine)")
@@ -395,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = demo_model(seed=a.seed)
         else:
             try:
-                model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load)
+                model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
             except Exception as exc:  # noqa: BLE001 - reported as bad input
                 raise CompareError(f"{a.checkpoint}: {exc}") from None
         if a.engine is not None and not os.path.isfile(a.engine):

@@ -50,12 +50,16 @@ from .model import (
     DTYPES,
     MODEL_INPUTS,
     CheckpointError,
-    DashForCausalLM,
+    DashModel,
+    ExportGraph,
     ModelConfigError,
+    ModelContractError,
     PagedState,
+    check_prompts,
     demo_model,
     document_prompt,
     generate,
+    image_feature_rows,
     load_checkpoint,
     load_model_config,
     random_model,
@@ -152,7 +156,7 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------- export
-def _example_inputs(model: DashForCausalLM, kv_block_size: int):
+def _example_inputs(model: DashModel, kv_block_size: int):
     """A real ragged batch (two sequences, prefill chunks) as export example. Every
     dynamic size is >= 2 and distinct, so the exporter specialises none of them."""
     cfg = model.config
@@ -169,10 +173,15 @@ def _example_inputs(model: DashForCausalLM, kv_block_size: int):
     ids = torch.tensor(prompts[0] + prompts[1], dtype=torch.long, device=model.device)
     # Rows to score: each sequence's last token, then others (9 rows: apart from every other size).
     rows = torch.tensor([n[0] - 1, n[0] + n[1] - 1, 0, 1, 2, 3, 4, 5, 6], dtype=torch.long, device=model.device)
-    return (ids, coords, *batch.tensors(), rows, *state.tensors())
+    images = ()
+    if model.takes_image_features:  # features for the first prompt's 5 image tokens, none for the second's
+        index = image_feature_rows(prompts[0], cfg, 5) + [-1] * n[1]
+        feats = torch.randn(5, cfg.image_feature_dim, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+        images = (feats.to(model.device), torch.tensor(index, dtype=torch.long, device=model.device))
+    return (ids, coords, *batch.tensors(), rows, *images, *state.tensors())
 
 
-def _dynamic_shapes(model: DashForCausalLM):
+def _dynamic_shapes(model: DashModel):
     Dim = torch.export.Dim
     tokens = Dim("num_tokens", min=1)
     seqs = Dim("num_seqs", min=1)
@@ -187,9 +196,13 @@ def _dynamic_shapes(model: DashForCausalLM):
         "query_start_loc": {0: seqs + 1},
         "prompt_lens": {0: seqs},
         "logits_indices": {0: scored},
+        "image_features": {0: Dim("num_image_features", min=0)},
+        "image_feature_index": {0: tokens},
     }
     # forward(*inputs, *caches): torch.export sees the caches as one varargs tuple
-    return (*(per_input[n] for n in MODEL_INPUTS), tuple({0: blocks} for _ in model.cache_names("past")))
+    # forward(*MODEL_INPUTS, *rest): torch.export sees the rest (image inputs, caches) as one tuple
+    rest = [per_input[n] for n in model.input_names()[len(MODEL_INPUTS):]]
+    return (*(per_input[n] for n in MODEL_INPUTS), (*rest, *({0: blocks} for _ in model.cache_names("past"))))
 
 
 @contextlib.contextmanager
@@ -222,7 +235,7 @@ def exporter_available() -> str | None:
     return None
 
 
-def export_program(model: DashForCausalLM, *, kv_block_size: int = 16):
+def export_program(model: DashModel, *, kv_block_size: int = 16):
     """Export ``model`` to an ``torch.onnx.ONNXProgram`` with the DashAttention
     function attached (nothing written)."""
     import onnx_ir as ir
@@ -231,14 +244,15 @@ def export_program(model: DashForCausalLM, *, kv_block_size: int = 16):
     if reason:
         raise ExportError(reason)
     model = model.eval()
+    model.dash_layers()  # the contract's checks, before a long trace
     args = _example_inputs(model, kv_block_size)
     with _quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
-            model,
+            ExportGraph(model),
             args,
             dynamo=True,
             dynamic_shapes=_dynamic_shapes(model),
-            input_names=[*MODEL_INPUTS, *model.cache_names("past")],
+            input_names=[*model.input_names(), *model.cache_names("past")],
             output_names=["logits", *model.cache_names("present")],
             opset_version=onnx_ops.OPSET,
             custom_translation_table=onnx_ops.translation_table(),
@@ -256,7 +270,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.state_dict().values())
 
 
-def export_onnx(model: DashForCausalLM, path: str | os.PathLike, *, kv_block_size: int = 16,
+def export_onnx(model: DashModel, path: str | os.PathLike, *, kv_block_size: int = 16,
                 external_data: bool | None = None) -> str:
     """Export ``model`` to ``path`` (written non-atomically; :func:`main` wraps this).
     ``external_data`` None decides by size (weights over ~1.8 GB go to ``path.data``).
@@ -271,13 +285,13 @@ def export_onnx(model: DashForCausalLM, path: str | os.PathLike, *, kv_block_siz
 
 
 def graph_mismatches(inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, Sequence[int]],
-                     model: DashForCausalLM, kv_block_size: int) -> list[str]:
+                     model: DashModel, kv_block_size: int) -> list[str]:
     """Where an exported graph's interface (input / output name -> dims, -1 where dynamic)
     differs from what ``model`` exports with KV blocks of ``kv_block_size``: missing or
     unexpected inputs, each cache's fixed dims (KV heads, head dim, indexer dim, block size),
     the logits' vocabulary. One line per problem; empty when they match."""
     problems: list[str] = []
-    want = [*MODEL_INPUTS, *model.cache_names("past")]
+    want = [*model.input_names(), *model.cache_names("past")]
     have_layers = len({n.split(".")[1] for n in inputs if n.startswith("past.") and n.count(".") == 2})
     if have_layers != model.config.num_hidden_layers:
         problems.append(f"the graph has caches for {have_layers} layers, the checkpoint has "
@@ -363,25 +377,20 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_size: int = 16, seed: int = 0,
+def verify_onnx(path: str | os.PathLike, model: DashModel, *, kv_block_size: int = 16, seed: int = 0,
                 prompts: Sequence[Sequence[int]] | None = None, decode_steps: int = 3,
                 prefill_chunk: int | None = 40, num_blocks: int | None = None,
-                progress: Progress | None = None) -> VerifyReport:
+                progress: Progress | None = None,
+                image_features: Sequence[torch.Tensor | None] | None = None) -> VerifyReport:
     """Run the ONNX file in ONNX Runtime next to PyTorch on the same steps (chunked
     prefill and decode of random document prompts, caches threaded through each
     runtime separately) and compare the logits and every cache tensor."""
     path = os.fspath(path)
-    cfg = model.config
     dtype = model.dtype
     atol, rtol = VERIFY_TOLERANCES[dtype]
     if prompts is None:
-        gen = torch.Generator().manual_seed(seed)
-
-        def pages(n):
-            return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
-
-        prompts = [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
-                   document_prompt(pages(2), "Title?", cfg)]
+        prompts, default_features = check_prompts(model, seed)
+        image_features = default_features if image_features is None else image_features
     sess = _ort_session(path)
     in_names = [i.name for i in sess.get_inputs()]
     report = VerifyReport()
@@ -395,7 +404,7 @@ def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_siz
         wanted = inputs["logits_indices"]
         inputs = dict(inputs, logits_indices=torch.arange(inputs["input_ids"].shape[0], device=wanted.device))
         with torch.no_grad():
-            out = model(*inputs.values(), *caches)
+            out = model.export_forward(*inputs.values(), *caches)
         if ort_caches is None:
             ort_caches = [_to_numpy(c) for c in caches]
         feed = dict(zip(in_names, [_to_numpy(v) for v in inputs.values()] + ort_caches))
@@ -432,7 +441,7 @@ def verify_onnx(path: str | os.PathLike, model: DashForCausalLM, *, kv_block_siz
         return out[0][wanted], out[1:]
 
     generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
-             num_blocks=num_blocks, stop_at_eos=False, forward=forward)
+             num_blocks=num_blocks, stop_at_eos=False, forward=forward, image_features=image_features)
     return report
 
 
@@ -458,6 +467,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="export a model of this config.json with random weights (for engine builds and "
                           "benchmarks, see export/configs)")
     p.add_argument("--out", "-o", required=True, help="output .onnx path")
+    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
+                   help="the model class, a dash_trt.modeling.DashModel subclass: package.module:Class or "
+                        "path/to/file.py:Class (default: the config's architectures[0], DashForCausalLM or one "
+                        "registered under the 'dash_trt.models' entry points; see docs/models.md)")
     p.add_argument("--config", metavar="CONFIG_JSON",
                    help="config.json to use instead of the checkpoint's own (for a bare state dict)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -494,14 +507,16 @@ def _check_output_path(out: str) -> str:
     return out
 
 
-def _load(a) -> DashForCausalLM:
+def _load(a) -> DashModel:
     dtype = DTYPES[a.dtype] if a.dtype else None
     if a.demo:
+        if a.model_class:
+            raise BadInput("--demo is the built-in DashForCausalLM; --model takes a checkpoint or --random-init")
         return demo_model(seed=a.seed, dtype=dtype or torch.float32)
     if a.random_init:
-        return random_model(load_model_config(a.random_init), seed=a.seed, dtype=dtype)
+        return random_model(load_model_config(a.random_init), seed=a.seed, dtype=dtype, model_class=a.model_class)
     config = load_model_config(a.config) if a.config else None
-    model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, config=config)
+    model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, config=config, model_class=a.model_class)
     return model.to(dtype) if dtype else model
 
 
@@ -567,7 +582,7 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
             save_checkpoint(model, a.save_checkpoint)
         if a.save_pretrained:
             save_pretrained(model, a.save_pretrained)
-    except (BadInput, CheckpointError, ModelConfigError, DashConfigError) as exc:
+    except (BadInput, CheckpointError, ModelConfigError, DashConfigError, ModelContractError) as exc:
         return fail(EXIT_BAD_INPUT, str(exc))
     except (OSError, ValueError) as exc:
         return fail(EXIT_BAD_INPUT, f"{type(exc).__name__}: {exc}")
@@ -623,7 +638,7 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
     return EXIT_OK
 
 
-def _verify_with_fallback(path: str, model: DashForCausalLM, a, progress: Progress):
+def _verify_with_fallback(path: str, model: DashModel, a, progress: Progress):
     """Verify ``path``; for bfloat16, where ONNX Runtime's CPU provider has no kernels
     (NOT_IMPLEMENTED for Mul and others), verify a float32 export of the same weights
     instead: the graph is the same, only the dtype differs. Returns (report, what was

@@ -32,6 +32,7 @@ import math
 import os
 import pickle
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,25 +42,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attributes as A
 from . import fused as _fused
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
-from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
-from .paged import (
-    DashBatch,
-    DashKVCache,
-    KVBlockPool,
-    assign_flat_cache_tensors,
-    flat_cache_tensors,
+from .modeling import (
+    IMAGE_INPUTS,
+    MODEL_INPUTS,
+    DashAttention,
+    DashContext,
+    DashModel,
+    ExportGraph,
+    ModelContractError,
 )
-from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
+from .paged import KVBlockPool, assign_flat_cache_tensors, flat_cache_tensors
+from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 
 __all__ = [
     "DashModelConfig",
     "ModelConfigError",
     "CheckpointError",
     "DashForCausalLM",
+    "DashModel",
+    "DashAttention",
+    "DashContext",
+    "ExportGraph",
+    "ModelContractError",
+    "resolve_model_class",
+    "build_model",
+    "image_feature_rows",
     "MODEL_INPUTS",
+    "IMAGE_INPUTS",
     "DTYPES",
     "DEMO_CONFIG",
     "demo_model",
@@ -71,6 +82,7 @@ __all__ = [
     "tokenize",
     "detokenize",
     "document_prompt",
+    "check_prompts",
     "token_role",
     "token_roles",
     "PagedState",
@@ -78,13 +90,6 @@ __all__ = [
     "generate",
     "reference_generate",
 ]
-
-#: Names of the forward pass's non-cache inputs, in order (also the ONNX input names).
-#: ``logits_indices`` [N] int64 are the rows of the new tokens to score (vLLM's logits
-#: indices: the last token of each sequence that samples), so no runtime materialises
-#: [T, vocab] logits for prefill chunks; ``torch.arange(T)`` scores every token.
-MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens",
-                "logits_indices")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -118,6 +123,12 @@ class DashModelConfig:
     tie_word_embeddings: bool = False
     eos_token_id: int | None = None
     torch_dtype: str = "float32"
+    #: Values per image feature row a request may carry for its ``<image>`` tokens (what the
+    #: vision encoder produces; the model's ``embed_image_features`` maps them to hidden_size).
+    #: None: the model takes none, image tokens are embedded from the token table.
+    image_feature_dim: int | None = None
+    #: Every other key of the config.json (a user's model reads its own keys here).
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "index_head_dim", "intermediate_size")
@@ -148,6 +159,12 @@ class DashModelConfig:
         if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
                 and self.rms_norm_eps > 0):
             raise ModelConfigError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        ifd = self.image_feature_dim
+        if ifd is not None and (isinstance(ifd, bool) or not isinstance(ifd, int) or not 0 < ifd <= 1 << 16):
+            raise ModelConfigError(f"image_feature_dim must be a positive integer up to {1 << 16} (or null), "
+                                   f"got {ifd!r}")
+        if not isinstance(self.extra, Mapping):
+            raise ModelConfigError(f"extra must be a mapping of config keys, got {type(self.extra).__name__}")
         if self.torch_dtype not in DTYPES:
             raise ModelConfigError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
         try:
@@ -180,11 +197,25 @@ class DashModelConfig:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.torch_dtype]
 
+    @property
+    def architecture(self) -> str:
+        """The model class's name (``architectures[0]`` of the config.json)."""
+        arch = self.extra.get("architectures")
+        return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else ARCHITECTURE
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A config.json key: a field of this class, else one of :attr:`extra`."""
+        if key in self._FIELDS:
+            return getattr(self, key)
+        return self.extra.get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` content."""
-        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        builtin = self.architecture == ARCHITECTURE
+        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE} if builtin else {}
+        out.update(self.extra)
         for f in dataclasses.fields(self):
-            if f.name != "dash":
+            if f.name not in ("dash", "extra") and not (f.name == "image_feature_dim" and self.image_feature_dim is None):
                 out[f.name] = getattr(self, f.name)
         out[CONFIG_SECTION] = self.dash.to_dict()
         return out
@@ -204,12 +235,17 @@ class DashModelConfig:
         missing = [k for k in cls._REQUIRED if k not in config]
         if missing:
             raise ModelConfigError(f"{source} is missing key(s): {', '.join(missing)}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dash"}
-        values = {k: config[k] for k in names if k in config}
-        return cls(dash=dash, **values)
+        values = {k: config[k] for k in cls._FIELDS if k in config}
+        extra = {k: v for k, v in config.items() if k not in cls._FIELDS and k != CONFIG_SECTION}
+        return cls(dash=dash, extra=extra, **values)
 
     def replace(self, **changes) -> DashModelConfig:
+        """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+#: The config.json keys that are fields of DashModelConfig (the others go to ``extra``).
+DashModelConfig._FIELDS = frozenset(f.name for f in dataclasses.fields(DashModelConfig)) - {"dash", "extra"}
 
 
 def load_model_config(path: str | os.PathLike) -> DashModelConfig:
@@ -297,6 +333,24 @@ def document_prompt(image_tokens_per_page: Sequence[int], question: str, config:
     return tokenize(preamble + pages + question, config)
 
 
+def check_prompts(model: DashModel, seed: int = 0) -> tuple[list[list[int]], list[torch.Tensor | None] | None]:
+    """The prompts the export check and ``dash-compare`` run: two document prompts (3 and 2
+    pages of 8-47 image tokens each) and, for a model that takes image features, random
+    features for the first prompt's image tokens and none for the second's (token embeddings)."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+
+    def pages(n):
+        return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
+
+    prompts = [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
+               document_prompt(pages(2), "Title?", cfg)]
+    if not model.takes_image_features:
+        return prompts, None
+    n_img = sum(t == cfg.image_token_id for t in prompts[0])
+    return prompts, [torch.randn(n_img, cfg.image_feature_dim, generator=gen).to(model.dtype), None]
+
+
 def token_role(token: int, config: DashModelConfig) -> int:
     """The role of one token id (:func:`token_roles` for one token)."""
     return ROLE_PAGE if token == config.page_token_id else ROLE_IMAGE if token == config.image_token_id else ROLE_TEXT
@@ -309,6 +363,112 @@ def token_roles(ids: Sequence[int] | torch.Tensor, config: DashModelConfig) -> t
     roles[ids == config.image_token_id] = ROLE_IMAGE
     roles[ids == config.page_token_id] = ROLE_PAGE
     return roles
+
+
+def image_feature_rows(ids: Sequence[int], config: DashModelConfig, num_features: int) -> list[int]:
+    """For each token of ``ids``, the row of the sequence's image features it takes: the i-th
+    ``<image>`` token row i, every other token -1 (its token embedding). ``num_features`` must
+    equal the number of image tokens (a feature for each, in order)."""
+    rows, n = [], 0
+    for t in ids:
+        if t == config.image_token_id:
+            rows.append(n)
+            n += 1
+        else:
+            rows.append(-1)
+    if n != num_features:
+        raise ValueError(f"the prompt has {n} image tokens and {num_features} image feature rows: give one row "
+                         f"per <image> token, in order")
+    return rows
+
+
+# --------------------------------------------------------------------------- models
+#: Module-name prefix of model classes loaded from a file (``--model path/file.py:Class``).
+USER_MODULE_PREFIX = "dash_trt_user_model_"
+
+#: Entry-point group under which installed packages register DASH model classes by name (the
+#: name is the config.json's ``architectures[0]``).
+MODEL_ENTRY_POINTS = "dash_trt.models"
+
+
+def resolve_model_class(spec: str | type | None = None, config: DashModelConfig | None = None) -> type[DashModel]:
+    """The model class to build: ``spec`` (a class, ``"package.module:Class"`` or
+    ``"path/to/file.py:Class"``), else the class the config's ``architectures[0]`` names
+    (``DashForCausalLM``, or one registered under the ``dash_trt.models`` entry points).
+    Raises :class:`ModelContractError` with what to do."""
+    if isinstance(spec, type):
+        cls = spec
+    elif spec:
+        cls = _import_class(spec)
+    else:
+        arch = config.architecture if config is not None else ARCHITECTURE
+        if arch == ARCHITECTURE:
+            return DashForCausalLM
+        from importlib.metadata import entry_points
+
+        found = [ep for ep in entry_points(group=MODEL_ENTRY_POINTS) if ep.name == arch]
+        if not found:
+            raise ModelContractError(
+                f"the config names the architecture {arch!r}, which is neither {ARCHITECTURE} nor registered under "
+                f"the '{MODEL_ENTRY_POINTS}' entry points: pass the class (dash-export --model module:Class or "
+                f"path/to/file.py:Class)")
+        cls = found[0].load()
+    if not (isinstance(cls, type) and issubclass(cls, DashModel)):
+        raise ModelContractError(f"{spec or cls!r} is not a dash_trt.modeling.DashModel subclass (see docs/models.md)")
+    return cls
+
+
+def _import_class(spec: str) -> type:
+    import importlib
+    import importlib.util
+
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ModelContractError(f"--model {spec!r}: expected module:Class or path/to/file.py:Class")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                raise ModelContractError(f"--model {spec!r}: {module_name} is not a file")
+            name = USER_MODULE_PREFIX + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+            loaded = sys.modules.get(name)
+            if loaded is None or getattr(loaded, "__file__", None) != path:
+                mod_spec = importlib.util.spec_from_file_location(name, path)
+                loaded = importlib.util.module_from_spec(mod_spec)
+                sys.modules[name] = loaded
+                mod_spec.loader.exec_module(loaded)
+            module = loaded
+        else:
+            module = importlib.import_module(module_name)
+    except ModelContractError:
+        raise
+    except ImportError as exc:
+        raise ModelContractError(f"--model {spec!r}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # the user's module raised while importing
+        raise ModelContractError(f"--model {spec!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ModelContractError(f"--model {spec!r}: {module_name} has no {attr}") from None
+
+
+def model_class_spec(cls: type) -> str:
+    """``module:Class`` for a class (what a repository records)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def build_model(config: DashModelConfig, model_class: str | type | None = None) -> DashModel:
+    """An untrained model of ``config`` (its class from ``model_class`` or the config), checked
+    against the contract (one DashAttention module per layer, sizes as configured)."""
+    cls = resolve_model_class(model_class, config)
+    try:
+        model = cls(config)
+    except ModelContractError:
+        raise
+    except Exception as exc:
+        raise ModelContractError(f"{cls.__name__}(config) failed: {type(exc).__name__}: {exc}") from None
+    model.dash_layers()
+    return model
 
 
 # --------------------------------------------------------------------------- modules
@@ -329,8 +489,9 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-class DashAttention(nn.Module):
-    """Projections around the DASH attention op for one layer."""
+class DashSelfAttention(nn.Module):
+    """Projections around DASH attention for one layer (the drop-in
+    :class:`~dash_trt.modeling.DashAttention` calls the op)."""
 
     def __init__(self, cfg: DashModelConfig, layer_idx: int):
         super().__init__()
@@ -338,7 +499,6 @@ class DashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.index_dim = cfg.index_head_dim
-        self.sp = cfg.dash
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -346,7 +506,7 @@ class DashAttention(nn.Module):
         self.iq_proj = nn.Linear(h, self.index_dim, bias=False)
         self.ik_proj = nn.Linear(h, self.index_dim, bias=False)
         self.head_cls = nn.Parameter(torch.zeros(self.index_dim))
-        self._attrs: dict | None = None  # the op's encoded config, built on first use
+        self.attn = DashAttention(cfg, layer_idx)
 
     def project(self, x: torch.Tensor):
         t = x.shape[0]
@@ -358,25 +518,9 @@ class DashAttention(nn.Module):
             self.ik_proj(x),
         )
 
-    def forward(self, x, coords, caches, block_tables, seq_lens, query_start_loc, prompt_lens):
+    def forward(self, x: torch.Tensor, dash: DashContext) -> torch.Tensor:
         q, k, v, iq, ik = self.project(x)
-        out, new = paged_attention(q, k, v, iq, ik, coords, self.head_cls, caches, block_tables, seq_lens,
-                                   query_start_loc, prompt_lens, self.sp, self.layer_idx)
-        return self.o_proj(out.reshape(x.shape[0], -1)), new
-
-    def forward_inplace(self, x, coords, cache: DashKVCache, batch: DashBatch):
-        """The serving form: ``cache`` is written in place (no copy of the pool)."""
-        if self._attrs is None:
-            self._attrs = A.encode(self.sp, self.layer_idx)
-        q, k, v, iq, ik = self.project(x)
-        out = paged_attention_inplace(q, k, v, iq, ik, coords, self.head_cls, cache, batch, self.sp,
-                                      self.layer_idx, self._attrs)
-        return self.o_proj(out.reshape(x.shape[0], -1))
-
-    def reference(self, x, roles, prompt_length):
-        """Dense reference: the whole sequence at once (:func:`reference.dash_attention`)."""
-        q, k, v, iq, ik = self.project(x)
-        out = dash_attention(q, k, v, iq, ik, roles, self.head_cls, self.sp, self.layer_idx, prompt_length)
+        out = self.attn(q, k, v, iq, ik, self.head_cls, dash)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -397,30 +541,24 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DashModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DashAttention(cfg, layer_idx)
+        self.self_attn = DashSelfAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, coords, caches, *meta):
-        a, new = self.self_attn(self.input_layernorm(x), coords, caches, *meta)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), new
-
-    def forward_inplace(self, x, coords, cache, batch):
-        x = x + self.self_attn.forward_inplace(self.input_layernorm(x), coords, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def reference(self, x, roles, prompt_length):
-        x = x + self.self_attn.reference(self.input_layernorm(x), roles, prompt_length)
+    def forward(self, x: torch.Tensor, dash: DashContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), dash)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DashForCausalLM(nn.Module):
-    """The decoder. ``forward`` is the exported graph (see the module docstring)."""
+class DashForCausalLM(DashModel):
+    """The built-in decoder: one model that follows the contract of
+    :class:`~dash_trt.modeling.DashModel` (see the module docstring)."""
+
+    #: Hugging Face names put the decoder under ``model.`` (``lm_head`` stays at the top).
+    checkpoint_prefix = "model."
 
     def __init__(self, config: DashModelConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -436,89 +574,57 @@ class DashForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def cache_names(self, prefix: str) -> list[str]:
-        """Flat names of the cache tensors (``{prefix}.{layer}.{field}``)."""
-        return [f"{prefix}.{i}.{f}" for i in range(len(self.layers)) for f in CACHE_FIELDS]
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices,
-                *caches):
-        """Logits [N, vocab] (float32) of the rows ``logits_indices`` of the new tokens, and
-        the updated caches (the functional, exported form)."""
-        n = len(CACHE_FIELDS)
-        if len(caches) != n * len(self.layers):
-            raise ValueError(f"expected {n * len(self.layers)} cache tensors ({n} per layer), got {len(caches)}")
-        x = self.embed_tokens(input_ids)
-        new: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            x, c = layer(x, coords, caches[n * i:n * (i + 1)], block_tables, seq_lens, query_start_loc, prompt_lens)
-            new.extend(c)
-        return (self.logits(x, logits_indices), *new)
-
-    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the rows ``logits_indices`` of the last hidden states."""
-        return self.lm_head(self.norm(torch.index_select(hidden, 0, logits_indices))).float()
-
-    def forward_paged(self, input_ids: torch.Tensor, coords: torch.Tensor, batch: DashBatch,
-                      caches: Sequence[DashKVCache], logits_indices: torch.Tensor) -> torch.Tensor:
-        """The forward pass with every layer's cache written in place (the serving form of
-        :meth:`forward`): the same ``batch`` for every layer, no copy of the pool, no host
-        synchronisation on the CUDA kernels. Returns the logits [N, vocab] (float32)."""
-        if len(caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} layer caches, got {len(caches)}")
-        x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward_inplace(x, coords, cache, batch)
-        return self.logits(x, logits_indices)
-
-    def reference_logits(self, ids: Sequence[int] | torch.Tensor, prompt_length: int | None = None) -> torch.Tensor:
-        """Logits [S, vocab] of a whole sequence without a cache (dense reference
-        attention, :func:`dash_trt.reference.dash_attention`)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        roles = token_roles(ids.cpu(), self.config).to(self.device)
-        x = self.embed_tokens(ids)
+    def forward(self, inputs_embeds: torch.Tensor, dash: DashContext) -> torch.Tensor:
+        x = inputs_embeds
         for layer in self.layers:
-            x = layer.reference(x, roles, prompt_length)
-        return self.lm_head(self.norm(x)).float()
+            x = layer(x, dash)
+        return x
 
-    def allocate_cache(self, num_blocks: int, kv_block_size: int,
-                       device: str | torch.device | None = None) -> list[DashKVCache]:
-        """One :class:`DashKVCache` per layer (on the model's device unless ``device``)."""
-        c = self.config
-        return [DashKVCache.allocate(num_blocks, kv_block_size, c.num_key_value_heads, c.head_dim,
-                                     c.index_head_dim, c.dash.sparse_block_size, dtype=self.dtype,
-                                     device=self.device if device is None else device) for _ in self.layers]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
 
 
-def _init_weights(model: DashForCausalLM, gen: torch.Generator) -> None:
+def _init_weights(model: DashModel, gen: torch.Generator) -> None:
     """Random weights with O(1) activations and logits (fan-in scaled), so that greedy
-    decoding and top-k routing are not decided by float rounding."""
+    decoding and top-k routing are not decided by float rounding: norm weights near 1,
+    embedding tables and other vectors N(0, 1), biases N(0, 0.1), matrices N(0, 1/fan_in)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    norms = {id(p) for n, m in model.named_modules() if "norm" in type(m).__name__.lower() or "norm" in n.split(".")[-1]
+             for p in m.parameters(recurse=False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
             kw = {"generator": gen, "device": gen.device, "dtype": torch.float32}
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if id(p) in norms and p.ndim == 1 and not name.endswith("bias"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, **kw))
-            elif p.ndim == 2 and "embed_tokens" not in name:
+            elif p.ndim == 2 and id(p) not in embeddings:
                 p.copy_(torch.randn(p.shape, **kw) / math.sqrt(p.shape[1]))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, **kw))
             else:
                 p.copy_(torch.randn(p.shape, **kw))
 
 
 def random_model(config: DashModelConfig | Mapping[str, Any], *, seed: int = 0,
-                 dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> DashForCausalLM:
-    """A model of ``config`` with random weights (for demos, tests and benchmarks).
-    ``device`` builds and fills it there (a GPU's generator: other numbers than the CPU's,
-    and seconds instead of minutes for a billion-parameter benchmark model)."""
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 model_class: str | type | None = None) -> DashModel:
+    """A model of ``config`` with random weights (for demos, tests and benchmarks); its class
+    from ``model_class`` or the config (:func:`resolve_model_class`). ``device`` builds and
+    fills it there (a GPU's generator: other numbers than the CPU's, and seconds instead of
+    minutes for a billion-parameter benchmark model)."""
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config)
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = dtype or config.dtype
     with torch.device(device):
-        model = DashForCausalLM(config).to(dtype)
+        model = build_model(config, model_class).to(dtype)
     _init_weights(model, torch.Generator(device=device).manual_seed(seed))
     return model.eval()
 
 
-def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DashForCausalLM:
+def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DashModel:
     """The built-in random demo model (:data:`DEMO_CONFIG`)."""
     return random_model(DEMO_CONFIG, seed=seed, dtype=dtype)
 
@@ -538,11 +644,18 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
         raise
 
 
-def save_checkpoint(model: DashForCausalLM, path: str | os.PathLike, *, config_json: bool = False) -> None:
+def saved_config(model: DashModel) -> dict[str, Any]:
+    """The config.json of ``model`` as saved: its dtype and its class's name as the architecture."""
+    c = model.config
+    return c.replace(torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype),
+                     extra={**c.extra, "architectures": [type(model).__name__]}).to_dict()
+
+
+def save_checkpoint(model: DashModel, path: str | os.PathLike, *, config_json: bool = False) -> None:
     """Write ``model.pt`` = ``{"config": ..., "state_dict": ...}`` atomically (and a
     ``config.json`` beside it if asked)."""
     path = os.fspath(path)
-    config = model.config.replace(torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype)).to_dict()
+    config = saved_config(model)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     _atomic_write(path, lambda tmp: torch.save({"config": config, "state_dict": state}, tmp))
     if config_json:
@@ -556,7 +669,7 @@ def save_checkpoint(model: DashForCausalLM, path: str | os.PathLike, *, config_j
         _atomic_write(target, dump)
 
 
-def save_pretrained(model: DashForCausalLM, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
+def save_pretrained(model: DashModel, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
     """Write ``model`` as a Hugging Face folder (``config.json`` + safetensors, sharded above
     ``max_shard_bytes``); see :func:`dash_trt.pretrained.save_pretrained`."""
     from . import pretrained as HF
@@ -568,12 +681,15 @@ def save_pretrained(model: DashForCausalLM, folder: str | os.PathLike, *, max_sh
 
 
 def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
-                    config: DashModelConfig | Mapping[str, Any] | None = None) -> DashForCausalLM:
+                    config: DashModelConfig | Mapping[str, Any] | None = None,
+                    model_class: str | type | None = None) -> DashModel:
     """Read a checkpoint: a ``model.pt``; a Hugging Face folder (``config.json`` with
     ``model.safetensors`` or sharded safetensors and their index, :mod:`dash_trt.pretrained`;
     or with a ``model.pt``); or one ``.safetensors`` file with the ``config.json`` beside it.
     ``config`` (a ``config.json`` dict or :class:`DashModelConfig`) overrides the checkpoint's
-    own, so a bare state dict plus a ``config.json`` works too.
+    own, so a bare state dict plus a ``config.json`` works too. ``model_class`` (a class or
+    ``module:Class``) is the model to build, by default the config's architecture
+    (:func:`resolve_model_class`).
 
     Uses ``torch.load(weights_only=True)``: tensors and plain containers only. A file
     holding other Python objects (e.g. a pickled module) is refused unless
@@ -592,9 +708,9 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
             if not HF.is_pretrained_folder(path) and os.path.isfile(torch_file):  # a folder holding model.pt
                 if config is None and os.path.isfile(config_file):
                     config = load_model_config(config_file)
-                return load_checkpoint(torch_file, allow_pickle=allow_pickle, config=config)
+                return load_checkpoint(torch_file, allow_pickle=allow_pickle, config=config, model_class=model_class)
             state, folder_config = HF.read_folder(path)  # or the error that says what is missing
-            return _from_state(path, state, config if config is not None else folder_config)
+            return _from_state(path, state, config if config is not None else folder_config, model_class)
         if path.endswith(".safetensors"):
             if config is None:
                 beside = os.path.join(os.path.dirname(os.path.abspath(path)), HF.CONFIG_FILE)
@@ -602,7 +718,7 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
                     raise CheckpointError(f"{path}: a safetensors file holds no config; put the model's "
                                           f"{HF.CONFIG_FILE} beside it or pass it (dash-export --config)")
                 config = load_model_config(beside)
-            return _from_state(path, HF.to_local_names(HF.read_safetensors(path)), config)
+            return _from_state(path, HF.read_safetensors(path), config, model_class)
     except HF.PretrainedError as exc:
         raise CheckpointError(str(exc)) from None
     try:
@@ -633,13 +749,13 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
 
-    if isinstance(obj, DashForCausalLM):  # only reachable with allow_pickle
+    if isinstance(obj, DashModel):  # only reachable with allow_pickle
         model = obj
         if config is not None:
             raise CheckpointError(f"{path} holds a whole model; a separate config cannot be applied to it")
         return model.eval()
     if isinstance(obj, nn.Module):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a {ARCHITECTURE}")
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a DashModel (docs/models.md)")
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}; expected a dict with 'config' and "
                               f"'state_dict'")
@@ -656,13 +772,16 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
         config = ckpt_config
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")
-    return _from_state(path, state, config)
+    return _from_state(path, state, config, model_class)
 
 
-def _from_state(path: str, state: Mapping[str, torch.Tensor], config) -> DashForCausalLM:
-    """The model of ``config`` with the weights ``state`` (the module's names). With tied
-    embeddings ``lm_head.weight`` may be absent (it is the embedding table). The dtype is
-    the weights' where they agree, else the config's ``torch_dtype``."""
+def _from_state(path: str, state: Mapping[str, torch.Tensor], config, model_class=None) -> DashModel:
+    """The model of ``config`` with the weights ``state``, named as the module names them or
+    with the class's Hugging Face prefix (``model.`` for :class:`DashForCausalLM`). A tied
+    weight (``lm_head.weight`` with tied embeddings) may be absent: the tensor it shares is
+    loaded. The dtype is the weights' where they agree, else the config's ``torch_dtype``."""
+    from . import pretrained as HF
+
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config, source=f"config of {path}")
     nonfinite = [k for k, v in state.items()
@@ -670,14 +789,26 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config) -> DashFor
     if nonfinite:
         raise CheckpointError(f"{path}: {len(nonfinite)} weight tensor(s) hold NaN or inf values "
                               f"({_few(nonfinite, 3)}); the model would compute NaN logits")
-    model = DashForCausalLM(config)
+    try:
+        model = build_model(config, model_class)
+    except ModelContractError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     expected = model.state_dict()
+    try:
+        state = HF.match_names(state, set(expected), type(model).checkpoint_prefix)
+    except HF.PretrainedError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     wrong = [f"{k} is {list(v.shape)} in the checkpoint, {list(expected[k].shape)} in the model"
              for k, v in state.items() if k in expected and isinstance(v, torch.Tensor) and v.shape != expected[k].shape]
     if wrong:
         raise CheckpointError(f"{path}: weights do not match the config: {_few(wrong, 3)}")
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    loaded = set(state)
+    tied = {n for names in shared.values() if len(names) > 1 and loaded & set(names) for n in names}
+    missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         raise CheckpointError(
             f"{path}: weights do not match the config: missing {_few(missing)}, "
@@ -703,7 +834,7 @@ class PagedState:
     """The paged cache of every layer (one :class:`DashKVCache` each, one
     :class:`KVBlockPool` and so one block table shared by all layers)."""
 
-    def __init__(self, model: DashForCausalLM, num_blocks: int, kv_block_size: int):
+    def __init__(self, model: DashModel, num_blocks: int, kv_block_size: int):
         self.pool = KVBlockPool(num_blocks, kv_block_size)
         self.caches = model.allocate_cache(num_blocks, kv_block_size)
 
@@ -739,10 +870,10 @@ def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
     return int(greedy_tokens(logits[None], config.image_token_id)[0])
 
 
-def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+def generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              prefill_chunk: int | None = None, kv_block_size: int = 16, num_blocks: int | None = None,
              stop_at_eos: bool = True, forward: ForwardFn | None = None, cuda_graphs: bool | None = None,
-             keep_logits: bool = True) -> Generation:
+             keep_logits: bool = True, image_features: Sequence[torch.Tensor | None] | None = None) -> Generation:
     """Greedy generation over the paged cache, on the serving runtime
     (:class:`dash_trt.runtime.PagedRuntime`: caches written in place, logits only for the
     tokens chosen, decode steps replayed from CUDA graphs on the kernels).
@@ -754,7 +885,8 @@ def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     (``num_blocks`` defaults to their sum). ``forward`` replaces the model call with a
     functional one (the ONNX check runs another runtime on the same steps);
     ``cuda_graphs=False`` runs decode steps eagerly; ``keep_logits=False`` skips copying
-    the chosen rows' logits to the host.
+    the chosen rows' logits to the host. ``image_features`` gives each prompt its image
+    features ([image tokens, image_feature_dim], or None for token embeddings).
     """
     from .runtime import PagedRuntime
 
@@ -770,8 +902,11 @@ def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     runtime = PagedRuntime(model, num_blocks, kv_block_size, forward=forward, max_model_len=max(reserve),
                            max_num_seqs=len(prompts), cuda_graphs=cuda_graphs)
     n = len(prompts)
+    feats = list(image_features) if image_features is not None else [None] * n
+    if len(feats) != n:
+        raise ValueError(f"image_features has {len(feats)} entries for {n} prompts")
     for i, p in enumerate(prompts):
-        runtime.add(i, p, reserve[i])
+        runtime.add(i, p, reserve[i], image_features=feats[i])
     finished = [max_new_tokens <= 0] * n
     result = Generation([[] for _ in range(n)], [])
     logits_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -800,17 +935,19 @@ def generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     return result
 
 
-def reference_generate(model: DashForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                       stop_at_eos: bool = True) -> Generation:
+def reference_generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       stop_at_eos: bool = True,
+                       image_features: Sequence[torch.Tensor | None] | None = None) -> Generation:
     """Step-by-step reference for :func:`generate`: every token re-runs the whole
     sequence through the dense reference attention, no cache."""
     cfg = model.config
     tokens, logits = [], []
-    for p in prompts:
+    feats = list(image_features) if image_features is not None else [None] * len(prompts)
+    for p, f in zip(prompts, feats):
         hist, gen, lg = list(p), [], []
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                last = model.reference_logits(hist, len(p))[-1].float().cpu()
+                last = model.reference_logits(hist, len(p), f)[-1].float().cpu()
                 tok = _greedy(last, cfg)
                 gen.append(tok)
                 lg.append(last)

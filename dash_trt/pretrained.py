@@ -53,16 +53,26 @@ def is_pretrained_folder(path: str) -> bool:
         os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS_FILE, INDEX_FILE))
 
 
-def to_local_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face names (``model.`` prefix) to the module's; names without it are kept."""
+def to_local_names(state: Mapping[str, torch.Tensor], prefix: str = HF_PREFIX) -> dict[str, torch.Tensor]:
+    """Hugging Face names (``prefix``, ``model.``) to the module's; names without it are kept."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        local = name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
+        local = name[len(prefix):] if prefix and name.startswith(prefix) else name
         if local in out:
             raise PretrainedError(f"parameter {local!r} is present twice (as {name!r} and without the "
-                                  f"'{HF_PREFIX}' prefix)")
+                                  f"'{prefix}' prefix)")
         out[local] = tensor
     return out
+
+
+def match_names(state: Mapping[str, torch.Tensor], expected: set[str], prefix: str) -> dict[str, torch.Tensor]:
+    """``state`` named as the module names its parameters (``expected``): as it is, or with the
+    Hugging Face ``prefix`` removed, whichever matches more of them."""
+    state = dict(state)
+    if not prefix or not any(k.startswith(prefix) for k in state):
+        return state
+    local = to_local_names(state, prefix)
+    return local if len(expected & set(local)) > len(expected & set(state)) else state
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -88,7 +98,7 @@ def _read_json(path: str, what: str) -> Any:
 
 
 def read_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(state dict with the module's names, config.json dict)`` of a checkpoint folder:
+    """``(state dict as stored, config.json dict)`` of a checkpoint folder:
     ``model.safetensors``, or the shards ``model.safetensors.index.json`` maps (every file
     it names must exist and hold exactly the tensors mapped to it)."""
     config_path = os.path.join(folder, CONFIG_FILE)
@@ -119,7 +129,7 @@ def read_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         there = sorted(os.listdir(folder))[:8]
         raise PretrainedError(f"checkpoint folder {folder} has no {WEIGHTS_FILE} or {INDEX_FILE} (it holds: "
                               f"{', '.join(there) or 'nothing'})")
-    return to_local_names(state), config
+    return state, config
 
 
 def save_pretrained(model, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
@@ -128,20 +138,22 @@ def save_pretrained(model, folder: str | os.PathLike, *, max_shard_bytes: int | 
     that size (a tensor larger than it gets a shard of its own) and their index. Each file is
     written whole and renamed into place, the index and config last; weight files of an
     earlier save that the new one does not use are removed. Returns the files written."""
-    from .model import DTYPES, _atomic_write
+    from .model import _atomic_write, saved_config
 
     st = _safetensors()
     folder = os.fspath(folder)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise PretrainedError(f"cannot write {folder}: it is a file, not a folder")
     os.makedirs(folder, exist_ok=True)
-    dtype_name = next(k for k, v in DTYPES.items() if v == model.dtype)
-    config = model.config.replace(torch_dtype=dtype_name).to_dict()
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name == LM_HEAD and model.config.tie_word_embeddings:
-            continue  # the embedding table itself
-        state[name if name == LM_HEAD else HF_PREFIX + name] = tensor.detach().cpu().contiguous()
+    config = saved_config(model)
+    prefix = type(model).checkpoint_prefix
+    state, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue  # a tied weight (lm_head.weight with tied embeddings): the tensor is stored once
+        seen.add(id(tensor))
+        hf = name if (name == LM_HEAD or not prefix) else prefix + name
+        state[hf] = tensor.detach().cpu().contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     if max_shard_bytes is not None:
         if max_shard_bytes < 1:

@@ -179,6 +179,8 @@ class SequenceState:
     fed: int = 0  #: tokens already in the cache
     reserved: int = 0  #: tokens the sequence may hold (its blocks are allocated for them)
     sampler: Sampler | None = None  #: draws its tokens (None: greedy, the runtime's own choice)
+    image_features: torch.Tensor | None = None  #: [M, image_feature_dim] on the runtime's device
+    image_rows: np.ndarray | None = None  #: [prompt_len] int64: each prompt token's feature row, -1 for none
 
     @property
     def pending(self) -> int:
@@ -310,11 +312,14 @@ class PagedRuntime:
 
     def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
             coords: tuple[PageCoordState, torch.Tensor] | None = None,
-            sampling: SamplingParams | None = None) -> SequenceState:
+            sampling: SamplingParams | None = None,
+            image_features: torch.Tensor | None = None) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
         ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
-        draws its tokens instead of the greedy choice (:mod:`dash_trt.sampling`). Raises
+        draws its tokens instead of the greedy choice (:mod:`dash_trt.sampling`);
+        ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
+        order, replace those tokens' embeddings (models that take image features). Raises
         :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         from .model import token_roles
@@ -328,6 +333,9 @@ class PagedRuntime:
             raise ValueError(f"reserve_tokens ({reserve_tokens}) is less than the prompt ({len(prompt)} tokens)")
         if reserve_tokens > self.max_model_len:
             raise ValueError(f"sequence of up to {reserve_tokens} tokens exceeds max_model_len {self.max_model_len}")
+        feats = rows = None
+        if image_features is not None:
+            feats, rows = self._image_inputs(prompt, image_features)
         state, prompt_coords = coords if coords is not None else PageCoordState.from_prompt(
             token_roles(prompt, self.config))
         self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens)
@@ -335,9 +343,25 @@ class PagedRuntime:
         buf[: len(prompt)] = prompt_coords.numpy()
         sampler = Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
         seq = SequenceState(seq_id, prompt, len(prompt), buf, state, np.array(prompt, dtype=np.int64),
-                            reserved=int(reserve_tokens), sampler=sampler)
+                            reserved=int(reserve_tokens), sampler=sampler, image_features=feats, image_rows=rows)
         self._seqs[seq_id] = seq
         return seq
+
+    def _image_inputs(self, prompt: list[int], features) -> tuple[torch.Tensor, np.ndarray]:
+        """A sequence's image features on the device and its prompt tokens' rows of them."""
+        from .model import image_feature_rows
+
+        dim = self.config.image_feature_dim
+        if dim is None:
+            raise ValueError("this model takes no image features (its config sets no image_feature_dim): "
+                             "image tokens are embedded from the token table")
+        features = torch.as_tensor(features)
+        if features.dim() != 2 or features.shape[1] != dim:
+            raise ValueError(f"image features must be [image tokens, {dim}], got {list(features.shape)}")
+        if not features.is_floating_point() or not bool(torch.isfinite(features).all()):
+            raise ValueError("image features must be finite floating-point values")
+        rows = np.asarray(image_feature_rows(prompt, self.config, int(features.shape[0])), dtype=np.int64)
+        return features.to(device=self.device, dtype=self.model.dtype), rows
 
     def free(self, seq_id: object) -> None:
         self._seqs.pop(seq_id, None)
@@ -380,7 +404,10 @@ class PagedRuntime:
         samples = [s.fed + n == len(s.tokens) for s, (_, n) in zip(seqs, plan)]
         decode = all(n == 1 for _, n in plan)
         graph = False
-        every_row = self.decode_padding and decode and len(plan) <= self.graph_batch_sizes[-1]
+        # A sequence still reading image features goes through the eager body (the decode
+        # graphs embed token ids only).
+        every_row = (self.decode_padding and decode and len(plan) <= self.graph_batch_sizes[-1]
+                     and not any(s.image_rows is not None and s.fed < s.prompt_len for s in seqs))
         if every_row:  # the padded decode body (graph or eager) scores every row
             tokens, logits, graph = self._decode(seqs)
         else:
@@ -417,10 +444,12 @@ class PagedRuntime:
                               else np.asarray(s.tokens[s.fed:s.fed + n], dtype=np.int64) for s, (_, n) in zip(seqs, plan)])
         coords = np.concatenate([s.coords[s.fed:s.fed + n] for s, (_, n) in zip(seqs, plan)])
         most = max(n for _, n in plan)
+        images = self._step_images(seqs, plan) if self.config.image_feature_dim is not None else None
         if self._forward is not None:
-            return self._functional(ids, coords, host, rows, most)
+            return self._functional(ids, coords, host, rows, most, images)
         if self._backend is not None:
-            logits = self._backend.run(ids, coords, host, np.asarray(rows, dtype=np.int64), most, self)
+            logits = self._backend.run(ids, coords, host, np.asarray(rows, dtype=np.int64), most, self,
+                                       **({"images": images} if images is not None else {}))
             return greedy_tokens(logits, self.config.image_token_id), logits
         dev = self.device
         packed = np.concatenate([ids.astype(np.int32), coords.ravel(), np.asarray(rows, dtype=np.int32)])
@@ -433,18 +462,40 @@ class PagedRuntime:
         rows_t = packed_t[5 * t:]
         batch = DashBatch.from_host(host, dev, max_query_len=most)
         with torch.no_grad():
-            logits = self.model.forward_paged(ids_t, coords_t, batch, self.caches, rows_t)
+            logits = self.model.forward_paged(ids_t, coords_t, batch, self.caches, rows_t,
+                                              *(images if images is not None else ()))
             tokens = greedy_tokens(logits, self.config.image_token_id)
         return tokens, logits
 
-    def _functional(self, ids, coords, host: BatchHost, rows, most):
-        from .model import MODEL_INPUTS
+    def _step_images(self, seqs, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``(image_features [M, F], image_feature_index [T])``: the feature rows its
+        prompt chunks read, and for each new token its row (-1: embedded from its id)."""
+        parts, index, off = [], [], 0
+        for s, (_, n) in zip(seqs, plan):
+            rows = np.full(n, -1, dtype=np.int64)
+            if s.image_rows is not None and s.fed < s.prompt_len:
+                r = s.image_rows[s.fed:min(s.fed + n, s.prompt_len)]
+                used = r[r >= 0]
+                if used.size:
+                    lo, hi = int(used[0]), int(used[-1]) + 1  # a chunk's rows are consecutive
+                    parts.append(s.image_features[lo:hi])
+                    rows[:r.size] = np.where(r >= 0, r - lo + off, -1)
+                    off += hi - lo
+            index.append(rows)
+        feats = (torch.cat(parts) if parts else
+                 torch.zeros(0, self.config.image_feature_dim, dtype=self.model.dtype, device=self.device))
+        return feats, torch.from_numpy(np.concatenate(index)).to(self.device)
+
+    def _functional(self, ids, coords, host: BatchHost, rows, most, images=None):
+        from .model import IMAGE_INPUTS, MODEL_INPUTS
 
         dev = self.device
         batch = DashBatch.from_host(host, dev, max_query_len=most)
         values = [torch.from_numpy(ids).to(dev), torch.from_numpy(np.ascontiguousarray(coords)).to(dev),
                   *batch.tensors(), torch.tensor(rows, dtype=torch.long, device=dev)]
         inputs = dict(zip(MODEL_INPUTS, values))
+        if images is not None:
+            inputs.update(zip(IMAGE_INPUTS, images))
         logits, caches = self._forward(inputs, self.tensors())
         self.update(list(caches))
         return greedy_tokens(logits, self.config.image_token_id), logits

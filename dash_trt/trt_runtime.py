@@ -90,9 +90,12 @@ class TensorRTBackend:
                                        f"this model's export with dash-build)")
         self._checked = True
 
-    def run(self, ids: np.ndarray, coords: np.ndarray, host, rows: np.ndarray, most: int, runtime) -> torch.Tensor:
-        """One step: bind every tensor (caches in place) and execute; returns the logits [N, V]."""
-        from .model import MODEL_INPUTS
+    def run(self, ids: np.ndarray, coords: np.ndarray, host, rows: np.ndarray, most: int, runtime,
+            images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One step: bind every tensor (caches in place) and execute; returns the logits [N, V].
+        ``images``: the step's ``(image_features, image_feature_index)`` for an engine of a model
+        that takes image features."""
+        from .model import IMAGE_INPUTS, MODEL_INPUTS
 
         if not self._checked:
             self._check(runtime)
@@ -105,8 +108,16 @@ class TensorRTBackend:
             "prompt_lens": torch.from_numpy(host.prompt_lens),
             "logits_indices": torch.from_numpy(np.ascontiguousarray(rows)),
         }
+        names = list(MODEL_INPUTS)
+        if images is not None:
+            missing = [n for n in IMAGE_INPUTS if n not in self.inputs]
+            if missing:
+                raise TensorRTBackendError(f"the engine has no {', '.join(missing)} input: it was built from an export "
+                                           f"of a model without image features")
+            values.update(zip(IMAGE_INPUTS, images))
+            names += IMAGE_INPUTS
         keep = {}
-        for name in MODEL_INPUTS:
+        for name in names:
             t = values[name]
             want = self._index_types.get(name)
             if want is not None and t.dtype != want:

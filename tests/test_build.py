@@ -346,3 +346,14 @@ def test_loading_the_plugin_is_checked():
     assert "could not load p.so: dlopen failed" in B.load_plugin_library(Registry("raise", None), "p.so")
     assert "could not load p.so (see the TensorRT log" in B.load_plugin_library(Registry(None, None), "p.so")
     assert "registers no DashAttention v1 creator" in B.load_plugin_library(Registry(object(), None), "p.so")
+
+
+def test_image_feature_inputs_get_a_profile_from_zero_rows_to_one_per_token():
+    """A model that takes image features (docs/models.md) exports two more inputs; their
+    dims have roles, so no --shape is needed and a step without features (0 rows) fits."""
+    inputs = EXPORT_INPUTS + [InputSpec("image_features", (-1, 40), ("num_image_features", None)),
+                              InputSpec("image_feature_index", (-1,), ("num_tokens",))]
+    limits = B.derive_limits(inputs, tokens=Limit(1, 128, 4096))
+    shapes = B.profile_shapes(inputs, limits)
+    assert shapes["image_features"] == ((0, 40), (128, 40), (4096, 40))
+    assert shapes["image_feature_index"] == shapes["input_ids"] == ((1,), (128,), (4096,))

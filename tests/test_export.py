@@ -159,7 +159,7 @@ def test_export_nodes_domain_function_attributes(demo32):
         namespace = next(a for a in node.attribute if a.name == "plugin_namespace")
         assert namespace.type == onnx.AttributeProto.STRING and namespace.s == A.PLUGIN_NAMESPACE.encode() == b""
         assert set(attrs) == {a.name for a in A.NODE_ATTRIBUTES}
-        assert node.input[6] == f"layers.{layer}.self_attn.head_cls" and node.input[6] in initializers
+        assert node.input[6] == f"model.layers.{layer}.self_attn.head_cls" and node.input[6] in initializers
         assert list(node.input[7:13]) == [f"past.{layer}.{f}" for f in CACHE_FIELDS]
         assert list(node.output[1:]) == [f"present.{layer}.{f}" for f in CACHE_FIELDS]
 

@@ -192,7 +192,7 @@ def test_generation_stops_at_eos_and_frees_blocks(small):
 def test_forward_rejects_wrong_cache_count(small):
     state = M.PagedState(small, 4, 8)
     with pytest.raises(ValueError, match=f"expected {len(CACHE_FIELDS) * 3} cache tensors"):
-        small(torch.zeros(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.int32),
+        small.export_forward(torch.zeros(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.int32),
               *[torch.zeros(1, 1, dtype=torch.int32)] + [torch.zeros(1, dtype=torch.int32)] * 3,
               *state.tensors()[:-1])
 

@@ -141,9 +141,9 @@ def test_logits_indices_score_only_those_rows(demo):
     ids = torch.tensor(prompt)
     coords = sequence_coords(M.token_roles(prompt, cfg))
     with torch.no_grad():
-        every = demo(ids, coords, *batch.tensors(), torch.arange(len(prompt)), *state.tensors())[0]
+        every = demo.export_forward(ids, coords, *batch.tensors(), torch.arange(len(prompt)), *state.tensors())[0]
         rows = torch.tensor([len(prompt) - 1, 3, 3])
-        some = demo(ids, coords, *batch.tensors(), rows, *state.tensors())[0]
+        some = demo.export_forward(ids, coords, *batch.tensors(), rows, *state.tensors())[0]
     assert some.shape == (3, cfg.vocab_size)
     torch.testing.assert_close(some, every[rows], atol=1e-6, rtol=1e-6)
 
@@ -156,7 +156,7 @@ def test_generation_equals_the_functional_form_and_the_reference(demo):
 
     def functional(inputs, caches):
         with torch.no_grad():
-            out = demo(*inputs.values(), *caches)
+            out = demo.export_forward(*inputs.values(), *caches)
         return out[0], out[1:]
 
     for chunk, bs in ((None, 16), (13, 8), (7, 5)):

@@ -223,7 +223,7 @@ def test_a_failing_step_fails_only_its_requests(model, prompts, offline):
         if calls["n"] == 1:
             raise RuntimeError("device lost")
         with torch.no_grad():
-            out = model(*(inputs[k] for k in M.MODEL_INPUTS), *caches)
+            out = model.export_forward(*(inputs[k] for k in M.MODEL_INPUTS), *caches)
         return out[0], out[1:]
 
     engine = GenerationEngine(model, EngineConfig(num_blocks=64), forward=flaky)

@@ -633,3 +633,82 @@ def _mapped(shm_name: str) -> bool:
         except OSError:
             continue
     return False
+
+
+# ----------------------------------------------------------- OpenAI-style endpoint
+@pytest.fixture(scope="module")
+def openai(server):
+    from dash_trt.triton.openai import OpenAIServer
+
+    srv = OpenAIServer(server.http_url, server.grpc_url, port=0).start()
+    yield srv
+    srv.close()
+
+
+def _post(url: str, body, *, raw: bool = False):
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as res:
+            text = res.read().decode()
+            return res.status, (text if raw else json.loads(text))
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read().decode())
+
+
+def test_openai_completions_answer_like_offline_generation(openai, model, prompts, want):
+    text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
+    status, res = _post(openai.url + "/v1/completions", {"model": "dash", "prompt": text, "max_tokens": MAX_NEW[0],
+                                                          "temperature": 0})
+    assert status == 200 and res["object"] == "text_completion"
+    assert res["choices"][0]["text"] == M.detokenize(want[0], model.config)
+    assert res["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": len(want[0]),
+                            "total_tokens": len(prompts[0]) + len(want[0])}
+    assert res["choices"][0]["finish_reason"] == ("stop" if want[0][-1] == model.config.eos_token_id else "length")
+    # token-id prompts; a seeded sampled request is reproducible
+    status, by_ids = _post(openai.url + "/v1/completions", {"prompt": prompts[1], "max_tokens": MAX_NEW[1],
+                                                             "temperature": 0})
+    assert status == 200 and by_ids["choices"][0]["text"] == M.detokenize(want[1], model.config)
+    sampled = {"prompt": prompts[1], "max_tokens": 6, "temperature": 0.9, "top_k": 20, "seed": 11, "ignore_eos": True}
+    first, second = (_post(openai.url + "/v1/completions", sampled)[1] for _ in range(2))
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 6
+
+
+def test_openai_streaming_sends_server_sent_events(openai, model, prompts, want):
+    status, text = _post(openai.url + "/v1/completions", {"prompt": prompts[0], "max_tokens": MAX_NEW[0],
+                                                           "temperature": 0, "stream": True}, raw=True)
+    assert status == 200
+    events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == M.detokenize(want[0], model.config)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(want[0]) and chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_openai_errors_use_the_openai_error_object(openai, prompts):
+    url = openai.url + "/v1/completions"
+    cases = [({"prompt": prompts[0], "stop": ["\n"]}, 400, "stop", "use stop_token_ids"),
+             ({"prompt": prompts[0], "n": 2}, 400, "n", "n must be 1"),
+             ({"prompt": prompts[0], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1"),
+             ({"prompt": prompts[0], "temprature": 0}, 400, "temprature", "unknown field"),
+             ({"prompt": prompts[0], "model": "other"}, 404, "model", "not served here"),
+             ({"prompt": ""}, 400, "prompt", "prompt must be"),
+             ({"prompt": prompts[0], "max_tokens": 100000}, 400, None, "max_new_tokens must be")]
+    for body, status, param, message in cases:
+        got, res = _post(url, body)
+        assert got == status, (body, res)
+        assert res["error"]["param"] == param and message in res["error"]["message"], (body, res)
+    got, res = _post(url, b"{not json")
+    assert got == 400 and "not valid JSON" in res["error"]["message"]
+    got, res = _post(openai.url + "/v1/chat/completions", {"messages": []})
+    assert got == 404 and "chat completions are not served" in res["error"]["message"]
+    import urllib.request
+
+    with urllib.request.urlopen(openai.url + "/v1/models", timeout=30) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "dash"
+    with urllib.request.urlopen(openai.url + "/health", timeout=30) as r:
+        assert r.status == 200

@@ -3,6 +3,7 @@
     dash-triton write model.pt --out repo [--onnx model.onnx --plan model.plan --plugin libdash_trt_plugin_static.so]
     dash-triton write --demo --out repo          # the built-in random demo model
     dash-triton serve repo                       # the tritonserver of nvidia-pytriton, on 127.0.0.1
+    dash-triton openai --url 127.0.0.1:8000      # an OpenAI-style /v1/completions endpoint in front of it
 
 Exit codes: 0 ok; 2 bad input (arguments, checkpoint, ONNX file, existing output);
 3 the server could not start (``serve``).
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ..config import DashConfigError
-from ..model import CheckpointError, ModelConfigError, demo_model, load_checkpoint
+from ..model import CheckpointError, ModelConfigError, ModelContractError, demo_model, load_checkpoint
 from . import protocol as P
 from .engine import EngineConfig, EngineConfigError
 from .repository import RepositoryError, check_served_path, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the generation models run (KIND_CPU / KIND_GPU instances)")
     w.add_argument("--no-stream-model", action="store_true", help="do not write the decoupled streaming model")
     w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
+    w.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
+                   help="the checkpoint's model class (as dash-export --model). A path/to/file.py:Class is copied "
+                        "into the repository; a package.module:Class must be importable by the server's Python")
     e = w.add_argument_group("generation engine (per model instance)")
     d = EngineConfig()
     e.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks in the pool (%(default)s)")
@@ -90,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=5.0,
                    help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
                         "UNAVAILABLE (default %(default)s)")
+    from .openai import add_parser
+
+    add_parser(sub)
     return p
 
 
@@ -119,7 +126,10 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         if a.onnx and kv is None:
             kv = onnx_kv_block_size(onnx_io(a.onnx)[0])
         engine = _engine_config(a, kv or EngineConfig().kv_block_size)
-        model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load)
+        if a.demo and a.model_class:
+            raise RepositoryError("--demo is the built-in DashForCausalLM; --model goes with a checkpoint")
+        model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load,
+                                                                       model_class=a.model_class)
         gpus = [int(g) for g in a.plan_gpus.split(",")] if a.plan_gpus else None
         # A model.pt is copied as it is; a Hugging Face folder or safetensors file (and a
         # pickled checkpoint) is written into the repository as a model.pt of the loaded model.
@@ -130,7 +140,8 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
             plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
             torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force)
-    except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError) as exc:
+    except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError,
+            ModelContractError) as exc:
         print(f"dash-triton write: error: {exc}", file=err)
         return EXIT_BAD_INPUT
     except (OSError, ValueError) as exc:
@@ -224,6 +235,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     err = stderr if stderr is not None else sys.stderr
     if a.command == "write":
         return write_main(a, out, err)
+    if a.command == "openai":
+        from .openai import openai_main
+
+        return openai_main(a, out, err)
     if not os.path.isdir(a.repository):
         print(f"dash-triton serve: error: model repository not found: {a.repository}", file=err)
         return EXIT_BAD_INPUT

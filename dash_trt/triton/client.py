@@ -165,7 +165,7 @@ class DashClient:
         return {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
 
     def _inputs(self, ids, max_new_tokens, stop_at_eos, *, stats=False, ids_dtype="INT64", stop_token_ids=None,
-                sampling=None):
+                sampling=None, image_features=None):
         mod = self.mod
         arr = np.asarray(ids, dtype=np.int64 if ids_dtype == "INT64" else None)
         if arr.ndim == 1 and arr.size == 0:
@@ -199,6 +199,13 @@ class DashClient:
                 x = mod.InferInput(name, [1], dtype.removeprefix("TYPE_"))
                 x.set_data_from_numpy(np.array([value], dtype=np_dtype))
                 inputs.append(x)
+        if image_features is not None:
+            feats = np.ascontiguousarray(np.asarray(image_features, dtype=np.float32))
+            if feats.ndim != 2:
+                raise DashClientError(f"image_features must be [image tokens, feature dim], got {list(feats.shape)}")
+            f = mod.InferInput(P.IMAGE_FEATURES, list(feats.shape), "FP32")
+            f.set_data_from_numpy(feats)
+            inputs.append(f)
         if stats:
             g = mod.InferInput(P.GET_STATS, [1], "BOOL")
             g.set_data_from_numpy(np.array([True]))
@@ -210,15 +217,17 @@ class DashClient:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                  stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
-                 sampling: Any = None) -> Generation:
+                 sampling: Any = None, image_features: Any = None) -> Generation:
         """One request to the unary model; blocks until the tokens come back. ``sampling``: a
         ``dash_trt.sampling.SamplingParams`` or a dict of its fields (temperature, top_k,
-        top_p, seed); default greedy."""
+        top_p, seed); default greedy. ``image_features``: [image tokens, image_feature_dim]
+        float32, one row per ``<image>`` token of the prompt (models that take them)."""
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         try:
             res = self.client.infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
-                                                             stop_token_ids=stop_token_ids, sampling=sampling),
+                                                             stop_token_ids=stop_token_ids, sampling=sampling,
+                                                             image_features=image_features),
                                     outputs=self._outputs(), **self._timeout_kw())
         except Exception as exc:
             raise _error(exc) from None
@@ -253,7 +262,7 @@ class DashClient:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                stop_at_eos: bool | None = None, on_progress: Callable[[int, int], None] | None = None,
                on_token: Callable[[int], None] | None = None, stop_token_ids: Sequence[int] | None = None,
-               sampling: Any = None) -> Generation:
+               sampling: Any = None, image_features: Any = None) -> Generation:
         """gRPC streaming through the decoupled model: ``on_progress(done, total)`` after each
         prefill chunk, ``on_token(id)`` for each new token; returns when the final response
         arrives."""
@@ -272,7 +281,7 @@ class DashClient:
         try:
             self.client.async_stream_infer(self.stream_model,
                                            self._inputs(ids, max_new_tokens, stop_at_eos, stop_token_ids=stop_token_ids,
-                                                        sampling=sampling),
+                                                        sampling=sampling, image_features=image_features),
                                            outputs=self._outputs(), enable_empty_final_response=True)
             while True:
                 try:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import DashForCausalLM, ForwardFn, token_roles
+from ..model import DashModel, ForwardFn, token_roles
 from ..paged import PageCoordState
 from ..runtime import PagedRuntime, size_pool_for_memory
 from ..sampling import SamplingError, SamplingParams
@@ -163,6 +163,7 @@ class Request:
     tag: Any = None  #: caller's data (the Triton model keeps the response sender here)
     stop_ids: frozenset[int] = frozenset()  #: generating one of these ends the request (it is kept)
     sampling: SamplingParams | None = None  #: None: greedy
+    image_features: torch.Tensor | None = None  #: [image tokens, image_feature_dim], float32 on the CPU
     tokens: list[int] = field(default_factory=list)  #: generated so far
     status: str = "queued"  #: queued -> waiting -> running -> done | failed
     error: str | None = None
@@ -222,7 +223,7 @@ class GenerationEngine:
     backend object (:class:`dash_trt.trt_runtime.TensorRTBackend`).
     """
 
-    def __init__(self, model: DashForCausalLM, config: EngineConfig | None = None, *,
+    def __init__(self, model: DashModel, config: EngineConfig | None = None, *,
                  forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2,
                  clock: Callable[[], float] = time.monotonic, backend: Any = None):
         self.model = model
@@ -327,17 +328,41 @@ class GenerationEngine:
             raise RequestError(f"sampling must be a dict or SamplingParams, got {type(sampling).__name__}")
         return stops, params
 
+    def check_image_features(self, features: Any, ids: list[int]) -> torch.Tensor | None:
+        """A request's image features as a float32 tensor [image tokens, image_feature_dim], or
+        :class:`RequestError`: the model must take them, one finite row per ``<image>`` token."""
+        if features is None:
+            return None
+        cfg = self.model_config
+        if cfg.image_feature_dim is None:
+            raise RequestError("this model takes no image_features (its config sets no image_feature_dim): send "
+                               "input_ids only; image tokens are embedded from the token table")
+        arr = np.asarray(features)
+        if arr.ndim != 2 or arr.shape[1] != cfg.image_feature_dim:
+            raise RequestError(f"image_features must be [image tokens, {cfg.image_feature_dim}], got "
+                               f"{list(arr.shape)}")
+        n_img = ids.count(cfg.image_token_id)
+        if arr.shape[0] != n_img:
+            raise RequestError(f"image_features has {arr.shape[0]} rows, the prompt has {n_img} <image> tokens "
+                               f"(id {cfg.image_token_id}): give one row per image token, in order")
+        if arr.dtype.kind != "f" or not np.isfinite(arr).all():
+            raise RequestError("image_features must be finite floating-point values")
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
     def submit(self, prompt: Any, max_new_tokens: Any = None, *, stop_at_eos: bool = True,
                on_event: Callable[[Event], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
-               tag: Any = None, stop_token_ids: Any = None, sampling: Any = None) -> Request:
+               tag: Any = None, stop_token_ids: Any = None, sampling: Any = None,
+               image_features: Any = None) -> Request:
         """Queue a request (any thread). Raises :class:`RequestError` (nothing queued) if it
         is invalid or the engine is closed; otherwise its events follow from
         :meth:`step` and ``request.result()`` gives the tokens. ``stop_token_ids``: generating
         any of them ends the request (the token is kept, as EOS is); ``sampling``: temperature,
-        top_k, top_p and seed (:mod:`dash_trt.sampling`; default greedy)."""
+        top_k, top_p and seed (:mod:`dash_trt.sampling`; default greedy); ``image_features``:
+        one row per ``<image>`` token (:meth:`check_image_features`)."""
         try:
             stops, params = self.check_options(stop_token_ids, sampling)
             ids, max_new, coords = self.check(prompt, max_new_tokens)
+            feats = self.check_image_features(image_features, ids)
         except RequestError:
             with self._lock:
                 self.counters["refused"] += 1
@@ -345,7 +370,7 @@ class GenerationEngine:
         req = Request(id=-1, prompt=ids, max_new_tokens=max_new, stop_at_eos=bool(stop_at_eos),
                       blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1), on_event=on_event,
                       is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter(), stop_ids=stops,
-                      sampling=params)
+                      sampling=params, image_features=feats)
         req._coords = coords
         with self._work:
             if self._closed is not None:
@@ -424,10 +449,13 @@ class GenerationEngine:
         return n
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
-                 stop_at_eos: bool = True, stop_token_ids: Any = None, sampling: Any = None) -> list[list[int]]:
-        """Offline convenience: submit every prompt, run until done, return the tokens."""
+                 stop_at_eos: bool = True, stop_token_ids: Any = None, sampling: Any = None,
+                 image_features: Sequence[Any] | None = None) -> list[list[int]]:
+        """Offline convenience: submit every prompt (with its image features, if given), run
+        until done, return the tokens."""
+        feats = list(image_features) if image_features is not None else [None] * len(prompts)
         reqs = [self.submit(p, max_new_tokens, stop_at_eos=stop_at_eos, stop_token_ids=stop_token_ids,
-                            sampling=sampling) for p in prompts]
+                            sampling=sampling, image_features=f) for p, f in zip(prompts, feats)]
         self.run_until_idle()
         return [r.result(timeout=0) for r in reqs]
 
@@ -496,8 +524,8 @@ class GenerationEngine:
             self._waiting.popleft()
             self._reserved += req.blocks_reserved
             self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords,
-                             sampling=req.sampling)
-            req._coords = None  # the runtime holds the sequence's coordinates now
+                             sampling=req.sampling, image_features=req.image_features)
+            req._coords = req.image_features = None  # the runtime holds them now
             req.status, req.t_admit = "running", time.perf_counter()
             if req._waited:
                 self.counters["waited"] += 1

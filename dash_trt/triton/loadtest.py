@@ -28,7 +28,7 @@ from typing import TextIO
 
 import torch
 
-from ..model import DashForCausalLM, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
+from ..model import DashModel, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
 from .client import DashClient, DashClientError, Generation
 from .engine import EngineConfig
 
@@ -57,7 +57,7 @@ def make_cases(config: DashModelConfig, n: int, seed: int = 0, *, pages: tuple[i
     return cases
 
 
-def expected_tokens(model: DashForCausalLM, cases: Sequence[LoadCase], *, kv_block_size: int = 16) -> list[list[int]]:
+def expected_tokens(model: DashModel, cases: Sequence[LoadCase], *, kv_block_size: int = 16) -> list[list[int]]:
     """Offline greedy generation of every case, one :func:`~dash_trt.model.generate` call each.
 
     Runs torch single-threaded: on a small, shared CPU machine the intra-op thread pool
@@ -188,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
+    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
+                   help="the model class of --checkpoint / --random-init (as dash-export --model)")
     p.add_argument("--no-check", action="store_true", help="skip the offline generation (no correctness check)")
     p.add_argument("--server-log", help="the started server's log file (default: a scratch file)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
@@ -203,12 +205,12 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout
     if a.checkpoint:
-        model = load_checkpoint(a.checkpoint)
+        model = load_checkpoint(a.checkpoint, model_class=a.model_class)
     elif a.random_init:
         from ..model import DTYPES, load_model_config, random_model
 
         model = random_model(load_model_config(a.random_init), seed=a.demo_seed,
-                             dtype=DTYPES[a.dtype] if a.dtype else None)
+                             dtype=DTYPES[a.dtype] if a.dtype else None, model_class=a.model_class)
     else:
         model = demo_model(seed=a.demo_seed)
     if a.device == "cuda":

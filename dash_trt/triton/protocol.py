@@ -18,6 +18,10 @@ name                Triton type  dims    optional  meaning
 ``top_p``           TYPE_FP32    [1]     yes       sample within the smallest set of probability >= top_p
 ``seed``            TYPE_INT64   [1]     yes       the request's generator seed: the same seed, prompt and
                                                    parameters give the same tokens (default: random)
+``image_features``  TYPE_FP32    [-1,-1] yes       one row per ``<image>`` token of ``input_ids``, in order
+                                                   ([image tokens, image_feature_dim]: the vision
+                                                   encoder's output); only for models whose config sets
+                                                   ``image_feature_dim``; absent: token embeddings
 ``get_stats``       TYPE_BOOL    [1]     yes       true: answer with the pool's statistics only
                                                    (``input_ids`` is then ignored and may be empty)
 ``engine_control``  TYPE_UINT8   [-1]    yes       ``pause`` or ``resume`` (UTF-8) the engine's model
@@ -55,6 +59,7 @@ STOP_TOKEN_IDS = "stop_token_ids"
 #: Sampling inputs: ``dash_trt.sampling.SamplingParams`` field -> (input name, Triton type).
 SAMPLING_INPUTS = {"temperature": ("temperature", "TYPE_FP32"), "top_k": ("top_k", "TYPE_INT32"),
                    "top_p": ("top_p", "TYPE_FP32"), "seed": ("seed", "TYPE_INT64")}
+IMAGE_FEATURES = "image_features"
 GET_STATS = "get_stats"
 ENGINE_CONTROL = "engine_control"
 #: Values of ``engine_control``.
@@ -77,6 +82,7 @@ INPUTS = (
     (STOP_AT_EOS, "TYPE_BOOL", (1,), True),
     (STOP_TOKEN_IDS, "TYPE_INT64", (-1,), True),
     *((name, dtype, (1,), True) for name, dtype in SAMPLING_INPUTS.values()),
+    (IMAGE_FEATURES, "TYPE_FP32", (-1, -1), True),
     (GET_STATS, "TYPE_BOOL", (1,), True),
     (ENGINE_CONTROL, "TYPE_UINT8", (-1,), True),
 )
@@ -90,6 +96,7 @@ OUTPUTS = (
 
 #: Keys of the generation models' ``parameters`` (all strings in config.pbtxt).
 PARAM_CHECKPOINT = "checkpoint"          # file name of model.pt in the version folder
+PARAM_MODEL_CLASS = "model_class"        # module:Class, or file.py:Class in the version folder ("": built-in)
 PARAM_DEVICE = "device"                  # cpu | cuda | auto
 PARAM_ENGINE = "engine_config"           # JSON of EngineConfig
 PARAM_MODEL_CONFIG = "dash_model_config"  # JSON of the model's config.json (the client tokenizes with it)

@@ -95,7 +95,10 @@ class TritonPythonModel:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         checkpoint = os.path.join(version_dir, params.get(P.PARAM_CHECKPOINT, "model.pt"))
-        model = load_checkpoint(checkpoint).to(device)
+        model_class = params.get(P.PARAM_MODEL_CLASS, "") or None
+        if model_class and not model_class.startswith(("/", ".")) and ".py:" in model_class:
+            model_class = os.path.join(version_dir, model_class)  # a file copied into the version folder
+        model = load_checkpoint(checkpoint, model_class=model_class).to(device)
         engine_config = EngineConfig.from_json(params[P.PARAM_ENGINE]) if P.PARAM_ENGINE in params else EngineConfig()
         self.engine = GenerationEngine(model, engine_config)
         if params.get(P.PARAM_WARMUP, "true") == "true":
@@ -138,7 +141,8 @@ class TritonPythonModel:
                 self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
                                    on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender,
                                    stop_token_ids=self._optional(request, P.STOP_TOKEN_IDS),
-                                   sampling=self._sampling(request))
+                                   sampling=self._sampling(request),
+                                   image_features=self._optional(request, P.IMAGE_FEATURES))
             except self.RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
             except Exception as exc:  # never let one request take the model down

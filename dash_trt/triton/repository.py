@@ -31,12 +31,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import DashForCausalLM, save_checkpoint
+from ..model import USER_MODULE_PREFIX, DashModel, save_checkpoint
 from ..ops import CACHE_FIELDS
 from . import protocol as P
 from .engine import EngineConfig
@@ -204,7 +205,7 @@ def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]
 
 
 def _check_onnx_matches(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                        model: DashForCausalLM, kv_block_size: int, onnx_path: str) -> None:
+                        model: DashModel, kv_block_size: int, onnx_path: str) -> None:
     """The ONNX graph and the checkpoint must be the same model (layers, cache shapes,
     vocabulary: :func:`dash_trt.export.graph_mismatches`) with the generation models' KV block size."""
     from ..export import graph_mismatches
@@ -230,8 +231,8 @@ def onnx_kv_block_size(inputs: Sequence[TensorSpec]) -> int | None:
 
 
 # ----------------------------------------------------------------- configs
-def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig, *, streaming: bool,
-                        device: str = "cpu", checkpoint: str = "model.pt", warmup: bool = True,
+def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, streaming: bool,
+                        device: str = "cpu", checkpoint: str = "model.pt", model_class: str = "", warmup: bool = True,
                         torch_num_threads: int = 0, allow_engine_control: bool = False) -> dict[str, Any]:
     """config.pbtxt (as a dict) of a Python-backend generation model."""
     if device not in ("cpu", "cuda"):
@@ -261,6 +262,7 @@ def python_model_config(name: str, model: DashForCausalLM, engine: EngineConfig,
         "instance_group": [{"kind": Enum(kind), "count": 1}],
         "parameters": [
             {"key": P.PARAM_CHECKPOINT, "value": {"string_value": checkpoint}},
+            {"key": P.PARAM_MODEL_CLASS, "value": {"string_value": model_class}},
             {"key": P.PARAM_DEVICE, "value": {"string_value": device}},
             {"key": P.PARAM_ENGINE, "value": {"string_value": engine.to_json()}},
             {"key": P.PARAM_MODEL_CONFIG, "value": {"string_value": json.dumps(model.config.to_dict(),
@@ -355,11 +357,32 @@ def check_served_path(path: str) -> None:
             f"a shell, which would run or split such characters; use a path of letters, digits and . _ / + @ : , = ~ % -")
 
 
+def model_class_source(model: DashModel) -> tuple[str | None, str]:
+    """``(file to copy into the version folder or None, the model_class parameter)`` of a
+    model: "" for the built-in DashForCausalLM; a class loaded from a file (``--model
+    path/file.py:Class``) is served from a copy of that file ("file.py:Class"); any other class
+    as ``module:Class``, which the server's Python must import (PYTHONPATH or an installed
+    package)."""
+    from ..model import DashForCausalLM, model_class_spec
+
+    cls = type(model)
+    if cls is DashForCausalLM:
+        return None, ""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if cls.__module__.startswith(USER_MODULE_PREFIX) and path and os.path.isfile(path):
+        if os.path.basename(path) in ("model.py",):
+            raise RepositoryError(f"the model class's file is named {os.path.basename(path)}, which is the Python "
+                                  f"backend's own file in the repository: rename it")
+        return path, f"{os.path.basename(path)}:{cls.__qualname__}"
+    return None, model_class_spec(cls)
+
+
 #: The file that marks a folder as a repository ``dash-triton write`` wrote (and so may replace).
 MARKER = ".dash-trt-repository"
 
 
-def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoint: str | None = None,
+def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: str | None = None,
                      engine: EngineConfig | None = None, name: str = P.DEFAULT_NAME, device: str = "cpu",
                      streaming: bool = True, onnx: str | None = None, plan: str | None = None,
                      plugin: str | None = None, plan_instances: int = 1, plan_gpus: Sequence[int] | None = None,
@@ -409,6 +432,7 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
     if plan_cfg is None:
         messages.append(NO_PLAN_MESSAGE)
 
+    class_file, class_spec = model_class_source(model)
     tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
     try:
         models = []
@@ -418,6 +442,8 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
             vdir = os.path.join(tmp, model_name, "1")
             os.makedirs(vdir)
             shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
+            if class_file is not None:  # the user's model source travels with the repository
+                shutil.copyfile(class_file, os.path.join(vdir, os.path.basename(class_file)))
             ckpt = os.path.join(vdir, "model.pt")
             if first_ckpt is not None:
                 _link_or_copy(first_ckpt, ckpt)
@@ -427,7 +453,7 @@ def write_repository(out: str | os.PathLike, model: DashForCausalLM, *, checkpoi
                 save_checkpoint(model, ckpt)
             first_ckpt = first_ckpt or ckpt
             cfg = python_model_config(model_name, model, engine, streaming=stream, device=device,
-                                      warmup=warmup, torch_num_threads=torch_num_threads,
+                                      model_class=class_spec, warmup=warmup, torch_num_threads=torch_num_threads,
                                       allow_engine_control=allow_engine_control)
             _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
             models.append(model_name)
@@ -462,14 +488,14 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
 
 
-def pool_bytes(model: DashForCausalLM, engine: EngineConfig) -> int:
+def pool_bytes(model: DashModel, engine: EngineConfig) -> int:
     """Memory of the KV pool of one generation model instance (``num_blocks`` blocks)."""
     from ..runtime import pool_block_bytes
 
     return pool_block_bytes(model, engine.kv_block_size) * engine.num_blocks
 
 
-def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model: DashForCausalLM,
+def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model: DashModel,
             plan_cfg: dict | None) -> str:
     c = model.config
     lines = [

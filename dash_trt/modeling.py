@@ -278,7 +278,8 @@ class DashModel(nn.Module):
         """Token embeddings, with image features put at the rows ``image_feature_index`` names."""
         x = self.embed_input_ids(input_ids)
         if image_features is not None and image_feature_index is not None:
-            x = merge_image_features(x, self.embed_image_features(image_features), image_feature_index)
+            feats = self.embed_image_features(image_features.to(x.dtype))
+            x = merge_image_features(x, feats, image_feature_index)
         return x
 
     def export_forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens,

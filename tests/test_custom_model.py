@@ -304,3 +304,14 @@ def test_custom_model_on_the_cuda_kernels(dtype):
         assert err < 0.1 * max(1.0, rl[0].abs().max().item()), err
         top2 = rl[0].topk(2).values
         assert g[0] == r[0] or (top2[0] - top2[1]).item() < 2 * err
+
+
+def test_float32_features_feed_a_bfloat16_model(custom, cases):
+    """Features arrive as float32 (the Triton input, a vision encoder's output) whatever the
+    model's dtype: every path casts them to it."""
+    prompts, feats = cases
+    half = M.random_model(custom.config, model_class=SPEC, seed=0, dtype=torch.bfloat16)
+    ref = half.reference_logits(prompts[0], len(prompts[0]), feats[0])
+    got = M.generate(half, prompts[:1], 1, image_features=feats[:1]).logits[0][0]
+    assert ref.dtype == torch.float32 and torch.isfinite(ref).all()
+    assert (got - ref[-1]).abs().max().item() < 0.1 * max(1.0, ref[-1].abs().max().item())

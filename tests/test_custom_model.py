@@ -127,6 +127,30 @@ def test_dash_export_and_dash_compare_take_the_model(folder, tmp_path):
     assert "all backends match the reference" in res.stdout
 
 
+def test_onnx_runtime_generates_the_pytorch_tokens_with_image_features(custom, cases, tmp_path):
+    """Generation driven by ONNX Runtime alone (its logits choose the tokens, its caches are
+    threaded step to step) gives PyTorch's tokens, image-feature prompts included."""
+    from dash_trt import export as E
+
+    path = tmp_path / "m.onnx"
+    E.export_onnx(custom, path)
+    sess = E._ort_session(str(path))
+    names = [i.name for i in sess.get_inputs()]
+    state: dict = {}
+
+    def ort_forward(inputs: dict, caches: list):
+        past = state.get("caches") or [E._to_numpy(c) for c in caches]
+        res = sess.run(None, dict(zip(names, [E._to_numpy(v) for v in inputs.values()] + past)))
+        state["caches"] = res[1:]
+        return E._to_torch(res[0]), [E._to_torch(a) for a in res[1:]]
+
+    prompts, feats = cases
+    want = M.generate(custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False).tokens
+    got = M.generate(custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False,
+                     forward=ort_forward).tokens
+    assert got == want
+
+
 def test_export_without_the_class_says_how_to_name_it(folder, tmp_path):
     res = run_cli("dash_trt.export", str(folder), "--out", str(tmp_path / "x.onnx"), "--quiet")
     assert res.returncode == 2

@@ -18,6 +18,11 @@ EOS stop; ``--new-tokens`` (32) decode steps of the whole batch are measured.
   in one call (KV heads repeated), every decode step one CUDA graph (one per context
   length, all sequences at the same length), its tokens read back each step too.
 
+The DASH path runs without the prefix cache here (the dense peer has none, and these prompts
+share their pages); ``--prefix-questions N`` measures the cache instead: N questions over one
+document of ``--prefix-length`` tokens (default 65536), the first alone, then the others
+together, with and without the cache (same tokens checked).
+
 Both paths first run one prefill of a whole chunk (the first calls at those sizes) and are
 then measured. Reported per case and path: time to first token (mean over the B requests,
 and the last one, which is the whole batch's prefill), decode ms/step (median of the decode steps' wall
@@ -91,7 +96,7 @@ class Clock:
 
 
 # ------------------------------------------------------------------ the DASH serving path
-def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
+def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock, prefix_caching: bool = False) -> dict:
     b, length = len(prompts), len(prompts[0])
     # The engine decodes the sequences prefilled first while it prefills the others
     # (continuous batching), so each request asks for as many more tokens as there are prefill
@@ -102,7 +107,8 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
     blocks = b * -(-reserve // KV_BLOCK) + 1
     engine = GenerationEngine(model, EngineConfig(
         num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk, max_num_seqs=b,
-        max_model_len=reserve, default_max_new_tokens=max_new, max_new_tokens_limit=max_new))
+        max_model_len=reserve, default_max_new_tokens=max_new, max_new_tokens_limit=max_new,
+        prefix_caching=prefix_caching))
     engine.warmup()  # the op's first call, the decode graphs' capture
     # ... and one prefill step of a whole chunk (cuBLAS' first calls at that size), so the
     # figures are the steady state; the dense peer warms up the same way.
@@ -134,6 +140,44 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock) -> dict:
            "decode_steps": len(decode_walls), "other_steps": other_steps, "total_s": total,
            "tokens": [r.result(0) for r in reqs], "pool_blocks": blocks}
     del engine, rt, st
+    return out
+
+
+def run_prefix(model, length: int, questions: int, new_tokens: int, chunk: int, clock: Clock,
+               prefix_caching: bool) -> dict:
+    """One document of ``length`` tokens asked ``questions`` questions through the engine: the
+    first question alone (the document read once), then the others submitted together. Times
+    to first token and the total, with the prefix cache on or off."""
+    cfg = model.config
+    base = document(length, cfg, "")[:-1]  # the pages (the question follows)
+    prompts = [base + M.tokenize(f" Question {i}: what is the total on page {i % 7 + 1}?", cfg)
+               for i in range(questions)]
+    longest = max(map(len, prompts))
+    reserve = longest + new_tokens - 1
+    blocks = questions * -(-reserve // KV_BLOCK) + 1
+    engine = GenerationEngine(model, EngineConfig(
+        num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk,
+        max_num_seqs=questions, max_model_len=reserve, default_max_new_tokens=new_tokens,
+        max_new_tokens_limit=new_tokens, prefix_caching=prefix_caching))
+    engine.warmup()
+    engine.generate([document(min(chunk, length), cfg, "Warm-up?")], 1, stop_at_eos=False)
+    engine.runtime.pool.clear_cache()  # the warm-up's blocks are not the document's
+    engine.reset_counters()
+    t0 = clock.now()
+    first = engine.submit(prompts[0], new_tokens, stop_at_eos=False)
+    engine.run_until_idle()
+    t1 = clock.now()
+    rest = [engine.submit(p, new_tokens, stop_at_eos=False) for p in prompts[1:]]
+    engine.run_until_idle()
+    total = clock.now() - t0
+    stats = engine.stats()
+    out = {"ttft_first_s": first.t_first_token - t0, "first_total_s": t1 - t0,
+           "ttft_rest_mean_s": statistics.mean(r.t_first_token - t1 for r in rest),
+           "ttft_rest_max_s": max(r.t_first_token - t1 for r in rest), "total_s": total,
+           "rest_total_s": total - (t1 - t0), "prompt_tokens_computed": stats["prompt_tokens_computed"],
+           "prompt_tokens_cached": stats["prompt_tokens_cached"], "prompt_tokens": sum(map(len, prompts)),
+           "tokens": [first.result(0)] + [r.result(0) for r in rest]}
+    del engine
     return out
 
 
@@ -336,6 +380,10 @@ def main() -> int:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--profile-prefill", type=int, metavar="TOKENS",
                     help="only profile one serving prefill step of TOKENS tokens: GPU time by kind of kernel")
+    ap.add_argument("--prefix-questions", type=int, metavar="N",
+                    help="only the prefix-cache case: N questions over one document of --prefix-length tokens, "
+                         "with and without the cache")
+    ap.add_argument("--prefix-length", type=int, default=65536)
     ap.add_argument("--json")
     ap.add_argument("--png")
     a = ap.parse_args()
@@ -368,6 +416,32 @@ def main() -> int:
         for name, ms in rows:
             print(f"| {name} | {ms:.1f} | {100 * ms / total:.0f}% |")
         return 0
+    if a.prefix_questions:
+        runs = {}
+        for caching in (True, False):
+            runs[caching] = run_prefix(model, a.prefix_length, a.prefix_questions, a.new_tokens,
+                                       min(a.prefill_chunk, a.prefix_length), clock, caching)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        on, off = runs[True], runs[False]
+        same = on.pop("tokens") == off.pop("tokens")
+        print(f"\n{a.prefix_questions} questions over one {a.prefix_length}-token document ({a.new_tokens} new "
+              f"tokens each): the first alone, then the other {a.prefix_questions - 1} together; same tokens with "
+              f"and without the cache: {'yes' if same else 'NO'}\n")
+        print("| prefix cache | TTFT first (s) | TTFT others mean (s) | TTFT others max (s) | others total (s) | "
+              "total (s) | prompt tokens computed | cached |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for label, r in (("on", on), ("off", off)):
+            print(f"| {label} | {r['ttft_first_s']:.3f} | {r['ttft_rest_mean_s']:.3f} | {r['ttft_rest_max_s']:.3f} | "
+                  f"{r['rest_total_s']:.2f} | {r['total_s']:.2f} | {r['prompt_tokens_computed']} | "
+                  f"{r['prompt_tokens_cached']} |")
+        print(f"\nspeed-up with the cache: TTFT of the others {off['ttft_rest_mean_s'] / on['ttft_rest_mean_s']:.1f}x "
+              f"(mean), {off['ttft_rest_max_s'] / on['ttft_rest_max_s']:.1f}x (max); total {off['total_s'] / on['total_s']:.1f}x")
+        if a.json:
+            with open(a.json, "w", encoding="utf-8") as fh:
+                json.dump({"title": title, "commit": commit, "prefix": {"on": on, "off": off, "same_tokens": same}},
+                          fh, indent=1)
+        return 0 if same else 1
     results = []
     for b, length in cases:
         cfg = model.config

@@ -51,6 +51,7 @@ tokens in total):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -344,6 +345,14 @@ class KVBlockPool:
     Lengths advance when a step is scheduled, since the paged operator writes the new tokens
     in place. Each sequence keeps its block ids in a numpy row, so building a step's block
     table is one copy per sequence, not a loop over its blocks.
+
+    Prefix caching: a completed block may be :meth:`register`-ed under a hash of its contents
+    (its tokens and everything they depend on). Registered blocks are reference-counted and
+    shared read-only: :meth:`match` finds the longest run of them for a list of hashes, and
+    ``add(..., cached_blocks=...)`` starts a sequence with them in its table. A registered block
+    no sequence holds any more stays cached; allocation takes never-registered free blocks
+    first, then evicts cached ones, least recently used first. ``num_free_blocks`` counts
+    both (every one of them can be allocated).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -357,32 +366,86 @@ class KVBlockPool:
         self._count: dict[object, int] = {}
         self._lens: dict[object, int] = {}
         self._prompt: dict[object, int] = {}
+        self._shared: dict[object, int] = {}  # leading blocks of a row taken from the cache
+        # prefix cache
+        self._ref = np.zeros(self.num_blocks, dtype=np.int32)  # sequences holding each block
+        self._owned = np.zeros(self.num_blocks, dtype=bool)  # allocated by a live sequence
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, held by no sequence
+        self._pinned = 0  # blocks held only through the cache (ref > 0, not owned)
+
+    # -- allocation
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:  # evict the least recently used cached block
+            b, _ = self._lru.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(b)]
+        self._ref[b], self._owned[b] = 1, True
+        return b
+
+    def _release_block(self, b: int, owned: bool, freed: list[int]) -> None:
+        self._ref[b] -= 1
+        if owned:
+            self._owned[b] = False
+            if self._ref[b] > 0:
+                self._pinned += 1  # still read by sequences that found it in the cache
+        elif self._ref[b] == 0:
+            self._pinned -= 1
+        if self._ref[b] == 0:
+            if b in self._hash_of:
+                self._lru[b] = None
+            else:
+                freed.append(b)
 
     # -- sequences
-    def add(self, seq_id: object, prompt_length: int | None = None, reserve_tokens: int = 0) -> None:
+    def add(self, seq_id: object, prompt_length: int | None = None, reserve_tokens: int = 0,
+            cached_blocks: Sequence[int] = ()) -> None:
         """Register ``seq_id``; with ``reserve_tokens`` > 0 its blocks for that many tokens
-        are allocated now (:class:`CacheFullError`, nothing registered, if they do not fit)."""
+        are allocated now (:class:`CacheFullError`, nothing registered, if they do not fit).
+        ``cached_blocks`` (from :meth:`match`) start its table: their tokens count as in the
+        cache already, and only the blocks past them are allocated."""
         if seq_id in self._rows:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if prompt_length is not None and prompt_length < 0:
             raise ValueError(f"prompt_length must be None or >= 0, got {prompt_length}")
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
-        want = -(-int(reserve_tokens) // self.block_size)
-        if want > len(self._free):
-            raise CacheFullError(f"sequence {seq_id!r} needs {want} KV blocks, only {len(self._free)} of "
+        cached = [int(b) for b in cached_blocks]
+        if any(b not in self._hash_of for b in cached):
+            raise ValueError("cached_blocks must be registered blocks (from match())")
+        want = max(0, -(-int(reserve_tokens) // self.block_size) - len(cached))
+        available = len(self._free) + len(self._lru) - sum(1 for b in cached if self._ref[b] == 0)
+        if want > available:
+            raise CacheFullError(f"sequence {seq_id!r} needs {want} KV blocks, only {available} of "
                                  f"{self.num_blocks} are free")
-        row = np.empty(max(want, 4), dtype=np.int32)
+        for b in cached:
+            if self._ref[b] == 0:
+                del self._lru[b]
+                if not self._owned[b]:
+                    self._pinned += 1
+            else:
+                self._lru.pop(b, None)
+            self._ref[b] += 1
+        row = np.empty(max(len(cached) + want, 4), dtype=np.int32)
+        row[:len(cached)] = cached
         for j in range(want):
-            row[j] = self._free.pop()
-        self._rows[seq_id], self._count[seq_id], self._lens[seq_id] = row, want, 0
+            row[len(cached) + j] = self._take()
+        n = len(cached) + want
+        self._rows[seq_id], self._count[seq_id], self._lens[seq_id] = row, n, len(cached) * self.block_size
+        self._shared[seq_id] = len(cached)
         self._prompt[seq_id] = -1 if prompt_length is None else int(prompt_length)
 
     def free(self, seq_id: object) -> None:
         row = self._rows.pop(self._known(seq_id))
         n = self._count.pop(seq_id)
+        shared = self._shared.pop(seq_id)
         del self._lens[seq_id], self._prompt[seq_id]
-        self._free.extend(sorted(row[:n].tolist(), reverse=True))
+        freed: list[int] = []
+        for j, b in enumerate(row[:n].tolist()):
+            self._release_block(b, j >= shared, freed)
+        self._free.extend(sorted(freed, reverse=True))
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._rows
@@ -398,7 +461,57 @@ class KVBlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never-registered free ones and cached ones no
+        sequence holds (evicted when taken)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks (held by sequences or not)."""
+        return len(self._by_hash)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held only through the cache: read by sequences that found them there after the
+        sequence that wrote them ended. They count against the pool beside the sequences' own."""
+        return self._pinned
+
+    def newly_pinned(self, cached_blocks: Sequence[int]) -> int:
+        """How many of ``cached_blocks`` no sequence holds now (taking them pins them)."""
+        return sum(1 for b in cached_blocks if self._ref[int(b)] == 0)
+
+    # -- prefix cache
+    def register(self, seq_id: object, index: int, block_hash: bytes) -> bool:
+        """Record block ``index`` of ``seq_id`` (completely written, never written again) as
+        the block of ``block_hash``; False when that hash has a block already or this block
+        has a hash."""
+        b = int(self._rows[self._known(seq_id)][index])
+        if block_hash in self._by_hash or b in self._hash_of:
+            return False
+        self._hash_of[b], self._by_hash[block_hash] = block_hash, b
+        return True
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest prefix of ``hashes`` in the cache (most recently used
+        from now on)."""
+        out = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+            if b in self._lru:
+                self._lru.move_to_end(b)
+        return out
+
+    def clear_cache(self) -> None:
+        """Forget every registered block (the held ones stay with their sequences)."""
+        for b in list(self._lru):
+            self._free.append(b)
+        self._lru.clear()
+        self._hash_of.clear()
+        self._by_hash.clear()
+        self._free.sort(reverse=True)
 
     def blocks_needed(self, seq_id: object, num_new_tokens: int) -> int:
         total = self._lens[self._known(seq_id)] + int(num_new_tokens)
@@ -411,7 +524,7 @@ class KVBlockPool:
             grown[:count] = row[:count]
             self._rows[seq_id] = row = grown
         for j in range(n):
-            row[count + j] = self._free.pop()
+            row[count + j] = self._take()
         self._count[seq_id] = count + n
 
     # -- steps
@@ -437,9 +550,9 @@ class KVBlockPool:
             if int(n) <= 0:
                 raise ValueError(f"sequence {sid!r}: number of new tokens must be positive, got {n}")
             need += self.blocks_needed(sid, n)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             raise CacheFullError(
-                f"step needs {need} more KV blocks, only {len(self._free)} of {self.num_blocks} are free"
+                f"step needs {need} more KV blocks, only {self.num_free_blocks} of {self.num_blocks} are free"
             )
         counts = np.empty(len(step), dtype=np.int32)
         for i, (sid, n) in enumerate(step):

@@ -38,6 +38,7 @@ caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.trt_runtime`) 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,37 @@ class RuntimeConfigError(ValueError):
 
 class PoolTooSmallError(RuntimeConfigError):
     """The model, its activations and the KV pool do not fit the device memory allowed."""
+
+
+def prefix_block_hashes(prompt: Sequence[int], image_token_id: int, block_size: int,
+                        image_features: torch.Tensor | None = None) -> list[bytes]:
+    """Prefix-cache hashes of a prompt's cacheable KV blocks, chained (each covers its block
+    and everything before it). Cacheable: whole blocks of tokens at or before the prompt's
+    last image token, whose page coordinates, and so every cache field, depend on no later
+    token (a text token after the last image is coordinated as the question); at most up to
+    the prompt's second-to-last token, so at least one token is computed. ``image_features``
+    (a row per image token, in order) enter the hash of the blocks that read them."""
+    ids = np.asarray(prompt, dtype=np.int64)
+    images = np.flatnonzero(ids == image_token_id)
+    if not images.size:
+        return []
+    n = min((int(images[-1]) + 1) // block_size, (ids.size - 1) // block_size)
+    feats = None
+    if image_features is not None:
+        feats = np.ascontiguousarray(torch.as_tensor(image_features).detach().float().cpu().numpy())
+        rows = np.cumsum(ids == image_token_id) - 1
+    out, h = [], b"dash-trt prefix v1 %d" % block_size
+    for i in range(n):
+        d = hashlib.blake2b(h, digest_size=16)
+        chunk = ids[i * block_size:(i + 1) * block_size]
+        d.update(chunk.tobytes())
+        if feats is not None:
+            sel = rows[i * block_size:(i + 1) * block_size][chunk == image_token_id]
+            if sel.size:
+                d.update(feats[sel].tobytes())
+        h = d.digest()
+        out.append(h)
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -181,6 +213,9 @@ class SequenceState:
     sampler: Sampler | None = None  #: draws its tokens (None: greedy, the runtime's own choice)
     image_features: torch.Tensor | None = None  #: [M, image_feature_dim] on the runtime's device
     image_rows: np.ndarray | None = None  #: [prompt_len] int64: each prompt token's feature row, -1 for none
+    block_hashes: list[bytes] | None = None  #: prefix-cache hashes of its cacheable blocks (None: not cached)
+    registered: int = 0  #: leading blocks registered in (or found in) the prefix cache
+    cached_tokens: int = 0  #: prompt tokens found in the prefix cache (not computed)
 
     @property
     def pending(self) -> int:
@@ -234,7 +269,8 @@ class PagedRuntime:
     def __init__(self, model, num_blocks: int, kv_block_size: int, *, forward: ForwardFn | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, backend: Any = None,
-                 decode_padding: bool | None = None, device: str | torch.device | None = None):
+                 decode_padding: bool | None = None, device: str | torch.device | None = None,
+                 prefix_caching: bool = False):
         from . import cuda as dcuda
 
         self.model = model
@@ -252,6 +288,10 @@ class PagedRuntime:
         if max_num_seqs < 1:
             raise RuntimeConfigError(f"max_num_seqs must be positive, got {max_num_seqs}")
         self.pool = KVBlockPool(int(num_blocks), self.kv_block_size)
+        #: Completed prompt blocks are shared through the pool's prefix cache (KV blocks must hold
+        #: whole sparse blocks, whose summaries are then final).
+        self.prefix_caching = bool(prefix_caching) and self.kv_block_size % model.config.dash.sparse_block_size == 0
+        self.prompt_tokens_cached = 0  #: prompt tokens taken from the prefix cache, all sequences
         self.max_num_seqs = int(max_num_seqs)
         self._forward = forward
         self._backend = backend
@@ -313,13 +353,17 @@ class PagedRuntime:
     def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
             coords: tuple[PageCoordState, torch.Tensor] | None = None,
             sampling: SamplingParams | None = None,
-            image_features: torch.Tensor | None = None) -> SequenceState:
+            image_features: torch.Tensor | None = None, block_hashes: Sequence[bytes] | None = None,
+            cached_blocks: Sequence[int] | None = None) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
         ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
         draws its tokens instead of the greedy choice (:mod:`dash_trt.sampling`);
         ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
-        order, replace those tokens' embeddings (models that take image features). Raises
+        order, replace those tokens' embeddings (models that take image features). With
+        prefix caching, ``block_hashes`` (:func:`prefix_block_hashes`, computed if None) find
+        the cached blocks the sequence starts with (``cached_blocks``: a :meth:`KVBlockPool.match`
+        the caller made already); its completed prompt blocks are registered as it runs. Raises
         :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         from .model import token_roles
@@ -338,12 +382,22 @@ class PagedRuntime:
             feats, rows = self._image_inputs(prompt, image_features)
         state, prompt_coords = coords if coords is not None else PageCoordState.from_prompt(
             token_roles(prompt, self.config))
-        self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens)
+        hashes, cached = None, []
+        if self.prefix_caching:
+            hashes = list(block_hashes) if block_hashes is not None else prefix_block_hashes(
+                prompt, self.config.image_token_id, self.kv_block_size, image_features)
+            cached = list(cached_blocks) if cached_blocks is not None else self.pool.match(hashes)
+            if len(cached) > len(hashes):
+                raise ValueError(f"{len(cached)} cached blocks for {len(hashes)} cacheable ones")
+        self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens, cached_blocks=cached)
         buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
         buf[: len(prompt)] = prompt_coords.numpy()
         sampler = Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
         seq = SequenceState(seq_id, prompt, len(prompt), buf, state, np.array(prompt, dtype=np.int64),
-                            reserved=int(reserve_tokens), sampler=sampler, image_features=feats, image_rows=rows)
+                            reserved=int(reserve_tokens), sampler=sampler, image_features=feats, image_rows=rows,
+                            block_hashes=hashes, registered=len(cached))
+        seq.fed = seq.cached_tokens = len(cached) * self.kv_block_size
+        self.prompt_tokens_cached += seq.cached_tokens
         self._seqs[seq_id] = seq
         return seq
 
@@ -421,6 +475,12 @@ class PagedRuntime:
         k = 0  # eager steps score the sampling rows only; decode steps score every row
         for j, (s, (sid, n), sample) in enumerate(zip(seqs, plan, samples)):
             s.fed += n
+            if s.block_hashes is not None and s.registered < len(s.block_hashes):
+                # Completed prompt blocks are final from now on: share them.
+                done = min(s.fed // self.kv_block_size, len(s.block_hashes))
+                for i in range(s.registered, done):
+                    self.pool.register(sid, i, s.block_hashes[i])
+                s.registered = max(s.registered, done)
             if not sample:
                 continue
             row = j if every_row else k

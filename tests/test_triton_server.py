@@ -150,10 +150,12 @@ def test_client_command(server, model, prompts, want, capsys):
     # --pages builds the same prompt as document_prompt; --json for scripts
     assert C.main(["--url", url, "--pages", "30", "--question", "Title?", "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == want[1]
-    # gRPC streaming shows prefill progress on a long prompt and the tokens as they come
-    assert C.main(["--url", server.grpc_url, "--stream", "--pages", "60,60,60", "--max-new-tokens", "3"]) == 0
+    # gRPC streaming shows prefill progress on a long prompt and the tokens as they come (a
+    # document of its own: one another test sent would come from the prefix cache)
+    assert C.main(["--url", server.grpc_url, "--stream", "--pages", "60,60,60", "--preamble", "Streamed: ",
+                   "--max-new-tokens", "3"]) == 0
     out, err = capsys.readouterr()
-    assert "prefill 48/183 tokens (26%)" in err and "prefill 183/183 tokens (100%)" in err
+    assert "prefill 48/193 tokens (24%)" in err and "prefill 193/193 tokens (100%)" in err
     assert out.startswith("tokens: ")
     # a long unary prompt prints progress lines while it waits
     assert C.main(["--url", url, "--pages", "60,60,60", "--max-new-tokens", "2", "--progress-threshold", "10"]) == 0
@@ -330,7 +332,8 @@ def test_client_deadline_cancels_the_request_and_frees_its_blocks(server, model,
 
 
 def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
-    prompt = M.document_prompt([48, 48], "Describe everything.", model.config)
+    # a document of its own: no block of it in the prefix cache, so its whole worst case is reserved
+    prompt = M.document_prompt([48, 48], "Describe everything.", model.config, preamble="Cancelled: ")
     need = ENGINE.blocks_for(len(prompt) + ENGINE.max_new_tokens_limit - 1)
     answers = []
     with paused_engine(grpc):
@@ -665,8 +668,11 @@ def test_openai_completions_answer_like_offline_generation(openai, model, prompt
                                                           "temperature": 0})
     assert status == 200 and res["object"] == "text_completion"
     assert res["choices"][0]["text"] == M.detokenize(want[0], model.config)
-    assert res["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": len(want[0]),
-                            "total_tokens": len(prompts[0]) + len(want[0])}
+    usage = dict(res["usage"])
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert usage == {"prompt_tokens": len(prompts[0]), "completion_tokens": len(want[0]),
+                     "total_tokens": len(prompts[0]) + len(want[0])}
+    assert 0 <= cached < len(prompts[0]) and cached % ENGINE.kv_block_size == 0
     assert res["choices"][0]["finish_reason"] == ("stop" if want[0][-1] == model.config.eos_token_id else "length")
     # token-id prompts; a seeded sampled request is reproducible
     status, by_ids = _post(openai.url + "/v1/completions", {"prompt": prompts[1], "max_tokens": MAX_NEW[1],
@@ -712,3 +718,25 @@ def test_openai_errors_use_the_openai_error_object(openai, prompts):
         assert json.loads(r.read())["data"][0]["id"] == "dash"
     with urllib.request.urlopen(openai.url + "/health", timeout=30) as r:
         assert r.status == 200
+
+
+# ------------------------------------------------------------------ prefix caching
+def test_one_document_eight_questions_read_the_document_once(http, grpc, model):
+    cfg = model.config
+    doc = M.document_prompt([40, 25, 33], "", cfg, preamble="Contract 8812 ")
+    questions = ["Who signed?", "What is the total?", "Title?", "Date of page 2?", "Summarise page 3.",
+                 "Currency?", "How many pages?", "Any table?"]
+    prompts = [doc + list(q.encode()) for q in questions]
+    want = offline(model, prompts, [6] * 8)  # offline generation has no prefix cache
+    before = http.stats()
+    first = http.generate(prompts[0], 6)
+    rest = [(grpc if i % 2 else http).generate(p, 6) for i, p in enumerate(prompts[1:])]
+    assert [first.tokens] + [g.tokens for g in rest] == want
+    shared = (len(doc) // ENGINE.kv_block_size) * ENGINE.kv_block_size
+    assert first.cached_tokens == 0 and [g.cached_tokens for g in rest] == [shared] * 7
+    after = http.stats()
+    assert after["prompt_tokens_cached"] - before["prompt_tokens_cached"] == 7 * shared
+    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    assert computed == sum(map(len, prompts)) - 7 * shared  # each question after the first: its own tokens
+    assert after["kv_blocks_reserved"] == 0 and after["kv_blocks_pinned"] == 0
+    assert after["kv_blocks_free"] == ENGINE.num_blocks

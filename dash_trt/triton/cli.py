@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="default per request (%(default)s)")
     e.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit, help="(%(default)s)")
     e.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at model load")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share completed document blocks between requests (docs/triton.md, Prefix caching)")
     e.add_argument("--allow-engine-control", action="store_true",
                    help="serve engine_control requests (pause/resume the engine's model steps; any client that "
                         "reaches the server can then pause it, so leave this off on shared endpoints)")
@@ -114,7 +116,8 @@ def _port(text: str) -> int:
 def _engine_config(a, kv_block_size: int) -> EngineConfig:
     return EngineConfig(num_blocks=a.num_blocks, kv_block_size=kv_block_size, prefill_chunk=a.prefill_chunk,
                         max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
-                        default_max_new_tokens=a.max_new_tokens, max_new_tokens_limit=a.max_new_tokens_limit)
+                        default_max_new_tokens=a.max_new_tokens, max_new_tokens_limit=a.max_new_tokens_limit,
+                        prefix_caching=not a.no_prefix_caching)
 
 
 def write_main(a, out: TextIO, err: TextIO) -> int:

@@ -53,6 +53,16 @@ class Generation:
     tokens: list[int]
     text: str
     seconds: float
+    cached_tokens: int = 0  #: prompt tokens the server found in its prefix cache
+
+
+def _cached(result) -> int:
+    """``prompt_tokens_cached`` of a response (0 from a server without the output)."""
+    try:
+        arr = result.as_numpy(P.PROMPT_TOKENS_CACHED)
+    except Exception:  # noqa: BLE001 - an older repository's model has no such output
+        return 0
+    return int(arr.reshape(-1)[0]) if arr is not None and arr.size else 0
 
 
 def _module(protocol: str):
@@ -213,7 +223,8 @@ class DashClient:
         return inputs
 
     def _outputs(self):
-        return [self.mod.InferRequestedOutput(P.OUTPUT_IDS), self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE)]
+        return [self.mod.InferRequestedOutput(P.OUTPUT_IDS), self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE),
+                self.mod.InferRequestedOutput(P.PROMPT_TOKENS_CACHED)]
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                  stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
@@ -232,7 +243,7 @@ class DashClient:
         except Exception as exc:
             raise _error(exc) from None
         tokens = [int(t) for t in res.as_numpy(P.OUTPUT_IDS).reshape(-1)]
-        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0)
+        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0, _cached(res))
 
     def generate_async(self, ids: Sequence[int], max_new_tokens: int | None, callback: Callable[[Any], None], *,
                        stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
@@ -250,7 +261,7 @@ class DashClient:
                 callback(_error(error))
             else:
                 tokens = [int(t) for t in result.as_numpy(P.OUTPUT_IDS).reshape(-1)]
-                callback(Generation(len(ids), tokens, "", dt))
+                callback(Generation(len(ids), tokens, "", dt, _cached(result)))
 
         try:
             self.client.async_infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
@@ -278,6 +289,7 @@ class DashClient:
         except Exception as exc:
             raise _error(exc) from None
         tokens: list[int] = []
+        cached = 0
         try:
             self.client.async_stream_infer(self.stream_model,
                                            self._inputs(ids, max_new_tokens, stop_at_eos, stop_token_ids=stop_token_ids,
@@ -293,6 +305,7 @@ class DashClient:
                 response = result.get_response()
                 new = result.as_numpy(P.OUTPUT_IDS)
                 done = result.as_numpy(P.PROMPT_TOKENS_DONE)
+                cached = _cached(result) or cached
                 if done is not None and on_progress is not None and (new is None or new.size == 0):
                     on_progress(int(done.reshape(-1)[0]), len(ids))
                 if new is not None:
@@ -309,7 +322,7 @@ class DashClient:
             raise _error(exc) from None
         finally:
             self.client.stop_stream()
-        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0)
+        return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0, cached)
 
     def _text(self, tokens: Sequence[int]) -> str:
         try:

@@ -46,7 +46,7 @@ import torch
 
 from ..model import DashModel, ForwardFn, token_roles
 from ..paged import PageCoordState
-from ..runtime import PagedRuntime, size_pool_for_memory
+from ..runtime import PagedRuntime, prefix_block_hashes, size_pool_for_memory
 from ..sampling import SamplingError, SamplingParams
 
 __all__ = [
@@ -102,6 +102,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.0
     #: replay decode steps from CUDA graphs (where the CUDA kernels run the model)
     cuda_graphs: bool = True
+    #: share completed document blocks between requests (docs/triton.md, "Prefix caching")
+    prefix_caching: bool = True
 
     #: Upper bounds (checked when the config is made, not when a pool of that size fails to
     #: allocate at serve time): 2^24 blocks, blocks of 4096 tokens, 2^20-token steps.
@@ -123,8 +125,9 @@ class EngineConfig:
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise EngineConfigError(f"engine config 'gpu_memory_fraction' must be a number in [0, 1], got {f!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise EngineConfigError(f"engine config 'cuda_graphs' must be true or false, got {self.cuda_graphs!r}")
+        for flag in ("cuda_graphs", "prefix_caching"):
+            if not isinstance(getattr(self, flag), bool):
+                raise EngineConfigError(f"engine config '{flag}' must be true or false, got {getattr(self, flag)!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise EngineConfigError(f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
                                     f"max_new_tokens_limit ({self.max_new_tokens_limit})")
@@ -164,6 +167,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  #: generating one of these ends the request (it is kept)
     sampling: SamplingParams | None = None  #: None: greedy
     image_features: torch.Tensor | None = None  #: [image tokens, image_feature_dim], float32 on the CPU
+    prompt_cached: int = 0  #: prompt tokens found in the prefix cache (not computed)
     tokens: list[int] = field(default_factory=list)  #: generated so far
     status: str = "queued"  #: queued -> waiting -> running -> done | failed
     error: str | None = None
@@ -175,6 +179,7 @@ class Request:
     t_end: float | None = None
     # engine-internal
     _coords: tuple[PageCoordState, torch.Tensor] | None = field(default=None, repr=False)
+    _hashes: list[bytes] | None = field(default=None, repr=False)
     _waited: bool = False
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -243,7 +248,7 @@ class GenerationEngine:
         self.num_blocks = num_blocks
         self.runtime = PagedRuntime(model, num_blocks, ecfg.kv_block_size, forward=forward, backend=backend,
                                     max_model_len=ecfg.max_model_len or None, max_num_seqs=ecfg.max_num_seqs,
-                                    cuda_graphs=ecfg.cuda_graphs)
+                                    cuda_graphs=ecfg.cuda_graphs, prefix_caching=ecfg.prefix_caching)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Request] = deque()
@@ -255,7 +260,7 @@ class GenerationEngine:
         self._step_no = 0  # steps run so far (not reset with the counters)
         self._ids = itertools.count()
         self.counters = {"submitted": 0, "refused": 0, "done": 0, "failed": 0, "steps": 0, "tokens_generated": 0,
-                         "prompt_tokens": 0, "peak_running": 0, "peak_waiting": 0, "waited": 0,
+                         "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "peak_running": 0, "peak_waiting": 0, "waited": 0,
                          "peak_blocks_in_use": 0}
 
     # ----------------------------------------------------------------- requests
@@ -372,6 +377,8 @@ class GenerationEngine:
                       is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter(), stop_ids=stops,
                       sampling=params, image_features=feats)
         req._coords = coords
+        if self.runtime.prefix_caching:  # hashed here, on the caller's thread, not the engine's
+            req._hashes = prefix_block_hashes(ids, self.model_config.image_token_id, self.config.kv_block_size, feats)
         with self._work:
             if self._closed is not None:
                 self.counters["refused"] += 1
@@ -517,15 +524,25 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         cap, limit = self.num_blocks, self.config.max_num_seqs
+        pool = self.runtime.pool
         while self._waiting and len(self._running) < limit:
             req = self._waiting[0]
-            if self._reserved + req.blocks_reserved > cap:
+            # With prefix caching a request owns only the blocks past its cached prefix; the
+            # cached ones it pins (held by no sequence now) count against the pool too, beside
+            # the blocks other requests hold only through the cache.
+            cached = pool.match(req._hashes) if req._hashes else []
+            own = self.config.blocks_for(len(req.prompt) + req.max_new_tokens - 1) - len(cached)
+            if self._reserved + pool.num_pinned_blocks + pool.newly_pinned(cached) + own > cap:
                 break  # FIFO: the head waits for blocks; the ones behind it wait for the head
             self._waiting.popleft()
-            self._reserved += req.blocks_reserved
-            self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords,
-                             sampling=req.sampling, image_features=req.image_features)
-            req._coords = req.image_features = None  # the runtime holds them now
+            req.blocks_reserved = own
+            self._reserved += own
+            seq = self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords,
+                                   sampling=req.sampling, image_features=req.image_features,
+                                   block_hashes=req._hashes, cached_blocks=cached)
+            req.prompt_cached = req.prompt_done = seq.cached_tokens
+            self.counters["prompt_tokens_cached"] += seq.cached_tokens
+            req._coords = req.image_features = req._hashes = None  # the runtime holds them now
             req.status, req.t_admit = "running", time.perf_counter()
             if req._waited:
                 self.counters["waited"] += 1
@@ -574,7 +591,7 @@ class GenerationEngine:
             seq = self.runtime.seq(r.id)
             if seq.fed <= seq.prompt_len:
                 r.prompt_done = seq.fed
-                self.counters["prompt_tokens"] += n
+                self.counters["prompt_tokens_computed"] += n
                 if r.on_event is not None:
                     self._emit(Event("progress", r, step=step_no))
             tok = chosen.get(r.id)
@@ -639,6 +656,9 @@ class GenerationEngine:
                 kv_blocks_total=pool.num_blocks,
                 kv_blocks_free=pool.num_free_blocks,
                 kv_blocks_reserved=self._reserved,
+                kv_blocks_cached=pool.num_cached_blocks,
+                kv_blocks_pinned=pool.num_pinned_blocks,
+                prefix_caching=self.runtime.prefix_caching,
                 kv_block_size=pool.block_size,
                 running=len(self._running),
                 waiting=len(self._waiting) + len(self._incoming),

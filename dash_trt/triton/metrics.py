@@ -8,6 +8,7 @@ name                                   kind     meaning
 =====================================  =======  ==============================================
 ``dash_requests_total``                counter  finished requests, label ``outcome``: done / failed
 ``dash_prompt_tokens_total``           counter  prompt tokens of the finished requests
+``dash_prompt_tokens_cached_total``    counter  those found in the prefix cache (not computed)
 ``dash_generated_tokens_total``        counter  tokens generated for them
 ``dash_time_to_first_token_seconds``   counter  sum of their times to first token (submit -> first
                                                 token); divide by ``dash_first_tokens_total``
@@ -17,6 +18,7 @@ name                                   kind     meaning
 ``dash_requests_waiting``              gauge    requests queued or waiting for KV blocks now
 ``dash_kv_blocks_in_use``              gauge    KV blocks held by sequences now
 ``dash_kv_blocks_total``               gauge    KV blocks in the pool
+``dash_kv_blocks_cached``              gauge    KV blocks in the prefix cache (held or not)
 =====================================  =======  ==============================================
 
 Rates (tokens/s) and means (time to first token) come from the counters, as Prometheus'
@@ -33,6 +35,7 @@ PREFIX = "dash_"
 FAMILIES = (
     ("requests_total", "COUNTER", "finished generation requests, by outcome"),
     ("prompt_tokens_total", "COUNTER", "prompt tokens of finished requests"),
+    ("prompt_tokens_cached_total", "COUNTER", "prompt tokens of finished requests found in the prefix cache"),
     ("generated_tokens_total", "COUNTER", "tokens generated for finished requests"),
     ("time_to_first_token_seconds", "COUNTER", "sum of the times from submit to the first token"),
     ("first_tokens_total", "COUNTER", "requests that got a first token"),
@@ -41,6 +44,7 @@ FAMILIES = (
     ("requests_waiting", "GAUGE", "requests queued or waiting for KV blocks"),
     ("kv_blocks_in_use", "GAUGE", "KV blocks held by sequences"),
     ("kv_blocks_total", "GAUGE", "KV blocks in the pool"),
+    ("kv_blocks_cached", "GAUGE", "KV blocks in the prefix cache"),
 )
 
 
@@ -61,6 +65,7 @@ class GenerationMetrics:
         m = self._m
         self._outcome["done" if ok else "failed"].increment(1)
         m["prompt_tokens_total"].increment(len(request.prompt))
+        m["prompt_tokens_cached_total"].increment(request.prompt_cached)
         m["generated_tokens_total"].increment(len(request.tokens))
         if request.t_first_token is not None:
             m["first_tokens_total"].increment(1)
@@ -75,3 +80,4 @@ class GenerationMetrics:
         m["requests_waiting"].set(stats["waiting"])
         m["kv_blocks_in_use"].set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
         m["kv_blocks_total"].set(stats["kv_blocks_total"])
+        m["kv_blocks_cached"].set(stats["kv_blocks_cached"])

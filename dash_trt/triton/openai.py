@@ -236,7 +236,8 @@ class OpenAIServer:
                            stop_token_ids=req["stop_token_ids"], sampling=req["sampling"],
                            image_features=req["image_features"])
         usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": len(g.tokens),
-                 "total_tokens": g.prompt_tokens + len(g.tokens)}
+                 "total_tokens": g.prompt_tokens + len(g.tokens),
+                 "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
         return self._response(f"cmpl-{uuid.uuid4().hex}", c.decode(g.tokens),
                               _finish_reason(g.tokens, req, self.config.eos_token_id), usage)
 
@@ -290,7 +291,8 @@ class OpenAIServer:
             return
         event(json.dumps(self._response(rid, delta(True), _finish_reason(g.tokens, req, self.config.eos_token_id), {
             "prompt_tokens": g.prompt_tokens, "completion_tokens": len(g.tokens),
-            "total_tokens": g.prompt_tokens + len(g.tokens)})))
+            "total_tokens": g.prompt_tokens + len(g.tokens),
+            "prompt_tokens_details": {"cached_tokens": g.cached_tokens}})))
         event("[DONE]")
         h.close_connection = True
 

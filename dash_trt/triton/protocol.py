@@ -41,6 +41,7 @@ name                    Triton type   dims  meaning
 ``output_ids``          TYPE_INT64    [-1]  generated token ids (all of them; in the streaming model
                                             the ones new since the previous response)
 ``prompt_tokens_done``  TYPE_INT64    [1]   prompt tokens prefilled so far (progress)
+``prompt_tokens_cached``  TYPE_INT64  [1]   prompt tokens found in the prefix cache (not computed)
 ``stats``               TYPE_UINT8    [-1]  JSON statistics (UTF-8), only in answers to ``get_stats``
                                             and ``engine_control``
 ======================  ============  ====  =====================================================
@@ -73,6 +74,7 @@ DRAIN_TOKEN_ENV = "DASH_TRT_DRAIN_TOKEN"
 
 OUTPUT_IDS = "output_ids"
 PROMPT_TOKENS_DONE = "prompt_tokens_done"
+PROMPT_TOKENS_CACHED = "prompt_tokens_cached"
 STATS = "stats"
 
 #: (name, Triton data type, dims, optional)
@@ -91,6 +93,7 @@ INPUTS = (
 OUTPUTS = (
     (OUTPUT_IDS, "TYPE_INT64", (-1,)),
     (PROMPT_TOKENS_DONE, "TYPE_INT64", (1,)),
+    (PROMPT_TOKENS_CACHED, "TYPE_INT64", (1,)),
     (STATS, "TYPE_UINT8", (-1,)),
 )
 

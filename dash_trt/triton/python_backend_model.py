@@ -209,12 +209,14 @@ class TritonPythonModel:
         return bool(arr.reshape(-1)[0])
 
     # -------------------------------------------------------------- responses
-    def _outputs(self, tokens, prompt_done):
+    def _outputs(self, tokens, req):
         P, torch = self.P, self.torch
         # torch tensors through DLPack (never a numpy array: the stub renames the capsule,
         # which numpy's destructor rejects)
         return [pb_utils.Tensor.from_dlpack(P.OUTPUT_IDS, torch.tensor(list(tokens), dtype=torch.int64)),
-                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_DONE, torch.tensor([prompt_done], dtype=torch.int64))]
+                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_DONE, torch.tensor([req.prompt_done], dtype=torch.int64)),
+                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_CACHED,
+                                            torch.tensor([req.prompt_cached], dtype=torch.int64))]
 
     def _send_error(self, sender, message, code):
         error = pb_utils.TritonError(f"{self.name}: {message}", self.codes.get(code, pb_utils.TritonError.INTERNAL))
@@ -235,11 +237,11 @@ class TritonPythonModel:
             self._send_error(sender, event.error, event.code)
         elif not self.decoupled:
             if event.kind == "done":
-                sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req.prompt_done)), flags=final)
+                sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req)), flags=final)
         elif event.kind == "progress":
-            sender.send(pb_utils.InferenceResponse(self._outputs([], req.prompt_done)))
+            sender.send(pb_utils.InferenceResponse(self._outputs([], req)))
         elif event.kind == "token":
-            sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req.prompt_done)))
+            sender.send(pb_utils.InferenceResponse(self._outputs(event.tokens, req)))
         elif event.kind == "done":
             sender.send(flags=final)
 

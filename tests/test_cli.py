@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 import torch
 
 from dash_trt import cli
@@ -57,3 +59,20 @@ def test_model_load_errors_from_a_triton_log():
     assert model_load_errors(log) == ["model 'dash' version 1 failed to load: Internal: CheckpointError: "
                                       "/r/dash/1/model.pt is not a readable PyTorch checkpoint"]
     assert model_load_errors("no errors here") == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli", "write"],
+    ["dash_trt.triton.cli", "serve"], ["dash_trt.triton.cli", "openai"], ["dash_trt.triton.client"],
+    ["dash_trt.triton.loadtest"], ["dash_trt.cli"],
+])
+def test_every_command_line_builds_its_parser_and_prints_help(argv):
+    """An option defined twice (argparse raises at parser construction) breaks a whole command."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys; sys.argv = ['x', *sys.argv[1:], '--help']; "
+            f"runpy.run_module({argv[0]!r}, run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code, *argv[1:]], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout and "Traceback" not in res.stderr

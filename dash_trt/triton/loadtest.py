@@ -188,8 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
-    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
-                   help="the model class of --checkpoint / --random-init (as dash-export --model)")
+    p.add_argument("--model-class", metavar="MODULE:CLASS", dest="model_class",
+                   help="the model class of --checkpoint / --random-init (dash-export's --model; --model here is "
+                        "the Triton model's name)")
     p.add_argument("--no-check", action="store_true", help="skip the offline generation (no correctness check)")
     p.add_argument("--server-log", help="the started server's log file (default: a scratch file)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the models to load")

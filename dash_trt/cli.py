@@ -110,6 +110,7 @@ def run_demo(
 def demo_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dash-demo",
+        epilog="Exit codes: 0 the paged operator matches the reference, 1 a mismatch, 2 bad arguments.",
         description="Run the paged DASH operator on random prompts (chunked prefill and decode "
                     "in mixed batches) and check it against the PyTorch reference.",
     )

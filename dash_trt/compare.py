@@ -348,6 +348,8 @@ def _simple_compare(atol: float, rtol: float):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-compare",
+        epilog="Exit codes: 0 every backend matches the reference, 1 a mismatch, 2 bad input (files, "
+               "checkpoint, a graph that is not this checkpoint's, an unavailable backend).",
         description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
                     "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
     p.add_argument("onnx", help="a model exported by dash-export")

@@ -76,3 +76,14 @@ def test_every_command_line_builds_its_parser_and_prints_help(argv):
     res = subprocess.run([sys.executable, "-c", code, *argv[1:]], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout and "Traceback" not in res.stderr
+    assert "Exit codes: 0" in " ".join(res.stdout.split()), "--help must list the exit codes"
+
+
+def test_load_test_reports_a_bad_checkpoint_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "dash_trt.triton.loadtest", "--checkpoint", str(tmp_path / "none.pt"),
+                          "--no-check"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [f"loadtest: error: checkpoint not found: {tmp_path / 'none.pt'}"]

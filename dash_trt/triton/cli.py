@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser(
         "write", help="write a model repository",
+        epilog="Exit codes: 0 written, 2 bad input (arguments, checkpoint, ONNX file, an existing output); "
+               "nothing is left half-written.",
         description="Write a Triton model repository: a Python-backend generation service that owns a paged KV "
                     "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
                     "graph.")
@@ -82,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--plan-gpus", help="comma-separated GPU ids (default: all)")
 
     s = sub.add_parser(
-        "serve", help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
+        "serve",
+        epilog="Exit codes: 0 stopped cleanly (Ctrl-C / SIGTERM, every request answered), 2 bad input (no "
+               "repository, a port in use), 3 the server could not start, a model's worker died, or the "
+               "shutdown was not clean.", help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
         description="Start the Triton server shipped in the nvidia-pytriton wheel on a repository, bound to "
                     "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
                     "the repository's README.md).")

@@ -165,7 +165,10 @@ def run_load(client: DashClient, cases: Sequence[LoadCase], expected: Sequence[S
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 every request answered correctly and the pool free, 1 not "
+                                       "(wrong, failed or missing answers, blocks held), 2 bad input, 3 the server "
+                                       "could not start or be reached.")
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
     p.add_argument("--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)")
     p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "
@@ -205,6 +208,22 @@ def _pair(text: str) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout
+    from ..config import DashConfigError
+    from ..model import CheckpointError, ModelConfigError, ModelContractError
+    from .client import DashClientError
+    from .server import TritonStartError, TritonUnavailable
+
+    try:
+        return _run(a, out)
+    except (CheckpointError, ModelConfigError, ModelContractError, DashConfigError, ValueError) as exc:
+        print(f"loadtest: error: {exc}", file=sys.stderr)
+        return 2
+    except (TritonStartError, TritonUnavailable, DashClientError) as exc:
+        print(f"loadtest: error: {exc}", file=sys.stderr)
+        return 3
+
+
+def _run(a, out: TextIO) -> int:
     if a.checkpoint:
         model = load_checkpoint(a.checkpoint, model_class=a.model_class)
     elif a.random_init:

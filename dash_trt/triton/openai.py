@@ -311,7 +311,8 @@ class OpenAIServer:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     o = sub.add_parser(
-        "openai", help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
+        "openai",
+        epilog="Exit codes: 0 stopped (Ctrl-C), 2 the Triton model cannot be reached or the port cannot be bound.", help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
         description="An OpenAI-style completions endpoint (POST /v1/completions, GET /v1/models, GET /health) "
                     "that forwards to the DASH generation model on a running Triton server.")
     o.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP endpoint (%(default)s)")

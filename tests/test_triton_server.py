@@ -497,15 +497,22 @@ def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
     before = _metrics(server)
     assert 'dash_requests_total{outcome="done"}' in before, sorted(before)
     got = [grpc.generate(p, 4, stop_at_eos=False) for p in prompts]
+    # ... and a second question on the first document: its document blocks come from the cache
+    again = prompts[0][:-len(b"Read page 2.")] + list(b"Any table?")
+    got.append(grpc.generate(again, 4, stop_at_eos=False))
     after = _metrics(server)
 
     def delta(name):
         return after[name] - before.get(name, 0.0)
 
-    assert delta('dash_requests_total{outcome="done"}') == 3
-    assert delta("dash_prompt_tokens_total") == sum(len(p) for p in prompts)
-    assert delta("dash_generated_tokens_total") == sum(len(g.tokens) for g in got) == 12
-    assert delta("dash_first_tokens_total") == 3
+    assert delta('dash_requests_total{outcome="done"}') == 4
+    assert delta("dash_prompt_tokens_total") == sum(len(p) for p in prompts) + len(again)
+    assert delta("dash_generated_tokens_total") == sum(len(g.tokens) for g in got) == 16
+    assert delta("dash_first_tokens_total") == 4
+    cached = sum(g.cached_tokens for g in got)
+    assert got[-1].cached_tokens > 0 and delta("dash_prompt_tokens_cached_total") == cached
+    assert delta("dash_prompt_tokens_computed_total") == delta("dash_prompt_tokens_total") - cached
+    assert after["dash_kv_blocks_cached"] > 0
     assert delta("dash_time_to_first_token_seconds") > 0 and delta("dash_request_seconds") > 0
     assert after["dash_kv_blocks_total"] == ENGINE.num_blocks
     assert after["dash_kv_blocks_in_use"] == 0 and after["dash_requests_running"] == 0

@@ -9,6 +9,7 @@ name                                   kind     meaning
 ``dash_requests_total``                counter  finished requests, label ``outcome``: done / failed
 ``dash_prompt_tokens_total``           counter  prompt tokens of the finished requests
 ``dash_prompt_tokens_cached_total``    counter  those found in the prefix cache (not computed)
+``dash_prompt_tokens_computed_total``  counter  those computed (prefilled)
 ``dash_generated_tokens_total``        counter  tokens generated for them
 ``dash_time_to_first_token_seconds``   counter  sum of their times to first token (submit -> first
                                                 token); divide by ``dash_first_tokens_total``
@@ -36,6 +37,7 @@ FAMILIES = (
     ("requests_total", "COUNTER", "finished generation requests, by outcome"),
     ("prompt_tokens_total", "COUNTER", "prompt tokens of finished requests"),
     ("prompt_tokens_cached_total", "COUNTER", "prompt tokens of finished requests found in the prefix cache"),
+    ("prompt_tokens_computed_total", "COUNTER", "prompt tokens of finished requests computed (prefilled)"),
     ("generated_tokens_total", "COUNTER", "tokens generated for finished requests"),
     ("time_to_first_token_seconds", "COUNTER", "sum of the times from submit to the first token"),
     ("first_tokens_total", "COUNTER", "requests that got a first token"),
@@ -66,6 +68,7 @@ class GenerationMetrics:
         self._outcome["done" if ok else "failed"].increment(1)
         m["prompt_tokens_total"].increment(len(request.prompt))
         m["prompt_tokens_cached_total"].increment(request.prompt_cached)
+        m["prompt_tokens_computed_total"].increment(len(request.prompt) - request.prompt_cached)
         m["generated_tokens_total"].increment(len(request.tokens))
         if request.t_first_token is not None:
             m["first_tokens_total"].increment(1)

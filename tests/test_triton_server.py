@@ -188,19 +188,12 @@ def _raw_infer(server, protocol, arrays):
         client.close()
 
 
-def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, prompts, want):
-    cfg = model.config
+def _bad_requests(cfg, good):
+    """Malformed requests (protocol, tensors, expected status, message fragment): the model's
+    own checks and Triton's checks against config.pbtxt. ``good`` is a valid prompt."""
+    ids = np.array(good, dtype=np.int64)
     page, image = cfg.page_token_id, cfg.image_token_id
-    # a good request in flight during all the bad ones
-    box, arrived = {}, threading.Event()
-
-    def keep(result):
-        box["r"] = result
-        arrived.set()
-
-    grpc.generate_async(prompts[0], MAX_NEW[0], keep)
-    ids = np.array(prompts[1], dtype=np.int64)
-    bad = [
+    return [
         # (protocol, tensors, expected status, message fragment)
         ("http", {P.INPUT_IDS: (np.array(M.tokenize("What is the title?", cfg), dtype=np.int64), "INT64")},
          "400", "no image token"),
@@ -228,6 +221,19 @@ def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, pr
         ("grpc", {P.INPUT_IDS: (ids, "INT64"), P.STOP_TOKEN_IDS: (np.array([999], dtype=np.int64), "INT64")},
          "StatusCode.INVALID_ARGUMENT", "stop_token_ids must be token ids"),
     ]
+
+
+def test_bad_requests_get_errors_while_others_are_served(server, grpc, model, prompts, want):
+    cfg = model.config
+    # a good request in flight during all the bad ones
+    box, arrived = {}, threading.Event()
+
+    def keep(result):
+        box["r"] = result
+        arrived.set()
+
+    grpc.generate_async(prompts[0], MAX_NEW[0], keep)
+    bad = _bad_requests(cfg, prompts[1])
     from tritonclient.utils import InferenceServerException
 
     for protocol, arrays, status, fragment in bad:
@@ -259,6 +265,43 @@ def test_load_32_concurrent_requests(grpc, model, capsys):
     # the pool could not hold them all: some waited, many ran at once
     assert s["waited"] > before["waited"] and s["peak_running"] >= 8
     assert sum(len(c.ids) for c in cases) > ENGINE.num_blocks * ENGINE.kv_block_size
+
+
+def test_malformed_requests_mixed_into_128_concurrent_good_ones(server, grpc, model, capsys):
+    """128 good requests in flight over a pool that cannot hold them, every malformed request
+    of _bad_requests sent three times while all 128 are in the engine (paused until then, so
+    the mix does not depend on timing): every good one answered with its offline tokens,
+    every bad one refused with its own status and message, nothing lost, the pool free."""
+    from tritonclient.utils import InferenceServerException
+
+    cases = make_cases(model.config, 128, seed=13, pages=(1, 3), images=(4, 32), max_new_tokens=(1, 6))
+    expected = expected_tokens(model, cases, kv_block_size=ENGINE.kv_block_size)
+    before = grpc.stats()
+    box = {}
+    load = threading.Thread(target=lambda: box.setdefault("report", run_load(grpc, cases, expected)))
+    bad = _bad_requests(model.config, cases[0].ids) * 3
+    refused = []
+    with paused_engine(grpc):
+        load.start()
+        _wait_for(grpc, lambda s: s["submitted"] - before["submitted"] == 128, "the 128 requests' arrival")
+        for protocol, arrays, status, fragment in bad:
+            with pytest.raises(InferenceServerException) as e:
+                _raw_infer(server, protocol, arrays)
+            refused.append((str(e.value.status()), fragment in e.value.message()))
+        assert grpc.stats()["done"] == before["done"]  # none of the 128 has finished yet
+    load.join(600)
+    assert not load.is_alive(), "the 128 requests did not finish in 600 s"
+    report = box["report"]
+    with capsys.disabled():
+        print(f"\n{report.summary()}\nmalformed: {len(bad)} sent while they ran, "
+              f"{sum(ok for _, ok in refused)} refused with their own message")
+    assert refused == [(status, True) for _, _, status, _ in bad]
+    assert report.correct == 128 and not report.wrong and not report.errors and not report.missing
+    assert report.pool_free and report.ok
+    s = report.stats_after
+    assert s["done"] - before["done"] == 128 and s["failed"] == before["failed"]
+    assert s["kv_blocks_free"] == ENGINE.num_blocks and s["kv_blocks_reserved"] == 0 and s["kv_blocks_pinned"] == 0
+    assert s["waited"] > before["waited"]  # the pool could not hold them all at once
 
 
 def _wait_for(client, condition, what, limit=120.0):

@@ -1,6 +1,8 @@
 """Shared test settings: markers that skip without hardware, module-level grids."""
 
+import contextlib
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -25,3 +27,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "trt" in item.keywords and not _has_tensorrt():
             item.add_marker(skip_trt)
+
+
+def triton_unavailable(reason: str):
+    """Skip a test that needs the Triton server where it cannot run; with
+    ``DASH_REQUIRE_TRITON=1`` (set by ``.ci/run``) fail instead."""
+    if os.environ.get("DASH_REQUIRE_TRITON") == "1":
+        pytest.fail(f"DASH_REQUIRE_TRITON=1 but the Triton server cannot run: {reason}")
+    pytest.skip(f"Triton server not available: {reason}")
+
+
+@contextlib.contextmanager
+def running_triton(repo, log_path, **kwargs):
+    """A started ``TritonServer`` on ``repo`` (skipped or failed by :func:`triton_unavailable`
+    where it cannot run); stopped and cleaned up afterwards, its exit code required to be 0."""
+    try:
+        import tritonclient.grpc  # noqa: F401
+        import tritonclient.http  # noqa: F401
+
+        from dash_trt.triton.server import TritonServer, TritonStartError, TritonUnavailable
+    except ImportError as exc:
+        triton_unavailable(f"{exc} (pip install '.[test]')")
+    try:
+        srv = TritonServer(str(repo), log_path=str(log_path), **kwargs)
+    except TritonUnavailable as exc:
+        triton_unavailable(str(exc))
+    try:
+        srv.start(timeout=240)
+    except TritonStartError as exc:
+        srv.cleanup()
+        triton_unavailable(str(exc))
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        srv.cleanup()
+    assert code == 0, f"tritonserver exit code {code}:\n{srv.log_tail()}"

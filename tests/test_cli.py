@@ -87,3 +87,21 @@ def test_load_test_reports_a_bad_checkpoint_in_one_line(tmp_path):
                           "--no-check"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [f"loadtest: error: checkpoint not found: {tmp_path / 'none.pt'}"]
+
+
+def test_openai_endpoint_without_a_triton_server_says_so_in_one_line():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on: bound here, never accepting
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "dash_trt.triton.cli", "openai", "--url", f"127.0.0.1:{port}",
+                              "--port", "9999"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dash-triton openai: error: ") and "refused" in lines[0], lines
+    res = subprocess.run([sys.executable, "-m", "dash_trt.triton.cli", "openai", "--port", "70000"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip() == "dash-triton openai: error: --port must be 1..65535, got 70000"

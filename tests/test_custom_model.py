@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import running_triton
+
 from dash_trt import model as M
 from dash_trt.modeling import DashAttention, DashModel, ModelContractError
 
@@ -222,13 +224,6 @@ def test_demo_model_takes_image_features_of_its_hidden_size():
 # ------------------------------------------------------------------ served by Triton
 @pytest.mark.triton
 def test_triton_serves_the_custom_model_like_offline_generation(custom, folder, cases, tmp_path):
-    try:
-        import tritonclient.grpc  # noqa: F401
-        import tritonclient.http  # noqa: F401
-
-        from dash_trt.triton.server import TritonServer, TritonStartError, TritonUnavailable
-    except ImportError as exc:
-        _unavailable(f"{exc} (pip install '.[test]')")
     from dash_trt.triton import client as C
 
     repo = tmp_path / "repo"
@@ -244,16 +239,7 @@ def test_triton_serves_the_custom_model_like_offline_generation(custom, folder, 
                 for p, f in zip(prompts, feats)]
     finally:
         torch.set_num_threads(threads)
-    try:
-        srv = TritonServer(str(repo), log_path=str(tmp_path / "tritonserver.log"))
-    except TritonUnavailable as exc:
-        _unavailable(str(exc))
-    try:
-        srv.start(timeout=240)
-    except TritonStartError as exc:
-        srv.cleanup()
-        _unavailable(str(exc))
-    try:
+    with running_triton(repo, tmp_path / "tritonserver.log") as srv:
         with C.DashClient(srv.http_url, protocol="http") as http, C.DashClient(srv.grpc_url, protocol="grpc") as grpc:
             assert http.model_config() == custom.config
             for p, f, w in zip(prompts, feats, want):
@@ -265,16 +251,6 @@ def test_triton_serves_the_custom_model_like_offline_generation(custom, folder, 
             assert err.value.status in ("400", "StatusCode.INVALID_ARGUMENT")
             stats = http.stats()
             assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["kv_blocks_reserved"] == 0
-    finally:
-        code = srv.stop()
-        srv.cleanup()
-    assert code == 0, srv.log_tail()
-
-
-def _unavailable(reason: str):
-    if os.environ.get("DASH_REQUIRE_TRITON") == "1":
-        pytest.fail(f"DASH_REQUIRE_TRITON=1 but the Triton server cannot run: {reason}")
-    pytest.skip(f"Triton server not available: {reason}")
 
 
 def test_guide_shows_the_example_and_the_commands_this_test_runs():

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import running_triton, triton_unavailable
+
 from dash_trt import model as M
 from dash_trt.triton import client as C
 from dash_trt.triton import protocol as P
@@ -35,10 +37,7 @@ ENGINE = EngineConfig(num_blocks=64, kv_block_size=16, prefill_chunk=48, max_bat
                       default_max_new_tokens=5, max_new_tokens_limit=64)
 
 
-def _unavailable(reason: str):
-    if os.environ.get("DASH_REQUIRE_TRITON") == "1":
-        pytest.fail(f"DASH_REQUIRE_TRITON=1 but the Triton server cannot run: {reason}")
-    pytest.skip(f"Triton server not available: {reason}")
+_unavailable = triton_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -48,30 +47,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model):
-    try:
-        import tritonclient.grpc  # noqa: F401
-        import tritonclient.http  # noqa: F401
-
-        from dash_trt.triton.server import TritonServer, TritonStartError, TritonUnavailable
-    except ImportError as exc:
-        _unavailable(f"{exc} (pip install '.[test]')")
     root = tmp_path_factory.mktemp("triton")
     ckpt = root / "model.pt"
     M.save_checkpoint(model, ckpt)
     write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE, allow_engine_control=True)
-    try:
-        srv = TritonServer(str(root / "repo"), log_path=str(root / "tritonserver.log"), metrics_port=0)
-    except TritonUnavailable as exc:
-        _unavailable(str(exc))
-    try:
-        srv.start(timeout=240)
-    except TritonStartError as exc:
-        srv.cleanup()
-        _unavailable(str(exc))
-    yield srv
-    code = srv.stop()
-    srv.cleanup()
-    assert code == 0, f"tritonserver exit code {code}:\n{srv.log_tail()}"
+    with running_triton(root / "repo", root / "tritonserver.log", metrics_port=0) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cliutil import EXIT_CODES_NOTE, cli_main
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
 
 __all__ = [
@@ -450,7 +451,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-build",
         description="Build a TensorRT engine (plan) from a DASH ONNX model with the DashAttention plugin. "
-                    "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT.",
+                    "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT, " + EXIT_CODES_NOTE,
     )
     p.add_argument("model", type=Path, help="the exported ONNX model (dash-export)")
     p.add_argument("--plugin", type=Path, required=True, help="libdash_trt_plugin.so")
@@ -476,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
                    "present.* output to its past.* input buffer instead (the plugin then works in place too)")
     p.add_argument("--timing-cache", type=Path, help="timing cache file: read if it exists, written after the build")
     p.add_argument("--workspace", type=int, metavar="MIB", help="workspace memory pool limit (MiB)")
-    p.add_argument("--verbose", action="store_true", help="TensorRT verbose logging")
+    p.add_argument("--verbose", action="store_true", help="TensorRT verbose logging, and the traceback of an unexpected error")
     p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec command and exit "
                    "(needs the onnx package, not TensorRT)")
     p.add_argument("--trt-version", metavar="MAJOR.MINOR", help="with --print-trtexec: the TensorRT version whose "
@@ -532,6 +533,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
+@cli_main("dash-build")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     problem = _check_arguments(args)

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from .config import DashConfig
 from .paged import DashKVCache, KVBlockPool, paged_dash_attention, sequence_coords
 from .reference import Routing, dash_attention
@@ -107,10 +108,11 @@ def run_demo(
     return ok
 
 
+@cli_main("dash-demo")
 def demo_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dash-demo",
-        epilog="Exit codes: 0 the paged operator matches the reference, 1 a mismatch, 2 bad arguments.",
+        epilog="Exit codes: 0 the paged operator matches the reference, 1 a mismatch, 2 bad arguments, " + EXIT_CODES_NOTE,
         description="Run the paged DASH operator on random prompts (chunked prefill and decode "
                     "in mixed batches) and check it against the PyTorch reference.",
     )
@@ -121,6 +123,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-block-size", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     a = p.parse_args(argv)
     if a.sequences < 1 or a.pages < 1 or a.decode_steps < 0 or a.kv_block_size < 1:
         p.error("--sequences, --pages and --kv-block-size must be >= 1, --decode-steps >= 0")

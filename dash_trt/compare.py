@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .cliutil import EXIT_CODES_NOTE, cli_main
 from .model import DashModel, check_prompts, demo_model, generate, load_checkpoint
 
 __all__ = ["CompareReport", "compare", "main", "TorchRunner", "InPlaceTorchRunner"]
@@ -349,7 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-compare",
         epilog="Exit codes: 0 every backend matches the reference, 1 a mismatch, 2 bad input (files, "
-               "checkpoint, a graph that is not this checkpoint's, an unavailable backend).",
+               "checkpoint, a graph that is not this checkpoint's, an unavailable backend), " + EXIT_CODES_NOTE,
         description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
                     "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
     p.add_argument("onnx", help="a model exported by dash-export")
@@ -370,10 +371,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save-inputs", help="polygraphy JSON of the reference's per-step feeds")
     p.add_argument("--save-outputs", help="polygraphy RunResults JSON of the reference's outputs")
     p.add_argument("--unsafe-load", action="store_true", help="allow unpickling arbitrary objects in --checkpoint")
-    p.add_argument("--verbose", action="store_true", help="polygraphy's per-output, per-step comparison log")
+    p.add_argument("--verbose", action="store_true", help="polygraphy's per-output, per-step comparison log, and the traceback of an unexpected error")
     return p
 
 
+@cli_main("dash-compare")
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     from polygraphy.logger import G_LOGGER

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from . import onnx_ops
+from .cliutil import EXIT_INTERNAL, cli_main
 from .config import DashConfigError
 from .model import (
     DTYPES,
@@ -454,7 +456,9 @@ def _parser() -> argparse.ArgumentParser:
                     "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
                     "the file with onnx.checker and against PyTorch in ONNX Runtime.",
         epilog="Exit codes: 0 ok, 1 ONNX Runtime does not reproduce PyTorch, 2 bad input, "
-               "3 export failed, 130 / 143 interrupted (Ctrl-C / SIGTERM; nothing written). See export/README.md.",
+               "3 export failed, 130 / 143 interrupted (Ctrl-C / SIGTERM; nothing written), "
+               f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback). "
+               "See export/README.md.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("checkpoint", nargs="?",
@@ -490,6 +494,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save-pretrained", metavar="DIR",
                    help="also write them as a Hugging Face folder: config.json + model.safetensors")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    p.add_argument("--verbose", action="store_true", help="the traceback of a failed export or check, and of an "
+                   "unexpected error")
     return p
 
 
@@ -520,6 +526,7 @@ def _load(a) -> DashModel:
     return model.to(dtype) if dtype else model
 
 
+@cli_main("dash-export")
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
          stderr: TextIO | None = None) -> int:
     """``dash-export``: results on stdout, progress and errors on stderr."""
@@ -565,6 +572,8 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
     def fail(code: int, msg: str) -> int:
         if "signal" in got:  # an exporter that turned the interruption into its own error
             raise _Interrupted(got["signal"])
+        if a.verbose and sys.exc_info()[1] is not None:  # called in an except block: what failed, in full
+            traceback.print_exc(file=err)
         print(f"dash-export: error: {msg}", file=err, flush=True)
         return code
 

@@ -105,3 +105,49 @@ def test_openai_endpoint_without_a_triton_server_says_so_in_one_line():
     res = subprocess.run([sys.executable, "-m", "dash_trt.triton.cli", "openai", "--port", "70000"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.strip() == "dash-triton openai: error: --port must be 1..65535, got 70000"
+
+
+def _commands():
+    """Every console script the package installs (its entry points), and the load test."""
+    from importlib.metadata import entry_points
+
+    found = {e.name: e.value for e in entry_points(group="console_scripts") if e.value.startswith("dash_trt.")}
+    assert {"dash-export", "dash-build", "dash-compare", "dash-demo", "dash-client", "dash-triton"} <= set(found)
+    return sorted(found.items()) + [("dash-loadtest", "dash_trt.triton.loadtest:main")]
+
+
+@pytest.mark.parametrize("name,target", _commands())
+def test_an_unexpected_error_is_one_line_and_exit_70_with_the_traceback_under_verbose(name, target, monkeypatch,
+                                                                                    capsys):
+    """A bug (here planted in argparse, which every command calls first) is neither a traceback
+    on the user's terminal nor exit 1 (a mismatch): one line naming the error, exit 70; with
+    --verbose, the traceback before it; Ctrl-C one line, exit 130."""
+    import argparse
+    import importlib
+
+    from dash_trt.cliutil import EXIT_INTERNAL, EXIT_INTERRUPTED
+
+    module, func = target.split(":")
+    main = getattr(importlib.import_module(module), func)
+    monkeypatch.delenv("DASH_TRT_VERBOSE", raising=False)
+
+    def planted(self, *args, **kwargs):
+        raise RuntimeError("planted bug\n  on two lines")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", planted)
+    assert main(["anything"]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"{name}: internal error: RuntimeError: planted bug on two lines (rerun with "
+                                        f"--verbose for the traceback, and please report it)"]
+    assert main(["anything", "--verbose"]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and "in planted" in err
+    assert err.strip().splitlines()[-1].startswith(f"{name}: internal error: RuntimeError: planted bug")
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)
+    assert main(["anything"]) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip() == f"{name}: interrupted"

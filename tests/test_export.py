@@ -356,7 +356,11 @@ def test_cli_failure_while_writing_leaves_no_file(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(E, "export_onnx", exporter_bug)
     code, _, stderr = _run(["--demo", "--out", str(tmp_path / "m.onnx")], capsys)
     assert code == E.EXIT_EXPORT_FAILED and "export failed: RuntimeError: exporter crashed" in stderr
-    assert os.listdir(tmp_path) == []
+    assert "Traceback" not in stderr and os.listdir(tmp_path) == []
+    # --verbose: the exporter's traceback, for the bug report
+    code, _, stderr = _run(["--demo", "--out", str(tmp_path / "m.onnx"), "--verbose"], capsys)
+    assert code == E.EXIT_EXPORT_FAILED and "Traceback (most recent call last)" in stderr
+    assert "in exporter_bug" in stderr and os.listdir(tmp_path) == []
 
 
 def test_console_script_exit_code(tmp_path):

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import TextIO
 
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..config import DashConfigError
 from ..model import CheckpointError, ModelConfigError, ModelContractError, demo_model, load_checkpoint
 from . import protocol as P
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "write", help="write a model repository",
         epilog="Exit codes: 0 written, 2 bad input (arguments, checkpoint, ONNX file, an existing output); "
-               "nothing is left half-written.",
+               "nothing is left half-written; " + EXIT_CODES_NOTE,
         description="Write a Triton model repository: a Python-backend generation service that owns a paged KV "
                     "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
                     "graph.")
@@ -75,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve engine_control requests (pause/resume the engine's model steps; any client that "
                         "reaches the server can then pause it, so leave this off on shared endpoints)")
     e.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads in the model (0: default)")
+    w.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     t = w.add_argument_group("TensorRT model")
     t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
     t.add_argument("--plan", help="TensorRT engine built from --onnx")
@@ -87,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         epilog="Exit codes: 0 stopped cleanly (Ctrl-C / SIGTERM, every request answered), 2 bad input (no "
                "repository, a port in use), 3 the server could not start, a model's worker died, or the "
-               "shutdown was not clean.", help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
+               "shutdown was not clean, " + EXIT_CODES_NOTE, help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
         description="Start the Triton server shipped in the nvidia-pytriton wheel on a repository, bound to "
                     "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
                     "the repository's README.md).")
@@ -96,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=_port, default=8001)
     s.add_argument("--metrics-port", type=_port, default=None, help="enable metrics on this port")
     s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
-    s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level (any value: also the traceback of an unexpected error)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the models to load")
     s.add_argument("--grace", type=float, default=5.0,
                    help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
@@ -237,6 +239,7 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+@cli_main("dash-triton")
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout if stdout is not None else sys.stdout

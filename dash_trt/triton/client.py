@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..model import DashModelConfig, detokenize, document_prompt, tokenize
 from . import protocol as P
 
@@ -351,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                     "generated tokens.",
         epilog="Prompt text: bytes, <PAGE> (a page marker), <image> or <image*N> (N image tokens), e.g. "
                "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
-               "2 bad arguments, 3 server not reachable.",
+               "2 bad arguments, 3 server not reachable, " + EXIT_CODES_NOTE,
     )
     p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http")
@@ -377,6 +378,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="pause or resume the engine's model steps (a model written with --allow-engine-control), "
                         "print the statistics and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--wait", type=float, default=0.0,
                    help="first wait up to this many seconds for the server and model to be ready (a server "
                         "just started takes a while to load the models)")
@@ -410,6 +412,7 @@ class _Ticker:
         self._thread.join()
 
 
+@cli_main("dash-client")
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout if stdout is not None else sys.stdout

@@ -28,6 +28,7 @@ from typing import TextIO
 
 import torch
 
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..model import DashModel, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
 from .client import DashClient, DashClientError, Generation
 from .engine import EngineConfig
@@ -168,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0],
                                 epilog="Exit codes: 0 every request answered correctly and the pool free, 1 not "
                                        "(wrong, failed or missing answers, blocks held), 2 bad input, 3 the server "
-                                       "could not start or be reached.")
+                                       "could not start or be reached, " + EXIT_CODES_NOTE)
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
     p.add_argument("--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)")
     p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "
@@ -197,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true", help="skip the offline generation (no correctness check)")
     p.add_argument("--server-log", help="the started server's log file (default: a scratch file)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 
@@ -205,6 +207,7 @@ def _pair(text: str) -> tuple[int, int]:
     return a, b
 
 
+@cli_main("dash-loadtest")
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout

@@ -36,6 +36,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP
 from . import protocol as P
 from .client import DashClient, DashClientError
 
@@ -312,7 +313,8 @@ class OpenAIServer:
 def add_parser(sub) -> argparse.ArgumentParser:
     o = sub.add_parser(
         "openai",
-        epilog="Exit codes: 0 stopped (Ctrl-C), 2 the Triton model cannot be reached or the port cannot be bound.", help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
+        epilog="Exit codes: 0 stopped (Ctrl-C), 2 the Triton model cannot be reached or the port cannot be bound, "
+               + EXIT_CODES_NOTE, help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
         description="An OpenAI-style completions endpoint (POST /v1/completions, GET /v1/models, GET /health) "
                     "that forwards to the DASH generation model on a running Triton server.")
     o.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP endpoint (%(default)s)")
@@ -321,6 +323,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--model", default=P.DEFAULT_NAME, help="the generation model's name (%(default)s)")
     o.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
     o.add_argument("--port", type=int, default=9000, help="port to bind (%(default)s)")
+    o.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return o
 
 

@@ -63,7 +63,8 @@ def test_model_load_errors_from_a_triton_log():
 
 @pytest.mark.parametrize("argv", [
     ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli", "write"],
-    ["dash_trt.triton.cli", "serve"], ["dash_trt.triton.cli", "openai"], ["dash_trt.triton.client"],
+    ["dash_trt.triton.cli", "serve"], ["dash_trt.triton.cli", "openai"], ["dash_trt.triton.cli", "probe"],
+    ["dash_trt.triton.client"],
     ["dash_trt.triton.loadtest"], ["dash_trt.cli"],
 ])
 def test_every_command_line_builds_its_parser_and_prints_help(argv):
@@ -151,3 +152,23 @@ def test_an_unexpected_error_is_one_line_and_exit_70_with_the_traceback_under_ve
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)
     assert main(["anything"]) == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip() == f"{name}: interrupted"
+
+
+def test_probe_without_a_server_or_with_a_bad_timeout_says_so_in_one_line():
+    import io
+    import socket
+
+    from dash_trt.triton.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on: bound here, never accepting
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["probe", "--url", f"127.0.0.1:{port}", "--timeout", "5"], stdout=out, stderr=err) == 3
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dash-triton probe: error: no Triton server at 127.0.0.1:{port}: "
+                                                   "StatusCode.UNAVAILABLE"), lines
+    assert out.getvalue() == ""
+    err = io.StringIO()
+    assert main(["probe", "--timeout", "0"], stdout=io.StringIO(), stderr=err) == 2
+    assert err.getvalue().strip() == "dash-triton probe: error: --timeout must be > 0, got 0"

@@ -4,9 +4,10 @@
     dash-triton write --demo --out repo          # the built-in random demo model
     dash-triton serve repo                       # the tritonserver of nvidia-pytriton, on 127.0.0.1
     dash-triton openai --url 127.0.0.1:8000      # an OpenAI-style /v1/completions endpoint in front of it
+    dash-triton probe --url 127.0.0.1:8001       # liveness: does every generation model's worker answer?
 
 Exit codes: 0 ok; 2 bad input (arguments, checkpoint, ONNX file, existing output);
-3 the server could not start (``serve``).
+3 the server could not start (``serve``), or a model did not answer (``probe``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=5.0,
                    help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
                         "UNAVAILABLE (default %(default)s)")
+    r = sub.add_parser(
+        "probe", help="check that every generation model on a running server answers (a liveness probe)",
+        epilog="Exit codes: 0 every generation model answered, 2 bad arguments, 3 the server cannot be reached, "
+               "has no generation model, or one did not answer (a dead worker, a stopped engine); "
+               + EXIT_CODES_NOTE,
+        description="Send a statistics request to each generation model of a running Triton server and say "
+                    "which answer. Triton 2.51 keeps reporting a model ready after its worker process died (its "
+                    "readiness endpoint cannot see the Python backend's stub); this probe exercises the worker, "
+                    "so use it as the liveness check of a tritonserver that dash-triton serve does not watch "
+                    "(docs/triton.md, A dead model worker).")
+    r.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (%(default)s)")
+    r.add_argument("--model", action="append", default=[],
+                   help="check only this model (repeatable; default: every generation model the server has loaded)")
+    r.add_argument("--timeout", type=float, default=10.0, help="seconds each model has to answer (%(default)s)")
+    r.add_argument("--json", action="store_true", help="print each model's statistics as one JSON object")
+    r.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     from .openai import add_parser
 
     add_parser(sub)
@@ -210,6 +227,14 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
                 print(f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "
                       f"cannot answer any more; stopping the server (exit {EXIT_SERVER}) so that a supervisor can "
                       f"start a fresh one", file=err, flush=True)
+                # The other models drain as on Ctrl-C; then the server is killed rather than
+                # stopped: Triton would wait for the requests the dead worker holds, which it
+                # never answers, and killing it answers their clients UNAVAILABLE at once.
+                if len(gone) < len(workers):
+                    _, notes = server.drain(grace=a.grace)
+                    for note in notes:
+                        print(f"dash-triton serve: {note}", file=err, flush=True)
+                server.stop(kill=True)
                 return EXIT_SERVER
         # Graceful: the models answer what they hold while the server still serves, then
         # the server stops (Triton then has nothing in flight and exits at once).
@@ -228,7 +253,79 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.cleanup()
+        left = server.leftovers
+        if left["workers"] or left["shm"]:
+            print(f"dash-triton serve: cleaned up after the server: {len(left['workers'])} orphaned model worker(s) "
+                  f"stopped, {len(left['shm'])} shared-memory region(s) removed", file=err, flush=True)
     return EXIT_OK
+
+
+def probe_main(a, out: TextIO, err: TextIO) -> int:
+    """``dash-triton probe``: a statistics request to each generation model; exit 0 when all
+    answer (and their engines run), 3 otherwise, with one line per model."""
+    import json
+
+    from .server import served_generation_models, stats_request
+
+    if not a.timeout > 0:
+        print(f"dash-triton probe: error: --timeout must be > 0, got {a.timeout:g}", file=err)
+        return EXIT_BAD_INPUT
+    try:
+        import tritonclient.grpc as grpcclient
+    except ImportError:
+        print("dash-triton probe: error: tritonclient is not installed (pip install 'dash-trt[triton]')", file=err)
+        return EXIT_BAD_INPUT
+    try:
+        client = grpcclient.InferenceServerClient(a.url)
+    except Exception as exc:  # noqa: BLE001 - a malformed URL
+        print(f"dash-triton probe: error: {a.url}: {type(exc).__name__}: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    with client:
+        try:
+            served = served_generation_models(client)
+        except Exception as exc:  # noqa: BLE001 - no server there
+            print(f"dash-triton probe: error: no Triton server at {a.url}: {_status_line(exc)}", file=err)
+            return EXIT_SERVER
+        models = {m: served.get(m) for m in a.model} if a.model else served
+        if not models:
+            print(f"dash-triton probe: error: the server at {a.url} has no generation model loaded", file=err)
+            return EXIT_SERVER
+        failed, report = 0, {}
+        for name, decoupled in models.items():
+            if decoupled is None:
+                failed += 1
+                print(f"FAIL {name}: not a generation model the server has loaded (loaded: "
+                      f"{', '.join(served) or 'none'})", file=out, flush=True)
+                continue
+            try:
+                stats = stats_request(client, name, decoupled, timeout=a.timeout)
+            except Exception as exc:  # noqa: BLE001 - the answer the probe exists for
+                failed += 1
+                print(f"FAIL {name}: {_status_line(exc)}", file=out, flush=True)
+                continue
+            report[name] = stats
+            if stats.get("engine_alive") is False or stats.get("closed"):
+                failed += 1
+                print(f"FAIL {name}: its generation engine is "
+                      f"{'closed (shutting down)' if stats.get('closed') else 'not running'}", file=out, flush=True)
+            elif not a.json:
+                print(f"ok {name}: {stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, KV blocks "
+                      f"{stats.get('kv_blocks_free', '?')} of {stats.get('kv_blocks_total', '?')} free"
+                      + (", paused" if stats.get("paused") else ""), file=out, flush=True)
+        if a.json:
+            print(json.dumps(report), file=out, flush=True)
+    return EXIT_SERVER if failed else EXIT_OK
+
+
+def _status_line(exc: BaseException) -> str:
+    """A gRPC error as one line: its status and message (tritonclient's InferenceServerException
+    carries both)."""
+    status = getattr(exc, "status", None)
+    status = status() if callable(status) else status
+    message = getattr(exc, "message", None)
+    message = message() if callable(message) else message
+    text = " ".join(str(message or exc).split())
+    return f"{status}: {text}" if status else f"{type(exc).__name__}: {text}"
 
 
 def _zombie(pid: int) -> bool:
@@ -246,6 +343,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     err = stderr if stderr is not None else sys.stderr
     if a.command == "write":
         return write_main(a, out, err)
+    if a.command == "probe":
+        return probe_main(a, out, err)
     if a.command == "openai":
         from .openai import openai_main
 

@@ -129,9 +129,10 @@ class TritonPythonModel:
                 if control is not None:
                     self._control(control)
                 if control is not None or self._flag(request, P.GET_STATS, False):
-                    blob = bytearray(json.dumps(self.engine.stats()).encode())
-                    stats = self.torch.frombuffer(blob, dtype=self.torch.uint8)
-                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(P.STATS, stats)]),
+                    stats = dict(self.engine.stats(), engine_alive=self.runner.alive)
+                    blob = bytearray(json.dumps(stats).encode())
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
+                        P.STATS, self.torch.frombuffer(blob, dtype=self.torch.uint8))]),
                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
                 ids = self._optional(request, P.INPUT_IDS)

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from .protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, INPUT_IDS, PARAM_ENGINE, STATS
 
-__all__ = ["TritonUnavailable", "TritonStartError", "TritonDist", "find_tritonserver", "free_ports", "TritonServer"]
+__all__ = ["TritonUnavailable", "TritonStartError", "TritonDist", "find_tritonserver", "free_ports", "TritonServer",
+           "stats_request", "served_generation_models"]
 
 HOST = "127.0.0.1"
 
@@ -169,6 +170,89 @@ def model_load_errors(log: str, limit: int = 400) -> list[str]:
     return out
 
 
+def stats_request(client, model: str, decoupled: bool, control: bytes | None = None, timeout: float = 10.0) -> dict:
+    """One statistics-answering request (``get_stats``, or ``engine_control`` with ``control``)
+    to a generation model over gRPC (``client``: a ``tritonclient.grpc`` client); a decoupled
+    model answers it on a stream. Returns the engine's statistics; raises what the client
+    raised (a dead worker: INTERNAL "Stub process ... is not healthy")."""
+    import json as _json
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    ids = grpcclient.InferInput(INPUT_IDS, [0], "INT64")
+    ids.set_data_from_numpy(np.zeros(0, dtype=np.int64))
+    if control is not None:
+        extra = grpcclient.InferInput(ENGINE_CONTROL, [len(control)], "UINT8")
+        extra.set_data_from_numpy(np.frombuffer(control, dtype=np.uint8))
+    else:
+        extra = grpcclient.InferInput(GET_STATS, [1], "BOOL")
+        extra.set_data_from_numpy(np.array([True]))
+    if not decoupled:
+        result = client.infer(model, [ids, extra], client_timeout=timeout)
+    else:
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer(model, [ids, extra])
+            try:
+                result, error = answers.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no answer from {model} within {timeout:g} s") from None
+        finally:
+            client.stop_stream()
+        if error is not None:
+            raise error
+    return _json.loads(result.as_numpy(STATS).astype(np.uint8).tobytes().decode())
+
+
+def served_generation_models(client) -> dict[str, bool]:
+    """The generation models a running server has loaded (name -> decoupled), from its
+    repository index and model configs over gRPC: Python-backend models whose config
+    carries the engine configuration parameter (what ``dash-triton write`` writes)."""
+    found = {}
+    for entry in client.get_model_repository_index(as_json=True).get("models", []):
+        if entry.get("state") != "READY":
+            continue
+        config = client.get_model_config(entry["name"], as_json=True).get("config", {})
+        if config.get("backend") == "python" and PARAM_ENGINE in config.get("parameters", {}):
+            found[entry["name"]] = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+    return found
+
+
+def _shm_regions_mapped_by(pid: int) -> set[str]:
+    """Names of the /dev/shm files that process ``pid`` maps (Linux; empty elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
+            return {line.split("/dev/shm/", 1)[1].split()[0] for line in fh if "/dev/shm/" in line}
+    except OSError:
+        return set()
+
+
+def _shm_regions_mapped_anywhere() -> set[str]:
+    found: set[str] = set()
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                found |= _shm_regions_mapped_by(int(entry))
+    return found
+
+
+def _is_stub(pid: int, model: str) -> bool:
+    """Whether ``pid`` is still a live model worker of ``model`` (its cmdline: the backend stub
+    and the model's file; a recycled pid is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return b"stub" in os.path.basename(cmdline[0]) and (not model or model.encode() in cmdline)
+
+
 class TritonServer:
     """A ``tritonserver`` process on 127.0.0.1 serving ``repository``.
 
@@ -193,6 +277,11 @@ class TritonServer:
         self.backends = prepare_backends(self.dist, os.path.join(self._scratch, "backends"))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._started_workers: dict[int, str] = {}
+        self._shm_regions: set[str] = set()
+        #: what :meth:`stop` removed after a server that died without cleaning up: orphaned
+        #: model workers killed, shared-memory regions unlinked
+        self.leftovers: dict[str, list] = {"workers": [], "shm": []}
         #: passed to the server's processes (DRAIN_TOKEN_ENV): the generation models serve the
         #: drain control only with it (:meth:`drain`)
         self.drain_token = secrets.token_hex(16)
@@ -248,6 +337,10 @@ class TritonServer:
                                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             try:
                 self.wait_ready(timeout)
+                # what to clean up should the server die without doing it itself (kill -9, a
+                # crash): its model workers and their shared-memory regions
+                self._started_workers = self.workers()
+                self._shm_regions = _shm_regions_mapped_by(self.proc.pid)
                 return self
             except TritonStartError:
                 taken = "already in use" in self.log_tail(4000).lower()
@@ -291,15 +384,19 @@ class TritonServer:
             time.sleep(0.2)
         raise self._start_error(f"tritonserver not ready after {timeout:.0f} s")
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float = 30.0, *, kill: bool = False) -> int | None:
         """SIGINT (Triton unloads the models, whose ``finalize`` answers what is still
-        queued), then SIGKILL if it does not exit within ``timeout``. Returns the exit code."""
+        queued), then SIGKILL if it does not exit within ``timeout``; with ``kill``, SIGKILL at
+        once (a server whose model worker died would wait for requests the dead worker never
+        answers: killing it closes their connections, so their clients get UNAVAILABLE now).
+        Then removes what a server that died uncleanly leaves (:attr:`leftovers`). Returns the
+        exit code."""
         proc, self.proc = self.proc, None
         code = None
         if proc is not None:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGINT)
+                    os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGINT)
                 try:
                     proc.wait(timeout)
                 except subprocess.TimeoutExpired:
@@ -307,10 +404,39 @@ class TritonServer:
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
             code = proc.returncode
+            self._remove_leftovers()
         if self._log is not None:
             self._log.close()
             self._log = None
         return code
+
+    def _remove_leftovers(self) -> None:
+        """After the server exited: a model worker (Python-backend stub) still running is an
+        orphan (a server killed by SIGKILL leaves them holding the model's memory until their
+        own parent check notices), and a shared-memory region of the server's that no process
+        maps any more is garbage (Triton unlinks them on a clean shutdown, not after a crash).
+        Both are removed and listed in :attr:`leftovers`."""
+        workers, self._started_workers = self._started_workers, {}
+        regions, self._shm_regions = self._shm_regions, set()
+        orphans = [pid for pid, model in workers.items() if _is_stub(pid, model)]
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while any(_is_stub(pid, workers[pid]) for pid in orphans) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.leftovers["workers"] += orphans
+        if not regions:
+            return
+        mapped = _shm_regions_mapped_anywhere()
+        for name in sorted(regions - mapped):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                continue
+            except OSError:
+                continue
+            self.leftovers["shm"].append(name)
 
     def generation_models(self) -> dict[str, bool]:
         """The repository's generation models (name -> decoupled): Python-backend models whose
@@ -329,37 +455,6 @@ class TritonServer:
                 found[name.group(1)] = bool(re.search(r"decoupled:\s*true", text))
         return found
 
-    def _stats_call(self, client, model: str, decoupled: bool, control: bytes | None) -> dict:
-        """One statistics-answering request (``get_stats`` or ``engine_control``) over gRPC;
-        a decoupled model answers it on a stream."""
-        import json as _json
-        import queue
-
-        import numpy as np
-        import tritonclient.grpc as grpcclient
-
-        ids = grpcclient.InferInput(INPUT_IDS, [0], "INT64")
-        ids.set_data_from_numpy(np.zeros(0, dtype=np.int64))
-        if control is not None:
-            extra = grpcclient.InferInput(ENGINE_CONTROL, [len(control)], "UINT8")
-            extra.set_data_from_numpy(np.frombuffer(control, dtype=np.uint8))
-        else:
-            extra = grpcclient.InferInput(GET_STATS, [1], "BOOL")
-            extra.set_data_from_numpy(np.array([True]))
-        if not decoupled:
-            result = client.infer(model, [ids, extra], client_timeout=10)
-        else:
-            answers: queue.Queue = queue.Queue()
-            client.start_stream(callback=lambda result, error: answers.put((result, error)))
-            try:
-                client.async_stream_infer(model, [ids, extra])
-                result, error = answers.get(timeout=10)
-            finally:
-                client.stop_stream()
-            if error is not None:
-                raise error
-        return _json.loads(result.as_numpy(STATS).astype(np.uint8).tobytes().decode())
-
     def drain(self, grace: float = 5.0, timeout: float | None = None) -> tuple[bool, list[str]]:
         """Graceful shutdown of the generation models, while the server still answers: each
         refuses new requests, answers its queued ones UNAVAILABLE, gives the running ones
@@ -373,7 +468,7 @@ class TritonServer:
         with grpcclient.InferenceServerClient(self.grpc_url) as client:
             for model, decoupled in models.items():
                 try:
-                    self._stats_call(client, model, decoupled, control)
+                    stats_request(client, model, decoupled, control)
                     pending.add(model)
                 except Exception as exc:  # noqa: BLE001 - reported, the shutdown goes on
                     notes.append(f"{model}: drain not delivered ({type(exc).__name__}: {exc})")
@@ -381,7 +476,7 @@ class TritonServer:
             while pending and time.monotonic() < deadline:
                 for model in sorted(pending):
                     try:
-                        st = self._stats_call(client, model, models[model], None)
+                        st = stats_request(client, model, models[model])
                     except Exception:  # noqa: BLE001 - asked again until the deadline
                         continue
                     if st.get("running", 1) == 0 and st.get("waiting", 1) == 0:

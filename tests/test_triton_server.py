@@ -660,10 +660,10 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
             answers = _in_flight(c, model)
             killed = time.monotonic()
             os.kill(stubs[0], signal.SIGKILL)
-            code = serve.wait(timeout=120)
             # A bound 50x above the measured 0.1-0.3 s, that a hang or Triton's own stop (which
             # waits 30 s for the answers a dead worker never gives) exceeds
             assert answers.all.wait(15), f"{len(answers.got)} of {FAULT_REQUESTS} answered; the rest hang"
+            code = serve.wait(timeout=120)
         err = serve.stderr.read()
         assert code == 3 and f"a model worker died (pid {stubs[0]}" in err, err[-2000:]
         assert _ppid(server_pid) is None and stubs[0] not in _stubs()  # server and worker gone

@@ -8,7 +8,7 @@ cache, and compares per-token outputs, the selected blocks and the final cache c
 import pytest
 import torch
 
-from conftest import DTYPES
+from conftest import DTYPES, require_kernels
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
 from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
@@ -17,6 +17,7 @@ from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outp
 pytestmark = pytest.mark.gpu
 
 cuda = pytest.importorskip("dash_trt.cuda")
+require_kernels(cuda.library_path())
 
 HEAD_DIMS = [64, 128]
 GQA = [(4, 4), (8, 2), (32, 8)]

@@ -164,6 +164,41 @@ def test_export_nodes_domain_function_attributes(demo32):
         assert list(node.output[1:]) == [f"present.{layer}.{f}" for f in CACHE_FIELDS]
 
 
+def test_node_attributes_carry_each_config_value_under_its_own_name(tmp_path):
+    """Every attribute of every exported node, read by name and compared with the value written
+    out here (not through attributes.encode / decode, which a swap of two keys in both would
+    pass): a config whose keys all differ, so no two attributes can trade values unseen."""
+    import json
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "export", "configs", "demo.json")) as fh:
+        config = json.load(fh)
+    config["dash_attention_config"] = {
+        "sparse_block_size": 8, "sparse_local_block": 2, "sparse_topk_blocks": [3, 5], "sparse_dense_layers": [1],
+        "sparse_page_bias": -0.75, "sparse_rope_page_pairs": 2, "sparse_rope_tok_theta": 500.0,
+        "sparse_rope_page_theta": 16.0, "sparse_main_rope_tok_freq_mode": "truncate",
+        "sparse_rope_tok_freq_mode": None, "sparse_rope_page_mod": 3, "dash_query_chunk": 5,
+        "page_token_id": 256, "image_token_id": 257,
+    }
+    model = M.random_model(config, seed=0)
+    path = str(tmp_path / "m.onnx")
+    E.export_onnx(model, path, kv_block_size=16)
+    want = {  # name -> (ONNX type, value as onnx.helper.get_attribute_value returns it)
+        "sparse_block_size": ("INT", 8), "sparse_local_block": ("INT", 2), "sparse_topk_blocks": ("INTS", [3, 5]),
+        "sparse_dense_layers": ("INTS", [1]), "sparse_page_bias": ("FLOAT", -0.75),
+        "sparse_rope_page_pairs": ("INT", 2), "sparse_rope_tok_theta": ("FLOAT", 500.0),
+        "sparse_rope_page_theta": ("FLOAT", 16.0), "sparse_main_rope_tok_freq_mode": ("STRING", b"truncate"),
+        "sparse_rope_tok_freq_mode": ("STRING", b""), "sparse_rope_page_mod": ("INT", 3),
+        "dash_query_chunk": ("INT", 5), "image_token_id": ("INT", 257), "page_token_id": ("INT", 256),
+        "plugin_version": ("STRING", b"1"), "plugin_namespace": ("STRING", b""),
+    }
+    nodes = [n for n in onnx.load(path).graph.node if n.op_type == O.OP_TYPE]
+    assert len(nodes) == 2
+    for layer, node in enumerate(nodes):
+        got = {a.name: (onnx.AttributeProto.AttributeType.Name(a.type), onnx.helper.get_attribute_value(a))
+               for a in node.attribute}
+        assert got == {**want, "layer_idx": ("INT", layer)}, layer
+
+
 def test_check_refuses_a_file_without_the_function(demo32, tmp_path):
     _, path = demo32
     m = onnx.load(path)

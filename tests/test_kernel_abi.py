@@ -5,7 +5,10 @@ import ctypes
 
 import pytest
 
+from conftest import require_kernels
+
 cuda = pytest.importorskip("dash_trt.cuda")
+require_kernels(cuda.library_path())
 
 pytestmark = pytest.mark.skipif(cuda.library_path() is None, reason="kernel library not built (no CUDA compiler)")
 

@@ -104,7 +104,9 @@ def test_head_dim_check(dim, pairs, ok):
 
 def test_config_is_immutable():
     cfg = DashConfig.from_dict(BASE)
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError, match="sparse_block_size"):
         cfg.sparse_block_size = 8  # type: ignore[misc]
 
 

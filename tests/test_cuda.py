@@ -16,7 +16,7 @@ from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outp
 
 pytestmark = pytest.mark.gpu
 
-cuda = pytest.importorskip("dash_trt.cuda")
+from dash_trt import cuda  # noqa: E402
 require_kernels(cuda.library_path())
 
 HEAD_DIMS = [64, 128]

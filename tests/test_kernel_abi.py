@@ -7,7 +7,7 @@ import pytest
 
 from conftest import require_kernels
 
-cuda = pytest.importorskip("dash_trt.cuda")
+from dash_trt import cuda  # noqa: E402
 require_kernels(cuda.library_path())
 
 pytestmark = pytest.mark.skipif(cuda.library_path() is None, reason="kernel library not built (no CUDA compiler)")

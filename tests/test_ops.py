@@ -160,7 +160,7 @@ def test_attribute_errors():
 
 def test_cuda_hook_registration():
     saved = ops.cuda_impls()  # the kernels, where they are built: put back for the next tests
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="expects callables or None, got int"):
         ops.register_cuda_impl(42)
     calls = []
     ops.register_cuda_impl(lambda *a: calls.append(a), lambda *a: calls.append(a))

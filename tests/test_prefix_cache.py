@@ -179,7 +179,9 @@ def test_turning_the_cache_off():
     model = M.demo_model(seed=2)
     _, plain = _engines(model)
     assert plain.runtime.prefix_caching is False and plain.stats()["prefix_caching"] is False
-    with pytest.raises(Exception, match="prefix_caching"):
+    from dash_trt.triton.engine import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="'prefix_caching' must be true or false, got 'yes'"):
         EngineConfig(prefix_caching="yes")
 
 

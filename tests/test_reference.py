@@ -255,10 +255,12 @@ def test_prompt_length_limits_remote_reads_and_summaries(seed):
     torch.testing.assert_close(only_local, no_remote, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dtypes_output_dtype_and_fp32_softmax(dtype, seed):
-    """Property 5 (docs/spec.md): output dtype is q's; low precision stays within tolerance of fp32."""
+    """Property 5 (docs/spec.md): output dtype is q's; low precision stays within tolerance of fp32.
+    (float32 against itself would compare the reference with itself: its independent check is
+    tests/test_oracle.py.)"""
     gen = torch.Generator().manual_seed(seed)
     cfg = random_config(gen)
     x32 = random_inputs(gen, random_roles(gen, 3, response=6))

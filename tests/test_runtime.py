@@ -277,7 +277,7 @@ def test_runtime_refuses_bad_plans(demo):
         rt.step([("a", len(prompt) + 1)])
     with pytest.raises(ValueError, match="at least one sequence"):
         rt.step([])
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="nobody"):
         rt.step([("nobody", 1)])
     with pytest.raises(RuntimeConfigError, match="max_num_seqs"):
         PagedRuntime(demo, 16, 16, max_num_seqs=0)

@@ -25,9 +25,9 @@ from dash_trt.triton.repository import (
     write_repository,
 )
 
-onnx = pytest.importorskip("onnx")
-model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
-                                       reason="tritonclient[grpc] ships Triton's model-config schema")
+# dependencies of the package and of its [test] extra: missing is a failure, not a skip
+import onnx  # noqa: E402
+from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-config schema)
 from google.protobuf import text_format  # noqa: E402  (protobuf comes with tritonclient[grpc])
 
 

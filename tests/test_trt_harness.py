@@ -372,7 +372,7 @@ def test_creator_fields_are_the_config_keys(harness):
 
 def test_node_attribute_table_matches_when_available(harness):
     """At merge time: the exporter's attribute table and the plugin's field list agree."""
-    attributes = pytest.importorskip("dash_trt.attributes")
+    from dash_trt import attributes
     fields = {v.split(":")[0] for k, v in harness.creator_info() if k == "field"}
     assert {a.name for a in attributes.NODE_ATTRIBUTES} == fields
     assert attributes.PLUGIN_VERSION == dict(harness.creator_info())["version"]

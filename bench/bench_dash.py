@@ -1,16 +1,41 @@
-"""DASH kernels vs dense SDPA vs the PyTorch reference, on one GPU.
+"""DASH kernels against pinned dense SDPA peers, timed alike, on realistic and cold data.
 
-Shape (issue "CUDA kernels"): H=32, Hkv=8, D=128, Di=128, sparse blocks of 64, local window of
-one block, top-16, bf16, KV block = sparse block = 64.
+Shape: H=32, Hkv=8, D=128, Di=128, sparse blocks of 64 (= KV blocks), local window of one block,
+top-16, bf16.
 
-  decode : 32 sequences, one new token each, at 8k / 32k / 128k context (CUDA-graph replay;
-           max_query_len=1, so the write and summary stages ride in later launches unless
-           --tuning fused_front=-1)
-  prefill: one sequence of 16k / 64k tokens in one call
+What is measured, and how (docs/performance.md quotes this):
 
-Prints a markdown table (medians of CUDA-event timings) with bytes moved, achieved bandwidth,
-its fraction of the measured device-to-device copy bandwidth, and FLOPs for prefill; writes
-the same as JSON with --json. Not a test: nothing here asserts a speed.
+- **Peers.** Dense SDPA through ``torch.nn.attention.sdpa_kernel`` with one backend at a time
+  (flash, cuDNN, efficient; each that runs on the shape is timed), named with the versions of
+  torch, CUDA and cuDNN. The fastest one on a case is "the dense peer" of that case.
+- **Timing alike.** Both sides are CUDA graphs (DASH's call and each peer's SDPA call captured
+  alike). Each round times, for both, ``--reps`` back-to-back replays (warm: what a model's
+  steady state sees for the attention alone) and isolated cold calls (the L2 flushed by a write
+  of twice its size before each, outside the timed region). Rounds alternate DASH and the peers,
+  ``--rounds`` of them (default 7); the table gives the median over rounds with the spread
+  (IQR, min, max) of every time and of the ratio.
+- **Decode data.** Sequences of the given context with shuffled block tables (a random
+  permutation of the pool: no two neighbouring blocks of a sequence are neighbours in memory);
+  pages of 16 sparse blocks, random keys, values, index keys and summaries. The query token is
+  a response token with no document page ("real top-k": no forced block, all 16 selections are
+  top-k over the sequence's remote blocks) unless ``forced`` gives it a page with that many
+  image blocks; the sweep covers 0, 4, 8 and 16 forced blocks. The old degenerate case (16
+  forced blocks, routing decided by the page alone) is the ``forced 16`` row.
+  "block-completing": the new token ends a sparse block (its summary is computed in the step,
+  1 step in 64); "mid-block": the other 63.
+- **Prefill data.** One prompt of 64 document pages; independent random indexer queries.
+- **Bytes and FLOPs** come from :func:`decode_traffic` and :func:`prefill_flops` (one place):
+  decode reads, per sequence and KV head, 17 blocks of K and V (16 selected + the local one),
+  the summaries and page ranges of every remote block (routing), and its own inputs and outputs.
+  Roofline: against a measured streaming read of 4 GiB (``torch.sum``) and the H200's 4.8 TB/s
+  datasheet figure; prefill TFLOP/s on DASH's FLOPs beside the dense peer's achieved rate on
+  its own (causal) FLOPs.
+- **Provenance:** commit and dirty flag (``DASH_COMMIT``, ``DASH_DIRTY`` where the checkout
+  has no git), torch / CUDA / cuDNN / driver versions, the GPU's clocks and power limit.
+
+Prints markdown tables; ``--json`` writes every number, ``--png`` draws the speed-ups. A
+correctness check of the real-top-k decode step against the paged PyTorch operator runs first
+(``--no-check`` skips it). Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -20,8 +45,8 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,125 +58,257 @@ from dash_trt import paged as P  # noqa: E402
 from dash_trt.config import DashConfig  # noqa: E402
 
 H, HKV, D, DI, SBS, TOPK = 32, 8, 128, 128, 64, 16
+G = H // HKV
 DT = torch.bfloat16
+BLOCKS_PER_PAGE = 16
 CFG = DashConfig.from_dict({"sparse_block_size": SBS, "sparse_local_block": 1, "sparse_topk_blocks": TOPK,
                             "sparse_page_bias": 0.5})
+SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
 
 
-def time_ms(fn, iters=20, warmup=3) -> float:
-    for _ in range(warmup):
+# ----------------------------------------------------------------------------- timing
+def stats(values: list[float]) -> dict:
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return {"median": statistics.median(v), "q1": q[0], "q3": q[2], "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def graph_of(fn):
+    """``fn`` captured as a CUDA graph (after one warm-up call on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
+    return g
+
+
+class Flusher:
+    """Evicts the L2: a write of twice its size."""
+
+    def __init__(self):
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) or (50 << 20)
+        self.buf = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+
+    def __call__(self):
+        self.buf.fill_(1)
+
+
+def warm_ms(g, reps: int) -> float:
+    """Per-call time of ``reps`` back-to-back replays."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def cold_ms(g, flush: Flusher, calls: int = 3) -> float:
+    """Median of ``calls`` isolated replays, each after an L2 flush (outside the events)."""
     times = []
-    for _ in range(iters):
+    for _ in range(calls):
+        flush()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        g.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), iters=20)
-    return 2 * n / ms / 1e6
+def interleaved(graphs: dict[str, object], rounds: int, reps: int, flush: Flusher) -> dict:
+    """Every graph timed warm and cold in each round, in alternating order; returns per name
+    ``{"warm": [...], "cold": [...]}`` (one value per round)."""
+    out = {name: {"warm": [], "cold": []} for name in graphs}
+    names = list(graphs)
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            out[name]["warm"].append(warm_ms(graphs[name], reps))
+        for name in order:
+            out[name]["cold"].append(cold_ms(graphs[name], flush))
+    return out
 
 
-def new_tokens(t: int, gen):
-    """Random q, k, v, iq, ik for ``t`` new tokens, and the layer's head_cls."""
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(DT)
+# ------------------------------------------------------------------------- the peers
+def sdpa_backends() -> dict[str, object]:
+    from torch.nn.attention import SDPBackend
 
-    return rnd(t, H, D), rnd(t, HKV, D), rnd(t, HKV, D), rnd(t, DI), rnd(t, DI), rnd(DI)
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, max_query_len: int | None = 1):
-    """The inputs of one decode step of ``nseq`` sequences at ``ctx`` context and the DASH call
-    over them: ``(dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length)``."""
+def peer_graphs(q, k, v, causal: bool) -> tuple[dict[str, object], dict[str, str]]:
+    """One CUDA graph per SDPA backend that runs on these tensors; and why the others did not."""
+    from torch.nn.attention import sdpa_kernel
+
+    graphs, skipped = {}, {}
+    for name, backend in sdpa_backends().items():
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        try:
+            call()
+            torch.cuda.synchronize()
+            graphs[name] = graph_of(call)
+        except Exception as exc:  # noqa: BLE001 - a backend that does not take this shape
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            torch.cuda.synchronize()
+    return graphs, skipped
+
+
+# ------------------------------------------------------------------- bytes and FLOPs
+def decode_traffic(nseq: int, length: int) -> dict:
+    """Fewest bytes one decode step must move (each read once): K and V of the 17 blocks each
+    (sequence, KV head) attends (16 selected + the local one), the routing's summaries and
+    page ranges of every remote block, and the step's own inputs and outputs."""
+    n_remote = max(length // SBS - 1, 0)
+    kv = nseq * HKV * (min(TOPK, n_remote) + 1) * SBS * D * 2 * 2
+    route = nseq * n_remote * (DI * 4 + 12)
+    io = nseq * ((H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2)
+    return {"kv_bytes": kv, "route_bytes": route, "io_bytes": io, "bytes": kv + route + io}
+
+
+def dense_decode_bytes(nseq: int, length: int) -> int:
+    return nseq * HKV * length * D * 2 * 2 + nseq * H * D * 2 * 2
+
+
+def prefill_flops(seq: int) -> tuple[float, float]:
+    """(DASH's FLOPs, dense causal attention's FLOPs) of one ``seq``-token prompt: QK and PV over
+    each token's keys (DASH: its top-16 remote blocks and its local window), plus block scoring."""
+    pos = torch.arange(seq, dtype=torch.float64)
+    n_remote = (pos // SBS).clamp(min=0)
+    keys = n_remote.clamp(max=TOPK) * SBS + (pos % SBS + 1)
+    dash = float((4 * H * D * keys).sum() + (2 * DI * n_remote).sum())
+    dense = float((4 * H * D * (pos + 1)).sum())
+    return dash, dense
+
+
+# ----------------------------------------------------------------------------- cases
+def rnd(gen, *shape):
+    return torch.randn(*shape, device="cuda", generator=gen).to(DT)
+
+
+def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool):
+    """A decode step's inputs over a shuffled pool: ``(args, cache, batch, dense_kv, length)``.
+    ``forced``: image blocks of the query token's own page (0: a response token, no page)."""
     length = ctx - 32 if mid_block else ctx
     nb_per = ctx // SBS
     nb = nseq * nb_per
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
-    cache.key.normal_(generator=gen)
-    cache.value.normal_(generator=gen)
-    cache.index_key.normal_(generator=gen)
-    cache.summary.normal_(generator=gen)
-    # 16 sparse blocks per document page; image pages are block ranges.
-    pages = (torch.arange(nb, device="cuda") % nb_per) // 16
-    cache.summary_pages[:, 0, 0] = pages.int()
-    cache.summary_pages[:, 0, 1] = pages.int()
+    for t in (cache.key, cache.value, cache.index_key, cache.summary):
+        t.normal_(generator=gen)
+    perm = torch.randperm(nb, device="cuda", generator=gen).to(torch.int32)
+    tables = perm.view(nseq, nb_per)
+    # page of each logical block: the first `forced` blocks are page 0 (the query's page when
+    # forced > 0), then pages of 16 blocks
+    logical = torch.arange(nb_per, device="cuda")
+    page_of = torch.where(logical < forced, 0, 1 + (logical - forced) // BLOCKS_PER_PAGE).int()
+    phys_page = torch.empty(nb, dtype=torch.int32, device="cuda")
+    phys_page[tables.reshape(-1).long()] = page_of.repeat(nseq)
+    cache.summary_pages[:, 0, 0] = phys_page
+    cache.summary_pages[:, 0, 1] = phys_page
     cache.summary_pages[:, 0, 2] = 1
-    tables = torch.arange(nb, dtype=torch.int32, device="cuda").view(nseq, nb_per)
     batch = dict(block_tables=tables, seq_lens=torch.full((nseq,), length, dtype=torch.int32, device="cuda"),
                  query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"))
-    q, k, v, iq, ik, head_cls = new_tokens(nseq, gen)
-    coords = torch.stack([torch.full((nseq,), length - 1), torch.full((nseq,), 3), torch.full((nseq,), -1),
-                          torch.full((nseq,), 2)], -1).int().cuda()
-
-    def dash():  # a decode step: one new token per sequence (vLLM's max_query_len == 1)
-        return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, max_query_len=max_query_len,
-                                               tuning=TUNING)
-
-    return dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length
+    q, k, v, iq, ik, head_cls = (rnd(gen, nseq, H, D), rnd(gen, nseq, HKV, D), rnd(gen, nseq, HKV, D),
+                                 rnd(gen, nseq, DI), rnd(gen, nseq, DI), rnd(gen, DI))
+    # (token, page, image page, query page): a response token (no page of its own) or, with
+    # forced blocks, a token of page 0, whose image blocks routing must take first
+    query_page = 0 if forced > 0 else -1
+    coords = torch.tensor([length - 1, 0, -1, query_page], dtype=torch.int32, device="cuda").repeat(nseq, 1)
+    return (q, k, v, iq, ik, coords, head_cls), cache, batch, length
 
 
-def decode_case(nseq: int, ctx: int, run_reference: bool, gen, mid_block: bool = False) -> dict:
-    """One decode step of ``nseq`` sequences. The new token completes a sparse block (its
-    summary is taken in this step: 1 step in 64) unless ``mid_block``, where it lands 32
-    positions earlier, in the middle of a block (the other 63 steps)."""
-    dash, cache, batch, q, k, v, iq, ik, coords, head_cls, length = decode_step(nseq, ctx, gen, mid_block)
-    g = graph_of(dash)
-    dash_ms = time_ms(g.replay, iters=50)
-    # Dense SDPA over the same cache (the identity block table makes it one strided view). The G
-    # query heads of a KV head become G query rows, as GQA decode kernels do.
-    kd = cache.key.view(nseq, ctx, HKV, D).transpose(1, 2)[:, :, :length]
-    vd = cache.value.view(nseq, ctx, HKV, D).transpose(1, 2)[:, :, :length]
-    qd = q.view(nseq, HKV, H // HKV, D)
-    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd), iters=20)
-    ref_ms = None
-    if run_reference:
-        t0 = time.perf_counter()
-        P.paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache.clone() if ctx <= 8192 else cache, **batch,
-                               sp=CFG, layer_idx=0)
-        torch.cuda.synchronize()
-        ref_ms = (time.perf_counter() - t0) * 1e3
-    n_remote = length // SBS - 1
-    kv_tokens = TOPK * SBS + SBS
-    bytes_kv = nseq * HKV * kv_tokens * D * 2 * 2
-    bytes_route = nseq * n_remote * (DI * 4 + 12)
-    bytes_io = nseq * ((H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2)
-    total = bytes_kv + bytes_route + bytes_io
-    return dict(case=f"decode {nseq} x {ctx // 1024}k" + (" mid-block" if mid_block else ""), dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
-                bytes=total, route_bytes=bytes_route)
+def dash_call(args, cache, batch, max_query_len=1):
+    def call():
+        return dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, validate=False,
+                                               max_query_len=max_query_len, tuning=TUNING)
+    return call
 
 
-def prefill_case(seq: int, run_reference: bool, gen, tuning=None, label: str = "") -> dict:
-    """One ``seq``-token prompt of 64 document pages in one call. The indexer queries are
-    independent noise, so beyond its page's forced blocks a token's selection shares little
-    with its neighbours' (the hard case for the query-major tiles). ``tuning``: the kernel
-    knobs for this case (default: the command line's)."""
-    tuning = TUNING if tuning is None else tuning
+def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, forced: int = 0):
+    """The DASH call of one decode step and what it holds: ``(fn, (args, cache, batch, length))``
+    (bench/breakdown.py, trace_step.py and profile_step.py profile ``fn``)."""
+    args, cache, batch, length = decode_inputs(nseq, ctx, gen, forced=forced, mid_block=mid_block)
+    return dash_call(args, cache, batch), (args, cache, batch, length)
+
+
+def dense_decode_kv(cache, batch, nseq, length):
+    """Dense K and V of the same sequences, contiguous ([nseq, Hkv, length, D]): SDPA's layout."""
+    tables = batch["block_tables"].long()
+    k = cache.key[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
+    v = cache.value[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
+    return k, v
+
+
+def check_decode(gen) -> str:
+    """The real-top-k decode step on the kernels against the paged PyTorch operator."""
+    from dash_trt.testing import compare_outputs
+
+    args, cache, batch, _ = decode_inputs(4, 8192, gen, forced=0, mid_block=False)
+    ref_cache = cache.clone()
+    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1,
+                                               tuning=TUNING, return_selected=True)
+    ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch, sp=CFG, layer_idx=0, return_routing=True)
+    report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
+                             P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()), dtype=DT)
+    forced = int(ref_r.forced.sum())
+    chosen = (ref_r.selected >= 0).sum(1).tolist()
+    if not report.ok or forced or chosen != [TOPK] * len(chosen):
+        raise SystemExit(f"bench_dash: the real-top-k decode step is wrong or not real top-k ({report}; forced "
+                         f"{forced}, selected per token {chosen})")
+    return str(report)
+
+
+def summarize(times: dict, dash: str = "dash") -> dict:
+    """Medians and spreads of each timing and of each peer's time over DASH's, per round."""
+    out = {}
+    for name, t in times.items():
+        out[name] = {kind: stats(vals) for kind, vals in t.items()}
+        if name != dash:
+            out[name]["ratio"] = {kind: stats([p / d for p, d in zip(vals, times[dash][kind])])
+                                  for kind, vals in t.items()}
+    peers = [n for n in times if n != dash]
+    if peers:
+        best = min(peers, key=lambda n: out[n]["warm"]["median"])
+        out["peer"] = best
+    return out
+
+
+def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, with_peers=True) -> dict:
+    fn, (args, cache, batch, length) = decode_step(nseq, ctx, gen, mid_block, forced)
+    graphs = {"dash": graph_of(fn)}
+    skipped = {}
+    if with_peers:
+        kd, vd = dense_decode_kv(cache, batch, nseq, length)
+        qd = args[0].view(nseq, HKV, G, D)  # a KV head's G query heads as G query rows (GQA decode)
+        peers, skipped = peer_graphs(qd, kd, vd, causal=False)
+        graphs.update(peers)
+    times = interleaved(graphs, a.rounds, a.reps, flush)
+    row = dict(kind="decode", nseq=nseq, ctx=ctx, length=length, forced=forced, mid_block=mid_block,
+               times=times, summary=summarize(times), skipped=skipped, **decode_traffic(nseq, length),
+               dense_bytes=dense_decode_bytes(nseq, length))
+    del graphs
+    torch.cuda.empty_cache()
+    return row
+
+
+def prefill_step(seq: int, gen, tuning=None):
+    """The DASH call of one ``seq``-token prompt of 64 document pages and its inputs:
+    ``(fn, (q, k, v))``."""
     nb = seq // SBS + 1
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
     pages = 64
@@ -161,91 +318,228 @@ def prefill_case(seq: int, run_reference: bool, gen, tuning=None, label: str = "
         roles[p_ * per] = 2
         roles[p_ * per + 1:(p_ + 1) * per - 4] = 1
     coords = P.sequence_coords(roles).cuda()
-    tables = torch.arange(nb, dtype=torch.int32, device="cuda")[None]
-    batch = dict(block_tables=tables, seq_lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
+    batch = dict(block_tables=torch.arange(nb, dtype=torch.int32, device="cuda")[None],
+                 seq_lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
                  query_start_loc=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.tensor([-1], dtype=torch.int32, device="cuda"))
-    q, k, v, iq, ik, head_cls = new_tokens(seq, gen)
+    q, k, v, iq, ik, head_cls = (rnd(gen, seq, H, D), rnd(gen, seq, HKV, D), rnd(gen, seq, HKV, D),
+                                 rnd(gen, seq, DI), rnd(gen, seq, DI), rnd(gen, DI))
+    knobs = TUNING if tuning is None else tuning
 
     def dash():
         return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, tuning=tuning)
+                                               layer_idx=0, validate=False, tuning=knobs)
 
-    dash_ms = time_ms(dash, iters=5, warmup=1)
+    return dash, (q, k, v)
+
+
+def prefill_case(seq, gen, flush, a, tuning=None, label="") -> dict:
+    dash, (q, k, v) = prefill_step(seq, gen, tuning)
+    graphs = {"dash": graph_of(dash)}
     qd = q.transpose(0, 1)[None]
-    kd = k.transpose(0, 1)[None].repeat_interleave(H // HKV, 1)
-    vd = v.transpose(0, 1)[None].repeat_interleave(H // HKV, 1)
-    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True), iters=5, warmup=1)
-    ref_ms = None
-    if run_reference:
-        t0 = time.perf_counter()
-        P.paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache.clone(), **batch, sp=CFG, layer_idx=0)
-        torch.cuda.synchronize()
-        ref_ms = (time.perf_counter() - t0) * 1e3
-    # FLOPs DASH must do: QK and PV over each token's keys, plus block scoring.
-    pos = torch.arange(seq, dtype=torch.float64)
-    n_remote = (pos // SBS - 1 + 1).clamp(min=0)
-    keys = n_remote.clamp(max=TOPK) * SBS + (pos + 1).clamp(max=SBS)
-    flops = float((4 * H * D * keys).sum() + (2 * DI * n_remote).sum())
-    # Bytes if every token read its own keys from memory once (no reuse): what a token-major
-    # kernel would gather (JSON only; the block-major path reads each block once per pass).
-    kv_bytes = float((keys * HKV * D * 2 * 2).sum())
-    name = f"prefill 1 x {seq // 1024}k" + label
-    return dict(case=name, dash_ms=dash_ms, sdpa_ms=sdpa_ms, ref_ms=ref_ms,
-                flops=flops, gather_bytes=kv_bytes)
+    kd = k.transpose(0, 1)[None].repeat_interleave(G, 1)
+    vd = v.transpose(0, 1)[None].repeat_interleave(G, 1)
+    peers, skipped = peer_graphs(qd, kd, vd, causal=True)
+    graphs.update(peers)
+    reps = max(2, a.reps // 4)
+    times = interleaved(graphs, a.rounds, reps, flush)
+    dash_flops, dense_flops = prefill_flops(seq)
+    row = dict(kind="prefill", seq=seq, label=label, times=times, summary=summarize(times), skipped=skipped,
+               flops=dash_flops, dense_flops=dense_flops)
+    del graphs
+    torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------------ provenance
+def streaming_read_gbs() -> float:
+    x = torch.ones(2 << 30, dtype=DT, device="cuda")  # 4 GiB
+    g = graph_of(lambda: x.sum(dtype=torch.float32))
+    ms = statistics.median(warm_ms(g, 10) for _ in range(5))
+    return x.numel() * 2 / ms / 1e6
+
+
+def copy_gbs() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    g = graph_of(lambda: y.copy_(x))
+    ms = statistics.median(warm_ms(g, 10) for _ in range(5))
+    return 2 * x.numel() / ms / 1e6
+
+
+def provenance() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "commit": os.environ.get("DASH_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
+            "dirty": os.environ.get("DASH_DIRTY") or ("yes" if _git("status", "--porcelain") else "no"),
+            "l2_bytes": getattr(props, "L2_cache_size", None)}
+    try:
+        q = ("driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,power.draw,"
+             "temperature.gpu")
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip().splitlines()[0]
+        info.update(dict(zip(q.split(","), [s.strip() for s in line.split(",")])))
+    except (OSError, IndexError, subprocess.SubprocessError):
+        info["nvidia_smi"] = "not available"
+    return info
+
+
+def _git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# ---------------------------------------------------------------------------- output
+def fmt(s: dict, unit: str = "") -> str:
+    return f"{s['median']:.3f}{unit} [{s['q1']:.3f}-{s['q3']:.3f}]"
+
+
+def ratio_fmt(s: dict) -> str:
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def print_tables(rows, env, out=sys.stdout) -> None:
+    print(f"\ndevice {env['device']}; torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, driver "
+          f"{env.get('driver_version', '?')}; SM clock {env.get('clocks.sm', '?')} (max {env.get('clocks.max.sm', '?')}), "
+          f"power limit {env.get('power.limit', '?')}; commit {env['commit']} (dirty: {env['dirty']})", file=out)
+    print(f"streaming read {env['read_gbs']:.0f} GB/s, copy (read+write) {env['copy_gbs']:.0f} GB/s, datasheet "
+          f"{SPEC_BANDWIDTH_GBS:.0f} GB/s", file=out)
+    print("\nDecode (ms per step; median over rounds [IQR]; speed-up = dense peer / DASH, median (min-max)):",
+          file=out)
+    print("| case | forced | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | "
+          "speed-up cold | DASH MB | % of read BW (cold) | % of datasheet (cold) |", file=out)
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        s, peer = r["summary"], r["summary"].get("peer")
+        name = f"{r['nseq']} x {r['ctx'] // 1024}k" + (" mid-block" if r["mid_block"] else "")
+        cold_gbs = r["bytes"] / s["dash"]["cold"]["median"] / 1e6
+        cells = [name, str(r["forced"]), fmt(s["dash"]["warm"]), fmt(s["dash"]["cold"])]
+        if peer:
+            cells += [peer, fmt(s[peer]["warm"]), fmt(s[peer]["cold"]), ratio_fmt(s[peer]["ratio"]["warm"]),
+                      ratio_fmt(s[peer]["ratio"]["cold"])]
+        else:
+            cells += ["-"] * 5
+        cells += [f"{r['bytes'] / 1e6:.1f}", f"{100 * cold_gbs / env['read_gbs']:.0f}%",
+                  f"{100 * cold_gbs / SPEC_BANDWIDTH_GBS:.0f}%"]
+        print("| " + " | ".join(cells) + " |", file=out)
+    print("\nPrefill (ms per call; TFLOP/s on DASH's FLOPs, and the peer's on dense causal FLOPs):", file=out)
+    print("| case | DASH warm | DASH cold | dense peer | peer warm | speed-up warm | speed-up cold | DASH TFLOP/s | "
+          "peer TFLOP/s |", file=out)
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |", file=out)
+    for r in rows:
+        if r["kind"] != "prefill":
+            continue
+        s, peer = r["summary"], r["summary"]["peer"]
+        d = s["dash"]["warm"]["median"]
+        p = s[peer]["warm"]["median"]
+        print(f"| 1 x {r['seq'] // 1024}k{r['label']} | {fmt(s['dash']['warm'])} | {fmt(s['dash']['cold'])} | {peer} | "
+              f"{fmt(s[peer]['warm'])} | {ratio_fmt(s[peer]['ratio']['warm'])} | {ratio_fmt(s[peer]['ratio']['cold'])} | "
+              f"{r['flops'] / d / 1e9:.0f} | {r['dense_flops'] / p / 1e9:.0f} |", file=out)
+    skipped = {(r["kind"], n): why for r in rows for n, why in r["skipped"].items()}
+    for (kind, name), why in sorted(skipped.items()):
+        print(f"not run: SDPA {name} on {kind}: {why}", file=out)
+
+
+def draw(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    by_batch: dict[int, list] = {}
+    for r in rows:
+        if r["kind"] == "decode" and r["forced"] == 0 and not r["mid_block"] and r["summary"].get("peer"):
+            by_batch.setdefault(r["nseq"], []).append(r)
+    for nseq, rs in sorted(by_batch.items()):
+        rs.sort(key=lambda r: r["ctx"])
+        x = [r["ctx"] // 1024 for r in rs]
+        med = [r["summary"][r["summary"]["peer"]]["ratio"]["cold"]["median"] for r in rs]
+        lo = [m - r["summary"][r["summary"]["peer"]]["ratio"]["cold"]["min"] for m, r in zip(med, rs)]
+        hi = [r["summary"][r["summary"]["peer"]]["ratio"]["cold"]["max"] - m for m, r in zip(med, rs)]
+        ax1.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=f"batch {nseq}")
+    ax1.axhline(1.0, color="gray", lw=0.8, ls="--", label="dense peer")
+    ax1.set(xscale="log", yscale="log", xlabel="context (k tokens)", ylabel="dense peer time / DASH time",
+            title="Decode, real top-k, cold L2")
+    ax1.legend(fontsize=8)
+    pre = sorted((r for r in rows if r["kind"] == "prefill" and not r["label"]), key=lambda r: r["seq"])
+    if pre:
+        x = [r["seq"] // 1024 for r in pre]
+        med = [r["summary"][r["summary"]["peer"]]["ratio"]["warm"]["median"] for r in pre]
+        ax2.plot(x, med, marker="o", label="DASH prefill")
+        ax2.axhline(1.0, color="gray", lw=0.8, ls="--", label="dense peer (causal SDPA)")
+        ax2.set(xscale="log", xlabel="prompt (k tokens)", ylabel="dense peer time / DASH time",
+                title="Prefill, one prompt")
+        ax2.legend(fontsize=8)
+    fig.suptitle("DASH kernels vs the fastest pinned dense SDPA backend (H=32, Hkv=8, D=128, top-16 of 64-token "
+                 "blocks, bf16)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write results here")
-    ap.add_argument("--quick", action="store_true", help="smaller cases (smoke test)")
-    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--png", help="draw the speed-ups here")
+    ap.add_argument("--quick", action="store_true", help="small cases, 3 rounds (smoke test)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default %(default)s)")
+    ap.add_argument("--reps", type=int, default=20, help="back-to-back replays per warm timing (%(default)s)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    ap.add_argument("--no-sweep", action="store_true", help="only the headline decode cases (32 x 8k/32k/128k)")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness check of the decode step")
     ap.add_argument("--ab-tiles", action="store_true",
                     help="each prefill case also without the query-major tiles (tile_share_min=-1)")
-    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. front_writer=1,attend_ctas=128 (dash_trt.cuda.Tuning)")
+    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     global TUNING
     TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
     if not torch.cuda.is_available():
         print("bench_dash: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if a.quick:
+        a.rounds = min(a.rounds, 3)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    props = torch.cuda.get_device_properties(0)
-    bw = copy_bandwidth()
-    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"copy bandwidth {bw:.0f} GB/s; commit {os.environ.get('DASH_COMMIT', 'unknown')}")
+    env = provenance()
+    env["read_gbs"], env["copy_gbs"] = streaming_read_gbs(), copy_gbs()
+    torch.cuda.empty_cache()
+    if not a.no_check and not a.prefill_only:
+        print(f"check: real-top-k decode step vs the paged operator: {check_decode(gen)}", flush=True)
+    flush = Flusher()
     rows = []
-    decode = [] if a.prefill_only else [(32, 8192), (32, 32768), (32, 131072)] if not a.quick else [(4, 8192)]
-    prefill = [] if a.decode_only else [16384, 65536] if not a.quick else [4096]
-    for nseq, ctx in decode:
-        rows.append(decode_case(nseq, ctx, not a.no_reference, gen))
-        rows.append(decode_case(nseq, ctx, False, gen, mid_block=True))
-        torch.cuda.empty_cache()
-    no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
-    for s in prefill:
-        rows.append(prefill_case(s, not a.no_reference and s <= 16384, gen))
-        if a.ab_tiles:
-            rows.append(prefill_case(s, False, gen, tuning=no_tiles, label=" (block-major only)"))
-        torch.cuda.empty_cache()
-    print()
-    print("| case | DASH kernels ms | dense SDPA ms | speed-up vs SDPA | reference ms | bytes moved | "
-          "GB/s | % of copy BW | TFLOP/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        ref = f"{r['ref_ms']:.1f}" if r["ref_ms"] is not None else "not run"
-        if "flops" in r:  # prefill: compute figures; its traffic is not the gather estimate
-            traffic = f"- | - | - | {r['flops'] / r['dash_ms'] / 1e9:.1f}"
-        else:
-            gbs = r["bytes"] / r["dash_ms"] / 1e6
-            traffic = f"{r['bytes'] / 1e6:.1f} MB | {gbs:.0f} | {100 * gbs / bw:.0f}% | -"
-        print(f"| {r['case']} | {r['dash_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['sdpa_ms'] / r['dash_ms']:.1f}x | "
-              f"{ref} | {traffic} |")
+    if not a.prefill_only:
+        headline = [(4, 8192)] if a.quick else [(32, 8192), (32, 32768), (32, 131072)]
+        for nseq, ctx in headline:
+            for mid in (False, True):
+                rows.append(decode_case(nseq, ctx, gen, flush, a, mid_block=mid))
+                print(f"decode {nseq} x {ctx // 1024}k{' mid' if mid else ''} done", flush=True)
+            for forced in (4, 8, 16):
+                rows.append(decode_case(nseq, ctx, gen, flush, a, forced=forced))
+        if not a.no_sweep and not a.quick:
+            for nseq in (1, 8, 128):
+                for ctx in (8192, 32768, 131072):
+                    if nseq * ctx <= 32 * 131072:
+                        rows.append(decode_case(nseq, ctx, gen, flush, a))
+                        print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
+    if not a.decode_only:
+        no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
+        for seq in ([4096] if a.quick else [4096, 16384, 65536, 131072]):
+            rows.append(prefill_case(seq, gen, flush, a))
+            print(f"prefill {seq // 1024}k done", flush=True)
+            if a.ab_tiles:
+                rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
+    print_tables(rows, env)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"device": props.name, "copy_gbs": bw, "rows": rows,
-                       "commit": os.environ.get("DASH_COMMIT")}, fh, indent=1)
+            json.dump({"env": env, "rows": rows}, fh, indent=1)
+    if a.png:
+        draw(rows, a.png)
     return 0
 
 

@@ -2,7 +2,7 @@
 
   python3 bench/breakdown.py [decode|prefill]... [--ctx 131072] [--seq 65536]
 
-decode: one step of 32 sequences at --ctx context (the benchmark's decode case, run eagerly);
+decode: one step of 32 sequences at --ctx context (the benchmark's decode case, real top-k unless --forced, eagerly);
 prefill: one --seq-token prompt. Prints each kernel's total time and share, and for decode the
 routing stages' share (summaries, scoring, top-k), which the performance issue bounds at 15%.
 Not a test: nothing here asserts a time.
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("which", nargs="*", default=["decode", "prefill"])
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--forced", type=int, default=0, help="forced blocks of the decode token's page (0: real top-k)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
@@ -65,24 +66,17 @@ def main() -> int:
     if a.ctx < 2 * B.SBS or a.ctx % B.SBS or a.seq < B.SBS * 64:
         ap.error(f"--ctx must be a multiple of {B.SBS} (>= {2 * B.SBS}) and --seq at least {64 * B.SBS}")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    captured = {}
-
-    def keep(fn):  # run the case's DASH call under the profiler instead of timing it
-        captured["fn"] = fn
-        return 1.0
-
-    B.time_ms = lambda fn, iters=20, warmup=3: keep(fn) if "fn" not in captured else 1.0
-    B.graph_of = lambda fn: type("G", (), {"replay": staticmethod(fn)})
     for which in a.which:
-        captured.clear()
         if which == "decode":
             for mid in (False, True):
-                captured.clear()
-                B.decode_case(32, a.ctx, False, gen, mid_block=mid)
-                report(f"decode 32 x {a.ctx // 1024}k" + (" mid-block" if mid else ""), profile(captured["fn"]))
+                fn, _ = B.decode_step(32, a.ctx, gen, mid_block=mid, forced=a.forced)
+                report(f"decode 32 x {a.ctx // 1024}k" + (" mid-block" if mid else "") + f", {a.forced} forced",
+                       profile(fn))
+                del fn
         else:
-            B.prefill_case(a.seq, False, gen)
-            report(f"prefill 1 x {a.seq // 1024}k", profile(captured["fn"]))
+            fn, _ = B.prefill_step(a.seq, gen)
+            report(f"prefill 1 x {a.seq // 1024}k", profile(fn))
+            del fn
         torch.cuda.empty_cache()
     return 0
 

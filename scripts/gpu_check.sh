@@ -84,13 +84,13 @@ case " $what " in *" memcheck-meta "*|*" all "*)
   status=$(( status | rc ));;
 esac
 case " $what " in *" bench "*|*" all "*)
-  python3 bench/bench_dash.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  python3 bench/bench_dash.py --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" prefill "*)
   # The prefill kernels: the benchmark's prefill cases with and without the query-major tiles
   # (and with page-correlated indexer queries), then each kernel's time at 64k, both ways.
-  python3 bench/bench_dash.py --prefill-only --ab-tiles --no-reference --json "$OUT/bench_prefill.json" 2>&1 \
+  python3 bench/bench_dash.py --prefill-only --ab-tiles --json "$OUT/bench_prefill.json" 2>&1 \
     | tee "$OUT/bench_prefill.log"
   status=$(( status | ${PIPESTATUS[0]} ))
   for tuning in "" "tile_share_min=-1"; do
@@ -116,9 +116,9 @@ case " $what " in *" ab "*)
   for setting in ${AB_SETTINGS:-}; do
     echo "## $setting" | tee -a "$OUT/ab.log"
     case "$setting" in
-      lib=*) DASH_TRT_LIBRARY=${setting#lib=} python3 bench/bench_dash.py --decode-only --no-reference 2>&1 ;;
-      *) python3 bench/bench_dash.py --decode-only --no-reference --tuning "$setting" 2>&1 ;;
-    esac | grep -E "^\| decode|copy" | tee -a "$OUT/ab.log"
+      lib=*) DASH_TRT_LIBRARY=${setting#lib=} python3 bench/bench_dash.py --decode-only 2>&1 ;;
+      *) python3 bench/bench_dash.py --decode-only --tuning "$setting" 2>&1 ;;
+    esac | grep -E "^\| [0-9]+ x|streaming read" | tee -a "$OUT/ab.log"
     status=$(( status | ${PIPESTATUS[0]} ))
   done;;
 esac

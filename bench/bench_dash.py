@@ -150,13 +150,17 @@ def sdpa_backends() -> dict[str, object]:
 
 
 def peer_graphs(q, k, v, causal: bool) -> tuple[dict[str, object], dict[str, str]]:
-    """One CUDA graph per SDPA backend that runs on these tensors; and why the others did not."""
+    """One CUDA graph per SDPA backend that runs on these tensors (or lists of tensors: one call
+    each, all in one graph); and why the others did not."""
     from torch.nn.attention import sdpa_kernel
 
     graphs, skipped = {}, {}
+    many = isinstance(q, list)
     for name, backend in sdpa_backends().items():
         def call(backend=backend):
             with sdpa_kernel([backend]):
+                if many:
+                    return [F.scaled_dot_product_attention(a, b, c, is_causal=causal) for a, b, c in zip(q, k, v)]
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         try:
             call()
@@ -169,19 +173,22 @@ def peer_graphs(q, k, v, causal: bool) -> tuple[dict[str, object], dict[str, str
 
 
 # ------------------------------------------------------------------- bytes and FLOPs
-def decode_traffic(nseq: int, length: int) -> dict:
-    """Fewest bytes one decode step must move (each read once): K and V of the 17 blocks each
-    (sequence, KV head) attends (16 selected + the local one), the routing's summaries and
-    page ranges of every remote block, and the step's own inputs and outputs."""
-    n_remote = max(length // SBS - 1, 0)
-    kv = nseq * HKV * (min(TOPK, n_remote) + 1) * SBS * D * 2 * 2
-    route = nseq * n_remote * (DI * 4 + 12)
-    io = nseq * ((H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2)
+def decode_traffic(lengths: list[int]) -> dict:
+    """Fewest bytes one decode step over sequences of these lengths must move (each read once):
+    K and V of the 17 blocks each (sequence, KV head) attends (16 selected + the local one), the
+    routing's summaries and page ranges of every remote block, and the step's own inputs and
+    outputs."""
+    kv = route = io = 0
+    for length in lengths:
+        n_remote = max(length // SBS - 1, 0)
+        kv += HKV * (min(TOPK, n_remote) + 1) * SBS * D * 2 * 2
+        route += n_remote * (DI * 4 + 12)
+        io += (H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2
     return {"kv_bytes": kv, "route_bytes": route, "io_bytes": io, "bytes": kv + route + io}
 
 
-def dense_decode_bytes(nseq: int, length: int) -> int:
-    return nseq * HKV * length * D * 2 * 2 + nseq * H * D * 2 * 2
+def dense_decode_bytes(lengths: list[int]) -> int:
+    return sum(HKV * length * D * 2 * 2 + H * D * 2 * 2 for length in lengths)
 
 
 def prefill_flops(seq: int) -> tuple[float, float]:
@@ -200,27 +207,35 @@ def rnd(gen, *shape):
     return torch.randn(*shape, device="cuda", generator=gen).to(DT)
 
 
-def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool):
-    """A decode step's inputs over a shuffled pool: ``(args, cache, batch, dense_kv, length)``.
+def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool, lengths: list[int] | None = None):
+    """A decode step's inputs over a shuffled pool: ``(args, cache, batch, lengths)``. ``lengths``:
+    each sequence's context (default: all ``ctx``, or ``ctx - 32`` with ``mid_block``);
     ``forced``: image blocks of the query token's own page (0: a response token, no page)."""
-    length = ctx - 32 if mid_block else ctx
-    nb_per = ctx // SBS
-    nb = nseq * nb_per
+    if lengths is None:
+        lengths = [ctx - 32 if mid_block else ctx] * nseq
+    blocks = [-(-n // SBS) for n in lengths]
+    width = max(blocks)
+    nb = sum(blocks)
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
     for t in (cache.key, cache.value, cache.index_key, cache.summary):
         t.normal_(generator=gen)
     perm = torch.randperm(nb, device="cuda", generator=gen).to(torch.int32)
-    tables = perm.view(nseq, nb_per)
+    tables = torch.full((nseq, width), -1, dtype=torch.int32, device="cuda")
     # page of each logical block: the first `forced` blocks are page 0 (the query's page when
     # forced > 0), then pages of 16 blocks
-    logical = torch.arange(nb_per, device="cuda")
+    logical = torch.arange(width, device="cuda")
     page_of = torch.where(logical < forced, 0, 1 + (logical - forced) // BLOCKS_PER_PAGE).int()
     phys_page = torch.empty(nb, dtype=torch.int32, device="cuda")
-    phys_page[tables.reshape(-1).long()] = page_of.repeat(nseq)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[start:start + n]
+        phys_page[perm[start:start + n].long()] = page_of[:n]
+        start += n
     cache.summary_pages[:, 0, 0] = phys_page
     cache.summary_pages[:, 0, 1] = phys_page
     cache.summary_pages[:, 0, 2] = 1
-    batch = dict(block_tables=tables, seq_lens=torch.full((nseq,), length, dtype=torch.int32, device="cuda"),
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    batch = dict(block_tables=tables, seq_lens=seq_lens,
                  query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
                  prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"))
     q, k, v, iq, ik, head_cls = (rnd(gen, nseq, H, D), rnd(gen, nseq, HKV, D), rnd(gen, nseq, HKV, D),
@@ -228,8 +243,9 @@ def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool):
     # (token, page, image page, query page): a response token (no page of its own) or, with
     # forced blocks, a token of page 0, whose image blocks routing must take first
     query_page = 0 if forced > 0 else -1
-    coords = torch.tensor([length - 1, 0, -1, query_page], dtype=torch.int32, device="cuda").repeat(nseq, 1)
-    return (q, k, v, iq, ik, coords, head_cls), cache, batch, length
+    coords = torch.stack([seq_lens - 1, torch.zeros_like(seq_lens), torch.full_like(seq_lens, -1),
+                          torch.full_like(seq_lens, query_page)], -1).int()
+    return (q, k, v, iq, ik, coords, head_cls), cache, batch, lengths
 
 
 def dash_call(args, cache, batch, max_query_len=1):
@@ -239,19 +255,47 @@ def dash_call(args, cache, batch, max_query_len=1):
     return call
 
 
-def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, forced: int = 0):
-    """The DASH call of one decode step and what it holds: ``(fn, (args, cache, batch, length))``
+def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, forced: int = 0, lengths=None):
+    """The DASH call of one decode step and what it holds: ``(fn, (args, cache, batch, lengths))``
     (bench/breakdown.py, trace_step.py and profile_step.py profile ``fn``)."""
-    args, cache, batch, length = decode_inputs(nseq, ctx, gen, forced=forced, mid_block=mid_block)
-    return dash_call(args, cache, batch), (args, cache, batch, length)
+    args, cache, batch, lengths = decode_inputs(nseq, ctx, gen, forced=forced, mid_block=mid_block, lengths=lengths)
+    return dash_call(args, cache, batch), (args, cache, batch, lengths)
 
 
-def dense_decode_kv(cache, batch, nseq, length):
-    """Dense K and V of the same sequences, contiguous ([nseq, Hkv, length, D]): SDPA's layout."""
+def dense_decode_peers(args, cache, batch, lengths):
+    """Dense SDPA over the same sequences, K and V contiguous ([nseq, Hkv, length, D], SDPA's
+    layout; a KV head's G query heads as G query rows, as GQA decode kernels do): one batched
+    call for equal lengths, one call per sequence (in one graph) for mixed ones."""
+    nseq = len(lengths)
     tables = batch["block_tables"].long()
-    k = cache.key[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
-    v = cache.value[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
-    return k, v
+    q = args[0].view(nseq, HKV, G, D)
+    if len(set(lengths)) == 1:
+        length = lengths[0]
+        k = cache.key[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
+        v = cache.value[tables].reshape(nseq, -1, HKV, D)[:, :length].transpose(1, 2).contiguous()
+        return peer_graphs(q, k, v, causal=False)
+    ks, vs = [], []
+    for i, length in enumerate(lengths):
+        rows = tables[i, :-(-length // SBS)]
+        ks.append(cache.key[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
+        vs.append(cache.value[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
+    return peer_graphs([q[i:i + 1] for i in range(nseq)], ks, vs, causal=False)
+
+
+def same_sparsity_peers(args, cache, batch, lengths):
+    """The same-sparsity peer: dense SDPA over just the blocks DASH attends (its 16 selected and
+    the local one, gathered once, outside the timing): what a dense kernel takes for the same
+    keys, without routing. Peers are named ``same-<backend>``."""
+    nseq = len(lengths)
+    _, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1,
+                                             tuning=TUNING, return_selected=True)
+    local = torch.tensor([(n - 1) // SBS for n in lengths], device="cuda")[:, None]
+    blocks = torch.cat([sel.clamp(min=0), local], 1)  # every sequence here has >= 16 remote blocks
+    phys = batch["block_tables"].long().gather(1, blocks)
+    k = cache.key[phys].reshape(nseq, -1, HKV, D).transpose(1, 2).contiguous()
+    v = cache.value[phys].reshape(nseq, -1, HKV, D).transpose(1, 2).contiguous()
+    graphs, skipped = peer_graphs(args[0].view(nseq, HKV, G, D), k, v, causal=False)
+    return {f"same-{n}": g for n, g in graphs.items()}, {f"same-{n}": w for n, w in skipped.items()}
 
 
 def check_decode(gen) -> str:
@@ -281,26 +325,27 @@ def summarize(times: dict, dash: str = "dash") -> dict:
         if name != dash:
             out[name]["ratio"] = {kind: stats([p / d for p, d in zip(vals, times[dash][kind])])
                                   for kind, vals in t.items()}
-    peers = [n for n in times if n != dash]
+    peers = [n for n in times if n != dash and not n.startswith("same-")]
     if peers:
-        best = min(peers, key=lambda n: out[n]["warm"]["median"])
-        out["peer"] = best
+        out["peer"] = min(peers, key=lambda n: out[n]["warm"]["median"])
+    same = [n for n in times if n.startswith("same-")]
+    if same:
+        out["same"] = min(same, key=lambda n: out[n]["warm"]["median"])
     return out
 
 
-def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, with_peers=True) -> dict:
-    fn, (args, cache, batch, length) = decode_step(nseq, ctx, gen, mid_block, forced)
+def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, lengths=None, label="") -> dict:
+    fn, (args, cache, batch, lengths) = decode_step(nseq, ctx, gen, mid_block, forced, lengths)
     graphs = {"dash": graph_of(fn)}
-    skipped = {}
-    if with_peers:
-        kd, vd = dense_decode_kv(cache, batch, nseq, length)
-        qd = args[0].view(nseq, HKV, G, D)  # a KV head's G query heads as G query rows (GQA decode)
-        peers, skipped = peer_graphs(qd, kd, vd, causal=False)
-        graphs.update(peers)
+    peers, skipped = dense_decode_peers(args, cache, batch, lengths)
+    graphs.update(peers)
+    same, same_skipped = same_sparsity_peers(args, cache, batch, lengths)
+    graphs.update(same)
+    skipped.update(same_skipped)
     times = interleaved(graphs, a.rounds, a.reps, flush)
-    row = dict(kind="decode", nseq=nseq, ctx=ctx, length=length, forced=forced, mid_block=mid_block,
-               times=times, summary=summarize(times), skipped=skipped, **decode_traffic(nseq, length),
-               dense_bytes=dense_decode_bytes(nseq, length))
+    row = dict(kind="decode", nseq=nseq, ctx=max(lengths), lengths=lengths, forced=forced, mid_block=mid_block,
+               label=label, times=times, summary=summarize(times), skipped=skipped, **decode_traffic(lengths),
+               dense_bytes=dense_decode_bytes(lengths))
     del graphs
     torch.cuda.empty_cache()
     return row
@@ -411,13 +456,15 @@ def print_tables(rows, env, out=sys.stdout) -> None:
     print("\nDecode (ms per step; median over rounds [IQR]; speed-up = dense peer / DASH, median (min-max)):",
           file=out)
     print("| case | forced | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | "
-          "speed-up cold | DASH MB | % of read BW (cold) | % of datasheet (cold) |", file=out)
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
+          "speed-up cold | same-sparsity SDPA cold | its time / DASH's (cold) | DASH MB | % of read BW (cold) | "
+          "% of datasheet (cold) |", file=out)
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
     for r in rows:
         if r["kind"] != "decode":
             continue
         s, peer = r["summary"], r["summary"].get("peer")
-        name = f"{r['nseq']} x {r['ctx'] // 1024}k" + (" mid-block" if r["mid_block"] else "")
+        name = (f"{r['nseq']} x {r['ctx'] // 1024}k" + (" mid-block" if r["mid_block"] else "")) if not r["label"] \
+            else f"{r['nseq']} x {r['label']}"
         cold_gbs = r["bytes"] / s["dash"]["cold"]["median"] / 1e6
         cells = [name, str(r["forced"]), fmt(s["dash"]["warm"]), fmt(s["dash"]["cold"])]
         if peer:
@@ -425,6 +472,8 @@ def print_tables(rows, env, out=sys.stdout) -> None:
                       ratio_fmt(s[peer]["ratio"]["cold"])]
         else:
             cells += ["-"] * 5
+        same = s.get("same")
+        cells += [f"{same[5:]} {fmt(s[same]['cold'])}", ratio_fmt(s[same]["ratio"]["cold"])] if same else ["-", "-"]
         cells += [f"{r['bytes'] / 1e6:.1f}", f"{100 * cold_gbs / env['read_gbs']:.0f}%",
                   f"{100 * cold_gbs / SPEC_BANDWIDTH_GBS:.0f}%"]
         print("| " + " | ".join(cells) + " |", file=out)
@@ -455,7 +504,8 @@ def draw(rows, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     by_batch: dict[int, list] = {}
     for r in rows:
-        if r["kind"] == "decode" and r["forced"] == 0 and not r["mid_block"] and r["summary"].get("peer"):
+        if r["kind"] == "decode" and r["forced"] == 0 and not r["mid_block"] and not r["label"] \
+                and r["summary"].get("peer"):
             by_batch.setdefault(r["nseq"], []).append(r)
     for nseq, rs in sorted(by_batch.items()):
         rs.sort(key=lambda r: r["ctx"])
@@ -521,9 +571,18 @@ def main() -> int:
                 print(f"decode {nseq} x {ctx // 1024}k{' mid' if mid else ''} done", flush=True)
             for forced in (4, 8, 16):
                 rows.append(decode_case(nseq, ctx, gen, flush, a, forced=forced))
+        if not a.quick:
+            # mixed lengths: 32 sequences of 4k-128k (block-completing), one graph of per-sequence
+            # dense calls as the peer
+            mixed = sorted(int(x) * SBS for x in torch.randint(4096 // SBS, 131072 // SBS + 1, (32,),
+                                                                 generator=torch.Generator().manual_seed(1)))
+            rows.append(decode_case(32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k"))
+            print("decode 32 x mixed done", flush=True)
         if not a.no_sweep and not a.quick:
-            for nseq in (1, 8, 128):
-                for ctx in (8192, 32768, 131072):
+            for nseq in (1, 8, 32, 128):
+                for ctx in (4096, 8192, 32768, 131072):
+                    if nseq == 32 and ctx != 4096:
+                        continue  # the headline rows above
                     if nseq * ctx <= 32 * 131072:
                         rows.append(decode_case(nseq, ctx, gen, flush, a))
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)

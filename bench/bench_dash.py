@@ -66,6 +66,8 @@ CFG = DashConfig.from_dict({"sparse_block_size": SBS, "sparse_local_block": 1, "
 SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
+#: The SDPA backends timed as peers (--peers).
+PEERS = ("flash", "cudnn", "efficient")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -135,6 +137,8 @@ def interleaved(graphs: dict[str, object], rounds: int, reps: int, flush: Flushe
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            if os.environ.get("DASH_BENCH_DEBUG"):
+                print(f"  round {r}: {name}", flush=True)
             out[name]["warm"].append(warm_ms(graphs[name], reps))
         for name in order:
             out[name]["cold"].append(cold_ms(graphs[name], flush))
@@ -157,6 +161,9 @@ def peer_graphs(q, k, v, causal: bool) -> tuple[dict[str, object], dict[str, str
     graphs, skipped = {}, {}
     many = isinstance(q, list)
     for name, backend in sdpa_backends().items():
+        if name not in PEERS:
+            skipped[name] = "left out (--peers)"
+            continue
         def call(backend=backend):
             with sdpa_kernel([backend]):
                 if many:
@@ -339,9 +346,10 @@ def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, lengths=
     graphs = {"dash": graph_of(fn)}
     peers, skipped = dense_decode_peers(args, cache, batch, lengths)
     graphs.update(peers)
-    same, same_skipped = same_sparsity_peers(args, cache, batch, lengths)
-    graphs.update(same)
-    skipped.update(same_skipped)
+    if not a.no_same:
+        same, same_skipped = same_sparsity_peers(args, cache, batch, lengths)
+        graphs.update(same)
+        skipped.update(same_skipped)
     times = interleaved(graphs, a.rounds, a.reps, flush)
     row = dict(kind="decode", nseq=nseq, ctx=max(lengths), lengths=lengths, forced=forced, mid_block=mid_block,
                label=label, times=times, summary=summarize(times), skipped=skipped, **decode_traffic(lengths),
@@ -534,6 +542,7 @@ def draw(rows, path: str) -> None:
 
 
 def main() -> int:
+    global TUNING, PEERS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--png", help="draw the speed-ups here")
@@ -543,13 +552,17 @@ def main() -> int:
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
     ap.add_argument("--no-sweep", action="store_true", help="only the headline decode cases (32 x 8k/32k/128k)")
+    ap.add_argument("--no-same", action="store_true", help="leave out the same-sparsity peer")
+    ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to time (default %(default)s)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check of the decode step")
     ap.add_argument("--ab-tiles", action="store_true",
                     help="each prefill case also without the query-major tiles (tile_share_min=-1)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
-    global TUNING
     TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
+    PEERS = tuple(p.strip() for p in a.peers.split(",") if p.strip())
+    if not PEERS or set(PEERS) - set(sdpa_backends()):
+        ap.error(f"--peers: choose from {', '.join(sdpa_backends())}, got {a.peers!r}")
     if not torch.cuda.is_available():
         print("bench_dash: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -334,3 +334,23 @@ def test_too_many_queries_and_bad_prompt_length():
 
 def test_low_precision_tolerances_are_declared_for_every_dtype():
     assert set(TOLERANCES) == set(DTYPES)
+
+
+def test_compare_outputs_refuses_a_corrupted_selection_of_a_real_problem():
+    """The comparison rule on a real routing (random problem, the reference's own scores): the
+    reference's selection passes against itself; one token's block replaced by an id past the
+    last block, another's by a negative id, are two routing mismatches, not near ties, even with
+    the outputs equal."""
+    gen = torch.Generator().manual_seed(4)
+    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": 2,
+                                "sparse_page_bias": 0.5, "sparse_rope_page_pairs": 1})
+    x = random_inputs(gen, random_roles(gen, 4, response=6))
+    out, routing = _run(x, cfg, return_routing=True)
+    assert compare_outputs(out, out.clone(), routing, routing).ok
+    sel = routing.selected.clone()
+    rows = [i for i in range(sel.shape[0]) if (sel[i] >= 0).sum() == 2]
+    assert len(rows) >= 2
+    sel[rows[0], 1] = routing.scores.shape[1]
+    sel[rows[1], 1] = -5
+    report = compare_outputs(out, out.clone(), R.Routing(sel, sel >= 0, torch.empty(0)), routing)
+    assert not report.ok and report.routing_mismatch == 2 and report.near_ties == 0, str(report)

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
+from .cliutil import version_line as _version_line
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
 
 __all__ = [
@@ -453,6 +454,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Build a TensorRT engine (plan) from a DASH ONNX model with the DashAttention plugin. "
                     "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT, " + EXIT_CODES_NOTE,
     )
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("model", type=Path, help="the exported ONNX model (dash-export)")
     p.add_argument("--plugin", type=Path, required=True, help="libdash_trt_plugin.so")
     p.add_argument("--out", type=Path, help="engine file to write (required unless --print-trtexec)")

@@ -9,6 +9,7 @@ import time
 import torch
 
 from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from .cliutil import version_line as _version_line
 from .config import DashConfig
 from .paged import DashKVCache, KVBlockPool, paged_dash_attention, sequence_coords
 from .reference import Routing, dash_attention
@@ -116,6 +117,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         description="Run the paged DASH operator on random prompts (chunked prefill and decode "
                     "in mixed batches) and check it against the PyTorch reference.",
     )
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sequences", type=int, default=3)
     p.add_argument("--pages", type=int, default=6, help="document pages per prompt")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
+from .cliutil import version_line as _version_line
 from .model import DashModel, check_prompts, demo_model, generate, load_checkpoint
 
 __all__ = ["CompareReport", "compare", "main", "TorchRunner", "InPlaceTorchRunner"]
@@ -353,6 +354,7 @@ def _parser() -> argparse.ArgumentParser:
                "checkpoint, a graph that is not this checkpoint's, an unavailable backend), " + EXIT_CODES_NOTE,
         description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
                     "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("onnx", help="a model exported by dash-export")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="the checkpoint the file was exported from (model.pt or a Hugging Face folder)")

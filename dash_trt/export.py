@@ -47,6 +47,7 @@ import torch
 
 from . import onnx_ops
 from .cliutil import EXIT_INTERNAL, cli_main
+from .cliutil import version_line as _version_line
 from .config import DashConfigError
 from .model import (
     DTYPES,
@@ -460,6 +461,7 @@ def _parser() -> argparse.ArgumentParser:
                f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback). "
                "See export/README.md.",
     )
+    p.add_argument("--version", action="version", version=_version_line())
     src = p.add_mutually_exclusive_group()
     src.add_argument("checkpoint", nargs="?",
                      help="model.pt ({'config': config.json dict, 'state_dict': ...}), a Hugging Face folder "

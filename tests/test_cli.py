@@ -64,7 +64,7 @@ def test_model_load_errors_from_a_triton_log():
 @pytest.mark.parametrize("argv", [
     ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli", "write"],
     ["dash_trt.triton.cli", "serve"], ["dash_trt.triton.cli", "openai"], ["dash_trt.triton.cli", "probe"],
-    ["dash_trt.triton.client"],
+    ["dash_trt.triton.client"], ["dash_trt.info"],
     ["dash_trt.triton.loadtest"], ["dash_trt.cli"],
 ])
 def test_every_command_line_builds_its_parser_and_prints_help(argv):
@@ -172,3 +172,51 @@ def test_probe_without_a_server_or_with_a_bad_timeout_says_so_in_one_line():
     err = io.StringIO()
     assert main(["probe", "--timeout", "0"], stdout=io.StringIO(), stderr=err) == 2
     assert err.getvalue().strip() == "dash-triton probe: error: --timeout must be > 0, got 0"
+
+
+@pytest.mark.parametrize("argv", [
+    ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli"], ["dash_trt.triton.client"],
+    ["dash_trt.triton.loadtest"], ["dash_trt.cli"], ["dash_trt.info"],
+])
+def test_every_command_prints_the_same_version_line(argv):
+    """--version: the package's version with the kernel ABI and plugin versions it expects, the
+    same line from every command, and the version the installed metadata carries."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    import dash_trt
+    from dash_trt.attributes import PLUGIN_VERSION
+    from dash_trt.cuda import ABI_VERSION
+
+    code = ("import runpy, sys; sys.argv = ['x', '--version']; "
+            f"runpy.run_module({argv[0]!r}, run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == f"dash-trt {dash_trt.__version__} (kernel ABI {ABI_VERSION}, plugin {PLUGIN_VERSION})"
+    assert version("dash-trt") == dash_trt.__version__  # pyproject.toml and the package agree
+
+
+def test_info_reports_what_is_found_and_what_is_missing(monkeypatch, tmp_path):
+    import io
+    import json
+
+    from dash_trt import info
+
+    monkeypatch.setenv("DASH_TRT_LIBRARY", str(tmp_path / "none.so"))
+    monkeypatch.setattr("dash_trt.cuda.library_path", lambda: None)
+    out = io.StringIO()
+    assert info.main(["info", "--json"], stdout=out) == 0
+    got = json.loads(out.getvalue())
+    assert got["dash_trt"]["line"] == info.version_line()
+    assert got["kernels"]["path"] is None and got["kernels"]["status"].startswith("not found")
+    assert got["onnxruntime"]["status"] == "ok" and "CPUExecutionProvider" in got["onnxruntime"]["providers"]
+    assert set(got) == {"dash_trt", "torch", "kernels", "gpu", "tensorrt", "onnxruntime", "onnx", "triton"}
+    out = io.StringIO()
+    assert info.main(["info"], stdout=out) == 0
+    text = out.getvalue()
+    assert text.splitlines()[0] == info.version_line() and "kernel library: not found" in text
+    # two ONNX Runtime distributions writing the same module are named
+    real = info._dist_version
+    monkeypatch.setattr(info, "_dist_version", lambda d: "1.20.0" if d == "onnxruntime-gpu" else real(d))
+    assert "onnxruntime and onnxruntime-gpu are both installed" in info._onnxruntime()["warning"]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from ..cliutil import version_line as _version_line
 from ..config import DashConfigError
 from ..model import CheckpointError, ModelConfigError, ModelContractError, demo_model, load_checkpoint
 from . import protocol as P
@@ -32,6 +33,7 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dash-triton", description="Triton Inference Server deployment of a DASH model.")
+    p.add_argument("--version", action="version", version=_version_line())
     sub = p.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser(

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from ..cliutil import version_line as _version_line
 from ..model import DashModelConfig, detokenize, document_prompt, tokenize
 from . import protocol as P
 
@@ -354,6 +355,7 @@ def _parser() -> argparse.ArgumentParser:
                "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
                "2 bad arguments, 3 server not reachable, " + EXIT_CODES_NOTE,
     )
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http")
     p.add_argument("--model", default=P.DEFAULT_NAME, help="generation model name (default %(default)s)")

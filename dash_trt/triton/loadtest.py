@@ -29,6 +29,7 @@ from typing import TextIO
 import torch
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from ..cliutil import version_line as _version_line
 from ..model import DashModel, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
 from .client import DashClient, DashClientError, Generation
 from .engine import EngineConfig
@@ -170,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="Exit codes: 0 every request answered correctly and the pool free, 1 not "
                                        "(wrong, failed or missing answers, blocks held), 2 bad input, 3 the server "
                                        "could not start or be reached, " + EXIT_CODES_NOTE)
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
     p.add_argument("--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)")
     p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "

@@ -1,0 +1,184 @@
+"""``dash-trt``: what this installation has, and its versions.
+
+    dash-trt info [--json]     # package, kernel library, GPU, TensorRT and plugin, ONNX Runtime, torch
+    dash-trt --version         # the line every command's --version prints
+
+Nothing here needs a GPU, TensorRT or ONNX Runtime: what is missing is reported as missing.
+Exit codes: 0 printed; 2 bad arguments; 70 an unexpected internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from . import __version__
+from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+
+__all__ = ["version_line", "collect", "main"]
+
+
+def version_line() -> str:
+    """``dash-trt X (kernel ABI N, plugin V)``: the versions that must agree between the
+    package, its kernel library and the TensorRT plugin an engine was built with."""
+    from .attributes import PLUGIN_VERSION
+    from .cuda import ABI_VERSION
+
+    return f"dash-trt {__version__} (kernel ABI {ABI_VERSION}, plugin {PLUGIN_VERSION})"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _kernels() -> dict[str, Any]:
+    from . import cuda
+
+    path = cuda.library_path()
+    out: dict[str, Any] = {"expected_abi": cuda.ABI_VERSION, "path": str(path) if path else None}
+    if path is None:
+        out["status"] = "not found (the package was installed without a CUDA compiler; the PyTorch paged operator " \
+                        "runs instead)"
+        return out
+    try:
+        out["abi"] = int(cuda._library().dash_abi_version())
+        out["head_dims"] = list(cuda.supported_head_dims())
+        out["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        out["status"] = (f"cannot be loaded ({type(exc).__name__}: {exc}); a library of another dash-trt version? "
+                         f"reinstall the package, or point DASH_TRT_LIBRARY at a current build")
+    return out
+
+
+def _gpu() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": p.name, "capability": f"sm_{p.major}{p.minor}",
+                        "memory_gib": round(p.total_memory / 2**30, 1)})
+    return {"available": True, "devices": devices}
+
+
+def _tensorrt() -> dict[str, Any]:
+    out: dict[str, Any] = {"python_package": None}
+    if importlib.util.find_spec("tensorrt") is not None:
+        try:
+            import tensorrt
+
+            out["python_package"] = getattr(tensorrt, "__version__", "unknown")
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported
+            out["python_package"] = f"cannot be imported: {type(exc).__name__}: {exc}"
+    plugin = os.environ.get("DASH_TRT_PLUGIN")
+    out["plugin_library"] = plugin if plugin and os.path.isfile(plugin) else None
+    out["plugin_note"] = ("set DASH_TRT_PLUGIN to a built libdash_trt_plugin.so (cmake -DDASH_BUILD_TRT_PLUGIN=ON) to "
+                          "have it checked here" if not out["plugin_library"] else "found")
+    return out
+
+
+def _onnxruntime() -> dict[str, Any]:
+    dists = sorted(d for d in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+                   if _dist_version(d))
+    out: dict[str, Any] = {"distributions": {d: _dist_version(d) for d in dists}}
+    if len(dists) > 1:
+        out["warning"] = (f"{' and '.join(dists)} are both installed: they write the same onnxruntime module, and the "
+                          f"one installed last wins")
+    if importlib.util.find_spec("onnxruntime") is None:
+        out["status"] = "not installed"
+        return out
+    try:
+        import onnxruntime
+
+        out["version"] = onnxruntime.__version__
+        out["providers"] = onnxruntime.get_available_providers()
+        out["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["status"] = f"cannot be imported: {type(exc).__name__}: {exc}"
+    return out
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``dash-trt info`` prints, as a dict."""
+    import torch
+
+    return {
+        "dash_trt": {"version": __version__, "installed_metadata": _dist_version("dash-trt"), "line": version_line()},
+        "torch": {"version": torch.__version__, "cuda": torch.version.cuda},
+        "kernels": _kernels(),
+        "gpu": _gpu(),
+        "tensorrt": _tensorrt(),
+        "onnxruntime": _onnxruntime(),
+        "onnx": _dist_version("onnx"),
+        "triton": {"tritonclient": _dist_version("tritonclient"), "nvidia-pytriton": _dist_version("nvidia-pytriton")},
+    }
+
+
+def _print(info: dict[str, Any], out: TextIO) -> None:
+    k, g, t, o = info["kernels"], info["gpu"], info["tensorrt"], info["onnxruntime"]
+    print(info["dash_trt"]["line"], file=out)
+    print(f"torch {info['torch']['version']} (CUDA {info['torch']['cuda'] or 'none'})", file=out)
+    if k.get("status") == "ok":
+        print(f"kernel library: {k['path']} (ABI {k['abi']}; head dims {', '.join(map(str, k['head_dims']))})", file=out)
+    else:
+        print(f"kernel library: {k['status']}" + (f" [{k['path']}]" if k.get("path") else ""), file=out)
+    if g["available"]:
+        for d in g["devices"]:
+            print(f"GPU {d['index']}: {d['name']} ({d['capability']}, {d['memory_gib']} GiB)", file=out)
+        if k.get("status") != "ok":
+            print("WARNING: a GPU is visible but the DASH kernels are not: CUDA tensors run the PyTorch paged "
+                  "operator, far slower (reinstall with nvcc on PATH)", file=out)
+    else:
+        print("GPU: none visible to torch", file=out)
+    print(f"TensorRT: {t['python_package'] or 'not installed'}; plugin library: {t['plugin_library'] or t['plugin_note']}",
+          file=out)
+    dists = ", ".join(f"{d} {v}" for d, v in o["distributions"].items()) or "no distribution"
+    line = f"ONNX Runtime: {dists}"
+    if o.get("status") == "ok":
+        line += f"; providers {', '.join(o['providers'])}"
+    elif o.get("status"):
+        line += f"; {o['status']}"
+    print(line, file=out)
+    if o.get("warning"):
+        print(f"WARNING: {o['warning']}", file=out)
+    print(f"onnx {info['onnx'] or 'not installed'}; tritonclient {info['triton']['tritonclient'] or 'not installed'}, "
+          f"nvidia-pytriton {info['triton']['nvidia-pytriton'] or 'not installed'}", file=out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dash-trt", description="What this dash-trt installation has.",
+                                epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE)
+    p.add_argument("--version", action="version", version=version_line())
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("info", help="the package, kernel library, GPU, TensorRT, ONNX Runtime and torch found",
+                       epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE)
+    i.add_argument("--json", action="store_true", help="one JSON object")
+    i.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    return p
+
+
+@cli_main("dash-trt")
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
+    a = _parser().parse_args(argv)
+    out = stdout if stdout is not None else sys.stdout
+    info = collect()
+    if a.json:
+        print(json.dumps(info, indent=1), file=out)
+    else:
+        _print(info, out)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

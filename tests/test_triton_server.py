@@ -589,6 +589,12 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid]
 
 
+def _server_and_workers(serve) -> tuple[int, list[int]]:
+    """The tritonserver that `serve` started, and that server's model workers."""
+    (server_pid,) = _children(serve.pid)
+    return server_pid, _children(server_pid)
+
+
 def _stubs() -> list[int]:
     """Every live Python-backend stub on the machine (any server's)."""
     found = []
@@ -669,8 +675,7 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
     shm_before = _shm_now()
     serve, url = _serve(repo)
     try:
-        server_pid = next(p for p in _children(serve.pid))
-        stubs = _children(server_pid)
+        server_pid, stubs = _server_and_workers(serve)
         assert len(stubs) == 1, stubs
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model)
@@ -720,8 +725,7 @@ def test_a_killed_server_under_128_requests_is_cleaned_up_by_serve(tmp_path, mod
     shm_before = _shm_now()
     serve, url = _serve(repo)
     try:
-        server_pid = next(p for p in _children(serve.pid))
-        stubs = _children(server_pid)
+        server_pid, stubs = _server_and_workers(serve)
         assert len(stubs) == 2, stubs  # the unary and the streaming model
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model)
@@ -756,8 +760,7 @@ def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, mode
     shm_before = _shm_now()
     serve, url = _serve(repo, "--grace", "1")
     try:
-        server_pid = next(p for p in _children(serve.pid))
-        stubs = _children(server_pid)
+        server_pid, stubs = _server_and_workers(serve)
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model, max_new=(4, 400))
             assert not c.control("resume")["paused"]

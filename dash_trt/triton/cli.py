@@ -186,7 +186,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
 
 
 def serve_main(a, out: TextIO, err: TextIO) -> int:
-    from .server import TritonServer, TritonStartError, TritonUnavailable
+    from .server import TritonServer, TritonStartError, TritonUnavailable, process_info
 
     try:
         check_served_path(os.path.abspath(a.repository))
@@ -222,8 +222,7 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
             if not server.alive():
                 print(f"dash-triton serve: error: tritonserver exited:\n{server.log_tail()}", file=err)
                 return EXIT_SERVER
-            gone = {pid: m for pid, m in workers.items() if not os.path.exists(f"/proc/{pid}") or
-                    _zombie(pid)}
+            gone = {pid: m for pid, m in workers.items() if process_info(pid) is None}
             if gone:
                 pid, where = next(iter(gone.items()))
                 print(f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "
@@ -328,14 +327,6 @@ def _status_line(exc: BaseException) -> str:
     message = message() if callable(message) else message
     text = " ".join(str(message or exc).split())
     return f"{status}: {text}" if status else f"{type(exc).__name__}: {text}"
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @cli_main("dash-triton")

@@ -239,18 +239,24 @@ def _shm_regions_mapped_anywhere() -> set[str]:
     return found
 
 
-def _is_stub(pid: int, model: str) -> bool:
-    """Whether ``pid`` is still a live model worker of ``model`` (its cmdline: the backend stub
-    and the model's file; a recycled pid is not)."""
+def process_info(pid: int) -> tuple[int, list[bytes]] | None:
+    """(parent pid, command line) of a live process from /proc; None when it is gone or has
+    exited (a zombie not yet reaped), or off Linux."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                return False
+            fields = fh.read().rsplit(")", 1)[-1].split()
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             cmdline = fh.read().split(b"\0")
     except OSError:
-        return False
-    return b"stub" in os.path.basename(cmdline[0]) and (not model or model.encode() in cmdline)
+        return None
+    return None if len(fields) < 2 or fields[0] == "Z" else (int(fields[1]), cmdline)
+
+
+def _is_stub(pid: int, model: str) -> bool:
+    """Whether ``pid`` is still a live model worker of ``model`` (its cmdline: the backend stub
+    and the model's file; a recycled pid is not)."""
+    info = process_info(pid)
+    return info is not None and b"stub" in os.path.basename(info[1][0]) and (not model or model.encode() in info[1])
 
 
 class TritonServer:
@@ -495,21 +501,11 @@ class TritonServer:
         if self.proc is None or not os.path.isdir("/proc"):
             return {}
         found = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    stat = fh.read()
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    cmdline = fh.read().split(b"\0")
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[-1].split()
-            if len(fields) > 1 and int(fields[1]) == self.proc.pid and fields[0] != "Z" and \
-                    b"stub" in os.path.basename(cmdline[0]):
-                model = next((c.decode(errors="replace") for c in cmdline[1:] if c.endswith(b"/model.py")), "")
-                found[int(entry)] = model
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            info = process_info(int(entry))
+            if info is not None and info[0] == self.proc.pid and b"stub" in os.path.basename(info[1][0]):
+                found[int(entry)] = next((c.decode(errors="replace") for c in info[1][1:] if c.endswith(b"/model.py")),
+                                         "")
         return found
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -77,7 +77,20 @@ def stats(values: list[float]) -> dict:
     return {"median": statistics.median(v), "q1": q[0], "q3": q[2], "min": v[0], "max": v[-1], "n": len(v)}
 
 
-def graph_of(fn):
+class Captured:
+    """A CUDA graph and the function it was captured from. A graph records raw device pointers
+    and does not keep its inputs alive: the function (its closure holds them) lives as long as
+    the graph, or the caching allocator could hand their memory back to the driver (every later
+    capture empties the cache) and a replay would read unmapped memory."""
+
+    def __init__(self, graph, fn):
+        self.graph, self.fn = graph, fn
+
+    def replay(self):
+        self.graph.replay()
+
+
+def graph_of(fn) -> Captured:
     """``fn`` captured as a CUDA graph (after one warm-up call on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -89,7 +102,7 @@ def graph_of(fn):
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
-    return g
+    return Captured(g, fn)
 
 
 class Flusher:
@@ -153,22 +166,31 @@ def sdpa_backends() -> dict[str, object]:
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def peer_graphs(q, k, v, causal: bool) -> tuple[dict[str, object], dict[str, str]]:
+def peer_graphs(q, k, v, causal, only=None) -> tuple[dict[str, object], dict[str, str]]:
     """One CUDA graph per SDPA backend that runs on these tensors (or lists of tensors: one call
-    each, all in one graph); and why the others did not."""
+    each, all in one graph); and why the others did not. ``causal``: False, True (square,
+    ``is_causal``) or ``"lower_right"`` (a chunk's queries are the last rows of its keys: the
+    mask FlashAttention and vLLM use for chunked prefill), one value or one per call; ``only``:
+    ``(backends, why the others are left out)``."""
     from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     graphs, skipped = {}, {}
     many = isinstance(q, list)
+    qs, ks, vs = (q, k, v) if many else ([q], [k], [v])
+    masks = causal if isinstance(causal, list) else [causal] * len(qs)
+    kwargs = [dict(attn_mask=causal_lower_right(a.shape[-2], b.shape[-2])) if m == "lower_right" else
+              dict(is_causal=bool(m)) for a, b, m in zip(qs, ks, masks)]
     for name, backend in sdpa_backends().items():
         if name not in PEERS:
             skipped[name] = "left out (--peers)"
             continue
+        if only is not None and name not in only[0]:
+            skipped[name] = only[1]
+            continue
         def call(backend=backend):
             with sdpa_kernel([backend]):
-                if many:
-                    return [F.scaled_dot_product_attention(a, b, c, is_causal=causal) for a, b, c in zip(q, k, v)]
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return [F.scaled_dot_product_attention(a, b, c, **kw) for a, b, c, kw in zip(qs, ks, vs, kwargs)]
         try:
             call()
             torch.cuda.synchronize()
@@ -359,6 +381,62 @@ def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, lengths=
     return row
 
 
+def mixed_inputs(ndec: int, ctx: int, chunk: int, gen):
+    """A mixed step on the non-fused path: ``ndec`` sequences decoding one token at ``ctx`` and one
+    more sequence of ``ctx`` whose last ``chunk`` tokens are prefilled in the same call (a text
+    chunk after a document: real top-k for every token, as vLLM's chunked prefill batches them).
+    ``(args, cache, batch, lengths)``; the chunk's sequence is the last."""
+    (_, _, _, _, _, _, head_cls), cache, batch, lengths = decode_inputs(ndec + 1, ctx, gen, forced=0,
+                                                                       mid_block=False)
+    t = ndec + chunk
+    q, k, v, iq, ik = rnd(gen, t, H, D), rnd(gen, t, HKV, D), rnd(gen, t, HKV, D), rnd(gen, t, DI), rnd(gen, t, DI)
+    pos = torch.cat([torch.full((ndec,), ctx - 1), torch.arange(ctx - chunk, ctx)]).to("cuda")
+    coords = torch.stack([pos, torch.zeros_like(pos), torch.full_like(pos, -1), torch.full_like(pos, -1)], -1).int()
+    batch["query_start_loc"] = torch.tensor(list(range(ndec + 1)) + [t], dtype=torch.int32, device="cuda")
+    return (q, k, v, iq, ik, coords, head_cls), cache, batch, lengths
+
+
+def check_mixed(gen) -> str:
+    """A small mixed step (3 decode tokens and a 192-token chunk) on the kernels against the
+    paged PyTorch operator."""
+    from dash_trt.testing import compare_outputs
+
+    args, cache, batch, _ = mixed_inputs(3, 4096, 192, gen)
+    ref_cache = cache.clone()
+    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=192,
+                                               tuning=TUNING, return_selected=True)
+    ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch, sp=CFG, layer_idx=0, return_routing=True)
+    report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
+                             P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()), dtype=DT)
+    if not report.ok:
+        raise SystemExit(f"bench_dash: the mixed prefill + decode step is wrong ({report})")
+    return str(report)
+
+
+def mixed_case(ndec, ctx, chunk, gen, flush, a) -> dict:
+    """DASH's mixed step against one graph of two dense calls: the decode tokens batched, the
+    chunk with the lower-right causal mask over its whole sequence (GQA heads repeated, as the
+    prefill peer)."""
+    args, cache, batch, lengths = mixed_inputs(ndec, ctx, chunk, gen)
+    graphs = {"dash": graph_of(dash_call(args, cache, batch, max_query_len=chunk))}
+    tables = batch["block_tables"].long()
+    kv = [t[tables].reshape(ndec + 1, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+          for t in (cache.key, cache.value)]
+    qd = args[0][:ndec].view(ndec, HKV, G, D)
+    qc = args[0][ndec:].transpose(0, 1)[None]
+    kc, vc = (t[ndec:].repeat_interleave(G, 1) for t in kv)
+    peers, skipped = peer_graphs([qd, qc], [kv[0][:ndec], kc], [kv[1][:ndec], vc], causal=[False, "lower_right"],
+                                 only=(("flash", "efficient"), "torch dispatches a lower-right "
+                                                                  "causal mask to flash or efficient attention only"))
+    graphs.update(peers)
+    times = interleaved(graphs, a.rounds, a.reps, flush)
+    row = dict(kind="mixed", ndec=ndec, ctx=ctx, chunk=chunk, label=f"{ndec} decode + {chunk}-token chunk at "
+               f"{ctx // 1024}k", times=times, summary=summarize(times), skipped=skipped)
+    del graphs
+    torch.cuda.empty_cache()
+    return row
+
+
 def prefill_step(seq: int, gen, tuning=None):
     """The DASH call of one ``seq``-token prompt of 64 document pages and its inputs:
     ``(fn, (q, k, v))``."""
@@ -485,6 +563,18 @@ def print_tables(rows, env, out=sys.stdout) -> None:
         cells += [f"{r['bytes'] / 1e6:.1f}", f"{100 * cold_gbs / env['read_gbs']:.0f}%",
                   f"{100 * cold_gbs / SPEC_BANDWIDTH_GBS:.0f}%"]
         print("| " + " | ".join(cells) + " |", file=out)
+    mixed = [r for r in rows if r["kind"] == "mixed"]
+    if mixed:
+        print("\nMixed prefill + decode in one call (the non-fused path; ms per call):", file=out)
+        print("| case | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | speed-up cold |",
+              file=out)
+        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |", file=out)
+        for r in mixed:
+            s, peer = r["summary"], r["summary"].get("peer")
+            cells = [r["label"], fmt(s["dash"]["warm"]), fmt(s["dash"]["cold"])]
+            cells += ([peer, fmt(s[peer]["warm"]), fmt(s[peer]["cold"]), ratio_fmt(s[peer]["ratio"]["warm"]),
+                       ratio_fmt(s[peer]["ratio"]["cold"])] if peer else ["-"] * 5)
+            print("| " + " | ".join(cells) + " |", file=out)
     print("\nPrefill (ms per call; TFLOP/s on DASH's FLOPs, and the peer's on dense causal FLOPs):", file=out)
     print("| case | DASH warm | DASH cold | dense peer | peer warm | speed-up warm | speed-up cold | DASH TFLOP/s | "
           "peer TFLOP/s |", file=out)
@@ -574,6 +664,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     if not a.no_check and not a.prefill_only:
         print(f"check: real-top-k decode step vs the paged operator: {check_decode(gen)}", flush=True)
+        print(f"check: mixed prefill + decode step vs the paged operator: {check_mixed(gen)}", flush=True)
     flush = Flusher()
     rows = []
     if not a.prefill_only:
@@ -591,6 +682,9 @@ def main() -> int:
                                                                  generator=torch.Generator().manual_seed(1)))
             rows.append(decode_case(32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k"))
             print("decode 32 x mixed done", flush=True)
+        for ndec, ctx, chunk in ([(3, 8192, 512)] if a.quick else [(31, 32768, 2048), (31, 131072, 2048)]):
+            rows.append(mixed_case(ndec, ctx, chunk, gen, flush, a))
+            print(f"mixed {ndec} decode + {chunk} chunk at {ctx // 1024}k done", flush=True)
         if not a.no_sweep and not a.quick:
             for nseq in (1, 8, 32, 128):
                 for ctx in (4096, 8192, 32768, 131072):

@@ -373,7 +373,7 @@ def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, lengths=
         graphs.update(same)
         skipped.update(same_skipped)
     times = interleaved(graphs, a.rounds, a.reps, flush)
-    row = dict(kind="decode", nseq=nseq, ctx=max(lengths), lengths=lengths, forced=forced, mid_block=mid_block,
+    row = dict(kind="decode", nseq=nseq, ctx=ctx, lengths=lengths, forced=forced, mid_block=mid_block,
                label=label, times=times, summary=summarize(times), skipped=skipped, **decode_traffic(lengths),
                dense_bytes=dense_decode_bytes(lengths))
     del graphs

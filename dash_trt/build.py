@@ -456,7 +456,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("model", type=Path, help="the exported ONNX model (dash-export)")
-    p.add_argument("--plugin", type=Path, required=True, help="libdash_trt_plugin.so")
+    p.add_argument("--plugin", type=Path, default=None,
+                   help="libdash_trt_plugin.so (default: the one in this installation, see dash-trt info)")
     p.add_argument("--out", type=Path, help="engine file to write (required unless --print-trtexec)")
     p.add_argument("--config", type=Path, help="model config.json with a dash_attention_config section, used when "
                                                "the ONNX file carries none")
@@ -495,6 +496,13 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 def _check_arguments(args) -> str | None:
     if not args.model.is_file():
         return f"model not found: {args.model}"
+    if args.plugin is None:
+        from .cuda import plugin_path
+
+        args.plugin = plugin_path()
+        if args.plugin is None:
+            return ("no TensorRT plugin library in this installation: pass --plugin libdash_trt_plugin.so (build it "
+                    "with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)")
     if not args.print_trtexec and not args.plugin.is_file():
         return f"plugin library not found: {args.plugin} (build it with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)"
     if not args.print_trtexec:

@@ -191,10 +191,13 @@ def check_model_matches(onnx_path: str, model: DashModel) -> None:
 
 
 def _onnxrt_runner(path: str):
-    import onnxruntime as ort
-    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from .onnx_ops import OnnxRuntimeMissing, import_onnxruntime, ort_session_options
 
-    from .onnx_ops import ort_session_options
+    try:
+        ort = import_onnxruntime()
+    except OnnxRuntimeMissing as exc:
+        raise CompareError(f"{exc}; dash-compare runs the file in it") from None
+    from polygraphy.backend.onnxrt import OnnxrtRunner
 
     try:
         sess = ort.InferenceSession(path, ort_session_options(), providers=["CPUExecutionProvider"])
@@ -210,6 +213,11 @@ def _tensorrt_runner(engine: str, plugin: str | None):
     except ImportError:
         raise CompareError("TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to compare "
                            "an engine") from None
+    if plugin is None:
+        from .cuda import plugin_path
+
+        found = plugin_path()
+        plugin = str(found) if found else None
     if plugin is None or not os.path.isfile(plugin):
         raise CompareError(f"--engine needs --plugin pointing at libdash_trt_plugin.so (got {plugin!r})")
     from .build import load_plugin_library
@@ -363,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the checkpoint's model class (as dash-export --model; default: its config's architecture)")
     p.add_argument("--seed", type=int, default=0, help="demo model seed (dash-export --seed) and prompt seed")
     p.add_argument("--engine", help="a TensorRT engine built by dash-build")
-    p.add_argument("--plugin", help="libdash_trt_plugin.so (with --engine)")
+    p.add_argument("--plugin", help="libdash_trt_plugin.so (with --engine; default: the one in this installation)")
     p.add_argument("--no-cuda", action="store_true", help="leave out the CUDA kernels runner")
     p.add_argument("--decode-steps", type=int, default=3)
     p.add_argument("--prefill-chunk", type=int, default=40)

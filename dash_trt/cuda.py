@@ -18,6 +18,7 @@ import glob
 import os
 import sysconfig
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -133,6 +134,26 @@ def _candidates() -> list[Path]:
     return found
 
 
+PLUGIN_NAME = "libdash_trt_plugin.so"
+#: The plugin that registers itself on load (Triton's TensorRT backend, trtexec --staticPlugins).
+STATIC_PLUGIN_NAME = "libdash_trt_plugin_static.so"
+
+
+def plugin_path(name: str = PLUGIN_NAME) -> Path | None:
+    """The TensorRT plugin library ``name`` that ships with this installation, or None:
+    ``$DASH_TRT_PLUGIN`` (for ``libdash_trt_plugin.so``; the static plugin is looked for beside
+    it), then ``dash_trt/lib/`` of the installed package (wheels carry both), then ``build*/``
+    folders of a source checkout."""
+    env = os.environ.get("DASH_TRT_PLUGIN")
+    if env:
+        path = Path(env) if name == PLUGIN_NAME else Path(env).with_name(name)
+        return path if path.is_file() else None
+    here = Path(__file__).resolve().parent
+    candidates = [here / "lib" / name, Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / name]
+    candidates += sorted(Path(p) for p in glob.glob(str(here.parent / ("build*/**/" + name)), recursive=True))
+    return next((p for p in candidates if p.is_file()), None)
+
+
 def library_path() -> Path | None:
     """Where the kernel library would be loaded from, or None."""
     for path in _candidates():
@@ -195,6 +216,51 @@ def available() -> bool:
     except (DashKernelsNotFound, DashKernelError, OSError):
         return False
     return True
+
+
+def compiled_architectures() -> tuple[str, ...] | None:
+    """The GPU code the kernel library carries, as torch.cuda.get_arch_list() names it:
+    ``("sm_80", "sm_89", "sm_90", "compute_90")`` for machine code of three architectures and
+    PTX that newer GPUs JIT-compile; None for a library older than the query."""
+    lib = _library()
+    try:
+        fn = lib.dash_cuda_architectures
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_char_p
+    return arch_names(fn().decode())
+
+
+def arch_names(cmake_list: str) -> tuple[str, ...]:
+    """CMake's CUDA_ARCHITECTURES (``"80-real,89-real,90"``; ``-virtual``: PTX only; a bare
+    number: both) as torch's names (``sm_80``: machine code, ``compute_90``: PTX)."""
+    out: list[str] = []
+    for item in filter(None, (x.strip() for x in cmake_list.replace(";", ",").split(","))):
+        num, _, kind = item.partition("-")
+        if not num.isdigit():
+            out.append(item)  # "native", "all", "unknown": as built
+            continue
+        if kind in ("", "real"):
+            out.append(f"sm_{num}")
+        if kind in ("", "virtual"):
+            out.append(f"compute_{num}")
+    return tuple(out)
+
+
+def runs_on(capability: tuple[int, int], archs: Sequence[str]) -> bool:
+    """Whether code for ``archs`` runs on a GPU of compute ``capability``: machine code of the
+    same major version and an equal or lower minor, or PTX of an equal or lower version."""
+    major, minor = capability
+    for a in archs:
+        kind, _, num = a.partition("_")
+        if not num.isdigit():
+            return True  # not a list we can judge ("native", "all")
+        m, n = int(num[:-1]), int(num[-1])
+        if kind == "sm" and m == major and n <= minor:
+            return True
+        if kind == "compute" and (m, n) <= (major, minor):
+            return True
+    return False
 
 
 def supported_head_dims() -> tuple[int, ...]:

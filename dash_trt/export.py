@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import shutil
@@ -361,7 +362,7 @@ class VerifyReport:
 
 
 def _ort_session(path: str):
-    import onnxruntime as ort
+    ort = onnx_ops.import_onnxruntime()
 
     return ort.InferenceSession(path, onnx_ops.ort_session_options(), providers=["CPUExecutionProvider"])
 
@@ -581,6 +582,9 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
 
     if exporter_available():
         return fail(EXIT_EXPORT_FAILED, exporter_available())
+    if not a.no_verify and importlib.util.find_spec("onnxruntime") is None:
+        return fail(EXIT_BAD_INPUT, f"{onnx_ops.ORT_MISSING}; it runs the exported file against PyTorch (or pass "
+                                    f"--no-verify to export with onnx.checker only)")
     try:
         out = _check_output_path(a.out)
         with progress.step("loading the model"):

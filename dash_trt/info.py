@@ -52,6 +52,8 @@ def _kernels() -> dict[str, Any]:
     try:
         out["abi"] = int(cuda._library().dash_abi_version())
         out["head_dims"] = list(cuda.supported_head_dims())
+        archs = cuda.compiled_architectures()
+        out["architectures"] = list(archs) if archs is not None else None
         out["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         out["status"] = (f"cannot be loaded ({type(exc).__name__}: {exc}); a library of another dash-trt version? "
@@ -67,7 +69,8 @@ def _gpu() -> dict[str, Any]:
     devices = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": p.name, "capability": f"sm_{p.major}{p.minor}",
+        devices.append({"index": i, "name": p.name, "capability": f"sm_{p.major}{p.minor}", "major": p.major,
+                        "minor": p.minor,
                         "memory_gib": round(p.total_memory / 2**30, 1)})
     return {"available": True, "devices": devices}
 
@@ -81,10 +84,18 @@ def _tensorrt() -> dict[str, Any]:
             out["python_package"] = getattr(tensorrt, "__version__", "unknown")
         except Exception as exc:  # noqa: BLE001 - a broken install is reported
             out["python_package"] = f"cannot be imported: {type(exc).__name__}: {exc}"
-    plugin = os.environ.get("DASH_TRT_PLUGIN")
-    out["plugin_library"] = plugin if plugin and os.path.isfile(plugin) else None
-    out["plugin_note"] = ("set DASH_TRT_PLUGIN to a built libdash_trt_plugin.so (cmake -DDASH_BUILD_TRT_PLUGIN=ON) to "
-                          "have it checked here" if not out["plugin_library"] else "found")
+    from .cuda import STATIC_PLUGIN_NAME, plugin_path
+
+    plugin, static = plugin_path(), plugin_path(STATIC_PLUGIN_NAME)
+    out["plugin_library"] = str(plugin) if plugin else None
+    out["static_plugin_library"] = str(static) if static else None
+    if plugin:
+        out["plugin_note"] = "found"
+    elif os.environ.get("DASH_TRT_PLUGIN"):
+        out["plugin_note"] = f"DASH_TRT_PLUGIN={os.environ['DASH_TRT_PLUGIN']} is not a file"
+    else:
+        out["plugin_note"] = ("not in this installation (a wheel built with TensorRT headers carries it; or build it "
+                              "with cmake -DDASH_BUILD_TRT_PLUGIN=ON and set DASH_TRT_PLUGIN)")
     return out
 
 
@@ -130,12 +141,21 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
     print(info["dash_trt"]["line"], file=out)
     print(f"torch {info['torch']['version']} (CUDA {info['torch']['cuda'] or 'none'})", file=out)
     if k.get("status") == "ok":
-        print(f"kernel library: {k['path']} (ABI {k['abi']}; head dims {', '.join(map(str, k['head_dims']))})", file=out)
+        archs = ", ".join(k["architectures"]) if k.get("architectures") else "architectures not reported"
+        print(f"kernel library: {k['path']} (ABI {k['abi']}; {archs}; head dims {', '.join(map(str, k['head_dims']))})",
+              file=out)
     else:
         print(f"kernel library: {k['status']}" + (f" [{k['path']}]" if k.get("path") else ""), file=out)
     if g["available"]:
         for d in g["devices"]:
             print(f"GPU {d['index']}: {d['name']} ({d['capability']}, {d['memory_gib']} GiB)", file=out)
+        if k.get("status") == "ok" and k.get("architectures"):
+            from .cuda import runs_on
+
+            for d in g["devices"]:
+                if not runs_on((d["major"], d["minor"]), k["architectures"]):
+                    print(f"WARNING: the kernel library has no code for GPU {d['index']} ({d['capability']}): "
+                          f"built for {', '.join(k['architectures'])}", file=out)
         if k.get("status") != "ok":
             print("WARNING: a GPU is visible but the DASH kernels are not: CUDA tensors run the PyTorch paged "
                   "operator, far slower (reinstall with nvcc on PATH)", file=out)

@@ -599,10 +599,30 @@ def single_node_model(attrs: dict, dtype: int = TensorProto.FLOAT, index_dtype: 
     return model
 
 
+#: What to do when ONNX Runtime is missing: dash-trt depends on neither distribution, so that a
+#: GPU machine's onnxruntime-gpu is never overwritten by the CPU package (both write the same
+#: ``onnxruntime`` module).
+ORT_MISSING = ("ONNX Runtime is not installed: pip install 'dash-trt[ort]' (the CPU distribution, onnxruntime) "
+               "or 'dash-trt[ort-gpu]' (onnxruntime-gpu), never both")
+
+
+class OnnxRuntimeMissing(ImportError):
+    """ONNX Runtime is needed and neither distribution is installed (:data:`ORT_MISSING`)."""
+
+
+def import_onnxruntime():
+    """The ``onnxruntime`` module, or :class:`OnnxRuntimeMissing` with the install line."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise OnnxRuntimeMissing(ORT_MISSING) from None
+    return onnxruntime
+
+
 def ort_session_options():
     """ONNX Runtime options for checking runs: quiet, and threads that sleep when idle
     (by default they spin after each run and slow down everything else in the process)."""
-    import onnxruntime as ort
+    ort = import_onnxruntime()
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -613,7 +633,7 @@ def ort_session_options():
 
 def run_function_ort(model: onnx.ModelProto) -> Callable:
     """An ONNX Runtime session over ``model`` as a function of numpy inputs."""
-    import onnxruntime as ort
+    ort = import_onnxruntime()
 
     sess = ort.InferenceSession(model.SerializeToString(), ort_session_options(), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]

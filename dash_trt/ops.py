@@ -148,12 +148,32 @@ def _split(args: tuple) -> tuple[tuple, tuple, tuple]:
     return args[:7], args[7:13], args[13:]
 
 
+#: Why the kernel library was not registered at import (None: it was, or it is being tested
+#: without it on purpose through register_cuda_impl(None)): the warning's text.
+_kernels_missing: str | None = None
+_warned_missing = False
+
+
+def _warn_cuda_without_kernels() -> None:
+    """Once per process, loudly: CUDA tensors are running the PyTorch paged operator because
+    this installation has no kernel library."""
+    global _warned_missing
+    if _kernels_missing is None or _warned_missing:
+        return
+    _warned_missing = True
+    import warnings
+
+    warnings.warn(_kernels_missing, RuntimeWarning, stacklevel=4)
+
+
 @torch.library.register_kernel(QUALNAME, ("cpu", "cuda"))
 def _paged_attention_impl(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
     cfg, layer_idx = A.decode(attrs)
     inputs, caches, batch = _split(args)
     if inputs[0].device.type == "cuda" and _cuda_impl is not None:
         return tuple(_cuda_impl(*inputs, *caches, *batch, cfg, layer_idx))
+    if inputs[0].device.type == "cuda":
+        _warn_cuda_without_kernels()
     cache = DashKVCache(*(c.clone() for c in caches), sparse_block_size=cfg.sparse_block_size)
     out = paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
     return (out, *(getattr(cache, f) for f in CACHE_FIELDS))
@@ -165,6 +185,8 @@ def _paged_attention_inplace_impl(*args: torch.Tensor, max_query_len: int, **att
     inputs, caches, batch = _split(args)
     if inputs[0].device.type == "cuda" and _cuda_inplace_impl is not None:
         return _cuda_inplace_impl(*inputs, *caches, *batch, cfg, layer_idx, max_query_len)
+    if inputs[0].device.type == "cuda":
+        _warn_cuda_without_kernels()
     cache = DashKVCache(*caches, sparse_block_size=cfg.sparse_block_size)
     return paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
 
@@ -263,8 +285,14 @@ def _register_kernels_if_built() -> None:
     (``pip install .`` with nvcc); CPU tensors keep the PyTorch paged operator."""
     from . import cuda as _cuda  # no import cycle: cuda does not import ops
 
+    global _kernels_missing
     if _cuda.library_path() is not None:
         register_cuda_impl(_cuda.op_impl, _cuda.op_impl_inplace)
+    else:
+        _kernels_missing = (
+            f"DASH CUDA kernels not found ({_cuda.LIBRARY_NAME} is not in this installation): CUDA tensors run "
+            "the PyTorch paged operator, many times slower and not graph-capturable. Install a dash-trt wheel, "
+            "or reinstall from source with nvcc on PATH; 'dash-trt info' shows what was found")
 
 
 _register_kernels_if_built()

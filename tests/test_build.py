@@ -99,10 +99,12 @@ def test_unusable_tensorrt_versions(files, monkeypatch, capsys, version, extra, 
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--workspace", "0"], "--workspace must be >= 1"),
         (["{model}", "--plugin", "{plugin}", "--out", "{plugin}"], "is --plugin: the engine would overwrite it"),
         (["{model}", "--plugin", "{plugin}", "--out", "{model}"], "is the model: the engine would overwrite it"),
+        (["{model}", "--out", "{out}"], "no TensorRT plugin library in this installation: pass --plugin"),
     ],
 )
-def test_argument_errors_exit_2(files, no_tensorrt, capsys, argv, message):
+def test_argument_errors_exit_2(files, no_tensorrt, capsys, monkeypatch, argv, message):
     model, plugin, out = files
+    monkeypatch.setenv("DASH_TRT_PLUGIN", str(out.parent / "absent.so"))  # no plugin installed
     argv = [a.format(model=model, plugin=plugin, out=out) for a in argv]
     assert B.main(argv) == 2
     assert message in capsys.readouterr().err

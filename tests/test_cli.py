@@ -220,3 +220,37 @@ def test_info_reports_what_is_found_and_what_is_missing(monkeypatch, tmp_path):
     real = info._dist_version
     monkeypatch.setattr(info, "_dist_version", lambda d: "1.20.0" if d == "onnxruntime-gpu" else real(d))
     assert "onnxruntime and onnxruntime-gpu are both installed" in info._onnxruntime()["warning"]
+
+
+def test_kernel_architectures_are_named_as_torch_names_them():
+    from dash_trt.cuda import arch_names, runs_on
+
+    assert arch_names("80-real,89-real,90") == ("sm_80", "sm_89", "sm_90", "compute_90")
+    assert arch_names("80-real;90-virtual") == ("sm_80", "compute_90")
+    assert arch_names("native") == ("native",)
+    archs = arch_names("80-real,89-real,90")
+    assert runs_on((8, 0), archs) and runs_on((8, 6), archs)  # sm_80 machine code runs on sm_86
+    assert runs_on((8, 9), archs) and runs_on((9, 0), archs)
+    assert runs_on((10, 0), archs) and runs_on((12, 0), archs)  # newer GPUs JIT the compute_90 PTX
+    assert not runs_on((7, 5), archs)
+    assert not runs_on((10, 0), arch_names("80-real,90-real"))  # no PTX: nothing for sm_100
+
+
+def test_plugin_is_found_in_the_installation_or_through_the_environment(monkeypatch, tmp_path):
+    from dash_trt import cuda
+
+    plugin = tmp_path / cuda.PLUGIN_NAME
+    static = tmp_path / cuda.STATIC_PLUGIN_NAME
+    monkeypatch.setenv("DASH_TRT_PLUGIN", str(plugin))
+    assert cuda.plugin_path() is None and cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) is None
+    plugin.write_bytes(b"x")
+    assert cuda.plugin_path() == plugin and cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) is None
+    static.write_bytes(b"x")
+    assert cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) == static
+    # without the variable: the package's own lib/ folder (where a wheel puts both)
+    monkeypatch.delenv("DASH_TRT_PLUGIN")
+    lib = tmp_path / "pkg" / "lib"
+    lib.mkdir(parents=True)
+    (lib / cuda.PLUGIN_NAME).write_bytes(b"x")
+    monkeypatch.setattr(cuda, "__file__", str(tmp_path / "pkg" / "cuda.py"))
+    assert cuda.plugin_path() == lib / cuda.PLUGIN_NAME

@@ -318,6 +318,40 @@ def test_cli_bfloat16_checks_through_float32(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["bf16.onnx"]
 
 
+def test_without_onnxruntime_export_refuses_the_check_and_names_both_distributions(tmp_path, capsys, monkeypatch):
+    # neither onnxruntime nor onnxruntime-gpu: importing the module fails, find_spec finds none
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    real = E.importlib.util.find_spec
+    monkeypatch.setattr(E.importlib.util, "find_spec", lambda n, *a: None if n == "onnxruntime" else real(n, *a))
+    out = tmp_path / "m.onnx"
+    code, stdout, stderr = _run(["--demo", "--out", str(out), "-q"], capsys)
+    assert code == E.EXIT_BAD_INPUT
+    assert "ONNX Runtime is not installed" in stderr and "dash-trt[ort]" in stderr and "dash-trt[ort-gpu]" in stderr
+    assert "--no-verify" in stderr and os.listdir(tmp_path) == []
+    with pytest.raises(O.OnnxRuntimeMissing, match=r"dash-trt\[ort-gpu\]"):
+        O.import_onnxruntime()
+    # --no-verify exports without it (onnx.checker only)
+    code, stdout, stderr = _run(["--demo", "--out", str(out), "-q", "--no-verify"], capsys)
+    assert code == 0, stderr
+    assert "ONNX Runtime check skipped" in stdout and os.listdir(tmp_path) == ["m.onnx"]
+
+
+def test_the_package_depends_on_neither_onnxruntime_distribution():
+    """onnxruntime and onnxruntime-gpu write the same module: a hard dependency on either would
+    replace the other on install. Both are extras ([ort], [ort-gpu]), and only extras."""
+    import re
+    from importlib.metadata import requires
+
+    reqs = requires("dash-trt") or []
+    ort = [r for r in reqs if re.match(r"onnxruntime(-gpu)?\b", r)]
+    assert ort, reqs
+    assert all("extra ==" in r for r in ort), ort
+    extras = {re.search(r'extra == "([^"]+)"', r).group(1) for r in ort if r.startswith("onnxruntime")}
+    assert {"ort", "ort-gpu"} <= extras, ort
+    gpu = [r for r in ort if r.startswith("onnxruntime-gpu")]
+    assert gpu and all('extra == "ort-gpu"' in r for r in gpu)
+
+
 def test_cli_mismatch_exits_1_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(E.VERIFY_TOLERANCES, torch.float32, (0.0, 0.0))  # fp32 rounding now "differs"
     out = tmp_path / "m.onnx"

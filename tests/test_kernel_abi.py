@@ -181,3 +181,10 @@ def test_check_sizes_asks_the_library_for_every_layer():
         cuda.check_sizes(8, 2, 64, 64, 100, 64, 10000, sp, torch.bfloat16, 2)
     with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 48"):
         cuda.check_sizes(8, 2, 48, 64, 100, 64, 10, sp, torch.bfloat16, 2)
+
+
+def test_kernel_library_reports_its_architectures():
+    archs = cuda.compiled_architectures()
+    assert archs, "the library was built with the architectures query"
+    assert all(a.startswith(("sm_", "compute_")) or a in ("native", "all", "all-major") for a in archs)
+

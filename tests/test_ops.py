@@ -213,3 +213,32 @@ def test_one_name_per_tensor_from_the_op_to_the_plugin_and_the_params():
     params = (root / "plugins" / "include" / "dash" / "params.h").read_text()
     for f in ops.CACHE_FIELDS:
         assert re.search(rf"\b{f}_cache;", params), f"DashParams has no field {f}_cache"
+
+
+def test_cuda_tensors_without_the_kernel_library_warn_once_and_loudly(monkeypatch):
+    import warnings
+
+    from dash_trt import cuda
+
+    saved = ops.cuda_impls()
+    monkeypatch.setattr(ops, "_kernels_missing", None)
+    monkeypatch.setattr(ops, "_warned_missing", False)
+    monkeypatch.setattr(cuda, "library_path", lambda: None)
+    try:
+        ops._register_kernels_if_built()  # an installation without the library
+    finally:
+        ops.register_cuda_impl(*saved)
+    assert "DASH CUDA kernels not found" in ops._kernels_missing and "dash-trt info" in ops._kernels_missing
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ops._warn_cuda_without_kernels()
+        ops._warn_cuda_without_kernels()
+    assert [w.category for w in got] == [RuntimeWarning]
+    assert "many times slower" in str(got[0].message)
+    # registered kernels, or the fallback chosen on purpose (register_cuda_impl(None)): no warning
+    monkeypatch.setattr(ops, "_kernels_missing", None)
+    monkeypatch.setattr(ops, "_warned_missing", False)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ops._warn_cuda_without_kernels()
+    assert got == []

@@ -185,7 +185,9 @@ def test_plan_model_from_a_real_export(tmp_path, model):  # pragma: no cover - r
     assert ins == want_in and outs == want_out
 
 
-def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model):
+def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model, monkeypatch):
+    # no plugin in "this installation" either (a checkout's build folders may hold one)
+    monkeypatch.setenv("DASH_TRT_PLUGIN", str(tmp_path / "absent" / "libdash_trt_plugin.so"))
     plan = tmp_path / "model.plan"
     plan.write_bytes(b"x")
     plugin = tmp_path / "libdash_trt_plugin_static.so"

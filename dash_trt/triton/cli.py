@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
     t.add_argument("--plan", help="TensorRT engine built from --onnx")
     t.add_argument("--plugin", help="build/plugins/trt/libdash_trt_plugin_static.so of the plugin build the engine was "
-                   "built with (libdash_trt_plugin.so beside it is copied too)")
+                   "built with (libdash_trt_plugin.so beside it is copied too; default: the plugin in this installation)")
     t.add_argument("--plan-instances", type=int, default=1, help="instances per GPU (%(default)s)")
     t.add_argument("--plan-gpus", help="comma-separated GPU ids (default: all)")
 

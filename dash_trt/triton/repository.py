@@ -416,6 +416,11 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
 
     messages: list[str] = []
     plan_cfg = None
+    if plan is not None and plugin is None:
+        from ..cuda import STATIC_PLUGIN_NAME, plugin_path
+
+        found = plugin_path(STATIC_PLUGIN_NAME)  # the installation's plugin, when it carries one
+        plugin = str(found) if found else None
     if plan is not None or plugin is not None:
         if plan is None or onnx is None or plugin is None:
             raise RepositoryError("the tensorrt_plan model needs --plan, --onnx (for its inputs and outputs) and "

@@ -306,6 +306,11 @@ extern "C" {
 
 int32_t dash_abi_version(void) { return DASH_ABI_VERSION; }
 
+#ifndef DASH_CUDA_ARCHITECTURES
+#define DASH_CUDA_ARCHITECTURES "unknown"
+#endif
+const char* dash_cuda_architectures(void) { return DASH_CUDA_ARCHITECTURES; }
+
 size_t dash_params_size(void) { return sizeof(DashParams); }
 
 int64_t dash_params_offset(const char* field) {

@@ -46,6 +46,11 @@ DASH_API size_t dash_params_size(void);
 /* Byte offset of a DashParams field by name, or -1 (lets bindings check their mirror). */
 DASH_API int64_t dash_params_offset(const char* field);
 
+/* The GPU architectures the library was compiled for, as CMake's CUDA_ARCHITECTURES list with
+ * commas: "80-real,89-real,90" is machine code for sm_80, sm_89 and sm_90 plus compute_90 PTX
+ * (which newer GPUs JIT-compile). Added after ABI 3 was fixed: older libraries lack the symbol. */
+DASH_API const char* dash_cuda_architectures(void);
+
 /* Head dims the attention kernels are compiled for; writes up to `cap`, returns the count. */
 DASH_API int32_t dash_supported_head_dims(int32_t* dims, int32_t cap);
 

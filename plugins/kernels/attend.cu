@@ -445,8 +445,7 @@ __global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams 
     __shared__ float m_s[kMaxGroup], l_s[kMaxGroup], alpha_s[kMaxGroup];
 
     // Rotate the G queries (float32, like the reference).
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                          p.rope_page_mod};
+    const RopeConfig rope = main_rope(p);
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     const float* q = static_cast<const float*>(p.q) + ((int64_t)t * p.num_heads + (int64_t)h * group) * D;

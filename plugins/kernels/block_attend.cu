@@ -179,8 +179,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
 template <typename T, int D>
 __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
     const int t = t0 + blockIdx.x;
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                          p.rope_page_mod};
+    const RopeConfig rope = main_rope(p);
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
     __shared__ float2 cs[D / 2];

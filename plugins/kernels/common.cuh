@@ -50,6 +50,15 @@ struct RopeConfig {
     int page_mod;
 };
 
+// The two RoPE configurations of a call, built from DashParams in one place: the main one (queries
+// and keys) and the index one (indexer queries and keys); they differ only in the truncation.
+__host__ __device__ __forceinline__ RopeConfig main_rope(const DashParams& p) {
+    return RopeConfig{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate, p.rope_page_mod};
+}
+__host__ __device__ __forceinline__ RopeConfig index_rope(const DashParams& p) {
+    return RopeConfig{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate, p.rope_page_mod};
+}
+
 __device__ __forceinline__ float rope_angle(int i, int dim, int tok, int page, const RopeConfig& c) {
     const int ntok = dim / 2 - c.pairs;
     if (i < ntok) {

@@ -504,14 +504,13 @@ __device__ FrontToken front_token(const DashParams& p, const Workspace& ws, int 
         const bool ok = locate_token(p, t, sq, ps, pr);
         if (tid == 0) s_seq = ok ? sq : -1, s_pos = ps, s_ok = ok, s_prompt = pr;
     }
-    const RopeConfig rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate, p.rope_page_mod};
+    const RopeConfig rope = index_rope(p);
     for (int i = tid - 32; i >= 0 && i < ihalf; i += nt - 32) cs[i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, rope));
     if (writer) {  // the main RoPE angles, for the attention launch (Workspace::token_cs), by other threads
-        const RopeConfig main_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                                   p.rope_page_mod};
+        const RopeConfig mrope = main_rope(p);
         const int half = p.head_dim / 2, from = 32 + ihalf;
         for (int i = tid - from; i >= 0 && i < half; i += nt - from)
-            ws.token_cs[(int64_t)t * half + i] = rope_cos_sin<T>(rope_angle(i, p.head_dim, tok, page, main_rope));
+            ws.token_cs[(int64_t)t * half + i] = rope_cos_sin<T>(rope_angle(i, p.head_dim, tok, page, mrope));
     }
     __syncthreads();
     if (tid < ihalf) {
@@ -532,14 +531,9 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
     __shared__ int s_seq;
     __shared__ int64_t s_slot;
     __syncthreads();  // the routing's use of shared memory (smem_raw) is over
-    if (tid == 0) {
-        if (!f.ok) atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
-        const int64_t slot = f.ok ? cache_slot(p, f.seq, f.pos, ws.error) : -1;
+    if (tid == 0) {  // the attention launch skips the token at -1
+        const int64_t slot = publish_token(p, ws, t, f.ok, f.seq, f.pos, f.prompt);
         s_seq = slot >= 0 ? f.seq : -1, s_slot = slot;
-        ws.token_seq[t] = s_seq;  // the attention launch skips the token at -1
-        ws.token_pos[t] = f.pos;
-        ws.token_prompt[t] = f.prompt;
-        ws.token_slot[t] = slot;
     }
     DASH_MARK(g_route_trace, 5);
     __syncthreads();

@@ -48,6 +48,21 @@ __device__ __forceinline__ bool locate_token(const DashParams& p, int t, int& se
     return a <= t && t < b && b - a <= len && b - a <= max_new && len <= p.table_width * p.block_size;
 }
 
+// Publishes new token t for the later stages (one thread): its sequence (-1: every stage skips
+// it), position, prompt length and cache slot in the workspace; flags DASH_DATA_BAD_LENGTHS when
+// locate_token found the metadata inconsistent (ok false). Returns the slot (-1: skipped, also
+// for a block-table entry outside the cache, which cache_slot flags).
+__device__ __forceinline__ int64_t publish_token(const DashParams& p, const Workspace& ws, int t, bool ok, int seq,
+                                                 int pos, int prompt) {
+    if (!ok) atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
+    const int64_t slot = ok ? cache_slot(p, seq, pos, ws.error) : -1;
+    ws.token_seq[t] = slot >= 0 ? seq : -1;
+    ws.token_pos[t] = pos;
+    ws.token_prompt[t] = prompt;
+    ws.token_slot[t] = slot;
+    return slot;
+}
+
 // Pair i of an index row (ik or iq of one token) after page RoPE, nan_to_num'd, in float32.
 template <typename T>
 __device__ __forceinline__ float2 index_pair(float x_lo, float x_hi, float2 cs) {

@@ -15,10 +15,7 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     __shared__ int64_t s_slot;
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
     const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-    const RopeConfig main_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.main_truncate,
-                               p.rope_page_mod};
-    const RopeConfig index_rope{p.rope_page_pairs, p.rope_tok_theta, p.rope_page_theta, p.index_truncate,
-                                p.rope_page_mod};
+    const RopeConfig mrope = main_rope(p), irope = index_rope(p);
     const int d = p.head_dim, half = d / 2, hkv = p.num_kv_heads;
     const int di = p.index_dim, ihalf = di / 2;
     // cos and sin of each pair's angle once per token (shared by the KV heads); large angles
@@ -29,25 +26,16 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
         int seq, pos, prompt;
         const bool ok = locate_token(p, t, seq, pos, prompt);
         if (threadIdx.x == 0) {
-            if (!ok) {
-                atomicOr(ws.error, DASH_DATA_BAD_LENGTHS);
-                seq = -1;
-            }
-            int64_t slot = seq >= 0 ? cache_slot(p, seq, pos, ws.error) : -1;
-            if (slot < 0) seq = -1;
-            ws.token_seq[t] = seq;
-            ws.token_pos[t] = pos;
-            ws.token_prompt[t] = prompt;
-            ws.token_slot[t] = slot;
-            s_seq = seq;
+            const int64_t slot = publish_token(p, ws, t, ok, seq, pos, prompt);
+            s_seq = slot >= 0 ? seq : -1;
             s_slot = slot;
         }
     }
     const int others = blockDim.x - 32;
     for (int i = (int)threadIdx.x - 32; i >= 0 && i < half; i += others)
-        cs[i] = rope_cos_sin<T>(rope_angle(i, d, tok, page, main_rope));
+        cs[i] = rope_cos_sin<T>(rope_angle(i, d, tok, page, mrope));
     for (int i = (int)threadIdx.x - 32; i >= 0 && i < ihalf; i += others)
-        cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, index_rope));
+        cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, irope));
     __syncthreads();
     if (s_seq < 0) return;
     if (ws.token_cs != nullptr)  // for the tensor-core attention

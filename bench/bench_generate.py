@@ -85,9 +85,17 @@ class Clock:
     def gpu_ms(self, fn, iters: int = 20) -> float:
         if not self.cuda:
             return statistics.median(self._wall(fn) for _ in range(iters))
-        from bench_dash import time_ms  # the kernel benchmark's CUDA-event timing, the same method
-
-        return time_ms(fn, iters=iters, warmup=1)
+        fn()  # warm-up
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):  # each call alone between CUDA events, the median of them
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
 
     def _wall(self, fn) -> float:
         t0 = time.perf_counter()

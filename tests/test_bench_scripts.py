@@ -1,0 +1,51 @@
+"""The benchmark scripts (bench/) load and agree with each other: what one takes from another
+exists there. They need a GPU to run; a broken import would otherwise surface only on one."""
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _uses_of_bench_dash(tree: ast.AST) -> set[str]:
+    """Names a script takes from bench_dash: ``from bench_dash import x`` and ``B.x`` where
+    ``import bench_dash as B``."""
+    names, aliases = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench_dash":
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "bench_dash"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            names.add(node.attr)
+    return names
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_bench_script_takes_from_bench_dash_only_what_it_has(path, monkeypatch):
+    names = _uses_of_bench_dash(ast.parse(path.read_text()))
+    if not names:
+        pytest.skip("takes nothing from bench_dash")
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_dash", None)
+    bench_dash = _load(BENCH / "bench_dash.py")
+    missing = sorted(n for n in names if not hasattr(bench_dash, n))
+    assert not missing, f"{path.name} uses bench_dash.{', '.join(missing)}, which bench_dash.py does not define"
+
+
+def test_the_check_finds_a_missing_name():
+    tree = ast.parse("import bench_dash as B\nfrom bench_dash import time_ms\nB.decode_step(1)\n")
+    assert _uses_of_bench_dash(tree) == {"time_ms", "decode_step"}

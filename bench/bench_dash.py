@@ -23,7 +23,10 @@ What is measured, and how (docs/performance.md quotes this):
   forced blocks, routing decided by the page alone) is the ``forced 16`` row.
   "block-completing": the new token ends a sparse block (its summary is computed in the step,
   1 step in 64); "mid-block": the other 63.
-- **Prefill data.** One prompt of 64 document pages; independent random indexer queries.
+- **Prefill data.** One prompt of 64 document pages; independent random indexer queries (no two
+  tokens route alike: the hardest case for sharing loads), and at 16k and 64k also
+  page-correlated ones (a page's tokens share a random query plus 10% noise, as a trained
+  indexer's tokens of one page would), so that neighbouring tokens select largely the same blocks.
 - **Bytes and FLOPs** come from :func:`decode_traffic` and :func:`prefill_flops` (one place):
   decode reads, per sequence and KV head, 17 blocks of K and V (16 selected + the local one),
   the summaries and page ranges of every remote block (routing), and its own inputs and outputs.
@@ -437,9 +440,11 @@ def mixed_case(ndec, ctx, chunk, gen, flush, a) -> dict:
     return row
 
 
-def prefill_step(seq: int, gen, tuning=None):
+def prefill_step(seq: int, gen, tuning=None, correlated: bool = False):
     """The DASH call of one ``seq``-token prompt of 64 document pages and its inputs:
-    ``(fn, (q, k, v))``."""
+    ``(fn, (q, k, v))``. ``correlated``: the indexer queries of a page's tokens are one random
+    vector of the page plus a tenth of its size in per-token noise (what a trained indexer does
+    for tokens that read alike), instead of independent for every token."""
     nb = seq // SBS + 1
     cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
     pages = 64
@@ -455,6 +460,9 @@ def prefill_step(seq: int, gen, tuning=None):
                  prompt_lens=torch.tensor([-1], dtype=torch.int32, device="cuda"))
     q, k, v, iq, ik, head_cls = (rnd(gen, seq, H, D), rnd(gen, seq, HKV, D), rnd(gen, seq, HKV, D),
                                  rnd(gen, seq, DI), rnd(gen, seq, DI), rnd(gen, DI))
+    if correlated:
+        page_of = (torch.arange(seq, device="cuda") // per).clamp(max=pages - 1)
+        iq = (rnd(gen, pages, DI).float()[page_of] + 0.1 * iq.float()).to(DT)
     knobs = TUNING if tuning is None else tuning
 
     def dash():
@@ -464,8 +472,8 @@ def prefill_step(seq: int, gen, tuning=None):
     return dash, (q, k, v)
 
 
-def prefill_case(seq, gen, flush, a, tuning=None, label="") -> dict:
-    dash, (q, k, v) = prefill_step(seq, gen, tuning)
+def prefill_case(seq, gen, flush, a, tuning=None, label="", correlated=False) -> dict:
+    dash, (q, k, v) = prefill_step(seq, gen, tuning, correlated)
     graphs = {"dash": graph_of(dash)}
     qd = q.transpose(0, 1)[None]
     kd = k.transpose(0, 1)[None].repeat_interleave(G, 1)
@@ -620,7 +628,11 @@ def draw(rows, path: str) -> None:
     if pre:
         x = [r["seq"] // 1024 for r in pre]
         med = [r["summary"][r["summary"]["peer"]]["ratio"]["warm"]["median"] for r in pre]
-        ax2.plot(x, med, marker="o", label="DASH prefill")
+        ax2.plot(x, med, marker="o", label="DASH prefill (independent indexer queries)")
+        cor = sorted((r for r in rows if r["kind"] == "prefill" and "correlated" in r["label"]), key=lambda r: r["seq"])
+        if cor:
+            ax2.plot([r["seq"] // 1024 for r in cor], [r["summary"][r["summary"]["peer"]]["ratio"]["warm"]["median"]
+                                                      for r in cor], marker="s", label="DASH prefill (page-correlated)")
         ax2.axhline(1.0, color="gray", lw=0.8, ls="--", label="dense peer (causal SDPA)")
         ax2.set(xscale="log", xlabel="prompt (k tokens)", ylabel="dense peer time / DASH time",
                 title="Prefill, one prompt")
@@ -700,6 +712,9 @@ def main() -> int:
             print(f"prefill {seq // 1024}k done", flush=True)
             if a.ab_tiles:
                 rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
+        for seq in ([] if a.quick else [16384, 65536]):
+            rows.append(prefill_case(seq, gen, flush, a, label=" page-correlated indexer", correlated=True))
+            print(f"prefill {seq // 1024}k page-correlated done", flush=True)
     print_tables(rows, env)
     if a.json:
         with open(a.json, "w") as fh:

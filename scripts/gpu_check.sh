@@ -89,7 +89,7 @@ case " $what " in *" bench "*|*" all "*)
 esac
 case " $what " in *" prefill "*)
   # The prefill kernels: the benchmark's prefill cases with and without the query-major tiles
-  # (and with page-correlated indexer queries), then each kernel's time at 64k, both ways.
+  # (and its page-correlated indexer cases), then each kernel's time at 64k, both ways.
   python3 bench/bench_dash.py --prefill-only --ab-tiles --json "$OUT/bench_prefill.json" 2>&1 \
     | tee "$OUT/bench_prefill.log"
   status=$(( status | ${PIPESTATUS[0]} ))

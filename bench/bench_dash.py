@@ -330,17 +330,24 @@ def same_sparsity_peers(args, cache, batch, lengths):
     return {f"same-{n}": g for n, g in graphs.items()}, {f"same-{n}": w for n, w in skipped.items()}
 
 
-def check_decode(gen) -> str:
-    """The real-top-k decode step on the kernels against the paged PyTorch operator."""
+def against_reference(args, cache, batch, max_query_len: int):
+    """One call on the kernels and on the paged PyTorch operator (each on its own copy of the
+    cache), compared by ``compare_outputs``: ``(report, the reference's routing)``."""
     from dash_trt.testing import compare_outputs
 
-    args, cache, batch, _ = decode_inputs(4, 8192, gen, forced=0, mid_block=False)
     ref_cache = cache.clone()
-    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1,
-                                               tuning=TUNING, return_selected=True)
+    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0,
+                                               max_query_len=max_query_len, tuning=TUNING, return_selected=True)
     ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch, sp=CFG, layer_idx=0, return_routing=True)
     report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
                              P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()), dtype=DT)
+    return report, ref_r
+
+
+def check_decode(gen) -> str:
+    """The real-top-k decode step on the kernels against the paged PyTorch operator."""
+    args, cache, batch, _ = decode_inputs(4, 8192, gen, forced=0, mid_block=False)
+    report, ref_r = against_reference(args, cache, batch, 1)
     forced = int(ref_r.forced.sum())
     chosen = (ref_r.selected >= 0).sum(1).tolist()
     if not report.ok or forced or chosen != [TOPK] * len(chosen):
@@ -402,15 +409,8 @@ def mixed_inputs(ndec: int, ctx: int, chunk: int, gen):
 def check_mixed(gen) -> str:
     """A small mixed step (3 decode tokens and a 192-token chunk) on the kernels against the
     paged PyTorch operator."""
-    from dash_trt.testing import compare_outputs
-
     args, cache, batch, _ = mixed_inputs(3, 4096, 192, gen)
-    ref_cache = cache.clone()
-    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=192,
-                                               tuning=TUNING, return_selected=True)
-    ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch, sp=CFG, layer_idx=0, return_routing=True)
-    report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
-                             P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()), dtype=DT)
+    report, _ = against_reference(args, cache, batch, 192)
     if not report.ok:
         raise SystemExit(f"bench_dash: the mixed prefill + decode step is wrong ({report})")
     return str(report)

@@ -119,6 +119,24 @@ def test_cuda_device_and_no_stream_model(tmp_path, model):
     assert not (tmp_path / "repo" / "ocr_stream").exists()
 
 
+def test_data_parallel_engines_one_per_listed_gpu(tmp_path, model, capsys):
+    write_repository(tmp_path / "repo", model, device="cuda", gpus=[0, 2])
+    for name in ("dash", "dash_stream"):
+        cfg = parse_config(tmp_path / "repo" / name / "config.pbtxt")
+        group = cfg.instance_group[0]
+        assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and group.count == 1
+        assert list(group.gpus) == [0, 2]  # Triton: one instance (engine, KV pool) on each
+    for bad, device, message in (([0, 0], "cuda", "distinct"), ([-1], "cuda", "distinct GPU ids"),
+                                 ([0], "cpu", "--gpus needs --device cuda")):
+        with pytest.raises(RepositoryError, match=message):
+            write_repository(tmp_path / "bad", model, device=device, gpus=bad)
+        assert not (tmp_path / "bad").exists()  # refused before anything is written
+    assert cli.main(["write", "--demo", "--device", "cuda", "--gpus", "0,x", "--out", str(tmp_path / "r")]) == 2
+    assert "--gpus must be comma-separated GPU ids" in capsys.readouterr().err
+    assert cli.main(["write", "--demo", "--device", "cuda", "--gpus", "1", "--out", str(tmp_path / "r")]) == 0
+    assert list(parse_config(tmp_path / "r" / "dash" / "config.pbtxt").instance_group[0].gpus) == [1]
+
+
 @pytest.mark.parametrize("dtype, triton_type", [(onnx.TensorProto.FLOAT, "TYPE_FP32"),
                                                 (onnx.TensorProto.FLOAT16, "TYPE_FP16"),
                                                 (onnx.TensorProto.BFLOAT16, "TYPE_BF16")])

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="model name: NAME (unary), NAME_stream (streaming), NAME_plan (default %(default)s)")
     w.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the generation models run (KIND_CPU / KIND_GPU instances)")
+    w.add_argument("--gpus", help="with --device cuda: comma-separated GPU ids, one generation engine and KV pool "
+                   "on each (data parallel; default: every GPU the server sees)")
     w.add_argument("--no-stream-model", action="store_true", help="do not write the decoupled streaming model")
     w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
     w.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
@@ -139,6 +141,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _gpu_list(flag: str, text: str | None) -> list[int] | None:
+    """``"0,1"`` as ``[0, 1]``; a RepositoryError naming ``flag`` for anything else."""
+    if not text:
+        return None
+    try:
+        return [int(g) for g in text.split(",")]
+    except ValueError:
+        raise RepositoryError(f"{flag} must be comma-separated GPU ids, e.g. 0,1; got {text!r}") from None
+
+
 def _engine_config(a, kv_block_size: int) -> EngineConfig:
     return EngineConfig(num_blocks=a.num_blocks, kv_block_size=kv_block_size, prefill_chunk=a.prefill_chunk,
                         max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
@@ -159,7 +171,8 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             raise RepositoryError("--demo is the built-in DashForCausalLM; --model goes with a checkpoint")
         model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load,
                                                                        model_class=a.model_class)
-        gpus = [int(g) for g in a.plan_gpus.split(",")] if a.plan_gpus else None
+        gpus = _gpu_list("--plan-gpus", a.plan_gpus)
+        engine_gpus = _gpu_list("--gpus", a.gpus)
         # A model.pt is copied as it is; a Hugging Face folder or safetensors file (and a
         # pickled checkpoint) is written into the repository as a model.pt of the loaded model.
         copy = (a.checkpoint if a.checkpoint and not a.unsafe_load and os.path.isfile(a.checkpoint)
@@ -168,7 +181,8 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             a.out, model, checkpoint=copy, engine=engine,
             name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
             plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
-            torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force)
+            torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force,
+            gpus=engine_gpus)
     except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError,
             ModelContractError) as exc:
         print(f"dash-triton write: error: {exc}", file=err)

@@ -231,12 +231,26 @@ def onnx_kv_block_size(inputs: Sequence[TensorSpec]) -> int | None:
 
 
 # ----------------------------------------------------------------- configs
+def _check_gpus(device: str, gpus: Sequence[int] | None) -> None:
+    if gpus is None:
+        return
+    if device != "cuda":
+        raise RepositoryError("--gpus needs --device cuda (it picks the GPUs of KIND_GPU instances)")
+    if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) \
+            or len(set(gpus)) != len(gpus):
+        raise RepositoryError(f"--gpus must list distinct GPU ids >= 0, got {list(gpus)!r}")
+
+
 def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, streaming: bool,
                         device: str = "cpu", checkpoint: str = "model.pt", model_class: str = "", warmup: bool = True,
-                        torch_num_threads: int = 0, allow_engine_control: bool = False) -> dict[str, Any]:
-    """config.pbtxt (as a dict) of a Python-backend generation model."""
+                        torch_num_threads: int = 0, allow_engine_control: bool = False,
+                        gpus: Sequence[int] | None = None) -> dict[str, Any]:
+    """config.pbtxt (as a dict) of a Python-backend generation model. ``gpus`` (with
+    ``device="cuda"``): the GPUs that get an instance, each with its own engine and KV pool
+    (data parallel; default every GPU Triton sees)."""
     if device not in ("cpu", "cuda"):
         raise RepositoryError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    _check_gpus(device, gpus)
     inputs = []
     for iname, dtype, dims, optional in P.INPUTS:
         spec = {"name": iname, "data_type": Enum(dtype), "dims": list(dims)}
@@ -258,8 +272,10 @@ def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, st
         "input": inputs,
         "output": outputs,
         # One instance per device: a second instance would be a second process with a
-        # second pool, halving what each can admit. With KIND_GPU, Triton starts one per GPU.
-        "instance_group": [{"kind": Enum(kind), "count": 1}],
+        # second pool, halving what each can admit. With KIND_GPU, Triton starts one per GPU
+        # (of `gpus`, when given), each on its own device with its own pool: data parallel,
+        # Triton spreading the requests over them.
+        "instance_group": [{"kind": Enum(kind), "count": 1, **({"gpus": [int(g) for g in gpus]} if gpus else {})}],
         "parameters": [
             {"key": P.PARAM_CHECKPOINT, "value": {"string_value": checkpoint}},
             {"key": P.PARAM_MODEL_CLASS, "value": {"string_value": model_class}},
@@ -387,7 +403,7 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
                      streaming: bool = True, onnx: str | None = None, plan: str | None = None,
                      plugin: str | None = None, plan_instances: int = 1, plan_gpus: Sequence[int] | None = None,
                      warmup: bool = True, torch_num_threads: int = 0, allow_engine_control: bool = False,
-                     force: bool = False) -> WrittenRepository:
+                     force: bool = False, gpus: Sequence[int] | None = None) -> WrittenRepository:
     """Write the repository at ``out``.
 
     ``model`` is the loaded checkpoint (its config goes into the parameters);
@@ -396,6 +412,7 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
     """
     out = os.path.abspath(os.fspath(out))
     check_served_path(out)
+    _check_gpus(device, gpus)
     engine = engine or EngineConfig()
     if not name or not all(c.isalnum() or c in "_-" for c in name):
         raise RepositoryError(f"model name must be letters, digits, '_' or '-', got {name!r}")
@@ -459,7 +476,7 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
             first_ckpt = first_ckpt or ckpt
             cfg = python_model_config(model_name, model, engine, streaming=stream, device=device,
                                       model_class=class_spec, warmup=warmup, torch_num_threads=torch_num_threads,
-                                      allow_engine_control=allow_engine_control)
+                                      allow_engine_control=allow_engine_control, gpus=gpus)
             _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
             models.append(model_name)
         if plan_cfg is not None:

@@ -19,7 +19,10 @@ Megatron-style, over ``torch.distributed`` (NCCL on GPUs, one process per GPU la
 
 Every rank runs the same scheduler on the same requests and gets the same tokens (an
 all-reduce leaves the same bits on every rank), so :func:`dash_trt.model.generate` and the
-serving runtime run unchanged on a shard.
+serving runtime run unchanged on a shard. On GPUs the runtime captures decode steps in CUDA
+graphs, all-reduces included: NCCL collectives can be captured, gloo's cannot (pass
+``cuda_graphs=False`` with gloo on CUDA tensors). Tested on CPUs (gloo); not yet run with NCCL
+on several GPUs.
 """
 
 from __future__ import annotations

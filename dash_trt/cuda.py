@@ -121,17 +121,18 @@ class Tuning:
         return cls(**values)
 
 
+def _installed(name: str) -> list[Path]:
+    """Where this installation keeps the shared library ``name``, in search order:
+    ``dash_trt/lib/`` of the package (wheels and ``pip install .``), the same folder under the
+    interpreter's platlib, then ``build*/`` folders of a source checkout."""
+    here = Path(__file__).resolve().parent
+    found = [here / "lib" / name, Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / name]
+    return found + sorted(Path(p) for p in glob.glob(str(here.parent / ("build*/**/" + name)), recursive=True))
+
+
 def _candidates() -> list[Path]:
     env = os.environ.get("DASH_TRT_LIBRARY")
-    if env:
-        return [Path(env)]
-    here = Path(__file__).resolve().parent
-    found = [here / "lib" / LIBRARY_NAME]
-    platlib = Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / LIBRARY_NAME
-    found.append(platlib)
-    for pattern in ("build*/**/" + LIBRARY_NAME,):
-        found += sorted(Path(p) for p in glob.glob(str(here.parent / pattern), recursive=True))
-    return found
+    return [Path(env)] if env else _installed(LIBRARY_NAME)
 
 
 PLUGIN_NAME = "libdash_trt_plugin.so"
@@ -148,10 +149,7 @@ def plugin_path(name: str = PLUGIN_NAME) -> Path | None:
     if env:
         path = Path(env) if name == PLUGIN_NAME else Path(env).with_name(name)
         return path if path.is_file() else None
-    here = Path(__file__).resolve().parent
-    candidates = [here / "lib" / name, Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / name]
-    candidates += sorted(Path(p) for p in glob.glob(str(here.parent / ("build*/**/" + name)), recursive=True))
-    return next((p for p in candidates if p.is_file()), None)
+    return next((p for p in _installed(name) if p.is_file()), None)
 
 
 def library_path() -> Path | None:

@@ -90,14 +90,6 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return w[start:start + n].clone()
-
-
-def _cols(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return w[:, start:start + n].contiguous().clone()
-
-
 def shard_model(model, rank: int, world: int, group=None):
     """This rank's shard of ``model`` (a :class:`~dash_trt.model.DashForCausalLM`): a model of
     the same class whose config holds the rank's heads, KV heads and MLP width (so its caches,
@@ -119,26 +111,18 @@ def shard_model(model, rank: int, world: int, group=None):
     with torch.device("meta"):
         shard = DashForCausalLM(local_cfg)
     shard = shard.to_empty(device=model.device).to(model.dtype)
-    full = dict(model.state_dict())
-    local: dict[str, torch.Tensor] = {}
-    for name, w in full.items():
-        leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1] if "." in name else name
-        if leaf in ("q_proj",):
-            local[name] = _rows(w, s.head0 * d, s.heads * d)
-        elif leaf in ("k_proj", "v_proj"):
-            local[name] = _rows(w, s.kv_head0 * d, s.kv_heads * d)
-        elif leaf == "o_proj":
-            local[name] = _cols(w, s.head0 * d, s.heads * d)
-        elif leaf in ("gate_proj", "up_proj"):
-            local[name] = _rows(w, s.inter0, s.intermediate)
-        elif leaf == "down_proj":
-            local[name] = _cols(w, s.inter0, s.intermediate)
-        else:
-            local[name] = w.clone()
-    missing, unexpected = shard.load_state_dict(local, strict=False)
-    if unexpected or [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]:
-        raise TensorParallelError(f"shard weights do not match: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_word_embeddings:
+    # The split of each projection's weight [out, in], by the module that owns it: (dim, start, size);
+    # every other tensor is replicated.
+    split = {"q_proj": (0, s.head0 * d, s.heads * d), "k_proj": (0, s.kv_head0 * d, s.kv_heads * d),
+             "v_proj": (0, s.kv_head0 * d, s.kv_heads * d), "o_proj": (1, s.head0 * d, s.heads * d),
+             "gate_proj": (0, s.inter0, s.intermediate), "up_proj": (0, s.inter0, s.intermediate),
+             "down_proj": (1, s.inter0, s.intermediate)}
+    local = {}
+    for name, w in model.state_dict().items():
+        owner = name.split(".")[-2]  # "layers.0.self_attn.q_proj.weight" -> "q_proj"
+        local[name] = w.narrow(*split[owner]).contiguous() if owner in split else w
+    shard.load_state_dict(local)  # copies; strict: a name the shard lacks is an error
+    if cfg.tie_word_embeddings:  # to_empty gave lm_head a storage of its own
         shard.lm_head.weight = shard.embed_tokens.weight
     for layer in shard.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj.weight.data, group)

@@ -12,15 +12,18 @@ decode steps then run without CUDA graphs).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from dash_trt import model as M
 from dash_trt import parallel
+from dash_trt.cliutil import cli_main
 
 
-def main() -> int:
+@cli_main("tp_generate")
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="model.pt or a Hugging Face folder")
@@ -33,7 +36,10 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="compare with the unsharded model's tokens")
     ap.add_argument("--gloo", action="store_true", help="gloo instead of NCCL")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on cuda:0 (with --gloo)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    for flag, path in (("--checkpoint", a.checkpoint), ("--random-init", a.random_init)):
+        if path and not os.path.exists(path):
+            ap.error(f"{flag} {path}: no such file or folder")
     if a.one_gpu and not a.gloo:
         ap.error("--one-gpu needs --gloo (NCCL refuses two ranks on one GPU)")
     rank, world, device = parallel.init_from_env("gloo" if a.gloo else None)
@@ -54,7 +60,7 @@ def main() -> int:
             cfg["num_hidden_layers"] = a.layers
         model = M.random_model(cfg, dtype=dtype)
     prompts, _ = M.check_prompts(model)
-    graphs = None if not (a.gloo and device.type == "cuda") else False
+    graphs = False if a.gloo and device.type == "cuda" else None  # gloo collectives cannot be captured
     shard = parallel.shard_model(model, rank, world).to(device)
     kv = a.kv_block_size or model.config.dash.sparse_block_size
     got = M.generate(shard, prompts, a.new_tokens, cuda_graphs=graphs, keep_logits=False, kv_block_size=kv).tokens

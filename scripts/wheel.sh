@@ -45,8 +45,8 @@ PY
   rm -rf "$out/raw"
   ls -l "$out";;
 test)
+  [ -n "${2:-}" ] && [ -f "$2" ] || { echo "wheel.sh: test needs a wheel file, got '${2:-}'" >&2; exit 2; }
   wheel=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
-  [ -f "$wheel" ] || { echo "wheel.sh: no wheel at $2" >&2; exit 2; }
   env_dir=$(mktemp -d)
   python3 -m venv "$env_dir/venv"
   # shellcheck disable=SC1091

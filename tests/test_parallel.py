@@ -42,6 +42,8 @@ def test_a_shard_holds_its_slices_and_reassembles_the_model():
     assert shards[0].config.num_attention_heads == 2 and shards[0].config.num_key_value_heads == 1
     assert shards[0].allocate_cache(4, 16)[0].key.shape[2] == 1  # a cache of its own KV heads only
     assert TP.shard_model(model, 0, 1) is model
+    tied = TP.shard_model(M.random_model({**M.DEMO_CONFIG, "tie_word_embeddings": True}), 1, 2)
+    assert tied.lm_head.weight is tied.embed_tokens.weight  # the tie survives the split
 
 
 def _rank(rank: int, world: int, init_file: str, out: str) -> None:

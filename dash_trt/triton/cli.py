@@ -280,7 +280,7 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
     answer (and their engines run), 3 otherwise, with one line per model."""
     import json
 
-    from .server import served_generation_models, stats_request
+    from .server import served_generation_models
 
     if not a.timeout > 0:
         print(f"dash-triton probe: error: --timeout must be > 0, got {a.timeout:g}", file=err)
@@ -313,7 +313,7 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
                       f"{', '.join(served) or 'none'})", file=out, flush=True)
                 continue
             try:
-                stats = stats_request(client, name, decoupled, timeout=a.timeout)
+                stats = _probe_model(grpcclient, a.url, name, decoupled, a.timeout)
             except Exception as exc:  # noqa: BLE001 - the answer the probe exists for
                 failed += 1
                 print(f"FAIL {name}: {_status_line(exc)}", file=out, flush=True)
@@ -330,6 +330,24 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
         if a.json:
             print(json.dumps(report), file=out, flush=True)
     return EXIT_SERVER if failed else EXIT_OK
+
+
+def _probe_model(grpcclient, url: str, name: str, decoupled: bool, timeout: float) -> dict:
+    """One model's statistics over a connection of its own, so that a sibling whose failure
+    breaks its stream or channel cannot fail this one; a transport error (UNAVAILABLE: the
+    connection dropped) is tried once more on a new connection before it counts. Raises what
+    the last try raised."""
+    from .server import stats_request
+
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            return stats_request(client, name, decoupled, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - re-raised unless the connection dropped
+        status = exc.status() if callable(getattr(exc, "status", None)) else None
+        if "UNAVAILABLE" not in str(status):
+            raise
+    with grpcclient.InferenceServerClient(url) as client:
+        return stats_request(client, name, decoupled, timeout=timeout)
 
 
 def _status_line(exc: BaseException) -> str:

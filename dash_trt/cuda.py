@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -82,6 +82,7 @@ class DashParams(ctypes.Structure):
         ("tune_block_major_min_tokens", ctypes.c_int32), ("tune_block_major_chunk", ctypes.c_int32),
         ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
         ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
+        ("tune_warpgroup_mma", ctypes.c_int32),
     ]
 
 
@@ -105,6 +106,9 @@ class Tuning:
     #: block-major prefill: a tile reads a block query-major when this many of its tokens select it
     #: (3/8 of the tile; < 0: never, every entry goes block-major)
     tile_share_min: int = 0
+    #: block-major prefill on an sm_90 GPU (a build for architecture 90a, head dim 128): the tiles as
+    #: warpgroup MMAs (< 0: the mma.sync tiles everywhere)
+    warpgroup_mma: int = 0
 
     def params(self) -> dict[str, int]:
         return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}
@@ -218,8 +222,9 @@ def available() -> bool:
 
 def compiled_architectures() -> tuple[str, ...] | None:
     """The GPU code the kernel library carries, as torch.cuda.get_arch_list() names it:
-    ``("sm_80", "sm_89", "sm_90", "compute_90")`` for machine code of three architectures and
-    PTX that newer GPUs JIT-compile; None for a library older than the query."""
+    ``("sm_80", "sm_89", "sm_90a", "compute_90")`` for machine code of three architectures
+    (Hopper's architecture-specific, with its warpgroup MMA tiles) and PTX that newer GPUs
+    JIT-compile; None for a library older than the query."""
     lib = _library()
     try:
         fn = lib.dash_cuda_architectures
@@ -235,7 +240,7 @@ def arch_names(cmake_list: str) -> tuple[str, ...]:
     out: list[str] = []
     for item in filter(None, (x.strip() for x in cmake_list.replace(";", ",").split(","))):
         num, _, kind = item.partition("-")
-        if not num.isdigit():
+        if not num.removesuffix("a").isdigit():
             out.append(item)  # "native", "all", "unknown": as built
             continue
         if kind in ("", "real"):
@@ -247,13 +252,20 @@ def arch_names(cmake_list: str) -> tuple[str, ...]:
 
 def runs_on(capability: tuple[int, int], archs: Sequence[str]) -> bool:
     """Whether code for ``archs`` runs on a GPU of compute ``capability``: machine code of the
-    same major version and an equal or lower minor, or PTX of an equal or lower version."""
+    same major version and an equal or lower minor, or PTX of an equal or lower version; code
+    for an architecture-specific target (``sm_90a``, ``compute_90a``) on that very GPU only."""
     major, minor = capability
     for a in archs:
         kind, _, num = a.partition("_")
+        specific = num.endswith("a")
+        num = num.removesuffix("a")
         if not num.isdigit():
             return True  # not a list we can judge ("native", "all")
         m, n = int(num[:-1]), int(num[-1])
+        if specific:
+            if (m, n) == (major, minor):
+                return True
+            continue
         if kind == "sm" and m == major and n <= minor:
             return True
         if kind == "compute" and (m, n) <= (major, minor):

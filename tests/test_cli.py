@@ -234,6 +234,12 @@ def test_kernel_architectures_are_named_as_torch_names_them():
     assert runs_on((10, 0), archs) and runs_on((12, 0), archs)  # newer GPUs JIT the compute_90 PTX
     assert not runs_on((7, 5), archs)
     assert not runs_on((10, 0), arch_names("80-real,90-real"))  # no PTX: nothing for sm_100
+    # the default list: Hopper's machine code architecture-specific (90a), plain Hopper PTX
+    default = arch_names("80-real;89-real;90a-real;90-virtual")
+    assert default == ("sm_80", "sm_89", "sm_90a", "compute_90")
+    assert runs_on((9, 0), ("sm_90a",)) and not runs_on((9, 1), ("sm_90a",)) and not runs_on((10, 0), ("sm_90a",))
+    assert not runs_on((10, 0), arch_names("90a"))  # arch-specific PTX is not forward compatible either
+    assert runs_on((10, 0), default) and runs_on((9, 0), default) and runs_on((8, 6), default)
 
 
 def test_plugin_is_found_in_the_installation_or_through_the_environment(monkeypatch, tmp_path):

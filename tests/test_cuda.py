@@ -552,6 +552,54 @@ def test_query_major_tiles(dtype, head_dim, heads, kv_heads, share_min):
     check(steps, rc, kc, dtype)
 
 
+@pytest.mark.parametrize("head_dim, topk", [(64, 20), (128, 36)])
+def test_query_major_tiles_too_many_slots_to_merge(head_dim, topk):
+    """A top-k so large that a query-major tile cannot list its rows' block-major slots in its
+    shared memory (over 18 slots at head dim 64, 34 at 128): the tiles write partials and the
+    combine merges every token, as before the tiles merged their own."""
+    dtype = torch.bfloat16
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=600)
+    gen = torch.Generator().manual_seed(topk)
+    cfg = make_config(64, sparse_topk_blocks=topk, sparse_page_bias=0.5, sparse_local_block=1)
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=head_dim, index_dim=64, dtype=dtype,
+                           pages=(6, 8), max_images=1200, response=6)
+    plans = schedule(gen, seqs, 6)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None, None], gen, dtype, tuning=tuning)
+    assert any(out.shape[0] >= 600 for out, *_ in steps)
+    assert max(x.length for x, _ in seqs) > (topk + 2) * 64  # more remote blocks than the top-k
+    check(steps, rc, kc, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, share_min", [(8, 2, 0), (32, 8, 0), (8, 2, -1), (16, 1, 1)])
+def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_min):
+    """Head dim 128 on an sm_90 GPU: the block-major tiles as warpgroup MMAs (the default where
+    the library carries sm_90a code) and the mma.sync tiles (warpgroup_mma=-1) both match the
+    reference, and each other to rounding (fp32 accumulation in a different order); elsewhere
+    both runs take the mma.sync tiles and must agree bit for bit."""
+    outs = []
+    for wg in (0, -1):
+        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min,
+                             warpgroup_mma=wg)
+        gen = torch.Generator().manual_seed(heads + kv_heads + share_min)
+        cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
+        seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=128, index_dim=64, dtype=dtype,
+                               pages=(2, 6), max_images=500, response=6)
+        plans = schedule(gen, seqs, 6)
+        prompts = [None, seqs[1][0].length - 100, None]
+        steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
+        assert any(out.shape[0] >= 300 for out, *_ in steps)
+        check(steps, rc, kc, dtype)
+        outs.append([out.float() for out, *_ in steps])
+    cap = torch.cuda.get_device_capability()
+    hopper = cap == (9, 0) and any(a == "sm_90a" for a in (cuda.compiled_architectures() or ()))
+    for a, b in zip(*outs):
+        if hopper:
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        else:
+            assert torch.equal(a, b)
+
+
 def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write

@@ -145,6 +145,8 @@ def test_query_major_tiles_are_planned_where_compiled():
         # masks of ceil(3000 / 32) tiles (G = 4: 32 tokens a tile), 128 blocks x 4 words, twice
         assert on - off >= 94 * 128 * 4 * 4 * 2
     assert size(head_dim=256) == size(head_dim=256, tune_tile_share_min=-1)
+    # the warpgroup MMA tiles (sm_90a) need no buffer of their own: the workspace is the same either way
+    assert size(head_dim=128, tune_warpgroup_mma=-1) == size(head_dim=128)
     assert size(dtype=0) == size(dtype=0, tune_tile_share_min=-1)
 
 

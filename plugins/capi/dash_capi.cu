@@ -70,6 +70,28 @@ int device_sm_count() {
     return sms;
 }
 
+// Whether the block-major tiles run as warpgroup MMAs (wgmma.cuh): the library carries sm_90a
+// code (DASH_SM90A: CMake architecture 90a), the current device is an sm_90 GPU (which runs that
+// code), the head dim is 128, and tune_warpgroup_mma does not turn it off. The one place the
+// kernels choose by architecture; everywhere else (sm_80, sm_89, sm_90 without the 90a build,
+// newer GPUs through PTX) the mma.sync tiles run.
+bool warpgroup_tiles(const DashParams& p) {
+#if DASH_SM90A
+    if (p.tune_warpgroup_mma < 0 || p.head_dim != 128) return false;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;  // no device: nothing runs, and the choice changes no buffer size
+    }
+    return major == 9 && minor == 0;
+#else
+    (void)p;
+    return false;
+#endif
+}
+
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool supported_head_dim(int d) {
@@ -170,7 +192,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
             plan.qm_min = p.tune_tile_share_min > 0 ? p.tune_tile_share_min : std::max(1, plan.qm_tile * 3 / 8);
             plan.qm_tiles = (plan.bm_chunk + plan.qm_tile - 1) / plan.qm_tile;
             plan.qm_smem = qm_smem;
+            plan.qm_merge = dash::qm_merge_fits(p, plan.bm_slots) ? 1 : 0;
         }
+        plan.warpgroup = warpgroup_tiles(p) ? 1 : 0;
     }
     plan.bytes = lay_out(p, plan, nullptr, nullptr);
     return DASH_OK;
@@ -258,6 +282,7 @@ DashParams plan_key(const DashParams& p) {
     k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
     k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
     k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
+    k.tune_warpgroup_mma = p.tune_warpgroup_mma;
     return k;
 }
 
@@ -328,7 +353,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(summary_cache) DASH_FIELD(summary_pages_cache) DASH_FIELD(out) DASH_FIELD(workspace)
     DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
-    DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min)
+    DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
 #undef DASH_FIELD
     return -1;
 }

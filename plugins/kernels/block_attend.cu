@@ -15,8 +15,9 @@
 // of one sequence have the same local window blocks, and those of one document page mostly
 // the same forced page blocks (and, with a trained indexer, similar scored ones). A tile of
 // 128 / G such tokens (128 query rows of a KV head) reads each block it shares once, keeps
-// its rows' softmax state in registers across the blocks and writes one partial per row
-// (qm_prep_kernel, qm_attend_kernel): fewer partials to write and merge, no gathered queries.
+// its rows' softmax state in registers across the blocks, then merges the block-major partials
+// of its tokens into them and writes the output (qm_prep_kernel, qm_attend_kernel): fewer
+// partials to write, no gathered queries, and no combine pass over those tokens.
 // Which entries a tile serves is one rule (qm_serves), applied by both paths.
 #include <cuda_pipeline.h>
 
@@ -24,6 +25,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace dash {
 namespace {
@@ -174,6 +176,36 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
     }
 }
 
+// The warpgroup forms of qk_tile and of P V (WG tiles; all four warps of the warpgroup call them
+// together). S = Q K^T: this warp's 16 query rows (q, rows rs elements apart) as A registers,
+// the 64 keys of k_s (a swizzled 64 x D tile) as B. O = P V: P in the A layout (pa, as
+// softmax_tile packs it), V a swizzled 64 x D tile read transposed; o holds D / 8 n-tiles.
+template <typename T, int D>
+__device__ __forceinline__ void wg_qk_tile(float (&s)[8][4], const T* q, int rs, const T* k_s, int lane) {
+    uint32_t a[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(a[kk], q + ((lane / 8) % 2 * 8 + lane % 8) * rs + kk * 16 + (lane / 16) * 8);
+    float(&d)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_m64n64k16<T>(d, a[kk], kmajor_desc<64>(k_s, kk), kk);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(d);
+}
+template <typename T, int D>
+__device__ __forceinline__ void wg_pv_tile(float (&o)[D / 8][4], const uint32_t (&pa)[4][4], const T* v_s) {
+    static_assert(D == 128, "one m64n128 product per 16 keys");
+    float(&d)[64] = reinterpret_cast<float(&)[64]>(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_tb<T>(d, pa[kk], mnmajor_desc<64>(v_s, kk), kk);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(d);
+}
+
 // Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D]. The
 // angles depend on the token only: cos and sin once per pair index, shared by every head.
 template <typename T, int D>
@@ -199,13 +231,18 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
 // Shared memory of block_attend_kernel, in elements of T: the block's K and V (64 rows), then
 // each warp's two 16-row query buffers (double-buffered gathers; a buffer also stages the
 // tile's output for 16-byte stores). Rows are D + 8 elements apart: 16-byte aligned, and
-// ldmatrix's eight row addresses fall in different banks.
-template <int D>
+// ldmatrix's eight row addresses fall in different banks. With warpgroup MMA (WG) K and V are
+// 128-byte-swizzled tiles instead (wgmma.cuh), from a 1024-byte boundary: 1 KB more to align.
+template <int D, bool WG = false>
 struct BmSmem {
     static constexpr int RS = D + 8;
     static constexpr int kv_rows = 64;
     static constexpr int q_rows = 16;
-    static constexpr size_t elems = (size_t)2 * kv_rows * RS + (size_t)kWarps * 2 * q_rows * RS;
+    static constexpr size_t kv_elems = WG ? (size_t)kv_rows * D : (size_t)kv_rows * RS;  // one of K, V
+    static constexpr size_t align_elems = WG ? 512 : 0;
+    static constexpr size_t elems = align_elems + 2 * kv_elems + (size_t)kWarps * 2 * q_rows * RS;
+    // Element offset of (key row i, column d) in the K or V tile.
+    static __device__ __forceinline__ int kv_at(int i, int d) { return WG ? sw128_offset<kv_rows>(i, d) : i * RS + d; }
 };
 
 // One CTA per (work item, KV head): a work item is up to kEntriesPerCta entries of one physical
@@ -214,10 +251,14 @@ struct BmSmem {
 // computes the current one. An entry's valid keys are the offsets [lo, hi] of the block: a
 // selected block stops at the local window and at prompt_length; a local-window block covers
 // [pos - local + 1, pos]. Each row leaves its normalised output in T and (max, sum) in float.
-template <typename T, int D>
+// WG (sm_90a, D = 128): the CTA is one warpgroup and serves 64-row tiles together, S = Q K^T and
+// O = P V as warpgroup MMAs with K and V read from shared memory once per 64 rows (the mma.sync
+// tiles read them once per 16); the queries, masks, softmax and stores are the same code.
+template <typename T, int D, bool WG>
 __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                   int t0) {
-    using S = BmSmem<D>;
+    static_assert(!WG || (D == 128 && kBmThreads == 128), "warpgroup tiles: one warpgroup, D = 128");
+    using S = BmSmem<D, WG>;
     const int w = blockIdx.x, h = blockIdx.y;
     const int nitems = ws.bm_work[plan.bm_num_keys];  // both reads in one round; the item's entry
     const int4 item = ws.bm_items[w];                 // is stale past nitems, and unused
@@ -229,10 +270,11 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * sbs;
     const int local = p.sparse_local_block * sbs;
     extern __shared__ __align__(128) unsigned char smem[];
-    T* k_s = reinterpret_cast<T*>(smem);
-    T* v_s = k_s + S::kv_rows * S::RS;
+    const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    T* k_s = reinterpret_cast<T*>(smem + (WG ? (1024 - smem_at % 1024) % 1024 : 0));
+    T* v_s = k_s + S::kv_elems;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    T* q_w = v_s + S::kv_rows * S::RS + warp * 2 * S::q_rows * S::RS;  // this warp's two buffers
+    T* q_w = v_s + S::kv_elems + warp * 2 * S::q_rows * S::RS;  // this warp's two buffers
     // The block's 64 keys and values, once, issued before the entries' metadata is read (rows
     // past every entry's range are zeroed once they land, below).
     constexpr int kChunk = 8;  // elements per 16-byte copy
@@ -241,8 +283,8 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kBmThreads) {
         const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
         const int64_t off = ((first_slot + i) * hkv + h) * D + d;
-        __pipeline_memcpy_async(k_s + i * S::RS + d, kc + off, 16);
-        __pipeline_memcpy_async(v_s + i * S::RS + d, vc + off, 16);
+        __pipeline_memcpy_async(k_s + S::kv_at(i, d), kc + off, 16);
+        __pipeline_memcpy_async(v_s + S::kv_at(i, d), vc + off, 16);
     }
     __pipeline_commit();
 
@@ -293,7 +335,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
             __pipeline_memcpy_async(dst + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
         }
     };
-    if (warp < tiles) gather(warp, 0);
+    if (WG || warp < tiles) gather(warp, 0);  // WG: every warp takes part in every tile (zero rows past the entries)
     __pipeline_commit();
     __pipeline_wait_prior(1);  // K and V (the gather may still be in flight)
     // Rows past every entry's range may be unwritten slots: zero, so that a zero probability
@@ -303,21 +345,29 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kBmThreads) {
         const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
         if (i < rows) continue;
-        *reinterpret_cast<uint4*>(k_s + i * S::RS + d) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_s + i * S::RS + d) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(k_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
     }
+    if constexpr (WG) fence_async_smem();  // K and V are read by the wgmma (async) proxy
     __syncthreads();
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
-    for (int tile = warp, it = 0; tile < tiles; tile += kWarps, ++it) {
-        if (tile + kWarps < tiles) gather(tile + kWarps, (it + 1) & 1);
+    // Warp w serves 16-row tiles w, w + 4, ...; with WG the four warps' tiles of a round form
+    // one 64-row warpgroup tile, so every warp runs every round.
+    for (int it = 0; WG ? it * kWarps < tiles : warp + it * kWarps < tiles; ++it) {
+        const int tile = warp + it * kWarps;
+        if (tile + kWarps < tiles || (WG && (it + 1) * kWarps < tiles)) gather(tile + kWarps, (it + 1) & 1);
         __pipeline_commit();
         __pipeline_wait_prior(1);
         __syncwarp();
         T* q_b = q_w + (it & 1) * S::q_rows * S::RS;
         float s[8][4];
-        qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
+        if constexpr (WG) {
+            wg_qk_tile<T, D>(s, q_b, S::RS, k_s, lane);
+        } else {
+            qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
+        }
         // Masked softmax of rows r0 and r0 + 8 (a quad of lanes shares a row).
         // NOTE: float32 logits; masked keys are -inf and never enter the sums.
         int lo[2], hi[2];
@@ -330,21 +380,45 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
             hi[half] = in ? ent_hi[ei] : 0;
             bias[half] = in ? ent_bias[ei] : 0.0f;
         }
+        // Logits in the log2 domain (x log2 e: one multiply-add, then exp2), as in the query-major
+        // tiles. Where every row of the warp reads its whole block or is past the entries (a
+        // selected block before the window: almost every block-major entry), no per-key test.
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        const float c2 = scale * kLog2e;
+        bool whole = true, none[2];
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int half = 0; half < 2; ++half) {
+            none[half] = lo[half] > hi[half];
+            whole = whole && (none[half] || (lo[half] == 0 && hi[half] == S::kv_rows - 1));
+            bias[half] *= kLog2e;
+        }
+        if (__all_sync(0xffffffffu, whole)) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
-                const float x = i >= lo[half] && i <= hi[half] ? s[n][e] * scale + bias[half] : -INFINITY;
-                s[n][e] = x;
-                m[half] = fmaxf(m[half], x);
-            }
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e / 2;
+                    const float x = none[half] ? -INFINITY : fmaf(s[n][e], c2, bias[half]);
+                    s[n][e] = x;
+                    m[half] = fmaxf(m[half], x);
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
+                    const float x = i >= lo[half] && i <= hi[half] ? fmaf(s[n][e], c2, bias[half]) : -INFINITY;
+                    s[n][e] = x;
+                    m[half] = fmaxf(m[half], x);
+                }
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
         uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
 #pragma unroll
-        for (int n = 0; n < 8; ++n) softmax_tile<T>(s[n], m, l, pa[n / 2][(n % 2) * 2 + 0], pa[n / 2][(n % 2) * 2 + 1]);
+        for (int n = 0; n < 8; ++n)
+            softmax_tile<T, true>(s[n], m, l, pa[n / 2][(n % 2) * 2 + 0], pa[n / 2][(n % 2) * 2 + 1]);
 #pragma unroll
         for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
         __syncwarp();  // every lane is done reading Q: the buffer now stages the output
@@ -353,17 +427,21 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
 #pragma unroll
         for (int dc = 0; dc < D; dc += DC) {
             float o[DC / 8][4];
+            if constexpr (WG) {
+                wg_pv_tile<T, D>(o, pa, v_s);
+            } else {
 #pragma unroll
-            for (int n = 0; n < DC / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+                for (int n = 0; n < DC / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
+                for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-                for (int dp = 0; dp < DC / 16; ++dp) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dc + dp * 16 +
-                                             (lane / 16) * 8);
-                    mma16816<T>(o[2 * dp], pa[kk], b[0], b[1]);
-                    mma16816<T>(o[2 * dp + 1], pa[kk], b[2], b[3]);
+                    for (int dp = 0; dp < DC / 16; ++dp) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dc + dp * 16 +
+                                                 (lane / 16) * 8);
+                        mma16816<T>(o[2 * dp], pa[kk], b[0], b[1]);
+                        mma16816<T>(o[2 * dp + 1], pa[kk], b[2], b[3]);
+                    }
                 }
             }
             const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
@@ -381,7 +459,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
                 if (ei < count) {
                     const int64_t at = ((int64_t)ent_tl[ei] * plan.bm_slots + ent_j[ei]) * p.num_heads + h * group +
                                        row % group;
-                    ws.bm_part_ml[at] = make_float2(m[half], l[half]);
+                    ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
                 }
             }
         }
@@ -418,9 +496,9 @@ static_assert(kQmWarps * 16 == kQmRows, "a warp per 16 query rows");
 // through two stages of K and V. Each warp keeps 16 rows' running max, sum and output in
 // registers across the blocks (FlashAttention-2's online softmax), with per-row masks: a row
 // reads a block when its token reads it (local window, or selected by enough of the tile's
-// tokens), over the keys [lo, hi] of that read, with the forced blocks' page bias. The result
-// is the rows' partial in slot kmax (the own block's local slot, which always belongs to the
-// tile), merged with the block-major partials by bm_combine_kernel.
+// tokens), over the keys [lo, hi] of that read, with the forced blocks' page bias. At the end
+// the rows merge their tokens' block-major partials (written by block_attend_kernel, launched
+// first) and write the output; bm_combine_kernel serves only tokens outside such tiles.
 template <typename T, int D>
 __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                  int t0, int tn) {
@@ -632,21 +710,119 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             }
         }
     }
-    // Normalised rows to slot kmax of the partials, (max, sum) beside them.
+    // The rows are complete but for their tokens' block-major entries, whose partials
+    // block_attend_kernel (launched before this kernel) has written. With plan.qm_merge they
+    // are merged here and the output written, so that bm_combine_kernel skips these tokens:
+    // (1) each warp stages its 16 rows (unnormalised, fp32; max in base e and sum) in the K / V
+    // stages, which no warp reads any more; (2) a thread per row finds the row's block-major
+    // slots and their weights (normalised) and lists them where the queries were; (3) a thread
+    // per 8 output columns of a row adds the listed partials, sixteen loads in flight at a time.
+    // Without it (a list too long for the space), slot kmax of the partials, for the combine.
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
-    T* part_o = static_cast<T*>(ws.bm_part_o);
+    if (!plan.qm_merge) {
+        T* part_o = static_cast<T*>(ws.bm_part_o);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = warp * 16 + r0 + half * 8, tk = tok[half];
+            if (tk >= cnt) continue;
+            const int64_t at = ((int64_t)(ta + tk) * plan.bm_slots + plan.kmax) * p.num_heads + h * group + row % group;
+            const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+#pragma unroll
+            for (int nn = 0; nn < D / 8; ++nn)
+                *reinterpret_cast<uint32_t*>(part_o + at * D + nn * 8 + quad * 2) =
+                    pack2<T>(o[nn][half * 2] * inv, o[nn][half * 2 + 1] * inv);
+            if (quad == 0) ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
+        }
+        return;
+    }
+    __syncthreads();  // every warp is done with the last block's K and V, and with the queries
+    constexpr int ORS = D + 4;  // staged row stride in floats
+    static_assert(kQmRows * ORS * sizeof(float) <= 2 * S::stage_elems * sizeof(T), "the stages hold the rows");
+    float* o_s = reinterpret_cast<float*>(kv_s);
+    float2* row_ml = reinterpret_cast<float2*>(o_s + kQmRows * ORS);  // then (own weight, 1 / denominator)
+    static_assert(kQmRows * ORS * sizeof(float) + kQmRows * sizeof(float2) <= 2 * S::stage_elems * sizeof(T),
+                  "the stages hold the rows and their (max, sum)");
+    float2* list = reinterpret_cast<float2*>(q_s);  // [kQmRows][bm_slots]: (slot, weight); qm_merge_fits
+    int* row_n = tok_pos;                           // listed slots per row (the positions are done with)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int row = warp * 16 + r0 + half * 8, tk = tok[half];
-        if (tk >= cnt) continue;
-        const int64_t at = ((int64_t)(ta + tk) * plan.bm_slots + plan.kmax) * p.num_heads + h * group + row % group;
-        const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+        const int r = warp * 16 + r0 + half * 8;
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn)
-            *reinterpret_cast<uint32_t*>(part_o + at * D + nn * 8 + quad * 2) =
-                pack2<T>(o[nn][half * 2] * inv, o[nn][half * 2 + 1] * inv);
-        if (quad == 0) ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
+            *reinterpret_cast<float2*>(o_s + r * ORS + nn * 8 + quad * 2) =
+                make_float2(o[nn][half * 2], o[nn][half * 2 + 1]);
+        if (quad == 0) row_ml[r] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
+    }
+    __syncthreads();
+    const float2* ml_g = ws.bm_part_ml;
+    for (int row = threadIdx.x; row < kQmRows; row += kQmThreads) {
+        const int tk = row / group;
+        if (tk >= cnt) continue;
+        const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + h * group + row % group;
+        const float2 own = row_ml[row];
+        float mx = own.y > 0.0f ? own.x : -INFINITY;
+        for (int s0 = 0; s0 < plan.bm_slots; s0 += 8) {
+            float2 ml[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                ml[u] = s0 + u < plan.bm_slots ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
+        }
+        const float w_own = own.y > 0.0f ? expf(own.x - mx) : 0.0f;  // weighs the unnormalised row
+        float denom = w_own * own.y;
+        int n = 0;
+        float2* li = list + row * plan.bm_slots;
+        for (int s = 0; s < plan.bm_slots; ++s) {
+            const float2 ml = ml_g[row0 + (int64_t)s * p.num_heads];
+            if (!(ml.y > 0.0f)) continue;  // not a block-major entry (the query-major slots among them)
+            const float wgt = expf(ml.x - mx) * ml.y;
+            denom += wgt;
+            li[n++] = make_float2(__int_as_float(s), wgt);
+        }
+        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+        for (int j = 0; j < n; ++j) li[j].y *= inv;
+        row_ml[row] = make_float2(w_own * inv, inv);
+        row_n[row] = n;
+    }
+    __syncthreads();
+    constexpr int kChunks = D / 8;  // a thread's 8 output columns of a row; consecutive threads, consecutive columns
+    const T* part_o = static_cast<const T*>(ws.bm_part_o);
+    for (int pi = threadIdx.x; pi < kQmRows * kChunks; pi += kQmThreads) {
+        const int row = pi / kChunks, d0 = (pi % kChunks) * 8, tk = row / group;
+        if (tk >= cnt) continue;
+        const int head = h * group + row % group;
+        const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + head;
+        const float w_own = row_ml[row].x;
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = w_own * o_s[row * ORS + d0 + i];
+        const int n = row_n[row];
+        const float2* li = list + row * plan.bm_slots;
+        constexpr int kBatch = 16;  // loads in flight (a row's block-major entries: about half its slots)
+        for (int j0 = 0; j0 < n; j0 += kBatch) {
+            uint4 raw[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                if (j0 + u < n)
+                    raw[u] = *reinterpret_cast<const uint4*>(
+                        part_o + (row0 + (int64_t)__float_as_int(li[j0 + u].x) * p.num_heads) * D + d0);
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                if (j0 + u >= n) continue;
+                const float wgt = li[j0 + u].y;
+                const T* x = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += wgt * to_f(x[i]);
+            }
+        }
+        uint4 res;
+        T* y = reinterpret_cast<T*>(&res);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = from_f<T>(acc[i]);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)(t0 + ta + tk) * p.num_heads + head) * D + d0) = res;
     }
 }
 
@@ -658,6 +834,7 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
     const int tl = blockIdx.x, t = t0 + tl;
     const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
     if (ws.token_seq[t] < 0 || head >= p.num_heads) return;
+    if (plan.qm_merge && ws.qm_base[tl / plan.qm_tile] >= 0) return;  // its query-major tile merged it
     const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
     float m = -INFINITY;
     for (int s = 0; s < plan.bm_slots; ++s) {
@@ -694,11 +871,20 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             rope_q_kernel<T, D><<<tn, 128, 0, stream>>>(p, ws, t0);
             cudaError_t err = cudaGetLastError();
             if (err != cudaSuccess) return err;
-            const size_t smem = sizeof(T) * BmSmem<D>::elems;
-            if ((err = allow_smem(block_attend_kernel<T, D>, smem)) != cudaSuccess) return err;
             const int64_t items = block_major_items((int64_t)tn * plan.bm_slots, plan.bm_num_keys);
-            block_attend_kernel<T, D><<<dim3((unsigned)items, p.num_kv_heads), kBmThreads, smem, stream>>>(p, plan, ws,
-                                                                                                        t0);
+            const dim3 grid((unsigned)items, p.num_kv_heads);
+            if constexpr (D == 128) {
+                if (plan.warpgroup) {
+                    const size_t smem = sizeof(T) * BmSmem<D, true>::elems;
+                    if ((err = allow_smem(block_attend_kernel<T, D, true>, smem)) != cudaSuccess) return err;
+                    block_attend_kernel<T, D, true><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
+                }
+            }
+            if (!plan.warpgroup) {
+                const size_t smem = sizeof(T) * BmSmem<D>::elems;
+                if ((err = allow_smem(block_attend_kernel<T, D, false>, smem)) != cudaSuccess) return err;
+                block_attend_kernel<T, D, false><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
+            }
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if constexpr (D <= 128) {
                 if (plan.qm_tile > 0) {
@@ -718,6 +904,13 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
 }
 
 }  // namespace
+
+// Whether a query-major tile can list its rows' block-major slots where its queries were
+// (qm_attend_kernel's merge): kQmRows x bm_slots (slot, weight) pairs.
+bool qm_merge_fits(const DashParams& p, int bm_slots) {
+    const size_t q_bytes = p.head_dim == 64 ? 2 * QmSmem<64>::q_elems : p.head_dim == 128 ? 2 * QmSmem<128>::q_elems : 0;
+    return (size_t)kQmRows * bm_slots * sizeof(float2) <= q_bytes;
+}
 
 size_t query_major_smem(const DashParams& p) {
     if (p.dtype == DASH_FLOAT32) return 0;

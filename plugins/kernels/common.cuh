@@ -208,6 +208,8 @@ struct Plan {
     int qm_min;           // a tile reads a block query-major when this many of its tokens read it
     int qm_tiles;         // tiles per pass: ceil(bm_chunk / qm_tile)
     size_t qm_smem;       // dynamic shared memory of the query-major kernel
+    int qm_merge;         // 1: query-major tiles merge their tokens' block-major partials (no combine for them)
+    int warpgroup;        // 1: the block-major tiles as warpgroup MMAs (sm_90a; warpgroup_tiles)
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
@@ -276,6 +278,7 @@ int route_split_ctas_per_sm();
 int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
+bool qm_merge_fits(const DashParams& p, int bm_slots);  // a query-major tile merges its rows' partials itself
 size_t query_major_smem(const DashParams& p);  // 0 where the query-major tiles are not compiled (head dim)
 size_t block_major_scan_bytes(int num_items);
 int64_t block_major_items(int64_t entries, int num_keys);  // work items of a pass, at most

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 3
+#define DASH_ABI_VERSION 4
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -109,6 +109,9 @@ typedef struct DashParams {
                                             a sparse block itself (query-major, no partials) when at least this
                                             many of its tokens select it; its local windows always (0: 3/8 of the
                                             tile's tokens; < 0: no query-major tiles) */
+    int32_t tune_warpgroup_mma;          /* block-major prefill on an sm_90 GPU, with a build for architecture 90a,
+                                            head dim 128: the tiles as warpgroup MMAs (0: yes; < 0: the mma.sync
+                                            tiles of sm_80 / sm_89 everywhere) */
 } DashParams;
 
 #ifdef __cplusplus

@@ -659,6 +659,8 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check of the decode step")
     ap.add_argument("--ab-tiles", action="store_true",
                     help="each prefill case also without the query-major tiles (tile_share_min=-1)")
+    ap.add_argument("--ab-mma", action="store_true",
+                    help="each prefill case also with the mma.sync tiles (warpgroup_mma=-1; differs on sm_90 only)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
@@ -707,11 +709,14 @@ def main() -> int:
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
     if not a.decode_only:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
+        mma_sync = dataclasses.replace(TUNING or dcuda.Tuning(), warpgroup_mma=-1)
         for seq in ([4096] if a.quick else [4096, 16384, 65536, 131072]):
             rows.append(prefill_case(seq, gen, flush, a))
             print(f"prefill {seq // 1024}k done", flush=True)
             if a.ab_tiles:
                 rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
+            if a.ab_mma:
+                rows.append(prefill_case(seq, gen, flush, a, tuning=mma_sync, label=" (mma.sync tiles)"))
         for seq in ([] if a.quick else [16384, 65536]):
             rows.append(prefill_case(seq, gen, flush, a, label=" page-correlated indexer", correlated=True))
             print(f"prefill {seq // 1024}k page-correlated done", flush=True)

@@ -3,7 +3,7 @@
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|prefill|generate|triton|breakdown|ab|trace|ncu|
-#                         ncu-source|gather|compare|all]...
+#                         ncu-prefill|ncu-source|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
 # everything in one archive, $OUT/gpu_check_logs.tgz.
@@ -26,7 +26,7 @@ TRT_HEADERS=${TRT_HEADERS:-third_party/TensorRT-v10.8.0}
 if [ -f "$TRT_HEADERS/include/NvInfer.h" ]; then
   trt_flags=(-DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON -DTensorRT_ROOT="$TRT_HEADERS")
 fi
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} \
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a-real} \
   -DDASH_REQUIRE_CUDA=ON "${trt_flags[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j"$(nproc)" >> "$OUT/build.log" 2>&1
 rc=$?; echo "build rc=$rc ($(( $(date +%s) - t0 )) s)"; [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit $rc; }
 export DASH_TRT_LIBRARY=$PWD/build-gpu/plugins/libdash_trt_kernels.so
@@ -34,6 +34,8 @@ harness=$(find build-gpu -name libdash_trt_plugin_harness.so | head -1)
 [ -n "$harness" ] && export DASH_TRT_HARNESS=$PWD/$harness
 status=0
 case " $what " in *" tests "*|*" all "*)
+  wgc=$(find build-gpu -name dash_wgmma_check -type f | head -1)
+  if [ -n "$wgc" ]; then "$wgc" 2>&1 | tee "$OUT/wgmma_check.log"; status=$(( status | ${PIPESTATUS[0]} )); fi
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernel_abi.py tests/test_ops.py \
     tests/test_runtime.py tests/test_fused.py "tests/test_custom_model.py::test_custom_model_on_the_cuda_kernels" \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
@@ -90,10 +92,10 @@ esac
 case " $what " in *" prefill "*)
   # The prefill kernels: the benchmark's prefill cases with and without the query-major tiles
   # (and its page-correlated indexer cases), then each kernel's time at 64k, both ways.
-  python3 bench/bench_dash.py --prefill-only --ab-tiles --json "$OUT/bench_prefill.json" 2>&1 \
+  python3 bench/bench_dash.py --prefill-only --ab-tiles --ab-mma ${PREFILL_ARGS:-} --json "$OUT/bench_prefill.json" 2>&1 \
     | tee "$OUT/bench_prefill.log"
   status=$(( status | ${PIPESTATUS[0]} ))
-  for tuning in "" "tile_share_min=-1"; do
+  for tuning in "" "tile_share_min=-1" "warpgroup_mma=-1"; do
     echo "## tuning: ${tuning:-default}" | tee -a "$OUT/breakdown_prefill.log"
     python3 bench/breakdown.py prefill --tuning "$tuning" 2>&1 | tee -a "$OUT/breakdown_prefill.log"
     status=$(( status | ${PIPESTATUS[0]} ))
@@ -153,6 +155,19 @@ case " $what " in *" ncu "*)
     --section MemoryWorkloadAnalysis python3 bench/profile_step.py decode 131072 > "$OUT/ncu_decode.log" 2>&1
   grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|L1/TEX Hit|L2 Hit|Stall|stall|cycles being stalled" \
     "$OUT/ncu_decode.log" | cut -c1-160 | head -80;;
+esac
+case " $what " in *" ncu-prefill "*)
+  # Why a 64k prefill's kernels take as long as they do: the last block-major pass (tokens
+  # 56k-64k: the block-major tiles, the query-major tiles, the combine) and the routing.
+  sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
+            --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
+  ncu --clock-control none --kernel-name regex:"block_attend_kernel|qm_attend_kernel|bm_combine_kernel" \
+    --launch-skip 21 --launch-count 3 "${sections[@]}" python3 bench/profile_step.py prefill 65536 \
+    > "$OUT/ncu_prefill.log" 2>&1
+  ncu --clock-control none --kernel-name regex:"route_tile_kernel" --launch-count 1 "${sections[@]}" \
+    python3 bench/profile_step.py prefill 65536 >> "$OUT/ncu_prefill.log" 2>&1
+  grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Grid Size|L1/TEX Hit|L2 Hit|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|One or More|No Eligible" \
+    "$OUT/ncu_prefill.log" | cut -c1-150 | head -120;;
 esac
 case " $what " in *" ncu-source "*)
   # Where the routing and attention warps wait: sampled stall reasons per SASS instruction.

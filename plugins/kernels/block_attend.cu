@@ -716,7 +716,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     // (1) each warp stages its 16 rows (unnormalised, fp32; max in base e and sum) in the K / V
     // stages, which no warp reads any more; (2) a thread per row finds the row's block-major
     // slots and their weights (normalised) and lists them where the queries were; (3) a thread
-    // per 8 output columns of a row adds the listed partials, sixteen loads in flight at a time.
+    // per 8 output columns of a row adds the listed partials, eight loads in flight at a time.
     // Without it (a list too long for the space), slot kmax of the partials, for the combine.
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
@@ -801,7 +801,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         for (int i = 0; i < 8; ++i) acc[i] = w_own * o_s[row * ORS + d0 + i];
         const int n = row_n[row];
         const float2* li = list + row * plan.bm_slots;
-        constexpr int kBatch = 16;  // loads in flight (a row's block-major entries: about half its slots)
+        constexpr int kBatch = 8;  // loads in flight (a row's block-major entries: about half its slots)
         for (int j0 = 0; j0 < n; j0 += kBatch) {
             uint4 raw[kBatch];
 #pragma unroll

@@ -2,7 +2,7 @@
 # Build dash-trt's wheel and check it the way a user gets it.
 #
 #   scripts/wheel.sh build [OUT]      python -m build: an sdist and a wheel carrying the kernel library
-#                                     (sm_80, sm_89, sm_90 machine code + compute_90 PTX) and, when
+#                                     (sm_80, sm_89, sm_90a machine code + compute_90 PTX) and, when
 #                                     TRT_HEADERS names TensorRT's headers, the TensorRT plugin; the
 #                                     wheel repaired and checked by auditwheel into OUT (default dist/)
 #   scripts/wheel.sh test WHEEL       a fresh virtual environment with nvcc hidden: the wheel installs

@@ -541,15 +541,24 @@ def test_query_major_tiles(dtype, head_dim, heads, kv_heads, share_min):
     forced page blocks are shared, and more than top-k of them compete; several passes, tiles
     that straddle two sequences, decode tokens of other sequences in the same calls."""
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min)
-    gen = torch.Generator().manual_seed(head_dim + heads + share_min)
+    run_tile_case(dtype, heads, kv_heads, head_dim, tuning, head_dim + heads + share_min, (2, 4), 700)
+
+
+def run_tile_case(dtype, heads, kv_heads, head_dim, tuning, seed, pages, max_images):
+    """Three sequences of document pages (the second with a prompt_length 100 tokens before its
+    end), top-4 of 64-token blocks with a one-block window, prefilled in several block-major
+    passes of 300 tokens, then decoded, through the reference and the kernels: the results
+    checked against the reference; returns the kernels' outputs of every step."""
+    gen = torch.Generator().manual_seed(seed)
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
     seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
-                           pages=(2, 4), max_images=700, response=6)
+                           pages=pages, max_images=max_images, response=6)
     plans = schedule(gen, seqs, 6)
     prompts = [None, seqs[1][0].length - 100, None]
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
     assert any(out.shape[0] >= 300 for out, *_ in steps)
     check(steps, rc, kc, dtype)
+    return [out for out, *_ in steps]
 
 
 @pytest.mark.parametrize("head_dim, topk", [(64, 20), (128, 36)])
@@ -581,16 +590,8 @@ def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_
     for wg in (0, -1):
         tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min,
                              warpgroup_mma=wg)
-        gen = torch.Generator().manual_seed(heads + kv_heads + share_min)
-        cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
-        seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=128, index_dim=64, dtype=dtype,
-                               pages=(2, 6), max_images=500, response=6)
-        plans = schedule(gen, seqs, 6)
-        prompts = [None, seqs[1][0].length - 100, None]
-        steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
-        assert any(out.shape[0] >= 300 for out, *_ in steps)
-        check(steps, rc, kc, dtype)
-        outs.append([out.float() for out, *_ in steps])
+        steps = run_tile_case(dtype, heads, kv_heads, 128, tuning, heads + kv_heads + share_min, (2, 6), 500)
+        outs.append([out.float() for out in steps])
     cap = torch.cuda.get_device_capability()
     hopper = cap == (9, 0) and any(a == "sm_90a" for a in (cuda.compiled_architectures() or ()))
     for a, b in zip(*outs):

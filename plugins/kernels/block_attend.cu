@@ -165,7 +165,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4(a, q + ((lane / 8) % 2 * 8 + lane % 8) * RS + kk * 16 + (lane / 16) * 8);
+        ldmatrix_a(a, q, RS, kk, lane);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t b[4];
@@ -184,8 +184,7 @@ template <typename T, int D>
 __device__ __forceinline__ void wg_qk_tile(float (&s)[8][4], const T* q, int rs, const T* k_s, int lane) {
     uint32_t a[D / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(a[kk], q + ((lane / 8) % 2 * 8 + lane % 8) * rs + kk * 16 + (lane / 16) * 8);
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_a(a[kk], q, rs, kk, lane);
     float(&d)[32] = reinterpret_cast<float(&)[32]>(s);
     wgmma_fence();
 #pragma unroll
@@ -477,6 +476,10 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         __syncwarp();  // the buffer is gathered into again two tiles on
     }
 }
+
+// The weight of a partial (its max in base e, its sum) in a merge of a row's partials whose
+// largest max is mx: what the query-major merge and bm_combine_kernel both apply.
+__device__ __forceinline__ float partial_weight(float2 ml, float mx) { return expf(ml.x - mx) * ml.y; }
 
 // Shared memory of qm_attend_kernel, in elements of T: the tile's 128 rotated query rows, then
 // two stages of a block's K and V (64 rows each). Rows D + 8 elements apart, as in BmSmem.
@@ -778,7 +781,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         for (int s = 0; s < plan.bm_slots; ++s) {
             const float2 ml = ml_g[row0 + (int64_t)s * p.num_heads];
             if (!(ml.y > 0.0f)) continue;  // not a block-major entry (the query-major slots among them)
-            const float wgt = expf(ml.x - mx) * ml.y;
+            const float wgt = partial_weight(ml, mx);
             denom += wgt;
             li[n++] = make_float2(__int_as_float(s), wgt);
         }
@@ -846,7 +849,7 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
         const int64_t row = row0 + (int64_t)s * p.num_heads;
         const float2 ml = ws.bm_part_ml[row];
         if (!(ml.y > 0.0f)) continue;
-        const float wgt = expf(ml.x - m) * ml.y;
+        const float wgt = partial_weight(ml, m);
         denom += wgt;
         const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) + row * D + d);
         const T* x = reinterpret_cast<const T*>(&raw);

@@ -46,6 +46,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                  : "r"(a));
 }
 
+// The A operand of k-step kk (16 rows x 16 columns) from 16 rows of shared memory rs elements
+// apart: the row-major A fragment of mma.sync m16n8k16, which is also a warp's share of a
+// warpgroup MMA's A registers (wgmma.cuh).
+template <typename T>
+__device__ __forceinline__ void ldmatrix_a(uint32_t (&a)[4], const T* rows, int rs, int kk, int lane) {
+    ldmatrix_x4(a, rows + ((lane / 8) % 2 * 8 + lane % 8) * rs + kk * 16 + (lane / 16) * 8);
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     uint32_t u;

@@ -41,8 +41,7 @@ __global__ void tile_kernel(const T* q, const T* k, const T* v, float* s_out, fl
     const T* qw = q_s + warp * 16 * kRS;
     uint32_t a[kD / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-        dash::ldmatrix_x4(a[kk], qw + ((lane / 8) % 2 * 8 + lane % 8) * kRS + kk * 16 + (lane / 16) * 8);
+    for (int kk = 0; kk < kD / 16; ++kk) dash::ldmatrix_a(a[kk], qw, kRS, kk, lane);
     float s[8][4];
     float(&s32)[32] = reinterpret_cast<float(&)[32]>(s);
     dash::wgmma_fence();

@@ -659,8 +659,10 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check of the decode step")
     ap.add_argument("--ab-tiles", action="store_true",
                     help="each prefill case also without the query-major tiles (tile_share_min=-1)")
-    ap.add_argument("--ab-mma", action="store_true",
-                    help="each prefill case also with the mma.sync tiles (warpgroup_mma=-1; differs on sm_90 only)")
+    ap.add_argument("--ab-mma", nargs="?", const="-1", default="", metavar="V[,V]",
+                    help="each prefill case also with warpgroup_mma=V for each V given (alone: -1, the mma.sync "
+                         "tiles; 1: warpgroup block-major tiles only; 2: warpgroup query-major tiles only; "
+                         "differs on sm_90 only)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
@@ -709,14 +711,21 @@ def main() -> int:
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
     if not a.decode_only:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
-        mma_sync = dataclasses.replace(TUNING or dcuda.Tuning(), warpgroup_mma=-1)
+        mma_label = {-1: " (mma.sync tiles)", 1: " (warpgroup block-major tiles only)",
+                     2: " (warpgroup query-major tiles only)"}
+        try:
+            mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
+        except ValueError:
+            ap.error(f"--ab-mma: comma-separated integers, got {a.ab_mma!r}")
         for seq in ([4096] if a.quick else [4096, 16384, 65536, 131072]):
             rows.append(prefill_case(seq, gen, flush, a))
             print(f"prefill {seq // 1024}k done", flush=True)
             if a.ab_tiles:
                 rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
-            if a.ab_mma:
-                rows.append(prefill_case(seq, gen, flush, a, tuning=mma_sync, label=" (mma.sync tiles)"))
+            for v in mma_ab:
+                rows.append(prefill_case(seq, gen, flush, a, tuning=dataclasses.replace(TUNING or dcuda.Tuning(),
+                                                                                      warpgroup_mma=v),
+                                         label=mma_label.get(v, f" (warpgroup_mma={v})")))
         for seq in ([] if a.quick else [16384, 65536]):
             rows.append(prefill_case(seq, gen, flush, a, label=" page-correlated indexer", correlated=True))
             print(f"prefill {seq // 1024}k page-correlated done", flush=True)

@@ -3,7 +3,8 @@
     ncu_source_top.py SOURCE.csv [N]
 
 Nsight Compute's source page lists every instruction with its sampled stall reasons; this
-prints the N instructions with the most samples and, for each, its three largest reasons."""
+prints the N instructions with the most samples and, for each, its three largest reasons, then
+(where the page has the column) the warp instructions executed: in all, and by opcode."""
 import csv
 import sys
 
@@ -38,6 +39,19 @@ def main(path, n=30):
             top = sorted(((number(r[i]), header[i]) for i in reasons), reverse=True)[:3]
             why = ", ".join(f"{name} {v:.0f}" for v, name in top if v > 0)
             print(f"{100 * number(r[col]) / total:5.1f}%  {r[src][:70]:70s}  {why}")
+        ex = next((i for i, c in enumerate(header) if c.strip() == "Instructions Executed"), None)
+        if ex is not None:
+            per_op = {}
+            for r in body:
+                op = r[src].split()[0] if r[src].split() else "?"
+                if op.startswith("@"):  # predicated: the opcode follows the guard
+                    op = r[src].split()[1] if len(r[src].split()) > 1 else op
+                op = op.split(".")[0]
+                per_op[op] = per_op.get(op, 0.0) + number(r[ex])
+            done = sum(per_op.values()) or 1.0
+            print(f"kernel {k}: {done:.4g} warp instructions executed; by opcode:")
+            print("  " + ", ".join(f"{op} {100 * v / done:.1f}%" for op, v in
+                                  sorted(per_op.items(), key=lambda kv: -kv[1])[:16]))
     return 0
 
 

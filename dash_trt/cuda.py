@@ -107,7 +107,8 @@ class Tuning:
     #: (3/8 of the tile; < 0: never, every entry goes block-major)
     tile_share_min: int = 0
     #: block-major prefill on an sm_90 GPU (a build for architecture 90a, head dim 128): the tiles as
-    #: warpgroup MMAs (< 0: the mma.sync tiles everywhere)
+    #: warpgroup MMAs (0: both tile kinds; 1: the block-major tiles only; 2: the query-major tiles
+    #: only; < 0: the mma.sync tiles everywhere)
     warpgroup_mma: int = 0
 
     def params(self) -> dict[str, int]:

@@ -3,7 +3,7 @@
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|prefill|generate|triton|breakdown|ab|trace|ncu|
-#                         ncu-prefill|ncu-source|gather|compare|all]...
+#                         ncu-prefill|ncu-source|ncu-source-prefill|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
 # everything in one archive, $OUT/gpu_check_logs.tgz.
@@ -168,6 +168,21 @@ case " $what " in *" ncu-prefill "*)
     python3 bench/profile_step.py prefill 65536 >> "$OUT/ncu_prefill.log" 2>&1
   grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Grid Size|L1/TEX Hit|L2 Hit|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|One or More|No Eligible" \
     "$OUT/ncu_prefill.log" | cut -c1-150 | head -120;;
+esac
+case " $what " in *" ncu-source-prefill "*)
+  # Where the prefill tiles' warps wait, and what they execute: sampled stall reasons and
+  # executed instructions per SASS instruction, the last block-major pass of a 64k prefill.
+  ncu --clock-control none --kernel-name regex:"block_attend_kernel|qm_attend_kernel" --launch-skip 14 --launch-count 2 \
+    --section SourceCounters --section WarpStateStats -f -o "$OUT/ncu_source_prefill" \
+    python3 bench/profile_step.py prefill 65536 > "$OUT/ncu_source_prefill_run.log" 2>&1
+  tail -3 "$OUT/ncu_source_prefill_run.log"
+  if ncu -i "$OUT/ncu_source_prefill.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_prefill.csv" \
+      2> "$OUT/ncu_source_prefill.err"; then
+    python3 bench/ncu_source_top.py "$OUT/ncu_source_prefill.csv" 40 | tee "$OUT/ncu_source_prefill_top.log"
+  else
+    head -5 "$OUT/ncu_source_prefill.err"
+  fi
+  rm -f "$OUT/ncu_source_prefill.csv";;
 esac
 case " $what " in *" ncu-source "*)
   # Where the routing and attention warps wait: sampled stall reasons per SASS instruction.

@@ -582,23 +582,25 @@ def test_query_major_tiles_too_many_slots_to_merge(head_dim, topk):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, share_min", [(8, 2, 0), (32, 8, 0), (8, 2, -1), (16, 1, 1)])
 def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_min):
-    """Head dim 128 on an sm_90 GPU: the block-major tiles as warpgroup MMAs (the default where
-    the library carries sm_90a code) and the mma.sync tiles (warpgroup_mma=-1) both match the
+    """Head dim 128 on an sm_90 GPU: the block-major and query-major tiles as warpgroup MMAs (the
+    default where the library carries sm_90a code: warpgroup_mma=0), either kind alone (1: the
+    block-major ones, 2: the query-major ones) and the mma.sync tiles (-1) all match the
     reference, and each other to rounding (fp32 accumulation in a different order); elsewhere
-    both runs take the mma.sync tiles and must agree bit for bit."""
+    every run takes the mma.sync tiles and they must agree bit for bit."""
     outs = []
-    for wg in (0, -1):
+    for wg in (0, 1, 2, -1):
         tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min,
                              warpgroup_mma=wg)
         steps = run_tile_case(dtype, heads, kv_heads, 128, tuning, heads + kv_heads + share_min, (2, 6), 500)
         outs.append([out.float() for out in steps])
     cap = torch.cuda.get_device_capability()
     hopper = cap == (9, 0) and any(a == "sm_90a" for a in (cuda.compiled_architectures() or ()))
-    for a, b in zip(*outs):
-        if hopper:
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-        else:
-            assert torch.equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            if hopper:
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            else:
+                assert torch.equal(a, b)
 
 
 def test_block_major_decode_only_steps_still_write_the_cache():

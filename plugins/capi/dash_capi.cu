@@ -70,25 +70,28 @@ int device_sm_count() {
     return sms;
 }
 
-// Whether the block-major tiles run as warpgroup MMAs (wgmma.cuh): the library carries sm_90a
-// code (DASH_SM90A: CMake architecture 90a), the current device is an sm_90 GPU (which runs that
-// code), the head dim is 128, and tune_warpgroup_mma does not turn it off. The one place the
-// kernels choose by architecture; everywhere else (sm_80, sm_89, sm_90 without the 90a build,
-// newer GPUs through PTX) the mma.sync tiles run.
-bool warpgroup_tiles(const DashParams& p) {
+// Which prefill tiles run as warpgroup MMAs (wgmma.cuh; dash::Plan::warpgroup bits): where the
+// library carries sm_90a code (DASH_SM90A: CMake architecture 90a), the current device is an
+// sm_90 GPU (which runs that code) and the head dim is 128, tune_warpgroup_mma picks: 1 the
+// block-major tiles only, 2 the query-major ones only, < 0 neither, any other value (0, the
+// default) both. The one place the kernels choose by architecture; everywhere else (sm_80,
+// sm_89, sm_90 without the 90a build, newer GPUs through PTX) the mma.sync tiles run.
+int warpgroup_tiles(const DashParams& p) {
 #if DASH_SM90A
-    if (p.tune_warpgroup_mma < 0 || p.head_dim != 128) return false;
+    const int t = p.tune_warpgroup_mma;
+    if (t < 0 || p.head_dim != 128) return 0;
     int dev = 0, major = 0, minor = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
         (void)cudaGetLastError();
-        return false;  // no device: nothing runs, and the choice changes no buffer size
+        return 0;  // no device: nothing runs
     }
-    return major == 9 && minor == 0;
+    if (major != 9 || minor != 0) return 0;
+    return t == 1 ? dash::kWgBlockMajor : t == 2 ? dash::kWgQueryMajor : dash::kWgBlockMajor | dash::kWgQueryMajor;
 #else
     (void)p;
-    return false;
+    return 0;
 #endif
 }
 
@@ -183,8 +186,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
+        plan.warpgroup = warpgroup_tiles(p);
         // Query-major tiles where their kernel is compiled for the head dim and fits the device.
-        const size_t qm_smem = dash::query_major_smem(p);
+        const size_t qm_smem = dash::query_major_smem(p, (plan.warpgroup & dash::kWgQueryMajor) != 0);
         const int group = p.num_heads / p.num_kv_heads;
         if (p.tune_tile_share_min >= 0 && qm_smem > 0 && qm_smem + kStaticSmemAllowance <= smem_limit &&
             dash::kQmRows % group == 0) {
@@ -194,7 +198,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
             plan.qm_smem = qm_smem;
             plan.qm_merge = dash::qm_merge_fits(p, plan.bm_slots) ? 1 : 0;
         }
-        plan.warpgroup = warpgroup_tiles(p) ? 1 : 0;
     }
     plan.bytes = lay_out(p, plan, nullptr, nullptr);
     return DASH_OK;

@@ -193,13 +193,28 @@ __device__ __forceinline__ void wg_qk_tile(float (&s)[8][4], const T* q, int rs,
     wgmma_wait_all();
     fence_regs(d);
 }
+// S = Q K^T with the warpgroup's 64 query rows from shared memory too (q_s: a swizzled 64 x D
+// tile, K-major like k_s), so that the queries take no registers (the query-major tiles, whose
+// output accumulators stay live across blocks).
 template <typename T, int D>
-__device__ __forceinline__ void wg_pv_tile(float (&o)[D / 8][4], const uint32_t (&pa)[4][4], const T* v_s) {
+__device__ __forceinline__ void wg_qk_tile_ss(float (&s)[8][4], const T* q_s, const T* k_s) {
+    float(&d)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_m64n64k16_ss<T>(d, kmajor_desc<64>(q_s, kk), kmajor_desc<64>(k_s, kk), kk);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(d);
+}
+// accumulate: O += P V (the query-major tiles' running output) instead of O = P V.
+template <typename T, int D>
+__device__ __forceinline__ void wg_pv_tile(float (&o)[D / 8][4], const uint32_t (&pa)[4][4], const T* v_s,
+                                           bool accumulate = false) {
     static_assert(D == 128, "one m64n128 product per 16 keys");
     float(&d)[64] = reinterpret_cast<float(&)[64]>(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_tb<T>(d, pa[kk], mnmajor_desc<64>(v_s, kk), kk);
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_tb<T>(d, pa[kk], mnmajor_desc<64>(v_s, kk), accumulate || kk > 0);
     wgmma_commit();
     wgmma_wait_all();
     fence_regs(d);
@@ -482,13 +497,22 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
 __device__ __forceinline__ float partial_weight(float2 ml, float mx) { return expf(ml.x - mx) * ml.y; }
 
 // Shared memory of qm_attend_kernel, in elements of T: the tile's 128 rotated query rows, then
-// two stages of a block's K and V (64 rows each). Rows D + 8 elements apart, as in BmSmem.
-template <int D>
+// two stages of a block's K and V (64 rows each). Rows D + 8 elements apart, as in BmSmem. With
+// warpgroup MMA (WG) the same regions, from a 1024-byte boundary, hold 128-byte-swizzled tiles
+// instead: the queries as two 64-row tiles (one per warpgroup), K and V as one each.
+template <int D, bool WG = false>
 struct QmSmem {
     static constexpr int RS = D + 8;
+    static constexpr size_t align_elems = WG ? 512 : 0;
     static constexpr size_t q_elems = (size_t)kQmRows * RS;
     static constexpr size_t stage_elems = (size_t)2 * 64 * RS;
-    static constexpr size_t elems = q_elems + 2 * stage_elems;
+    static constexpr size_t elems = align_elems + q_elems + 2 * stage_elems;
+    static_assert(!WG || ((q_elems * 2) % 1024 == 0 && (64 * RS * 2) % 1024 == 0), "swizzled tiles 1024-byte aligned");
+    // Element offsets of query row r, column d, and of key / value row r, column d (d a multiple of 8).
+    static __device__ __forceinline__ int q_at(int r, int d) {
+        return WG ? (r / 64) * 64 * D + sw128_offset<64>(r % 64, d) : r * RS + d;
+    }
+    static __device__ __forceinline__ int kv_at(int r, int d) { return WG ? sw128_offset<64>(r, d) : r * RS + d; }
 };
 constexpr int kQmThreads = 256;  // 8 warps of 16 rows
 constexpr int kQmWarps = kQmThreads / 32;
@@ -502,10 +526,15 @@ static_assert(kQmWarps * 16 == kQmRows, "a warp per 16 query rows");
 // tokens), over the keys [lo, hi] of that read, with the forced blocks' page bias. At the end
 // the rows merge their tokens' block-major partials (written by block_attend_kernel, launched
 // first) and write the output; bm_combine_kernel serves only tokens outside such tiles.
-template <typename T, int D>
+// WG (sm_90a, D = 128): the two warpgroups of the CTA serve 64 rows each, S = Q K^T with the
+// queries and keys from shared memory and O += P V as warpgroup MMAs, K and V read from shared
+// memory once per 64 rows instead of once per 16; a warpgroup skips the blocks none of its rows
+// reads (the mma.sync form skips per warp). Masks, softmax and merge are the same code.
+template <typename T, int D, bool WG>
 __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                  int t0, int tn) {
-    using S = QmSmem<D>;
+    static_assert(!WG || D == 128, "warpgroup tiles: D = 128");
+    using S = QmSmem<D, WG>;
     const int tile = blockIdx.x, h = blockIdx.y;
     const int base = ws.qm_base[tile];
     if (base < 0) return;
@@ -514,11 +543,13 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const int seq = ws.token_seq[t0 + ta];
     const int local = p.sparse_local_block * sbs, per = p.block_size / sbs;
     extern __shared__ __align__(128) unsigned char smem[];
-    T* q_s = reinterpret_cast<T*>(smem);
+    const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    T* q_s = reinterpret_cast<T*>(smem + (WG ? (1024 - smem_at % 1024) % 1024 : 0));
     T* kv_s = q_s + S::q_elems;  // stage s: K at kv_s + s * stage_elems, V 64 rows later
     __shared__ uint32_t mask[kQmRange * kQmWords], forced_mask[kQmRange * kQmWords];
     __shared__ int list_u[kQmRange], list_first[kQmRange];  // blocks read, ascending; first cache slot
     __shared__ uint8_t list_all[kQmRange];                  // selected by at least qm_min tokens
+    __shared__ uint8_t list_wg[WG ? kQmRange : 1];          // WG: bit g, a row of warpgroup g reads the block
     __shared__ int tok_pos[kQmRows], tok_prompt[kQmRows];
     __shared__ int warp_n[4], s_n;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -539,7 +570,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const int tok = r / group, g = r % group;
         const bool in = tok < cnt;
         const int64_t off = in ? ((int64_t)(ta + tok) * p.num_heads + h * group + g) * D + d : 0;
-        __pipeline_memcpy_async(q_s + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
+        __pipeline_memcpy_async(q_s + S::q_at(r, d), qrot + off, 16, in ? 0 : 16);
     }
     __pipeline_commit();
     __syncthreads();
@@ -596,12 +627,45 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
             const bool in = r < rows;
             const int64_t off = in ? (((int64_t)first + r) * hkv + h) * D + d : 0;
-            __pipeline_memcpy_async(k_d + r * S::RS + d, kc + off, 16, in ? 0 : 16);
-            __pipeline_memcpy_async(v_d + r * S::RS + d, vc + off, 16, in ? 0 : 16);
+            __pipeline_memcpy_async(k_d + S::kv_at(r, d), kc + off, 16, in ? 0 : 16);
+            __pipeline_memcpy_async(v_d + S::kv_at(r, d), vc + off, 16, in ? 0 : 16);
         }
     };
     if (n > 0) load_block(0, 0);
     __pipeline_commit();
+    // The keys token tk reads in block i: [0, sel_hi] as a selected block (bias: the page bias
+    // when forced) and [loc_lo, loc_hi] of its local window; both may be empty. True if any.
+    auto reads = [&](int i, int tk, int& sel_hi, int& loc_lo, int& loc_hi, float& bias) {
+        const int u = list_u[i], b = base - kQmRange + 1 + u, bstart = b * sbs;
+        sel_hi = -1, loc_lo = 1, loc_hi = 0, bias = 0.0f;
+        if (tk < cnt && list_first[i] >= 0) {
+            const int pos = tok_pos[tk];
+            if ((b + 1) * sbs > pos - local + 1 && bstart <= pos) {  // the local window reaches b
+                loc_lo = max(pos - local + 1 - bstart, 0);
+                loc_hi = min(pos - bstart, sbs - 1);
+            }
+            if (list_all[i] != 0 && (mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u)) {  // selected
+                const int prompt = tok_prompt[tk];
+                sel_hi = min(min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - bstart, sbs - 1);
+                bias = (forced_mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
+            }
+        }
+        return sel_hi >= 0 || loc_lo <= loc_hi;
+    };
+    if constexpr (WG) {  // which warpgroups read each block (published by the loop's first barrier)
+        for (int i = threadIdx.x; i < n; i += kQmThreads) {
+            unsigned bits = 0;
+            for (int g = 0; g < kQmRows / 64; ++g) {
+                const int tk1 = min(cnt, (g + 1) * 64 / group);
+                for (int tk = g * 64 / group; tk < tk1 && !(bits >> g & 1u); ++tk) {
+                    int a, b, c;
+                    float f;
+                    if (reads(i, tk, a, b, c, f)) bits |= 1u << g;
+                }
+            }
+            list_wg[i] = (uint8_t)bits;
+        }
+    }
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
@@ -615,39 +679,26 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const T* q_b = q_s + warp * 16 * S::RS;
     for (int i = 0; i < n; ++i) {
         __pipeline_wait_prior(0);
+        if constexpr (WG) fence_async_smem();  // the queries, K and V are read by the wgmma (async) proxy
         __syncthreads();  // block i landed everywhere; every warp is done with block i - 1's stage
         if (i + 1 < n) load_block(i + 1, (i + 1) & 1);
         __pipeline_commit();
-        const int u = list_u[i], b = base - kQmRange + 1 + u, bstart = b * sbs;
-        const bool every = list_all[i] != 0;
-        // Per row, the keys it reads here: [0, sel_hi] as a selected block (with the page bias
-        // when forced) and [loc_lo, loc_hi] of its local window; both may be empty.
         int sel_hi[2], loc_lo[2], loc_hi[2];
         float bias[2];
+        bool any = false;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int tk = tok[half];
-            sel_hi[half] = -1, loc_lo[half] = 1, loc_hi[half] = 0, bias[half] = 0.0f;
-            if (tk < cnt && list_first[i] >= 0) {
-                const int pos = tok_pos[tk];
-                if ((b + 1) * sbs > pos - local + 1 && bstart <= pos) {  // the local window reaches b
-                    loc_lo[half] = max(pos - local + 1 - bstart, 0);
-                    loc_hi[half] = min(pos - bstart, sbs - 1);
-                }
-                if (every && (mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u)) {  // selected
-                    const int prompt = tok_prompt[tk];
-                    sel_hi[half] = min(min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - bstart, sbs - 1);
-                    bias[half] = (forced_mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
-                }
-            }
-        }
-        if (!__any_sync(0xffffffffu, sel_hi[0] >= 0 || sel_hi[1] >= 0 || loc_lo[0] <= loc_hi[0] ||
-                                         loc_lo[1] <= loc_hi[1]))
-            continue;  // no row of this warp reads block i
+        for (int half = 0; half < 2; ++half)
+            any = reads(i, tok[half], sel_hi[half], loc_lo[half], loc_hi[half], bias[half]) || any;
+        if (WG ? !(list_wg[i] >> (warp / 4) & 1u) : !__any_sync(0xffffffffu, any))
+            continue;  // no row of this warp (WG: warpgroup) reads block i
         const T* k_s = kv_s + (i & 1) * S::stage_elems;
         const T* v_s = k_s + 64 * S::RS;
         float s[8][4];
-        qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
+        if constexpr (WG) {
+            wg_qk_tile_ss<T, D>(s, q_s + (warp / 4) * 64 * D, k_s);
+        } else {
+            qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
+        }
         // Logits in the log2 domain (x log2 e: one multiply-add, then exp2). Where every row of
         // the warp reads the whole block or none of it (a forced page block before every
         // window), no per-key test.
@@ -701,15 +752,19 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
 #pragma unroll
         for (int nn = 0; nn < 8; ++nn)
             softmax_tile<T, true>(s[nn], m, l, pa[nn / 2][(nn % 2) * 2 + 0], pa[nn / 2][(nn % 2) * 2 + 1]);
+        if constexpr (WG) {
+            wg_pv_tile<T, D>(o, pa, v_s, true);
+        } else {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+            for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t bb[4];
-                ldmatrix_x4_trans(bb, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dp * 16 +
-                                          (lane / 16) * 8);
-                mma16816<T>(o[2 * dp], pa[kk], bb[0], bb[1]);
-                mma16816<T>(o[2 * dp + 1], pa[kk], bb[2], bb[3]);
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    uint32_t bb[4];
+                    ldmatrix_x4_trans(bb, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dp * 16 +
+                                              (lane / 16) * 8);
+                    mma16816<T>(o[2 * dp], pa[kk], bb[0], bb[1]);
+                    mma16816<T>(o[2 * dp + 1], pa[kk], bb[2], bb[3]);
+                }
             }
         }
     }
@@ -876,14 +931,15 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             if (err != cudaSuccess) return err;
             const int64_t items = block_major_items((int64_t)tn * plan.bm_slots, plan.bm_num_keys);
             const dim3 grid((unsigned)items, p.num_kv_heads);
+            const bool wg_bm = (plan.warpgroup & kWgBlockMajor) != 0, wg_qm = (plan.warpgroup & kWgQueryMajor) != 0;
             if constexpr (D == 128) {
-                if (plan.warpgroup) {
+                if (wg_bm) {
                     const size_t smem = sizeof(T) * BmSmem<D, true>::elems;
                     if ((err = allow_smem(block_attend_kernel<T, D, true>, smem)) != cudaSuccess) return err;
                     block_attend_kernel<T, D, true><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
                 }
             }
-            if (!plan.warpgroup) {
+            if (D != 128 || !wg_bm) {
                 const size_t smem = sizeof(T) * BmSmem<D>::elems;
                 if ((err = allow_smem(block_attend_kernel<T, D, false>, smem)) != cudaSuccess) return err;
                 block_attend_kernel<T, D, false><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
@@ -891,11 +947,16 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if constexpr (D <= 128) {
                 if (plan.qm_tile > 0) {
-                    if ((err = allow_smem(qm_attend_kernel<T, D>, plan.qm_smem)) != cudaSuccess) return err;
                     const unsigned tiles = (unsigned)((tn + plan.qm_tile - 1) / plan.qm_tile);
-                    qm_attend_kernel<T, D><<<dim3(tiles, p.num_kv_heads), kQmThreads, plan.qm_smem, stream>>>(
-                        p, plan, ws, t0, tn);
-                    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+                    auto launch_qm = [&](auto kernel) {  // plan.qm_smem is the chosen form's (query_major_smem)
+                        cudaError_t e = allow_smem(kernel, plan.qm_smem);
+                        if (e != cudaSuccess) return e;
+                        kernel<<<dim3(tiles, p.num_kv_heads), kQmThreads, plan.qm_smem, stream>>>(p, plan, ws, t0, tn);
+                        return cudaGetLastError();
+                    };
+                    err = D == 128 && wg_qm ? launch_qm(qm_attend_kernel<T, D, D == 128>)
+                                            : launch_qm(qm_attend_kernel<T, D, false>);
+                    if (err != cudaSuccess) return err;
                 }
             }
             constexpr int kHeads = kBmThreads / (D / 8);
@@ -915,9 +976,10 @@ bool qm_merge_fits(const DashParams& p, int bm_slots) {
     return (size_t)kQmRows * bm_slots * sizeof(float2) <= q_bytes;
 }
 
-size_t query_major_smem(const DashParams& p) {
+size_t query_major_smem(const DashParams& p, bool wg) {
     if (p.dtype == DASH_FLOAT32) return 0;
-    return p.head_dim == 64 ? 2 * QmSmem<64>::elems : p.head_dim == 128 ? 2 * QmSmem<128>::elems : 0;
+    if (p.head_dim == 128) return 2 * (wg ? QmSmem<128, true>::elems : QmSmem<128>::elems);
+    return p.head_dim == 64 ? 2 * QmSmem<64>::elems : 0;
 }
 
 bool block_major_supported(const DashParams& p, size_t smem_limit) {

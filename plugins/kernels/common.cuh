@@ -182,6 +182,7 @@ struct Workspace {
 // Query-major tiles (block_attend.cu): a tile is 128 / G consecutive tokens of one sequence,
 // 128 query rows of a KV head; it reads the blocks among the kQmRange before its own one.
 constexpr int kQmRows = 128;
+constexpr int kWgBlockMajor = 1, kWgQueryMajor = 2;  // Plan::warpgroup bits
 constexpr int kQmRange = 128;
 constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 128 tokens a tile
 
@@ -209,7 +210,7 @@ struct Plan {
     int qm_tiles;         // tiles per pass: ceil(bm_chunk / qm_tile)
     size_t qm_smem;       // dynamic shared memory of the query-major kernel
     int qm_merge;         // 1: query-major tiles merge their tokens' block-major partials (no combine for them)
-    int warpgroup;        // 1: the block-major tiles as warpgroup MMAs (sm_90a; warpgroup_tiles)
+    int warpgroup;        // which tiles run as warpgroup MMAs (sm_90a; warpgroup_tiles): kWgBlockMajor | kWgQueryMajor
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;
@@ -279,7 +280,8 @@ int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 bool qm_merge_fits(const DashParams& p, int bm_slots);  // a query-major tile merges its rows' partials itself
-size_t query_major_smem(const DashParams& p);  // 0 where the query-major tiles are not compiled (head dim)
+// 0 where the query-major tiles are not compiled (head dim); wg: their warpgroup form
+size_t query_major_smem(const DashParams& p, bool wg);
 size_t block_major_scan_bytes(int num_items);
 int64_t block_major_items(int64_t entries, int num_keys);  // work items of a pass, at most
 cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,

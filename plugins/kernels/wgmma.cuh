@@ -1,6 +1,6 @@
 // Warpgroup tensor-core helpers (sm_90a only): wgmma.mma_async with float accumulators, A from
-// registers and B from 128-byte-swizzled shared memory, for the block-major and query-major
-// tiles of block_attend.cu. A warpgroup is four consecutive warps (128 threads); warp w of it
+// registers (or, for S = Q K^T, from shared memory too) and B from 128-byte-swizzled shared
+// memory, for the block-major and query-major tiles of block_attend.cu. A warpgroup is four consecutive warps (128 threads); warp w of it
 // owns rows 16w .. 16w + 15 of a 64-row tile, and its A registers and accumulators have the
 // layouts of mma.sync m16n8k16 (mma.cuh): the accumulator of n-tile j (8 columns) is
 // d[4j .. 4j + 3], so the softmax code of the mma.sync tiles runs on it unchanged (PTX ISA,
@@ -98,6 +98,20 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])\
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
+// The same m64n64k16 product with A by descriptor too (desc_a: a K-major swizzled tile, as
+// kmajor_desc gives), so that A takes no registers.
+#define DASH_WGMMA_M64N64K16_SS(TY)                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                             \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"   \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "   \
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),\
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),\
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),\
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])\
+      : "l"(desc_a), "l"(desc), "r"(scale_d))
+
 #define DASH_WGMMA_M64N128K16(TY, TRANS_B)                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                     \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                             \
@@ -130,6 +144,20 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
 #endif
 }
 
+// D[64 x 64] (+)= A[64 x 16] x B[16 x 64] with both from shared memory (A: desc_a, K-major).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc, int scale_d) {
+#if DASH_WGMMA_DEVICE
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        DASH_WGMMA_M64N64K16_SS("bf16");
+    } else {
+        DASH_WGMMA_M64N64K16_SS("f16");
+    }
+#else
+    __trap();
+#endif
+}
+
 // D[64 x 128] (+)= A[64 x 16] x B[16 x 128]: O = P V, B (the values) read transposed.
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,
@@ -146,6 +174,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_tb(float (&d)[64], const uint32
 }
 
 #undef DASH_WGMMA_M64N64K16
+#undef DASH_WGMMA_M64N64K16_SS
 #undef DASH_WGMMA_M64N128K16
 
 }  // namespace dash

@@ -110,8 +110,9 @@ typedef struct DashParams {
                                             many of its tokens select it; its local windows always (0: 3/8 of the
                                             tile's tokens; < 0: no query-major tiles) */
     int32_t tune_warpgroup_mma;          /* block-major prefill on an sm_90 GPU, with a build for architecture 90a,
-                                            head dim 128: the tiles as warpgroup MMAs (0: yes; < 0: the mma.sync
-                                            tiles of sm_80 / sm_89 everywhere) */
+                                            head dim 128: the tiles as warpgroup MMAs (0: the block-major and the
+                                            query-major tiles; 1: the block-major ones only; 2: the query-major
+                                            ones only; < 0: the mma.sync tiles of sm_80 / sm_89 everywhere) */
 } DashParams;
 
 #ifdef __cplusplus

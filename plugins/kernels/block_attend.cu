@@ -30,8 +30,10 @@
 namespace dash {
 namespace {
 
-constexpr int kBmThreads = 128;
-constexpr int kWarps = kBmThreads / 32;
+constexpr int kBmThreads = 128;  // block_attend_kernel's mma.sync form (four warps); bm_combine_kernel
+// Threads of block_attend_kernel: four warps, or with warpgroup MMA two warpgroups sharing the
+// block's keys and values (twice the rows per load, 16 warps an SM instead of 12).
+__host__ __device__ constexpr int bm_threads(bool wg) { return wg ? 256 : kBmThreads; }
 
 // The sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for j < kmax
 // the j-th selected block of the token (forced: page-biased); for j = kmax + i the block i
@@ -252,9 +254,10 @@ struct BmSmem {
     static constexpr int RS = D + 8;
     static constexpr int kv_rows = 64;
     static constexpr int q_rows = 16;
+    static constexpr int warps = bm_threads(WG) / 32;
     static constexpr size_t kv_elems = WG ? (size_t)kv_rows * D : (size_t)kv_rows * RS;  // one of K, V
     static constexpr size_t align_elems = WG ? 512 : 0;
-    static constexpr size_t elems = align_elems + 2 * kv_elems + (size_t)kWarps * 2 * q_rows * RS;
+    static constexpr size_t elems = align_elems + 2 * kv_elems + (size_t)warps * 2 * q_rows * RS;
     // Element offset of (key row i, column d) in the K or V tile.
     static __device__ __forceinline__ int kv_at(int i, int d) { return WG ? sw128_offset<kv_rows>(i, d) : i * RS + d; }
 };
@@ -265,13 +268,14 @@ struct BmSmem {
 // computes the current one. An entry's valid keys are the offsets [lo, hi] of the block: a
 // selected block stops at the local window and at prompt_length; a local-window block covers
 // [pos - local + 1, pos]. Each row leaves its normalised output in T and (max, sum) in float.
-// WG (sm_90a, D = 128): the CTA is one warpgroup and serves 64-row tiles together, S = Q K^T and
-// O = P V as warpgroup MMAs with K and V read from shared memory once per 64 rows (the mma.sync
-// tiles read them once per 16); the queries, masks, softmax and stores are the same code.
+// WG (sm_90a, D = 128): the CTA is two warpgroups, each serving 64-row tiles together, S = Q K^T
+// and O = P V as warpgroup MMAs with K and V read from shared memory once per 64 rows (the
+// mma.sync tiles read them once per 16); the queries, masks, softmax and stores are the same code.
 template <typename T, int D, bool WG>
-__global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashParams p, const Plan plan, Workspace ws,
-                                                                  int t0) {
-    static_assert(!WG || (D == 128 && kBmThreads == 128), "warpgroup tiles: one warpgroup, D = 128");
+__global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const DashParams p, const Plan plan,
+                                                                      Workspace ws, int t0) {
+    static_assert(!WG || D == 128, "warpgroup tiles: D = 128");
+    constexpr int kThreads = bm_threads(WG), kW = kThreads / 32;
     using S = BmSmem<D, WG>;
     const int w = blockIdx.x, h = blockIdx.y;
     const int nitems = ws.bm_work[plan.bm_num_keys];  // both reads in one round; the item's entry
@@ -280,6 +284,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     const int key = item.x, begin = item.y, count = item.z;
     if (count <= 0) return;
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
+    const int gshift = __ffs(group) - 1;  // G divides 16 (block_major_supported): row / G and row % G as bit operations
     const int per = p.block_size / sbs;
     const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * sbs;
     const int local = p.sparse_local_block * sbs;
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     constexpr int kChunk = 8;  // elements per 16-byte copy
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
-    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kBmThreads) {
+    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
         const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
         const int64_t off = ((first_slot + i) * hkv + h) * D + d;
         __pipeline_memcpy_async(k_s + S::kv_at(i, d), kc + off, 16);
@@ -302,13 +307,14 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
     }
     __pipeline_commit();
 
-    // Every entry's metadata: chunk token, slot, valid key offsets [lo, hi] and logit bias.
-    __shared__ int ent_tl[kEntriesPerCta], ent_j[kEntriesPerCta], ent_lo[kEntriesPerCta], ent_hi[kEntriesPerCta];
+    // Every entry's metadata: its first rotated query row (of head h * G) and first partial row,
+    // valid key offsets [lo, hi] and logit bias. Row r of the tiles is head r % G of entry r / G.
+    __shared__ int ent_q[kEntriesPerCta], ent_p[kEntriesPerCta], ent_lo[kEntriesPerCta], ent_hi[kEntriesPerCta];
     __shared__ float ent_bias[kEntriesPerCta];
     __shared__ int s_rows;  // key rows any entry may read; later rows are zero-filled
     if (threadIdx.x == 0) s_rows = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < count; i += kBmThreads) {
+    for (int i = threadIdx.x; i < count; i += kThreads) {
         const int e = ws.bm_entries[begin + i];
         const int tl = e / plan.bm_slots, j = e % plan.bm_slots;
         const int t = t0 + tl;
@@ -326,8 +332,8 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
             lo = pos - local + 1 - base;
             hi = pos - base;
         }
-        ent_tl[i] = tl;
-        ent_j[i] = j;
+        ent_q[i] = tl * p.num_heads + h * group;
+        ent_p[i] = (tl * plan.bm_slots + j) * p.num_heads + h * group;
         ent_lo[i] = max(lo, 0);
         ent_hi[i] = min(hi, sbs - 1);
         ent_bias[i] = bias;
@@ -343,20 +349,24 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
 #pragma unroll
         for (int c = lane; c < 16 * (D / kChunk); c += 32) {
             const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const int row = tile * 16 + r, ei = row / group, g = row % group;
+            const int row = tile * 16 + r, ei = row >> gshift;
             const bool in = ei < count;
-            const int64_t off = in ? ((int64_t)ent_tl[ei] * p.num_heads + h * group + g) * D + d : 0;
+            const int64_t off = in ? (int64_t)(ent_q[ei] + (row & (group - 1))) * D + d : 0;
             __pipeline_memcpy_async(dst + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
         }
     };
-    if (WG || warp < tiles) gather(warp, 0);  // WG: every warp takes part in every tile (zero rows past the entries)
+    // Warp w serves 16-row tiles w, w + kW, ...; with WG the four warps of warpgroup g serve its
+    // 64-row tile 2 it + g of round it together (16-row tiles it * kW + warp), so a warpgroup runs
+    // every round in which its first warp has a tile (rows past the entries are zero).
+    const int lead = WG ? warp / 4 * 4 : warp;
+    if (lead < tiles) gather(warp, 0);
     __pipeline_commit();
     __pipeline_wait_prior(1);  // K and V (the gather may still be in flight)
     // Rows past every entry's range may be unwritten slots: zero, so that a zero probability
     // never meets a NaN (their logits are masked whatever the keys hold). Each thread clears the
     // chunks it copied itself, which have landed.
     const int rows = s_rows;
-    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kBmThreads) {
+    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
         const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
         if (i < rows) continue;
         *reinterpret_cast<uint4*>(k_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
@@ -367,11 +377,9 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
-    // Warp w serves 16-row tiles w, w + 4, ...; with WG the four warps' tiles of a round form
-    // one 64-row warpgroup tile, so every warp runs every round.
-    for (int it = 0; WG ? it * kWarps < tiles : warp + it * kWarps < tiles; ++it) {
-        const int tile = warp + it * kWarps;
-        if (tile + kWarps < tiles || (WG && (it + 1) * kWarps < tiles)) gather(tile + kWarps, (it + 1) & 1);
+    for (int it = 0; lead + it * kW < tiles; ++it) {
+        const int tile = warp + it * kW;
+        if (lead + (it + 1) * kW < tiles) gather(tile + kW, (it + 1) & 1);
         __pipeline_commit();
         __pipeline_wait_prior(1);
         __syncwarp();
@@ -388,7 +396,7 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         float bias[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int ei = (tile * 16 + r0 + half * 8) / group;
+            const int ei = (tile * 16 + r0 + half * 8) >> gshift;
             const bool in = ei < count;
             lo[half] = in ? ent_lo[ei] : 1;
             hi[half] = in ? ent_hi[ei] : 0;
@@ -469,10 +477,9 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
         if (quad == 0) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int row = tile * 16 + r0 + half * 8, ei = row / group;
+                const int row = tile * 16 + r0 + half * 8, ei = row >> gshift;
                 if (ei < count) {
-                    const int64_t at = ((int64_t)ent_tl[ei] * plan.bm_slots + ent_j[ei]) * p.num_heads + h * group +
-                                       row % group;
+                    const int at = ent_p[ei] + (row & (group - 1));
                     ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
                 }
             }
@@ -482,10 +489,10 @@ __global__ void __launch_bounds__(kBmThreads) block_attend_kernel(const DashPara
 #pragma unroll
         for (int c = lane; c < 16 * (D / kChunk); c += 32) {
             const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const int row = tile * 16 + r, ei = row / group;
+            const int row = tile * 16 + r, ei = row >> gshift;
             if (ei >= count) continue;
-            const int64_t at = ((int64_t)ent_tl[ei] * plan.bm_slots + ent_j[ei]) * p.num_heads + h * group + row % group;
-            *reinterpret_cast<uint4*>(static_cast<T*>(ws.bm_part_o) + at * D + d) =
+            const int at = ent_p[ei] + (row & (group - 1));
+            *reinterpret_cast<uint4*>(static_cast<T*>(ws.bm_part_o) + (int64_t)at * D + d) =
                 *reinterpret_cast<const uint4*>(q_b + r * S::RS + d);
         }
         __syncwarp();  // the buffer is gathered into again two tiles on
@@ -539,6 +546,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const int base = ws.qm_base[tile];
     if (base < 0) return;
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
+    const int gshift = __ffs(group) - 1;  // G divides 16 (block_major_supported): row / G and row % G as bit operations
     const int tt = plan.qm_tile, ta = tile * tt, cnt = min(tt, tn - ta);  // chunk-relative tokens
     const int seq = ws.token_seq[t0 + ta];
     const int local = p.sparse_local_block * sbs, per = p.block_size / sbs;
@@ -567,7 +575,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const T* qrot = static_cast<const T*>(ws.bm_qrot);
     for (int c = threadIdx.x; c < kQmRows * (D / kChunk); c += kQmThreads) {
         const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-        const int tok = r / group, g = r % group;
+        const int tok = r >> gshift, g = r & (group - 1);
         const bool in = tok < cnt;
         const int64_t off = in ? ((int64_t)(ta + tok) * p.num_heads + h * group + g) * D + d : 0;
         __pipeline_memcpy_async(q_s + S::q_at(r, d), qrot + off, 16, in ? 0 : 16);
@@ -671,7 +679,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const int quad = lane % 4, r0 = lane / 4;
     int tok[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) tok[half] = (warp * 16 + r0 + half * 8) / group;
+    for (int half = 0; half < 2; ++half) tok[half] = (warp * 16 + r0 + half * 8) >> gshift;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float o[D / 8][4];
 #pragma unroll
@@ -774,7 +782,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     // (1) each warp stages its 16 rows (unnormalised, fp32; max in base e and sum) in the K / V
     // stages, which no warp reads any more; (2) a thread per row finds the row's block-major
     // slots and their weights (normalised) and lists them where the queries were; (3) a thread
-    // per 8 output columns of a row adds the listed partials, eight loads in flight at a time.
+    // per 8 output columns of a row adds the listed partials, sixteen loads in flight at a time.
     // Without it (a list too long for the space), slot kmax of the partials, for the combine.
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
@@ -815,26 +823,29 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     __syncthreads();
     const float2* ml_g = ws.bm_part_ml;
     for (int row = threadIdx.x; row < kQmRows; row += kQmThreads) {
-        const int tk = row / group;
+        const int tk = row >> gshift;
         if (tk >= cnt) continue;
-        const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + h * group + row % group;
+        const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + h * group + (row & (group - 1));
         const float2 own = row_ml[row];
         float mx = own.y > 0.0f ? own.x : -INFINITY;
-        for (int s0 = 0; s0 < plan.bm_slots; s0 += 8) {
-            float2 ml[8];
+        float2* li = list + row * plan.bm_slots;
+        // Every slot's (max, sum), 16 loads in flight, kept in the row's list for the second pass.
+        for (int s0 = 0; s0 < plan.bm_slots; s0 += 16) {
+            float2 ml[16];
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
+            for (int u = 0; u < 16; ++u)
                 ml[u] = s0 + u < plan.bm_slots ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
+            for (int u = 0; u < 16; ++u) {
+                if (s0 + u < plan.bm_slots) li[s0 + u] = ml[u];
                 if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
+            }
         }
         const float w_own = own.y > 0.0f ? expf(own.x - mx) : 0.0f;  // weighs the unnormalised row
         float denom = w_own * own.y;
         int n = 0;
-        float2* li = list + row * plan.bm_slots;
-        for (int s = 0; s < plan.bm_slots; ++s) {
-            const float2 ml = ml_g[row0 + (int64_t)s * p.num_heads];
+        for (int s = 0; s < plan.bm_slots; ++s) {  // compacted in place: entry n <= s is rewritten after s is read
+            const float2 ml = li[s];
             if (!(ml.y > 0.0f)) continue;  // not a block-major entry (the query-major slots among them)
             const float wgt = partial_weight(ml, mx);
             denom += wgt;
@@ -849,9 +860,9 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     constexpr int kChunks = D / 8;  // a thread's 8 output columns of a row; consecutive threads, consecutive columns
     const T* part_o = static_cast<const T*>(ws.bm_part_o);
     for (int pi = threadIdx.x; pi < kQmRows * kChunks; pi += kQmThreads) {
-        const int row = pi / kChunks, d0 = (pi % kChunks) * 8, tk = row / group;
+        const int row = pi / kChunks, d0 = (pi % kChunks) * 8, tk = row >> gshift;
         if (tk >= cnt) continue;
-        const int head = h * group + row % group;
+        const int head = h * group + (row & (group - 1));
         const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + head;
         const float w_own = row_ml[row].x;
         float acc[8];
@@ -859,7 +870,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         for (int i = 0; i < 8; ++i) acc[i] = w_own * o_s[row * ORS + d0 + i];
         const int n = row_n[row];
         const float2* li = list + row * plan.bm_slots;
-        constexpr int kBatch = 8;  // loads in flight (a row's block-major entries: about half its slots)
+        constexpr int kBatch = 16;  // loads in flight (a row's block-major entries: about half its slots)
         for (int j0 = 0; j0 < n; j0 += kBatch) {
             uint4 raw[kBatch];
 #pragma unroll
@@ -936,13 +947,13 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
                 if (wg_bm) {
                     const size_t smem = sizeof(T) * BmSmem<D, true>::elems;
                     if ((err = allow_smem(block_attend_kernel<T, D, true>, smem)) != cudaSuccess) return err;
-                    block_attend_kernel<T, D, true><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
+                    block_attend_kernel<T, D, true><<<grid, bm_threads(true), smem, stream>>>(p, plan, ws, t0);
                 }
             }
             if (D != 128 || !wg_bm) {
                 const size_t smem = sizeof(T) * BmSmem<D>::elems;
                 if ((err = allow_smem(block_attend_kernel<T, D, false>, smem)) != cudaSuccess) return err;
-                block_attend_kernel<T, D, false><<<grid, kBmThreads, smem, stream>>>(p, plan, ws, t0);
+                block_attend_kernel<T, D, false><<<grid, bm_threads(false), smem, stream>>>(p, plan, ws, t0);
             }
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if constexpr (D <= 128) {

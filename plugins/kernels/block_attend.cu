@@ -178,6 +178,22 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
     }
 }
 
+// Logits of a tile whose rows each read their whole block or none of it (none[half]: rows r0 and
+// r0 + 8 of the lane), in the log2 domain: x = s * c2 + add[half] (c2 = scale x log2 e), -inf for
+// a row that reads nothing; m[half] takes the rows' maximum. Both tile kernels' fast path.
+__device__ __forceinline__ void whole_block_logits(float (&s)[8][4], const bool (&none)[2], float c2,
+                                                   const float (&add)[2], float (&m)[2]) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int half = e / 2;
+            const float x = none[half] ? -INFINITY : fmaf(s[n][e], c2, add[half]);
+            s[n][e] = x;
+            m[half] = fmaxf(m[half], x);
+        }
+}
+
 // The warpgroup forms of qk_tile and of P V (WG tiles; all four warps of the warpgroup call them
 // together). S = Q K^T: this warp's 16 query rows (q, rows rs elements apart) as A registers,
 // the 64 keys of k_s (a swizzled 64 x D tile) as B. O = P V: P in the A layout (pa, as
@@ -415,15 +431,7 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
             bias[half] *= kLog2e;
         }
         if (__all_sync(0xffffffffu, whole)) {
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int half = e / 2;
-                    const float x = none[half] ? -INFINITY : fmaf(s[n][e], c2, bias[half]);
-                    s[n][e] = x;
-                    m[half] = fmaxf(m[half], x);
-                }
+            whole_block_logits(s, none, c2, bias, m);
         } else {
 #pragma unroll
             for (int n = 0; n < 8; ++n)
@@ -721,15 +729,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         }
         const float c2 = scale * kLog2e;
         if (__all_sync(0xffffffffu, whole)) {
-#pragma unroll
-            for (int nn = 0; nn < 8; ++nn)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int half = e / 2;
-                    const float x = none[half] ? -INFINITY : fmaf(s[nn][e], c2, add[half]);
-                    s[nn][e] = x;
-                    mb[half] = fmaxf(mb[half], x);
-                }
+            whole_block_logits(s, none, c2, add, mb);
         } else {
 #pragma unroll
             for (int nn = 0; nn < 8; ++nn)

@@ -665,6 +665,10 @@ def main() -> int:
                          "differs on sm_90 only)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
+    try:
+        mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--ab-mma: comma-separated integers, got {a.ab_mma!r}")
     TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
     PEERS = tuple(p.strip() for p in a.peers.split(",") if p.strip())
     if not PEERS or set(PEERS) - set(sdpa_backends()):
@@ -713,10 +717,6 @@ def main() -> int:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
         mma_label = {-1: " (mma.sync tiles)", 1: " (warpgroup block-major tiles only)",
                      2: " (warpgroup query-major tiles only)"}
-        try:
-            mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
-        except ValueError:
-            ap.error(f"--ab-mma: comma-separated integers, got {a.ab_mma!r}")
         for seq in ([4096] if a.quick else [4096, 16384, 65536, 131072]):
             rows.append(prefill_case(seq, gen, flush, a))
             print(f"prefill {seq // 1024}k done", flush=True)

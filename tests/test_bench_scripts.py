@@ -49,3 +49,17 @@ def test_bench_script_takes_from_bench_dash_only_what_it_has(path, monkeypatch):
 def test_the_check_finds_a_missing_name():
     tree = ast.parse("import bench_dash as B\nfrom bench_dash import time_ms\nB.decode_step(1)\n")
     assert _uses_of_bench_dash(tree) == {"time_ms", "decode_step"}
+
+
+@pytest.mark.parametrize("value", ["x", "1,two", "1.5"])
+def test_bench_dash_refuses_a_malformed_ab_mma_list_before_it_needs_a_gpu(value, monkeypatch, capsys):
+    """``--ab-mma`` takes comma-separated warpgroup_mma values; anything else is an argument
+    error at once (exit 2, the value named), not after the decode cases have run."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_dash", None)
+    bench_dash = _load(BENCH / "bench_dash.py")
+    monkeypatch.setattr(sys, "argv", ["bench_dash.py", "--prefill-only", "--ab-mma", value])
+    with pytest.raises(SystemExit) as exc:
+        bench_dash.main()
+    assert exc.value.code == 2
+    assert f"--ab-mma: comma-separated integers, got {value!r}" in capsys.readouterr().err

@@ -69,6 +69,8 @@ CFG = DashConfig.from_dict({"sparse_block_size": SBS, "sparse_local_block": 1, "
 SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
+AB: list = []  # --ab: (knobs as given, dash_trt.cuda.Tuning) of each variant
+AB_PREFIX = "ab:"
 #: The SDPA backends timed as peers (--peers).
 PEERS = ("flash", "cudnn", "efficient")
 
@@ -280,11 +282,19 @@ def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool, len
     return (q, k, v, iq, ik, coords, head_cls), cache, batch, lengths
 
 
-def dash_call(args, cache, batch, max_query_len=1):
+def dash_call(args, cache, batch, max_query_len=1, tuning=None):
+    knobs = TUNING if tuning is None else tuning
+
     def call():
         return dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, validate=False,
-                                               max_query_len=max_query_len, tuning=TUNING)
+                                               max_query_len=max_query_len, tuning=knobs)
     return call
+
+
+def ab_graphs(make) -> dict:
+    """``--ab``: a graph of ``make(tuning)`` for each variant, named ``ab:<knobs>``, timed in the same
+    rounds as DASH's default (a variant's ratio is then its time over the default's)."""
+    return {AB_PREFIX + spec: graph_of(make(tuning)) for spec, tuning in AB}
 
 
 def decode_step(nseq: int, ctx: int, gen, mid_block: bool = False, forced: int = 0, lengths=None):
@@ -364,7 +374,7 @@ def summarize(times: dict, dash: str = "dash") -> dict:
         if name != dash:
             out[name]["ratio"] = {kind: stats([p / d for p, d in zip(vals, times[dash][kind])])
                                   for kind, vals in t.items()}
-    peers = [n for n in times if n != dash and not n.startswith("same-")]
+    peers = [n for n in times if n != dash and not n.startswith(("same-", AB_PREFIX))]
     if peers:
         out["peer"] = min(peers, key=lambda n: out[n]["warm"]["median"])
     same = [n for n in times if n.startswith("same-")]
@@ -422,6 +432,7 @@ def mixed_case(ndec, ctx, chunk, gen, flush, a) -> dict:
     prefill peer)."""
     args, cache, batch, lengths = mixed_inputs(ndec, ctx, chunk, gen)
     graphs = {"dash": graph_of(dash_call(args, cache, batch, max_query_len=chunk))}
+    graphs.update(ab_graphs(lambda t: dash_call(args, cache, batch, max_query_len=chunk, tuning=t)))
     tables = batch["block_tables"].long()
     kv = [t[tables].reshape(ndec + 1, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
           for t in (cache.key, cache.value)]
@@ -442,7 +453,8 @@ def mixed_case(ndec, ctx, chunk, gen, flush, a) -> dict:
 
 def prefill_step(seq: int, gen, tuning=None, correlated: bool = False):
     """The DASH call of one ``seq``-token prompt of 64 document pages and its inputs:
-    ``(fn, (q, k, v))``. ``correlated``: the indexer queries of a page's tokens are one random
+    ``(fn, (q, k, v), with_knobs)``, ``with_knobs(tuning)`` the same call with other knobs (the
+    same inputs and cache). ``correlated``: the indexer queries of a page's tokens are one random
     vector of the page plus a tenth of its size in per-token noise (what a trained indexer does
     for tokens that read alike), instead of independent for every token."""
     nb = seq // SBS + 1
@@ -463,18 +475,21 @@ def prefill_step(seq: int, gen, tuning=None, correlated: bool = False):
     if correlated:
         page_of = (torch.arange(seq, device="cuda") // per).clamp(max=pages - 1)
         iq = (rnd(gen, pages, DI).float()[page_of] + 0.1 * iq.float()).to(DT)
-    knobs = TUNING if tuning is None else tuning
 
-    def dash():
-        return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                               layer_idx=0, validate=False, tuning=knobs)
+    def with_knobs(knobs):
+        def dash():
+            return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
+                                                   layer_idx=0, validate=False, tuning=knobs)
+        return dash
 
-    return dash, (q, k, v)
+    return with_knobs(TUNING if tuning is None else tuning), (q, k, v), with_knobs
 
 
 def prefill_case(seq, gen, flush, a, tuning=None, label="", correlated=False) -> dict:
-    dash, (q, k, v) = prefill_step(seq, gen, tuning, correlated)
+    dash, (q, k, v), with_knobs = prefill_step(seq, gen, tuning, correlated)
     graphs = {"dash": graph_of(dash)}
+    if tuning is None:
+        graphs.update(ab_graphs(with_knobs))
     qd = q.transpose(0, 1)[None]
     kd = k.transpose(0, 1)[None].repeat_interleave(G, 1)
     vd = v.transpose(0, 1)[None].repeat_interleave(G, 1)
@@ -596,6 +611,17 @@ def print_tables(rows, env, out=sys.stdout) -> None:
         print(f"| 1 x {r['seq'] // 1024}k{r['label']} | {fmt(s['dash']['warm'])} | {fmt(s['dash']['cold'])} | {peer} | "
               f"{fmt(s[peer]['warm'])} | {ratio_fmt(s[peer]['ratio']['warm'])} | {ratio_fmt(s[peer]['ratio']['cold'])} | "
               f"{r['flops'] / d / 1e9:.0f} | {r['dense_flops'] / p / 1e9:.0f} |", file=out)
+    ab = [(r, n) for r in rows for n in r["summary"] if n.startswith(AB_PREFIX)]
+    if ab:
+        print("\nA/B (--ab): each variant in the same rounds as the default knobs; ratio = variant / default, "
+              "median (min-max) over rounds:", file=out)
+        print("| case | variant | default cold | variant cold | ratio cold | ratio warm |", file=out)
+        print("| --- | --- | ---: | ---: | ---: | ---: |", file=out)
+        for r, n in ab:
+            s = r["summary"]
+            case = r["label"] if r["kind"] == "mixed" else f"1 x {r['seq'] // 1024}k{r['label']}"
+            print(f"| {case} | {n[len(AB_PREFIX):]} | {fmt(s['dash']['cold'])} | {fmt(s[n]['cold'])} | "
+                  f"{ratio_fmt(s[n]['ratio']['cold'])} | {ratio_fmt(s[n]['ratio']['warm'])} |", file=out)
     skipped = {(r["kind"], n): why for r in rows for n, why in r["skipped"].items()}
     for (kind, name), why in sorted(skipped.items()):
         print(f"not run: SDPA {name} on {kind}: {why}", file=out)
@@ -653,6 +679,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="back-to-back replays per warm timing (%(default)s)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    ap.add_argument("--only", default="", metavar="KIND[,KIND]",
+                    help="only these kinds of case: decode, mixed (prefill chunk + decode in one call), prefill")
     ap.add_argument("--no-sweep", action="store_true", help="only the headline decode cases (32 x 8k/32k/128k)")
     ap.add_argument("--no-same", action="store_true", help="leave out the same-sparsity peer")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to time (default %(default)s)")
@@ -664,12 +692,26 @@ def main() -> int:
                          "tiles; 1: warpgroup block-major tiles only; 2: warpgroup query-major tiles only; "
                          "differs on sm_90 only)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
+    ap.add_argument("--ab", default="", metavar="KNOBS[;KNOBS]",
+                    help="each prefill and mixed case also with these knobs (over --tuning), e.g. "
+                         "'block_major_warpgroups=1;block_major_warpgroups=2', timed in the same rounds as the "
+                         "default: the A/B table gives each variant's time over the default's")
     a = ap.parse_args()
     try:
         mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--ab-mma: comma-separated integers, got {a.ab_mma!r}")
-    TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
+    try:
+        TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
+        AB[:] = [(spec, dcuda.Tuning.parse(f"{a.tuning},{spec}")) for spec in
+                 (x.strip() for x in a.ab.split(";")) if spec]
+    except ValueError as e:
+        ap.error(f"--tuning / --ab: {e}")
+    kinds = {"prefill"} if a.prefill_only else {"decode", "mixed"} if a.decode_only else {"decode", "mixed", "prefill"}
+    if a.only:
+        kinds = {k.strip() for k in a.only.split(",") if k.strip()}
+        if not kinds or kinds - {"decode", "mixed", "prefill"}:
+            ap.error(f"--only: choose from decode, mixed, prefill, got {a.only!r}")
     PEERS = tuple(p.strip() for p in a.peers.split(",") if p.strip())
     if not PEERS or set(PEERS) - set(sdpa_backends()):
         ap.error(f"--peers: choose from {', '.join(sdpa_backends())}, got {a.peers!r}")
@@ -682,12 +724,13 @@ def main() -> int:
     env = provenance()
     env["read_gbs"], env["copy_gbs"] = streaming_read_gbs(), copy_gbs()
     torch.cuda.empty_cache()
-    if not a.no_check and not a.prefill_only:
+    if not a.no_check and "decode" in kinds:
         print(f"check: real-top-k decode step vs the paged operator: {check_decode(gen)}", flush=True)
+    if not a.no_check and "mixed" in kinds:
         print(f"check: mixed prefill + decode step vs the paged operator: {check_mixed(gen)}", flush=True)
     flush = Flusher()
     rows = []
-    if not a.prefill_only:
+    if "decode" in kinds:
         headline = [(4, 8192)] if a.quick else [(32, 8192), (32, 32768), (32, 131072)]
         for nseq, ctx in headline:
             for mid in (False, True):
@@ -702,9 +745,11 @@ def main() -> int:
                                                                  generator=torch.Generator().manual_seed(1)))
             rows.append(decode_case(32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k"))
             print("decode 32 x mixed done", flush=True)
+    if "mixed" in kinds:
         for ndec, ctx, chunk in ([(3, 8192, 512)] if a.quick else [(31, 32768, 2048), (31, 131072, 2048)]):
             rows.append(mixed_case(ndec, ctx, chunk, gen, flush, a))
             print(f"mixed {ndec} decode + {chunk} chunk at {ctx // 1024}k done", flush=True)
+    if "decode" in kinds:
         if not a.no_sweep and not a.quick:
             for nseq in (1, 8, 32, 128):
                 for ctx in (4096, 8192, 32768, 131072):
@@ -713,7 +758,7 @@ def main() -> int:
                     if nseq * ctx <= 32 * 131072:
                         rows.append(decode_case(nseq, ctx, gen, flush, a))
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
-    if not a.decode_only:
+    if "prefill" in kinds:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
         mma_label = {-1: " (mma.sync tiles)", 1: " (warpgroup block-major tiles only)",
                      2: " (warpgroup query-major tiles only)"}

@@ -74,7 +74,7 @@ def main() -> int:
                        profile(fn))
                 del fn
         else:
-            fn, _ = B.prefill_step(a.seq, gen)
+            fn, *_ = B.prefill_step(a.seq, gen)
             report(f"prefill 1 x {a.seq // 1024}k", profile(fn))
             del fn
         torch.cuda.empty_cache()

@@ -14,6 +14,6 @@ which = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if which == "decode":
     fn, _ = B.decode_step(32, int(sys.argv[2]) if len(sys.argv) > 2 else 32768, gen)
 else:
-    fn, _ = B.prefill_step(int(sys.argv[2]) if len(sys.argv) > 2 else 8192, gen)
+    fn, *_ = B.prefill_step(int(sys.argv[2]) if len(sys.argv) > 2 else 8192, gen)
 fn()
 torch.cuda.synchronize()

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -82,7 +82,7 @@ class DashParams(ctypes.Structure):
         ("tune_block_major_min_tokens", ctypes.c_int32), ("tune_block_major_chunk", ctypes.c_int32),
         ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
         ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
-        ("tune_warpgroup_mma", ctypes.c_int32),
+        ("tune_warpgroup_mma", ctypes.c_int32), ("tune_block_major_warpgroups", ctypes.c_int32),
     ]
 
 
@@ -110,6 +110,9 @@ class Tuning:
     #: warpgroup MMAs (0: both tile kinds; 1: the block-major tiles only; 2: the query-major tiles
     #: only; < 0: the mma.sync tiles everywhere)
     warpgroup_mma: int = 0
+    #: where the block-major tiles are warpgroup MMAs: warpgroups per CTA, sharing one block's keys
+    #: and values (0: the plan picks by the entries a block can expect per pass; 1; 2)
+    block_major_warpgroups: int = 0
 
     def params(self) -> dict[str, int]:
         return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}

@@ -63,3 +63,23 @@ def test_bench_dash_refuses_a_malformed_ab_mma_list_before_it_needs_a_gpu(value,
         bench_dash.main()
     assert exc.value.code == 2
     assert f"--ab-mma: comma-separated integers, got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--ab", "block_major_warpgroups=1;warpgroups=2", "--tuning / --ab: unknown tuning knob 'warpgroups'"),
+    ("--ab", "block_major_warpgroups=one", "--tuning / --ab: invalid literal for int()"),
+    ("--tuning", "chunk=5", "--tuning / --ab: unknown tuning knob 'chunk'"),
+    ("--only", "mixed,decodes", "--only: choose from decode, mixed, prefill, got 'mixed,decodes'"),
+])
+def test_bench_dash_refuses_unknown_knobs_before_it_needs_a_gpu(flag, value, message, monkeypatch, capsys):
+    """``--tuning`` and each ``--ab`` variant name dash_trt.cuda.Tuning knobs, ``--only`` kinds of
+    case; an unknown name or a value that is not an integer is an argument error at once (exit
+    2), not a traceback after the first cases have run."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_dash", None)
+    bench_dash = _load(BENCH / "bench_dash.py")
+    monkeypatch.setattr(sys, "argv", ["bench_dash.py", "--prefill-only", flag, value])
+    with pytest.raises(SystemExit) as exc:
+        bench_dash.main()
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

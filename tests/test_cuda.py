@@ -586,15 +586,19 @@ def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_
     default where the library carries sm_90a code: warpgroup_mma=0), either kind alone (1: the
     block-major ones, 2: the query-major ones) and the mma.sync tiles (-1) all match the
     reference, and each other to rounding (fp32 accumulation in a different order); elsewhere
-    every run takes the mma.sync tiles and they must agree bit for bit."""
+    every run takes the mma.sync tiles and they must agree bit for bit. The warpgroup block-major
+    tiles in CTAs of one and of two warpgroups (block_major_warpgroups 1, 2) compute every 64-row
+    tile alike: bit for bit the same output."""
     outs = []
-    for wg in (0, 1, 2, -1):
+    for wg, bm_wg in ((0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (-1, 0)):
         tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min,
-                             warpgroup_mma=wg)
+                             warpgroup_mma=wg, block_major_warpgroups=bm_wg)
         steps = run_tile_case(dtype, heads, kv_heads, 128, tuning, heads + kv_heads + share_min, (2, 6), 500)
         outs.append([out.float() for out in steps])
     cap = torch.cuda.get_device_capability()
     hopper = cap == (9, 0) and any(a == "sm_90a" for a in (cuda.compiled_architectures() or ()))
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             if hopper:

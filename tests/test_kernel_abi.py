@@ -65,6 +65,8 @@ def test_workspace_and_selected_width():
         ({"dtype": 7}, 2, "unsupported dtype code: 7"),
         ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
         ({"table_width": 100000}, 2, "context too long for the routing stage"),
+        ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),
+        ({"tune_block_major_warpgroups": -1}, 1, "tune_block_major_warpgroups must be 0"),
     ],
 )
 def test_validation_messages(change, status, message):
@@ -147,6 +149,7 @@ def test_query_major_tiles_are_planned_where_compiled():
     assert size(head_dim=256) == size(head_dim=256, tune_tile_share_min=-1)
     # the warpgroup MMA tiles (sm_90a) need no buffer of their own: the workspace is the same either way
     assert size(head_dim=128, tune_warpgroup_mma=-1) == size(head_dim=128)
+    assert size(head_dim=128, tune_block_major_warpgroups=1) == size(head_dim=128, tune_block_major_warpgroups=2)
     assert size(dtype=0) == size(dtype=0, tune_tile_share_min=-1)
 
 

@@ -29,6 +29,7 @@ constexpr size_t kStaticSmemAllowance = 8 * 1024;  // static shared memory besid
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
+constexpr double kBmTwoWgRows = 1024;       // expected rows per block from which a block-major CTA is two warpgroups
 
 // The tuning fields of DashParams (params.h), 0 meaning the default above. No getenv: every
 // knob is a parameter the caller passes, so a plan depends on its params alone.
@@ -93,6 +94,21 @@ int warpgroup_tiles(const DashParams& p) {
     (void)p;
     return 0;
 #endif
+}
+
+// Warpgroups per block-major CTA where its tiles are warpgroup MMAs (tune_block_major_warpgroups
+// 1 or 2; 0: by the rows a block can expect per pass). Two warpgroups share one block's keys and
+// values (16 warps an SM in 2 CTAs); one warpgroup holds half the shared memory (12 warps in 3
+// CTAs). Where a pass spreads few rows over many blocks (a 2048-token chunk late in a long
+// context) the second warpgroup idles: on the H200, 31 decode tokens + a 2048-token chunk at
+// 128k took 17% longer with two, at 32k 10%; a 64k and a 128k prompt ran as fast with one, a
+// 16k prompt 1-2% slower (docs/performance.md). The expectation, chunk tokens x kmax x G rows
+// over a full-length sequence's blocks, is the rows per block if every block were read alike;
+// where the block table is wider than the sequences it underestimates, which picks one.
+int block_major_warpgroups(const DashParams& p, const dash::Plan& plan) {
+    if (p.tune_block_major_warpgroups == 1 || p.tune_block_major_warpgroups == 2) return p.tune_block_major_warpgroups;
+    const double rows = (double)plan.bm_chunk * plan.kmax * (p.num_heads / p.num_kv_heads) / plan.max_blocks;
+    return rows >= kBmTwoWgRows ? 2 : 1;
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -187,6 +203,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
         plan.warpgroup = warpgroup_tiles(p);
+        if (plan.warpgroup & dash::kWgBlockMajor) plan.bm_warpgroups = block_major_warpgroups(p, plan);
         // Query-major tiles where their kernel is compiled for the head dim and fits the device.
         const size_t qm_smem = dash::query_major_smem(p, (plan.warpgroup & dash::kWgQueryMajor) != 0);
         const int group = p.num_heads / p.num_kv_heads;
@@ -285,7 +302,7 @@ DashParams plan_key(const DashParams& p) {
     k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
     k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
     k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
-    k.tune_warpgroup_mma = p.tune_warpgroup_mma;
+    k.tune_warpgroup_mma = p.tune_warpgroup_mma, k.tune_block_major_warpgroups = p.tune_block_major_warpgroups;
     return k;
 }
 
@@ -357,6 +374,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
     DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
+    DASH_FIELD(tune_block_major_warpgroups)
 #undef DASH_FIELD
     return -1;
 }
@@ -416,6 +434,9 @@ static DashStatus validate_sizes(const DashParams* p) {
                                               std::to_string(p->sparse_block_size));
     if (!(p->page_bias == p->page_bias) || p->page_bias > 3.0e38f || p->page_bias < -3.0e38f)
         return fail(DASH_ERR_INVALID_ARGUMENT, "page_bias must be finite");
+    if (p->tune_block_major_warpgroups < 0 || p->tune_block_major_warpgroups > 2)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got " +
+                                                   std::to_string(p->tune_block_major_warpgroups));
     dash::Plan plan;
     return make_plan(*p, plan);
 }

@@ -31,9 +31,9 @@ namespace dash {
 namespace {
 
 constexpr int kBmThreads = 128;  // block_attend_kernel's mma.sync form (four warps); bm_combine_kernel
-// Threads of block_attend_kernel: four warps, or with warpgroup MMA two warpgroups sharing the
-// block's keys and values (twice the rows per load, 16 warps an SM instead of 12).
-__host__ __device__ constexpr int bm_threads(bool wg) { return wg ? 256 : kBmThreads; }
+// Threads of block_attend_kernel: four warps, or with warpgroup MMA wg (Plan::bm_warpgroups: 1
+// or 2) warpgroups sharing the block's keys and values (two: twice the rows per load).
+__host__ __device__ constexpr int bm_threads(int wg) { return wg ? 128 * wg : kBmThreads; }
 
 // The sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for j < kmax
 // the j-th selected block of the token (forced: page-biased); for j = kmax + i the block i
@@ -265,7 +265,8 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
 // tile's output for 16-byte stores). Rows are D + 8 elements apart: 16-byte aligned, and
 // ldmatrix's eight row addresses fall in different banks. With warpgroup MMA (WG) K and V are
 // 128-byte-swizzled tiles instead (wgmma.cuh), from a 1024-byte boundary: 1 KB more to align.
-template <int D, bool WG = false>
+// WG: warpgroups of the CTA (0: the mma.sync form).
+template <int D, int WG = 0>
 struct BmSmem {
     static constexpr int RS = D + 8;
     static constexpr int kv_rows = 64;
@@ -284,10 +285,11 @@ struct BmSmem {
 // computes the current one. An entry's valid keys are the offsets [lo, hi] of the block: a
 // selected block stops at the local window and at prompt_length; a local-window block covers
 // [pos - local + 1, pos]. Each row leaves its normalised output in T and (max, sum) in float.
-// WG (sm_90a, D = 128): the CTA is two warpgroups, each serving 64-row tiles together, S = Q K^T
-// and O = P V as warpgroup MMAs with K and V read from shared memory once per 64 rows (the
-// mma.sync tiles read them once per 16); the queries, masks, softmax and stores are the same code.
-template <typename T, int D, bool WG>
+// WG (sm_90a, D = 128): the CTA is WG (1 or 2) warpgroups, each serving 64-row tiles together,
+// S = Q K^T and O = P V as warpgroup MMAs with K and V read from shared memory once per 64 rows
+// (the mma.sync tiles read them once per 16); the queries, masks, softmax and stores are the same
+// code. WG = 0: the mma.sync form (four warps).
+template <typename T, int D, int WG>
 __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const DashParams p, const Plan plan,
                                                                       Workspace ws, int t0) {
     static_assert(!WG || D == 128, "warpgroup tiles: D = 128");
@@ -372,7 +374,7 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
         }
     };
     // Warp w serves 16-row tiles w, w + kW, ...; with WG the four warps of warpgroup g serve its
-    // 64-row tile 2 it + g of round it together (16-row tiles it * kW + warp), so a warpgroup runs
+    // 64-row tile WG it + g of round it together (16-row tiles it * kW + warp), so a warpgroup runs
     // every round in which its first warp has a tile (rows past the entries are zero).
     const int lead = WG ? warp / 4 * 4 : warp;
     if (lead < tiles) gather(warp, 0);
@@ -930,6 +932,16 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
     *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
 }
 
+// block_attend_kernel in the form WG (0: mma.sync; 1 or 2 warpgroups), its shared memory allowed.
+template <typename T, int D, int WG>
+cudaError_t launch_block_attend(dim3 grid, const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
+                                cudaStream_t stream) {
+    const size_t smem = sizeof(T) * BmSmem<D, WG>::elems;
+    const cudaError_t err = allow_smem(block_attend_kernel<T, D, WG>, smem);
+    if (err == cudaSuccess) block_attend_kernel<T, D, WG><<<grid, bm_threads(WG), smem, stream>>>(p, plan, ws, t0);
+    return err;
+}
+
 template <typename T>
 cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
                              cudaStream_t stream) {
@@ -944,17 +956,12 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             const dim3 grid((unsigned)items, p.num_kv_heads);
             const bool wg_bm = (plan.warpgroup & kWgBlockMajor) != 0, wg_qm = (plan.warpgroup & kWgQueryMajor) != 0;
             if constexpr (D == 128) {
-                if (wg_bm) {
-                    const size_t smem = sizeof(T) * BmSmem<D, true>::elems;
-                    if ((err = allow_smem(block_attend_kernel<T, D, true>, smem)) != cudaSuccess) return err;
-                    block_attend_kernel<T, D, true><<<grid, bm_threads(true), smem, stream>>>(p, plan, ws, t0);
-                }
+                if (wg_bm)
+                    err = plan.bm_warpgroups == 1 ? launch_block_attend<T, D, 1>(grid, p, plan, ws, t0, stream)
+                                                  : launch_block_attend<T, D, 2>(grid, p, plan, ws, t0, stream);
             }
-            if (D != 128 || !wg_bm) {
-                const size_t smem = sizeof(T) * BmSmem<D>::elems;
-                if ((err = allow_smem(block_attend_kernel<T, D, false>, smem)) != cudaSuccess) return err;
-                block_attend_kernel<T, D, false><<<grid, bm_threads(false), smem, stream>>>(p, plan, ws, t0);
-            }
+            if (D != 128 || !wg_bm) err = launch_block_attend<T, D, 0>(grid, p, plan, ws, t0, stream);
+            if (err != cudaSuccess) return err;
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if constexpr (D <= 128) {
                 if (plan.qm_tile > 0) {

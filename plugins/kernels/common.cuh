@@ -211,6 +211,7 @@ struct Plan {
     size_t qm_smem;       // dynamic shared memory of the query-major kernel
     int qm_merge;         // 1: query-major tiles merge their tokens' block-major partials (no combine for them)
     int warpgroup;        // which tiles run as warpgroup MMAs (sm_90a; warpgroup_tiles): kWgBlockMajor | kWgQueryMajor
+    int bm_warpgroups;    // warpgroup block-major tiles: warpgroups per CTA (1 or 2; block_major_warpgroups)
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 4
+#define DASH_ABI_VERSION 5
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -113,6 +113,9 @@ typedef struct DashParams {
                                             head dim 128: the tiles as warpgroup MMAs (0: the block-major and the
                                             query-major tiles; 1: the block-major ones only; 2: the query-major
                                             ones only; < 0: the mma.sync tiles of sm_80 / sm_89 everywhere) */
+    int32_t tune_block_major_warpgroups; /* where the block-major tiles are warpgroup MMAs: warpgroups per CTA,
+                                            sharing one block's keys and values (0: the plan picks by the
+                                            entries a block can expect per pass; 1; 2) */
 } DashParams;
 
 #ifdef __cplusplus

@@ -38,7 +38,10 @@ What is measured, and how (docs/performance.md quotes this):
 
 Prints markdown tables; ``--json`` writes every number, ``--png`` draws the speed-ups. A
 correctness check of the real-top-k decode step against the paged PyTorch operator runs first
-(``--no-check`` skips it). Not a test: nothing here asserts a speed.
+(``--no-check`` skips it). ``--ab 'KNOBS;KNOBS'`` adds, to every prefill and mixed case, a graph
+of the same call with other kernel knobs (``dash_trt.cuda.Tuning`` names), timed in the same
+rounds as the default, and an A/B table of each variant's time over the default's; ``--only``
+picks the kinds of case. Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations

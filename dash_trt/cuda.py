@@ -111,7 +111,7 @@ class Tuning:
     #: only; < 0: the mma.sync tiles everywhere)
     warpgroup_mma: int = 0
     #: where the block-major tiles are warpgroup MMAs: warpgroups per CTA, sharing one block's keys
-    #: and values (0: the plan picks by the entries a block can expect per pass; 1; 2)
+    #: and values (0: the plan picks by the rows a block can expect per pass; 1; 2; others are refused)
     block_major_warpgroups: int = 0
 
     def params(self) -> dict[str, int]:

@@ -115,7 +115,8 @@ typedef struct DashParams {
                                             ones only; < 0: the mma.sync tiles of sm_80 / sm_89 everywhere) */
     int32_t tune_block_major_warpgroups; /* where the block-major tiles are warpgroup MMAs: warpgroups per CTA,
                                             sharing one block's keys and values (0: the plan picks by the
-                                            entries a block can expect per pass; 1; 2) */
+                                            rows a block can expect per pass; 1; 2; any other value is
+                                            DASH_ERR_INVALID_ARGUMENT) */
 } DashParams;
 
 #ifdef __cplusplus

@@ -315,23 +315,11 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
                 mt[e / 2] = fmaxf(mt[e / 2], x);
             }
         float alpha[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            mt[half] = quad_max(mt[half]);
-            const float m_new = fmaxf(m[half], mt[half]);
-            alpha[half] = m[half] == -INFINITY ? 0.0f : expf(m[half] - m_new);
-            m[half] = m_new;
-            l[half] *= alpha[half];
-        }
+        online_softmax_step<false>(m, l, mt, alpha);
         uint32_t pa[4];  // P as the A operand of P V (16 keys)
 #pragma unroll
         for (int n = 0; n < 2; ++n) softmax_tile<T>(s[n], m, l, pa[n * 2 + 0], pa[n * 2 + 1]);
-        // O = O * alpha + P V.
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= alpha[0], o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1], o[n][3] *= alpha[1];
-        }
+        scale_rows(o, alpha);  // O = O * alpha + P V
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t b[4];
@@ -373,7 +361,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         for (int w = 0; w < W; ++w) {
             const float mw = mm[w * group + g];
             if (mw == -INFINITY) continue;
-            const float f = expf(mw - mx);
+            const float f = partial_scale(mw, mx);
             num += f * mo[((size_t)w * group + g) * D + d];
             den += f * ml[w * group + g];
         }
@@ -532,7 +520,7 @@ __global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams 
                 }
                 sum = warp_sum(sum);
                 if (lane == 0) {
-                    const float a = (m_old == -INFINITY) ? 0.0f : expf(m_old - m_new);
+                    const float a = online_alpha<false>(m_old, m_new);
                     alpha_s[g] = a;
                     l_s[g] = l_s[g] * a + sum;
                     m_s[g] = m_new;
@@ -600,12 +588,12 @@ __global__ void combine_kernel(const DashParams p, const Plan plan, Workspace ws
     for (int s = 0; s < plan.splits; ++s) m = fmaxf(m, ml[s].x);
     float denom = 0.0f;
     for (int s = 0; s < plan.splits; ++s)
-        if (ml[s].x != -INFINITY) denom += expf(ml[s].x - m) * ml[s].y;
+        if (ml[s].x != -INFINITY) denom += partial_scale(ml[s].x, m) * ml[s].y;
     T* out = static_cast<T*>(p.out) + (int64_t)th * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float num = 0.0f;
         for (int s = 0; s < plan.splits; ++s)
-            if (ml[s].x != -INFINITY) num += expf(ml[s].x - m) * ws.part_acc[((int64_t)th * plan.splits + s) * D + d];
+            if (ml[s].x != -INFINITY) num += partial_scale(ml[s].x, m) * ws.part_acc[((int64_t)th * plan.splits + s) * D + d];
         out[d] = from_f<T>(num / denom);
     }
 }

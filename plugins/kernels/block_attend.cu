@@ -509,10 +509,6 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
     }
 }
 
-// The weight of a partial (its max in base e, its sum) in a merge of a row's partials whose
-// largest max is mx: what the query-major merge and bm_combine_kernel both apply.
-__device__ __forceinline__ float partial_weight(float2 ml, float mx) { return expf(ml.x - mx) * ml.y; }
-
 // Shared memory of qm_attend_kernel, in elements of T: the tile's 128 rotated query rows, then
 // two stages of a block's K and V (64 rows each). Rows D + 8 elements apart, as in BmSmem. With
 // warpgroup MMA (WG) the same regions, from a 1024-byte boundary, hold 128-byte-swizzled tiles
@@ -746,18 +742,8 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
                 }
         }
         float alpha[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float mn = fmaxf(m[half], quad_max(mb[half]));
-            alpha[half] = m[half] == -INFINITY ? 0.0f : exp2f(m[half] - mn);  // 1 when unchanged
-            m[half] = mn;
-            l[half] *= alpha[half];
-        }
-#pragma unroll
-        for (int nn = 0; nn < D / 8; ++nn) {
-            o[nn][0] *= alpha[0], o[nn][1] *= alpha[0];
-            o[nn][2] *= alpha[1], o[nn][3] *= alpha[1];
-        }
+        online_softmax_step<true>(m, l, mb, alpha);
+        scale_rows(o, alpha);
         uint32_t pa[4][4];
 #pragma unroll
         for (int nn = 0; nn < 8; ++nn)

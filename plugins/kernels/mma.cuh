@@ -101,4 +101,45 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[4], const float (&
     row8 = pack2<T>(e4[2], e4[3]);
 }
 
+// The factor a row's running sum and output take when its max moves from m_old to m_new (0
+// while the row had no key: m_old = -inf). Every online softmax here (the mma tiles through
+// online_softmax_step, the float32 attention) applies this one.
+template <bool Base2>
+__device__ __forceinline__ float online_alpha(float m_old, float m_new) {
+    return m_old == -INFINITY ? 0.0f : Base2 ? exp2f(m_old - m_new) : expf(m_old - m_new);  // 1 when unchanged
+}
+
+// One step of the online softmax (FlashAttention-2) of rows r0 and r0 + 8: mt, the step's maxima
+// of the lane's columns (reduced over the quad here); m and l, the rows' running max and sum,
+// move to the new max, l rescaled; alpha, the factor the rows' output accumulators take
+// (0 while a row had no key yet). Base2: logits and maxima times log2 e (exp2). What the
+// token-major attention and the query-major tiles both run between S = Q K^T and softmax_tile.
+template <bool Base2>
+__device__ __forceinline__ void online_softmax_step(float (&m)[2], float (&l)[2], const float (&mt)[2],
+                                                    float (&alpha)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float mn = fmaxf(m[half], quad_max(mt[half]));
+        alpha[half] = online_alpha<Base2>(m[half], mn);
+        m[half] = mn;
+        l[half] *= alpha[half];
+    }
+}
+
+// Merging partial softmaxes of one row (split-K slices, a CTA's warps, block-major slots): a
+// partial with max mp (base e) and sum lp enters a merge whose largest max is mx with its
+// accumulators times partial_scale(mp, mx) and its sum times the same, partial_weight.
+__device__ __forceinline__ float partial_scale(float mp, float mx) { return expf(mp - mx); }
+__device__ __forceinline__ float partial_weight(float2 ml, float mx) { return partial_scale(ml.x, mx) * ml.y; }
+
+// The output accumulators of rows r0 and r0 + 8 (NT n-tiles of 16 x 8) times the rows' alpha.
+template <int NT>
+__device__ __forceinline__ void scale_rows(float (&o)[NT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        o[n][0] *= alpha[0], o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+    }
+}
+
 }  // namespace dash

@@ -189,23 +189,36 @@ def test_split_routing_merges_many_ctas(topk, writer):
     check(steps, rc, kc, dtype)
 
 
-def test_fused_and_split_routing_select_the_same_blocks():
+@pytest.mark.parametrize("case", ["short", "chunks-top6", "chunks-top40", "chunks-top300", "chunks-dense"])
+def test_fused_and_split_routing_select_the_same_blocks(case):
     """The same 300 tokens routed as one call (fused routing: T >= 264) and as calls of 200 and
-    100 (split routing: fewer tokens, a table of 320 > 256 blocks) select exactly the same blocks
-    in the same order: both launches score a block with the same arithmetic."""
+    100 (split routing: fewer tokens, a table wider than 256 blocks) select exactly the same
+    blocks in the same order: both launches score a block with the same arithmetic. "short": 125
+    blocks or fewer, one chunk of the fused routing; "chunks-*": over a thousand blocks, scored
+    256 (top-6, top-40) or 1216 (top-300) at a time and merged into the running top-k by rank
+    (few keys above the k-th best), by warp_topk (many), or written as they come (dense layer)."""
     gen = torch.Generator().manual_seed(5)
-    cfg = make_config(16, sparse_topk_blocks=6)
+    layer = 0
+    if case == "short":
+        sbs, table, pages, images, kw = 16, 320, (10, 10), 200, {"sparse_topk_blocks": 6}
+    else:
+        sbs, table, pages, images = 4, 1400, (30, 30), 300
+        kw = {"sparse_topk_blocks": int(case.removeprefix("chunks-top"))} if "top" in case else \
+            {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}
+        layer = 1 if case == "chunks-dense" else 0
+    cfg = make_config(sbs, **kw)
     dtype = torch.bfloat16
     seqs = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=64, index_dim=128, dtype=dtype,
-                           pages=(10, 10), max_images=200, response=300)
+                           pages=pages, max_images=images, response=300)
     prompt = seqs[0][0].length - 300
+    assert (prompt // sbs > 1000) == (case != "short")
     runs = []
     for plan in ([prompt, 300], [prompt, 200, 100]):
-        steps, rc, kc = run_both(cfg, 0, seqs, [plan], 16, [None], torch.Generator().manual_seed(7), dtype,
-                                 table_width=320)
+        steps, rc, kc = run_both(cfg, layer, seqs, [plan], 16, [None], torch.Generator().manual_seed(7), dtype,
+                                 table_width=table)
         check(steps, rc, kc, dtype)
         runs.append(torch.cat([sel for _, sel, _, _ in steps[1:]]))
-    assert runs[0].shape == (300, 6) and bool((runs[0] >= 0).any())
+    assert runs[0].shape[0] == 300 and bool((runs[0] >= 0).any())
     assert torch.equal(runs[0], runs[1])
 
 

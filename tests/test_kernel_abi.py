@@ -64,7 +64,11 @@ def test_workspace_and_selected_width():
         ({"rope_tok_theta": 0.0}, 1, "rope_tok_theta and rope_page_theta"),
         ({"dtype": 7}, 2, "unsupported dtype code: 7"),
         ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
-        ({"table_width": 100000}, 2, "context too long for the routing stage"),
+        ({"table_width": 100000}, 0, ""),  # 100000 sparse blocks: the fused routing scores them in chunks
+        ({"table_width": 1000000}, 2, "context too long for the routing stage: 1000000 sparse blocks per sequence "
+                                      "(table_width * block_size / sparse_block_size); at most 405248 with "
+                                      "sparse_topk_blocks 16"),
+        ({"table_width": 10000, "topk": 20000}, 2, "sparse_topk_blocks 20000 too large for the routing stage"),
         ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),
         ({"tune_block_major_warpgroups": -1}, 1, "tune_block_major_warpgroups must be 0"),
     ],
@@ -181,9 +185,10 @@ def test_check_sizes_asks_the_library_for_every_layer():
 
     sp = demo_model().config.dash  # sparse blocks of 16
     cuda.check_sizes(8, 2, 64, 64, 100, 64, 10, sp, torch.bfloat16, 2)
-    with pytest.raises(cuda.DashKernelError, match=r"layer 0: 10000 blocks .*context too long for the routing stage: "
-                                                   r"40000 sparse blocks"):
-        cuda.check_sizes(8, 2, 64, 64, 100, 64, 10000, sp, torch.bfloat16, 2)
+    cuda.check_sizes(8, 2, 64, 64, 100, 64, 10000, sp, torch.bfloat16, 2)  # 40000 sparse blocks
+    with pytest.raises(cuda.DashKernelError, match=r"layer 0: 1000000 blocks .*context too long for the routing stage: "
+                                                   r"4000000 sparse blocks"):
+        cuda.check_sizes(8, 2, 64, 64, 100, 64, 1000000, sp, torch.bfloat16, 2)
     with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 48"):
         cuda.check_sizes(8, 2, 48, 64, 100, 64, 10, sp, torch.bfloat16, 2)
 

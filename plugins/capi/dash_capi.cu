@@ -160,18 +160,23 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                           (long)dash::route_split_ctas_per_sm() * device_sm_count();
     const bool own_cta = p.tune_front_writer == 1 ? true : p.tune_front_writer == 2 ? false : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
-    // Fused: per token of the tile, the indexer query, the keys and its best top-k keys.
-    // Split selection: the keys and the candidates.
-    const size_t per_token = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) +
-                             sizeof(uint64_t) * ((size_t)plan.max_blocks + topk_slots);
+    // Fused: the blocks are scored route_chunk at a time (256, or 4 x topk where more, never
+    // past the table), each chunk merged into the tokens' running top-k. Shared memory: the
+    // indexer queries of route_max_tile() tokens, then per token of the tile a chunk's keys
+    // (route_key_stride: with room for its running best appended) and its running best.
+    const size_t max_blocks32 = ((size_t)plan.max_blocks + 31) / 32 * 32;
+    plan.route_chunk = (int)std::max<size_t>(32, std::min(max_blocks32, std::max<size_t>(256, (4 * topk_slots + 31) / 32 * 32)));
+    const size_t tile_iq = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) * dash::route_max_tile();
+    const size_t per_token = sizeof(uint64_t) * ((size_t)dash::route_key_stride(plan.route_chunk, plan.max_blocks,
+                                                                                (int)topk_slots) + topk_slots);
     // Tokens per fused routing CTA: up to route_max_tile() while kFusedRouteTokens CTAs remain.
     const size_t want_tile =
         std::max<size_t>(1, std::min<size_t>(dash::route_max_tile(), (size_t)p.num_tokens / kFusedRouteTokens));
-    plan.route_tile = (int)std::min<size_t>(want_tile, kMaxSmem / per_token);
+    plan.route_tile = (int)std::min<size_t>(want_tile, (kMaxSmem - tile_iq) / per_token);
     // Split: the last CTA of a token holds every candidate, then the best k (or select_topk's
     // per-warp lists and their merge).
     const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
-    plan.route_smem = plan.route_split ? split_smem : per_token * (size_t)plan.route_tile;
+    plan.route_smem = plan.route_split ? split_smem : tile_iq + per_token * (size_t)plan.route_tile;
     plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
                           sizeof(float) * (size_t)p.index_dim +                              // head_cls
@@ -187,13 +192,16 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.attend_smem = dash::attend_smem_bytes(dtype_bytes, p.num_heads / p.num_kv_heads, p.head_dim, 2);
     }
     // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
-    if (plan.route_tile < 1 || split_smem > kMaxSmem)
+    if (plan.route_tile < 1)
+        return fail(DASH_ERR_UNSUPPORTED, "sparse_topk_blocks " + std::to_string(p.topk) +
+                                              " too large for the routing stage's shared memory");
+    if (split_smem > kMaxSmem)  // the split routing's candidates: min(topk, per_cta) per CTA of per_cta blocks
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string(std::min((kMaxSmem - 4 * kMaxIndexDim) / 8 - topk_slots,
-                                                (kMaxSmem / 8 - std::min(kMaxSmem / 8, (route_warps + 1) * topk_slots)) /
-                                                    std::min<size_t>(topk_slots, per_cta) * per_cta)));
+                        std::to_string((kMaxSmem / 8 - std::min(kMaxSmem / 8, (route_warps + 1) * topk_slots)) /
+                                       std::min<size_t>(topk_slots, per_cta) * per_cta) +
+                        " with sparse_topk_blocks " + std::to_string(p.topk));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs

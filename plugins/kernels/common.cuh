@@ -188,6 +188,13 @@ constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 1
 
 constexpr int kMaxIndexDimDevice = 512;
 
+// Fused routing: keys a token of the tile holds in shared memory, a chunk of route_chunk blocks'
+// and, where the blocks take more than one chunk, room for its running best of topk appended
+// (route.cu's merge_chunk). The plan sizes the shared memory by it, the kernel lays it out.
+__host__ __device__ constexpr int route_key_stride(int chunk, int max_blocks, int topk) {
+    return chunk + (chunk < max_blocks ? topk : 0);
+}
+
 struct Plan {
     int kmax;             // selected row width
     int max_blocks;       // sparse blocks a sequence can have: W * block_size / sbs
@@ -198,6 +205,7 @@ struct Plan {
     int route_splits;     // split routing: CTAs scoring one token's blocks (1 with fused tiles)
     int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
     int route_tile;       // tokens per fused routing CTA
+    int route_chunk;      // fused routing: blocks scored between two merges into the running top-k
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0

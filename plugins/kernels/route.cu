@@ -5,8 +5,9 @@
 //
 // Two shapes of launch, chosen by the plan (Plan::route_split):
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
-//     their blocks into shared memory (each summary row read once per tile, not once per token)
-//     and a warp per token selects from there;
+//     their blocks into shared memory (each summary row read once per tile, not once per token),
+//     plan.route_chunk blocks at a time, and a warp per token merges each chunk into its running
+//     top-k (so the shared memory, and the CTAs an SM holds, do not depend on the context);
 //   few tokens (decode) with more blocks than one CTA scores, or any decode-only call:
 //     route_splits CTAs per token score 256 blocks each (a long context has thousands of blocks)
 //     and keep their own top-k by rank; the last CTA of a token to finish (a counter per token,
@@ -76,13 +77,21 @@ __device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s)
     return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
 }
 
-// Whether block b (summary row si) is forced for query page qp: a same-page image block.
-__device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b, int64_t si,
-                                             int qp) {
+// The page range of block b's summary row si: its lowest and highest image page, and whether
+// every page between them has an image token in the block (DASH_PAGE_DENSE).
+struct BlockPages {
+    int lo, hi, dense;
+};
+__device__ __forceinline__ BlockPages block_pages(const DashParams& p, int64_t si) {
     const int32_t* pg = p.summary_pages_cache + si * 3;
-    const int lo = pg[DASH_PAGE_LO], hi = pg[DASH_PAGE_HI];
-    const bool inside = qp >= 0 && lo <= qp && qp <= hi;
-    bool cand = inside && (pg[DASH_PAGE_DENSE] || qp == lo || qp == hi);
+    return {pg[DASH_PAGE_LO], pg[DASH_PAGE_HI], pg[DASH_PAGE_DENSE]};
+}
+
+// Whether block b (page range pg) is forced for query page qp: a same-page image block.
+__device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b,
+                                             const BlockPages& pg, int qp) {
+    const bool inside = qp >= 0 && pg.lo <= qp && qp <= pg.hi;
+    bool cand = inside && (pg.dense || qp == pg.lo || qp == pg.hi);
     // A page strictly inside the block's range may have no image token here.
     for (int j = 0; inside && !cand && j < p.sparse_block_size; ++j) {
         const int64_t slot = cache_slot(p, seq, b * p.sparse_block_size + j, ws.error);
@@ -166,9 +175,7 @@ __device__ __forceinline__ float butterfly1(float v) {
     return v;
 }
 
-__device__ __forceinline__ float score_of(float dot, float inv_sqrt) {
-    return fminf(fmaxf(dot * inv_sqrt, -1e4f), 1e4f);  // NOTE: clamped to +-1e4 like the reference
-}
+__device__ __forceinline__ float score_of(float dot, float inv_sqrt) { return clamp_index_logit(dot * inv_sqrt); }
 
 // Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
 __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
@@ -176,15 +183,25 @@ __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1
 // Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
 // rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after
 // the first batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)`
-// receives token j's key of row r (called by one lane, 4 * j). iq: [ntok][di4] shared memory;
-// qp[j]: token j's query page; NT: tokens (1 or kRouteTile).
+// receives token j's key of row r (called by one lane, 4 * j). iq: [NT][di4] shared memory;
+// qp[j]: token j's query page; NT: tokens (1 or kRouteTile); inv_sqrt: index_inv_sqrt(Di).
+// With NT tokens, all NT rows of iq are read (zero for tokens past ntok) and, for Di <= 128,
+// each lane keeps its chunk of every token's query in registers across the rows.
 template <int NCH, int NT, int R, typename Emit>
 __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
-                                           const int* qp, int ntok, int r0, int r1, int rr, Emit emit) {
+                                           const int* qp, int ntok, int r0, int r1, int rr, float inv_sqrt,
+                                           Emit emit) {
     static_assert(R <= 32, "a lane owns one row of the warp's chunk");
     const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
-    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    constexpr bool kRegQ = NT > 1 && NCH == 1;
+    float4 qr[kRegQ ? NT : 1];
+    if constexpr (kRegQ) {
+        const bool mine = 4 * lane < di;  // the lane's chunk of the query (lane_partial's test)
+#pragma unroll
+        for (int jj = 0; jj < NT; ++jj)
+            qr[jj] = mine ? reinterpret_cast<const float4*>(iq + jj * di4)[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
     constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
     constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
@@ -201,10 +218,12 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
                 const int64_t si = __shfl_sync(0xffffffffu, my_si, (b0 + i) % 32);
                 load_chunks<NCH>(b0 + i < rows && si >= 0 ? p.summary_cache + si * di : nullptr, di, vec, lane, s[i]);
             }
-            if (b0 == 0 && my_si >= 0)  // while the first rows load
+            if (b0 == 0 && my_si >= 0) {  // while the first rows load; the row's pages read once
+                const BlockPages pg = block_pages(p, my_si);
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
-                    if (j < ntok && forced_block(p, ws, seq, my_r, my_si, qp[j])) my_forced |= 1u << j;
+                    if (j < ntok && forced_block(p, ws, seq, my_r, pg, qp[j])) my_forced |= 1u << j;
+            }
 #pragma unroll
             for (int i = 0; i < kB; ++i) {
                 const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
@@ -216,7 +235,14 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
                 } else {
                     float v[8];
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) v[jj] = jj < ntok ? lane_partial<NCH>(iq + jj * di4, di, lane, s[i]) : 0.0f;
+                    for (int jj = 0; jj < 8; ++jj) {
+                        // lane_partial's one chunk, from registers. Past Di the query and the
+                        // row are zero and dot4 gives +0, what lane_partial returns there.
+                        if constexpr (kRegQ)
+                            v[jj] = dot4(0.0f, qr[jj], s[i][0]);
+                        else
+                            v[jj] = lane_partial<NCH>(iq + jj * di4, di, lane, s[i]);
+                    }
                     dot = butterfly8(v, lane);
                     j = (lane >> 2) & 7;
                 }
@@ -295,19 +321,65 @@ __device__ void write_selected_out(const DashParams& p, const Plan& plan, int t,
     for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
 }
 
+// Token j's running selection (the warp of token j): best[0, count) holds the largest keys of
+// its blocks scored so far, largest first; keys[0, m) the keys of the next chunk of its blocks
+// (shared memory, consumed; room for m + k keys). Only the keys above the k-th best can enter:
+// they are compacted to the front of keys, the running best appended, and the k largest of
+// those become the new best: by rank (a lane per key) when there are at most 64, else by
+// warp_topk. The result is the k largest keys over all chunks, the same as one top-k over
+// every key (keys are distinct).
+__device__ void merge_chunk(uint64_t* keys, int m, uint64_t* best, int& count, int k) {
+    const int lane = threadIdx.x % 32;
+    const uint64_t thr = count == k ? best[k - 1] : 0;  // keys are never 0
+    int nc = 0;
+    for (int base = 0; base < m; base += 32) {
+        const int i = base + lane;
+        const uint64_t key = i < m ? keys[i] : 0;
+        const bool take = key > thr;
+        const unsigned ballot = __ballot_sync(0xffffffffu, take);
+        __syncwarp();  // this round's reads before its writes (which go to positions < base + 32)
+        if (take) keys[nc + __popc(ballot & ((1u << lane) - 1u))] = key;
+        nc += __popc(ballot);
+        __syncwarp();
+    }
+    if (nc == 0) return;
+    for (int i = lane; i < count; i += 32) keys[nc + i] = best[i];
+    __syncwarp();
+    const int u = nc + count, kk = min(k, u);
+    if (u <= 64) {
+        const uint64_t c0 = lane < u ? keys[lane] : 0, c1 = lane + 32 < u ? keys[lane + 32] : 0;
+        int r0 = 0, r1 = 0;
+        for (int x = 0; x < u; ++x) {
+            const uint64_t y = keys[x];
+            r0 += y > c0 ? 1 : 0;
+            r1 += y > c1 ? 1 : 0;
+        }
+        if (c0 != 0 && r0 < kk) best[r0] = c0;  // best's old keys were copied above
+        if (c1 != 0 && r1 < kk) best[r1] = c1;
+    } else {
+        warp_topk(keys, 0, u, kk, best);
+    }
+    count = kk;
+    __syncwarp();
+}
+
 // Fused: one CTA per tile of plan.route_tile (<= kRouteTile) consecutive tokens. Tokens of one
-// sequence share each summary row load; a warp per token then selects from shared memory.
-// Shared memory: iq [tile][Di4] floats, keys [tile][max_blocks], best [tile][topk]. At most 80
-// registers a thread (3 CTAs per SM, as the shared memory of a tile allows at 64k context).
+// sequence share each summary row load. The blocks are scored plan.route_chunk at a time into
+// shared memory; between chunks a warp per token merges the chunk's keys into its running top-k
+// (merge_chunk), so the shared memory does not grow with the context. Shared memory: iq
+// [kRouteTile][Di4] floats (zero for absent tokens), keys [tile][route_key_stride], best
+// [tile][topk]. At most 80 registers a thread (3 CTAs per SM).
 template <typename T>
 __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    static_assert(kRouteTile == kRouteThreads / 32, "a warp per token of the tile selects");
     const int tile = plan.route_tile, t0 = blockIdx.x * tile, tn = min(tile, p.num_tokens - t0);
-    const int di = p.index_dim, di4 = (di + 3) / 4 * 4;
+    const int di = p.index_dim, di4 = (di + 3) / 4 * 4, chunk = plan.route_chunk;
+    const int topk = max(p.topk, 1), kstride = route_key_stride(chunk, plan.max_blocks, topk);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* iq = reinterpret_cast<float*>(smem_raw);
-    uint64_t* keys = reinterpret_cast<uint64_t*>(iq + (size_t)tile * di4);
-    uint64_t* best = keys + (size_t)tile * plan.max_blocks;
-    __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile];
+    uint64_t* keys = reinterpret_cast<uint64_t*>(iq + (size_t)kRouteTile * di4);
+    uint64_t* best = keys + (size_t)tile * kstride;
+    __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile], s_nmax;
     if (threadIdx.x < kRouteTile) {
         const int j = threadIdx.x, t = t0 + j;
         const int seq = j < tn ? ws.token_seq[t] : -1;
@@ -316,54 +388,75 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         s_qp[j] = j < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
     __syncthreads();
-    for (int j = 0; j < tn; ++j)
+    if (threadIdx.x == 0) {
+        int nmax = 0;
+        for (int j = 0; j < kRouteTile; ++j) nmax = max(nmax, s_n[j]);
+        s_nmax = nmax;
+    }
+    for (int j = 0; j < kRouteTile; ++j) {
         if (s_seq[j] >= 0) load_index_query(p, ws, t0 + j, iq + (size_t)j * di4);
-    __syncthreads();
-    for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
-        const int seq = s_seq[lead];
-        bool first = seq >= 0;
-        int n = 0;
-        for (int j = 0; j < tn; ++j) {
-            if (s_seq[j] != seq) continue;
-            first = first && j >= lead;
-            n = max(n, s_n[j]);
-        }
-        if (!first) continue;
-        auto emit = [&](int j, int b, uint64_t key) {
-            if (s_seq[j] == seq && b < s_n[j]) keys[(size_t)j * plan.max_blocks + b] = key;
-        };
-        switch (chunks_per_lane(di)) {
-            case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
-            case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
-            default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, 0, n, 32, emit); break;
-        }
+        else
+            for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[(size_t)j * di4 + i] = 0.0f;
     }
     __syncthreads();
-    const int lane = threadIdx.x % 32;
-    for (int j = threadIdx.x / 32; j < tn; j += blockDim.x / 32) {
-        const int t = t0 + j, n = s_n[j];
-        int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-        uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
-        uint64_t* kj = keys + (size_t)j * plan.max_blocks;
-        if (s_seq[j] < 0) {
-            write_selection(plan, nullptr, 0, sel, forced, lane, 32);
-        } else if (p.dense_layer) {
-            // Every remote block is selected; the order inside a row does not change the output.
-            for (int i = lane; i < plan.kmax; i += 32) {
-                sel[i] = i < n ? i : -1;
-                forced[i] = i < n ? (uint8_t)(kj[i] >> 63) : 0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax;
+    const float inv_sqrt = index_inv_sqrt(di);
+    const int my_n = warp < tn ? s_n[warp] : 0, k = min(p.topk, my_n);
+    int count = 0;  // warp's token: keys in its running best
+    int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
+    uint8_t* forced = ws.forced + (int64_t)(t0 + warp) * plan.kmax;
+    for (int c0 = 0; c0 < nmax; c0 += chunk) {
+        for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
+            const int seq = s_seq[lead];
+            bool first = seq >= 0;
+            int n = 0;
+            for (int j = 0; j < tn; ++j) {
+                if (s_seq[j] != seq) continue;
+                first = first && j >= lead;
+                n = max(n, s_n[j]);
             }
-        } else {
-            const int k = min(p.topk, n);
-            uint64_t* bj = best + (size_t)j * p.topk;
-            warp_topk(kj, 0, n, k, bj);
-            __syncwarp();
-            write_selection(plan, bj, k, sel, forced, lane, 32);
+            if (!first || n <= c0) continue;
+            const int r1 = min(n, c0 + chunk);
+            // The lane that emits token jl's keys (lanes 4 jl .. 4 jl + 3 hold its sums).
+            const int jl = (lane >> 2) & 7, lim = s_seq[jl] == seq ? s_n[jl] : 0;
+            uint64_t* kl = keys + (size_t)jl * kstride;
+            auto emit = [&](int, int b, uint64_t key) {
+                if (b < lim) kl[b - c0] = key;
+            };
+            switch (chunks_per_lane(di)) {
+                case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
+                case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
+                default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
+            }
         }
-        if (p.selected_out != nullptr) {
-            __syncwarp();
-            for (int i = lane; i < plan.kmax; i += 32) p.selected_out[(int64_t)t * plan.kmax + i] = sel[i];
+        __syncthreads();
+        const int m = min(chunk, my_n - c0);  // the warp's token's keys in this chunk
+        uint64_t* kj = keys + (size_t)warp * kstride;
+        if (warp < tn && s_seq[warp] >= 0 && m > 0) {
+            if (p.dense_layer) {
+                // Every remote block is selected; the order inside a row does not change the output.
+                for (int i = lane; i < m; i += 32) {
+                    sel[c0 + i] = c0 + i;
+                    forced[c0 + i] = (uint8_t)(kj[i] >> 63);
+                }
+            } else if (k > 0) {
+                merge_chunk(kj, m, best + (size_t)warp * topk, count, k);
+            }
         }
+        __syncthreads();
+    }
+    if (warp >= tn) return;
+    const int t = t0 + warp;
+    if (s_seq[warp] < 0) {
+        write_selection(plan, nullptr, 0, sel, forced, lane, 32);
+    } else if (p.dense_layer) {
+        for (int i = my_n + lane; i < plan.kmax; i += 32) sel[i] = -1, forced[i] = 0;
+    } else {
+        write_selection(plan, best + (size_t)warp * topk, count, sel, forced, lane, 32);
+    }
+    if (p.selected_out != nullptr) {
+        __syncwarp();
+        for (int i = lane; i < plan.kmax; i += 32) p.selected_out[(int64_t)t * plan.kmax + i] = sel[i];
     }
 }
 
@@ -395,15 +488,16 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     if (tid < kSplitRows) keys[tid] = 0;
     __syncthreads();
     auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
+    const float inv_sqrt = index_inv_sqrt(p.index_dim);
     // Rows per warp: kSplitRows spread over the CTA's warps; half as many when the CTA has at
     // most half its rows (short contexts: every warp then scores, with fewer batches of loads).
     // A row's score does not depend on the warp that computes it.
     constexpr int kR = kSplitRows * 32 / kSplitThreads;
     const int rr = r1 - r0 <= kR / 2 * (kSplitThreads / 32) ? kR / 2 : kR;
     switch (chunks_per_lane(p.index_dim)) {
-        case 1: score_rows<1, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
-        case 2: score_rows<2, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
-        default: score_rows<4, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, emit); break;
+        case 1: score_rows<1, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
+        case 2: score_rows<2, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
+        default: score_rows<4, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
     }
     __syncthreads();
     DASH_MARK(g_route_trace, 2);

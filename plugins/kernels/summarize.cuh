@@ -11,6 +11,11 @@
 
 namespace dash {
 
+// The indexer's scale 1 / sqrt(Di), rounded once, and its clamp of a scaled dot product to
+// +-1e4 (as the reference clamps): what the summaries' logits and the routing scores share.
+__device__ __forceinline__ float index_inv_sqrt(int di) { return __fdiv_rn(1.0f, sqrtf((float)di)); }
+__device__ __forceinline__ float clamp_index_logit(float x) { return fminf(fmaxf(x, -1e4f), 1e4f); }
+
 // Dynamic shared memory: Plan::summarize_smem bytes at smem_raw.
 template <typename T>
 __device__ void summarize_block(const DashParams& p, const Workspace& ws, int seq, int b, unsigned char* smem_raw) {
@@ -84,11 +89,11 @@ __device__ void summarize_block(const DashParams& p, const Workspace& ws, int se
     __syncthreads();
     // Indexer logit of each token: (ik . head_cls) / sqrt(Di), clamped to +-1e4; a thread per
     // row (in turn for more rows than threads), the row's elements in order.
-    const float inv_sqrt = __fdiv_rn(1.0f, sqrtf((float)di));
+    const float inv_sqrt = index_inv_sqrt(di);
     for (int j = threadIdx.x; j < sbs; j += nt) {
         float acc = 0.0f;
         for (int i = 0; i < di; ++i) acc += keys[j * ks + i] * hcs[i];
-        logit[j] = fminf(fmaxf(acc * inv_sqrt, -1e4f), 1e4f);
+        logit[j] = clamp_index_logit(acc * inv_sqrt);
     }
     __syncthreads();
     if (threadIdx.x < 32) {

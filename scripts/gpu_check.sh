@@ -3,7 +3,7 @@
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|prefill|generate|triton|breakdown|ab|trace|ncu|
-#                         ncu-prefill|ncu-source|ncu-source-prefill|gather|compare|all]...
+#                         ncu-prefill|ncu-source|ncu-source-prefill|ncu-source-route|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
 # everything in one archive, $OUT/gpu_check_logs.tgz.
@@ -183,6 +183,24 @@ case " $what " in *" ncu-source-prefill "*)
     head -5 "$OUT/ncu_source_prefill.err"
   fi
   rm -f "$OUT/ncu_source_prefill.csv";;
+esac
+case " $what " in *" ncu-source-route "*)
+  # What the fused routing of a 64k prefill executes and where its warps wait: sampled stall
+  # reasons and executed instructions per SASS instruction (the CSV kept, gzipped).
+  ncu --clock-control none --kernel-name regex:"route_tile_kernel" --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight --section Occupancy -f -o "$OUT/ncu_source_route" \
+    python3 bench/profile_step.py prefill 65536 > "$OUT/ncu_source_route_run.log" 2>&1
+  tail -3 "$OUT/ncu_source_route_run.log"
+  if ncu -i "$OUT/ncu_source_route.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_route.csv" \
+      2> "$OUT/ncu_source_route.err"; then
+    python3 bench/ncu_source_top.py "$OUT/ncu_source_route.csv" 40 | tee "$OUT/ncu_source_route_top.log"
+    gzip -f "$OUT/ncu_source_route.csv"
+  else
+    head -5 "$OUT/ncu_source_route.err"
+  fi
+  ncu -i "$OUT/ncu_source_route.ncu-rep" --page details > "$OUT/ncu_route_details.log" 2>&1
+  grep -E "Duration|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Stall" \
+    "$OUT/ncu_route_details.log" | cut -c1-150 | head -40;;
 esac
 case " $what " in *" ncu-source "*)
   # Where the routing and attention warps wait: sampled stall reasons per SASS instruction.

@@ -77,6 +77,11 @@ __device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s)
     return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
 }
 
+// dot4(0, q, s) but for the sign of a zero result (dot4 adds it to +0).
+__device__ __forceinline__ float dot4_first(const float4 q, const float4 s) {
+    return __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x))));
+}
+
 // The page range of block b's summary row si: its lowest and highest image page, and whether
 // every page between them has an image token in the block (DASH_PAGE_DENSE).
 struct BlockPages {
@@ -169,6 +174,21 @@ __device__ __forceinline__ float butterfly8(float (&v)[8], int lane) {
     v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
     return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
 }
+// butterfly8 without its selects: lane l holds token (j ^ butterfly_slot(l))'s partial in v[j],
+// so that at every step the lane keeps the low half of its values and sends the high half, which
+// are the partner's kept tokens. Each step adds the same two partials as butterfly8 does, so a
+// token's sum has the same bits; it ends in lanes 4 j .. 4 j + 3 (v[0]) as there.
+__host__ __device__ constexpr int butterfly_slot(int lane) { return (lane >> 2) & 7; }
+__device__ __forceinline__ float butterfly8_slotted(float (&v)[8]) {
+    const unsigned full = 0xffffffffu;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __fadd_rn(v[j], __shfl_xor_sync(full, v[4 + j], 16));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) v[j] = __fadd_rn(v[j], __shfl_xor_sync(full, v[2 + j], 8));
+    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[1], 4));
+    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
+    return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
+}
 __device__ __forceinline__ float butterfly1(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -183,7 +203,9 @@ __host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1
 // Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
 // rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after
 // the first batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)`
-// receives token j's key of row r (called by one lane, 4 * j). iq: [NT][di4] shared memory;
+// receives token j's key of row r. With one token lane 0 emits each row; with NT tokens the
+// lanes 4 j .. 4 j + 3 that hold token j's sums of a batch's rows emit one row each (lane 4 j + i
+// row i), so a batch's keys take one emit instead of kB. iq: [NT][di4] shared memory;
 // qp[j]: token j's query page; NT: tokens (1 or kRouteTile); inv_sqrt: index_inv_sqrt(Di).
 // With NT tokens, all NT rows of iq are read (zero for tokens past ntok) and, for Di <= 128,
 // each lane keeps its chunk of every token's query in registers across the rows.
@@ -197,26 +219,33 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
     constexpr bool kRegQ = NT > 1 && NCH == 1;
     float4 qr[kRegQ ? NT : 1];
     if constexpr (kRegQ) {
+        static_assert(!kRegQ || NT == 8, "butterfly8_slotted sums 8 tokens");
         const bool mine = 4 * lane < di;  // the lane's chunk of the query (lane_partial's test)
 #pragma unroll
-        for (int jj = 0; jj < NT; ++jj)
-            qr[jj] = mine ? reinterpret_cast<const float4*>(iq + jj * di4)[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int jj = 0; jj < NT; ++jj) {  // slot jj: token jj ^ butterfly_slot(lane)
+            const float* q = iq + (jj ^ butterfly_slot(lane)) * di4;
+            qr[jj] = mine ? reinterpret_cast<const float4*>(q)[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
     }
     // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
     constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
     constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
+    static_assert(NT == 1 || kB <= 4, "the four lanes holding a token's sums emit a batch's rows");
     for (int base = r0 + warp * rr; base < r1; base += nwarps * rr) {
         // Lane l < rr: row base + l's summary row and, per token, whether the block is forced.
         const int my_r = base + lane;
         const int64_t my_si = lane < rr && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
+        // The row's address, found once by its lane and handed to the warp with each batch.
+        const unsigned long long my_row =
+            my_si >= 0 ? reinterpret_cast<uintptr_t>(p.summary_cache + my_si * di) : 0ull;
         unsigned my_forced = 0;
         const int rows = min(rr, r1 - base);
         for (int b0 = 0; b0 < rows; b0 += kB) {
             float4 s[kB][NCH];
 #pragma unroll
             for (int i = 0; i < kB; ++i) {
-                const int64_t si = __shfl_sync(0xffffffffu, my_si, (b0 + i) % 32);
-                load_chunks<NCH>(b0 + i < rows && si >= 0 ? p.summary_cache + si * di : nullptr, di, vec, lane, s[i]);
+                const unsigned long long row = __shfl_sync(0xffffffffu, my_row, (b0 + i) % 32);
+                load_chunks<NCH>(b0 + i < rows ? reinterpret_cast<const float*>(row) : nullptr, di, vec, lane, s[i]);
             }
             if (b0 == 0 && my_si >= 0) {  // while the first rows load; the row's pages read once
                 const BlockPages pg = block_pages(p, my_si);
@@ -224,32 +253,42 @@ __device__ __forceinline__ void score_rows(const DashParams& p, const Workspace&
                 for (int j = 0; j < NT; ++j)
                     if (j < ntok && forced_block(p, ws, seq, my_r, pg, qp[j])) my_forced |= 1u << j;
             }
+            // A block whose summary row is unmapped (flagged) scores 0, never forced.
+            if constexpr (NT == 1) {
 #pragma unroll
-            for (int i = 0; i < kB; ++i) {
-                const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
-                if (b0 + i >= rows) continue;  // uniform over the warp
-                float dot;
-                int j = 0;
-                if constexpr (NT == 1) {
-                    dot = butterfly1(lane_partial<NCH>(iq, di, lane, s[i]));
-                } else {
-                    float v[8];
-#pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        // lane_partial's one chunk, from registers. Past Di the query and the
-                        // row are zero and dot4 gives +0, what lane_partial returns there.
-                        if constexpr (kRegQ)
-                            v[jj] = dot4(0.0f, qr[jj], s[i][0]);
-                        else
-                            v[jj] = lane_partial<NCH>(iq + jj * di4, di, lane, s[i]);
-                    }
-                    dot = butterfly8(v, lane);
-                    j = (lane >> 2) & 7;
+                for (int i = 0; i < kB; ++i) {
+                    const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
+                    if (b0 + i >= rows) continue;  // uniform over the warp
+                    const float dot = butterfly1(lane_partial<NCH>(iq, di, lane, s[i]));
+                    if (lane == 0) emit(0, base + b0 + i, route_key(score_of(dot, inv_sqrt), fm & 1u, base + b0 + i));
                 }
-                if ((NT == 1 ? lane == 0 : lane % 4 == 0) && j < ntok) {
-                    const int r = base + b0 + i;
-                    // A block whose summary row is unmapped (flagged) scores 0, never forced.
-                    emit(j, r, route_key(score_of(dot, inv_sqrt), (fm >> j) & 1u, r));
+            } else {
+                const int slot = lane & 3, j = (lane >> 2) & 7;  // the batch row this lane emits, its token
+                float mine = 0.0f;
+#pragma unroll
+                for (int i = 0; i < kB; ++i) {
+                    if (b0 + i >= rows) continue;  // uniform over the warp
+                    float v[8];
+                    float dot;  // token j's, in lanes 4 j .. 4 j + 3
+                    if constexpr (kRegQ) {
+                        // lane_partial's one chunk, from registers, without its first addition
+                        // to +0: that can only turn a -0 into +0, which changes no sum other than
+                        // a zero's sign, and route_key maps -0 to +0. Past Di the query and the
+                        // row are zero.
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) v[jj] = dot4_first(qr[jj], s[i][0]);
+                        dot = butterfly8_slotted(v);
+                    } else {
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) v[jj] = lane_partial<NCH>(iq + jj * di4, di, lane, s[i]);
+                        dot = butterfly8(v, lane);
+                    }
+                    if (slot == i) mine = dot;
+                }
+                const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + slot) % 32);
+                if (slot < kB && b0 + slot < rows && j < ntok) {
+                    const int r = base + b0 + slot;
+                    emit(j, r, route_key(score_of(mine, inv_sqrt), (fm >> j) & 1u, r));
                 }
             }
         }
@@ -323,14 +362,28 @@ __device__ void write_selected_out(const DashParams& p, const Plan& plan, int t,
 
 // Token j's running selection (the warp of token j): best[0, count) holds the largest keys of
 // its blocks scored so far, largest first; keys[0, m) the keys of the next chunk of its blocks
-// (shared memory, consumed; room for m + k keys). Only the keys above the k-th best can enter:
+// (shared memory, consumed; room for m + k keys). Only the keys above the k-th best can enter
+// (before there is a k-th best, those at or above a bound taken from the chunk itself):
 // they are compacted to the front of keys, the running best appended, and the k largest of
 // those become the new best: by rank (a lane per key) when there are at most 64, else by
 // warp_topk. The result is the k largest keys over all chunks, the same as one top-k over
 // every key (keys are distinct).
 __device__ void merge_chunk(uint64_t* keys, int m, uint64_t* best, int& count, int k) {
     const int lane = threadIdx.x % 32;
-    const uint64_t thr = count == k ? best[k - 1] : 0;  // keys are never 0
+    uint64_t thr = count == k ? best[k - 1] : 0;  // keys are never 0
+    if (count < k && k <= 32 && m > 64) {
+        // No running k-th best yet (the first chunk): the k-th largest of the lanes' maxima of
+        // their strides bounds the chunk's k-th largest key from below (the k lanes' maxima at
+        // or above it are k keys), so only keys at or above it can enter. Maxima other than 0
+        // are distinct keys; with fewer than k lanes holding a key no lane has rank k - 1.
+        uint64_t lm = 0;
+        for (int i = lane; i < m; i += 32) lm = keys[i] > lm ? keys[i] : lm;
+        int above = 0;
+        for (int o = 0; o < 32; ++o) above += __shfl_sync(0xffffffffu, lm, o) > lm ? 1 : 0;
+        const unsigned at = __ballot_sync(0xffffffffu, lm != 0 && above == k - 1);
+        const uint64_t kth = at ? __shfl_sync(0xffffffffu, lm, __ffs(at) - 1) : 0;
+        if (kth > 0 && kth - 1 > thr) thr = kth - 1;
+    }
     int nc = 0;
     for (int base = 0; base < m; base += 32) {
         const int i = base + lane;
@@ -380,6 +433,8 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     uint64_t* keys = reinterpret_cast<uint64_t*>(iq + (size_t)kRouteTile * di4);
     uint64_t* best = keys + (size_t)tile * kstride;
     __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile], s_nmax;
+    // The tile's sequences, each once (at its first token), and the most blocks a token of it scores.
+    __shared__ int s_lseq[kRouteTile], s_ln[kRouteTile], s_nseq;
     if (threadIdx.x < kRouteTile) {
         const int j = threadIdx.x, t = t0 + j;
         const int seq = j < tn ? ws.token_seq[t] : -1;
@@ -388,34 +443,43 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         s_qp[j] = j < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int nmax = 0;
-        for (int j = 0; j < kRouteTile; ++j) nmax = max(nmax, s_n[j]);
-        s_nmax = nmax;
+    if (threadIdx.x < 32) {  // lane j < kRouteTile: token j, and whether it leads its sequence
+        const int j = threadIdx.x, seq = j < kRouteTile ? s_seq[j] : -1;
+        bool first = seq >= 0;
+        int n = 0;
+        for (int i = 0; i < kRouteTile; ++i) {
+            if (s_seq[i] != seq) continue;
+            first = first && i >= j;
+            n = max(n, s_n[i]);
+        }
+        const unsigned leads = __ballot_sync(0xffffffffu, first);
+        if (first) {
+            const int at = __popc(leads & ((1u << j) - 1u));
+            s_lseq[at] = seq;
+            s_ln[at] = n;
+        }
+        int nmax = j < kRouteTile ? s_n[j] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) nmax = max(nmax, __shfl_xor_sync(0xffffffffu, nmax, o));
+        if (j == 0) s_nmax = nmax, s_nseq = __popc(leads);
     }
-    for (int j = 0; j < kRouteTile; ++j) {
-        if (s_seq[j] >= 0) load_index_query(p, ws, t0 + j, iq + (size_t)j * di4);
-        else
-            for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[(size_t)j * di4 + i] = 0.0f;
+    // The tokens' indexer queries, zero past Di and for absent tokens (load_index_query's rows),
+    // every load of the tile in flight at once.
+    for (int i = threadIdx.x; i < kRouteTile * di4; i += blockDim.x) {
+        const int j = i / di4, d = i - j * di4;
+        iq[i] = s_seq[j] >= 0 && d < di ? __ldg(ws.iq_rot + (int64_t)(t0 + j) * di4 + d) : 0.0f;
     }
     __syncthreads();
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
     const int my_n = warp < tn ? s_n[warp] : 0, k = min(p.topk, my_n);
     int count = 0;  // warp's token: keys in its running best
     int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)(t0 + warp) * plan.kmax;
     for (int c0 = 0; c0 < nmax; c0 += chunk) {
-        for (int lead = 0; lead < tn; ++lead) {  // each sequence of the tile once, at its first token
-            const int seq = s_seq[lead];
-            bool first = seq >= 0;
-            int n = 0;
-            for (int j = 0; j < tn; ++j) {
-                if (s_seq[j] != seq) continue;
-                first = first && j >= lead;
-                n = max(n, s_n[j]);
-            }
-            if (!first || n <= c0) continue;
+        for (int q = 0; q < nseq; ++q) {  // each sequence of the tile once
+            const int seq = s_lseq[q], n = s_ln[q];
+            if (n <= c0) continue;
             const int r1 = min(n, c0 + chunk);
             // The lane that emits token jl's keys (lanes 4 jl .. 4 jl + 3 hold its sums).
             const int jl = (lane >> 2) & 7, lim = s_seq[jl] == seq ? s_n[jl] : 0;
@@ -423,10 +487,14 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
             auto emit = [&](int, int b, uint64_t key) {
                 if (b < lim) kl[b - c0] = key;
             };
+            // Rows a warp: the chunk's rows spread over the warps in multiples of 4 (a batch),
+            // so a chunk shorter than 8 x 32 rows does not leave warps idle.
+            constexpr int kWarps = kRouteThreads / 32;
+            const int rr = min(32, ((r1 - c0 + kWarps - 1) / kWarps + 3) / 4 * 4);
             switch (chunks_per_lane(di)) {
-                case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
-                case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
-                default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, 32, inv_sqrt, emit); break;
+                case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
+                case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
+                default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
             }
         }
         __syncthreads();

@@ -63,12 +63,14 @@ __device__ __forceinline__ int remote_blocks(const DashParams& p, const Plan& pl
     return max(0, min(n, plan.max_blocks));
 }
 
-// Rotated, finite, float32 indexer query of token t (written by the write stage) into iq[Di4],
-// zero past Di.
+// Element d < di4 of token t's rotated, finite, float32 indexer query (written by an earlier
+// launch, the write stage), zero past Di: a row of the routing's iq.
+__device__ __forceinline__ float index_query(const DashParams& p, const Workspace& ws, int t, int d, int di4) {
+    return d < p.index_dim ? __ldg(ws.iq_rot + (int64_t)t * di4 + d) : 0.0f;
+}
 __device__ __forceinline__ void load_index_query(const DashParams& p, const Workspace& ws, int t, float* iq) {
     const int di4 = (p.index_dim + 3) / 4 * 4;
-    const float* src = ws.iq_rot + (int64_t)t * di4;
-    for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[i] = i < p.index_dim ? src[i] : 0.0f;
+    for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[i] = index_query(p, ws, t, i, di4);
 }
 
 // One step of the indexer score, in explicitly rounded operations, so that no launch shape
@@ -463,11 +465,10 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         for (int o = 16; o > 0; o >>= 1) nmax = max(nmax, __shfl_xor_sync(0xffffffffu, nmax, o));
         if (j == 0) s_nmax = nmax, s_nseq = __popc(leads);
     }
-    // The tokens' indexer queries, zero past Di and for absent tokens (load_index_query's rows),
-    // every load of the tile in flight at once.
+    // The tokens' indexer queries (zero for absent tokens), every load of the tile in flight at once.
     for (int i = threadIdx.x; i < kRouteTile * di4; i += blockDim.x) {
         const int j = i / di4, d = i - j * di4;
-        iq[i] = s_seq[j] >= 0 && d < di ? __ldg(ws.iq_rot + (int64_t)(t0 + j) * di4 + d) : 0.0f;
+        iq[i] = s_seq[j] >= 0 ? index_query(p, ws, t0 + j, d, di4) : 0.0f;
     }
     __syncthreads();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;

@@ -99,7 +99,7 @@ class Tuning:
     library reads no environment variable."""
 
     block_major_min_tokens: int = 0  #: prefill attention goes block-major from this many tokens (1024; < 0: never)
-    block_major_chunk: int = 0  #: tokens per block-major pass (8192)
+    block_major_chunk: int = 0  #: tokens per block-major pass (16384)
     attend_ctas: int = 0  #: split-K target (CTAs) of the token-major attention (256)
     fused_front: int = 0  #: decode-only calls fold the write and summary stages into later launches (< 0: no)
     front_writer: int = 0  #: the folded write: 0 the plan picks, 1 a CTA of its own, 2 the first routing CTA

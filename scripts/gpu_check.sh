@@ -158,11 +158,11 @@ case " $what " in *" ncu "*)
 esac
 case " $what " in *" ncu-prefill "*)
   # Why a 64k prefill's kernels take as long as they do: the last block-major pass (tokens
-  # 56k-64k: the block-major tiles, the query-major tiles, the combine) and the routing.
+  # 48k-64k at the default 16384 a pass: the block-major tiles, the query-major tiles, the combine) and the routing.
   sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
             --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
   ncu --clock-control none --kernel-name regex:"block_attend_kernel|qm_attend_kernel|bm_combine_kernel" \
-    --launch-skip 21 --launch-count 3 "${sections[@]}" python3 bench/profile_step.py prefill 65536 \
+    --launch-skip 9 --launch-count 3 "${sections[@]}" python3 bench/profile_step.py prefill 65536 \
     > "$OUT/ncu_prefill.log" 2>&1
   ncu --clock-control none --kernel-name regex:"route_tile_kernel" --launch-count 1 "${sections[@]}" \
     python3 bench/profile_step.py prefill 65536 >> "$OUT/ncu_prefill.log" 2>&1
@@ -171,18 +171,22 @@ case " $what " in *" ncu-prefill "*)
 esac
 case " $what " in *" ncu-source-prefill "*)
   # Where the prefill tiles' warps wait, and what they execute: sampled stall reasons and
-  # executed instructions per SASS instruction, the last block-major pass of a 64k prefill.
-  ncu --clock-control none --kernel-name regex:"block_attend_kernel|qm_attend_kernel" --launch-skip 14 --launch-count 2 \
-    --section SourceCounters --section WarpStateStats -f -o "$OUT/ncu_source_prefill" \
+  # executed instructions per SASS instruction, the last block-major pass of a 64k prefill (the
+  # CSV kept, gzipped).
+  ncu --clock-control none --kernel-name regex:"block_attend_kernel|qm_attend_kernel" --launch-skip 6 --launch-count 2 \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight --section Occupancy -f -o "$OUT/ncu_source_prefill" \
     python3 bench/profile_step.py prefill 65536 > "$OUT/ncu_source_prefill_run.log" 2>&1
   tail -3 "$OUT/ncu_source_prefill_run.log"
   if ncu -i "$OUT/ncu_source_prefill.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_prefill.csv" \
       2> "$OUT/ncu_source_prefill.err"; then
     python3 bench/ncu_source_top.py "$OUT/ncu_source_prefill.csv" 40 | tee "$OUT/ncu_source_prefill_top.log"
+    gzip -f "$OUT/ncu_source_prefill.csv"
   else
     head -5 "$OUT/ncu_source_prefill.err"
   fi
-  rm -f "$OUT/ncu_source_prefill.csv";;
+  ncu -i "$OUT/ncu_source_prefill.ncu-rep" --page details > "$OUT/ncu_prefill_details.log" 2>&1
+  grep -E "^  [a-zA-Z_:<>, ]+\(|Duration|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Stall" \
+    "$OUT/ncu_prefill_details.log" | cut -c1-150 | head -60;;
 esac
 case " $what " in *" ncu-source-route "*)
   # What the fused routing of a 64k prefill executes and where its warps wait: sampled stall

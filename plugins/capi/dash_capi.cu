@@ -28,7 +28,7 @@ constexpr long kTargetCtas = 256;        // split-K aims for this many attention
 constexpr size_t kStaticSmemAllowance = 8 * 1024;  // static shared memory beside a kernel's dynamic part
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
-constexpr int kBlockMajorChunk = 8192;      // tokens per block-major pass (bounds the partials)
+constexpr int kBlockMajorChunk = 16384;     // tokens per block-major pass (bounds the partials; H200 sweep at b94d373)
 constexpr double kBmTwoWgRows = 1024;       // expected rows per block from which a block-major CTA is two warpgroups
 
 // The tuning fields of DashParams (params.h), 0 meaning the default above. No getenv: every

@@ -98,7 +98,8 @@ typedef struct DashParams {
     /* ---- tuning: 0 takes the documented default; tests and benchmarks pass others ---- */
     int32_t tune_block_major_min_tokens; /* prefill attention goes block-major from this many tokens
                                             (0: 1024; < 0: never) */
-    int32_t tune_block_major_chunk;      /* tokens per block-major pass (0: 8192) */
+    int32_t tune_block_major_chunk;      /* tokens per block-major pass (0: 16384); the partials
+                                            take tokens x slots x heads x (2 head_dim + 8) bytes */
     int32_t tune_attend_ctas;            /* split-K target (CTAs) of the token-major attention (0: 256) */
     int32_t tune_fused_front;            /* decode-only calls (max_new_tokens 1) fold the write and summary
                                             stages into the routing and attention launches (0: yes; < 0: no) */

@@ -3,7 +3,8 @@
   python3 bench/breakdown.py [decode|prefill]... [--ctx 131072] [--seq 65536]
 
 decode: one step of 32 sequences at --ctx context (the benchmark's decode case, real top-k unless --forced, eagerly);
-prefill: one --seq-token prompt. Prints each kernel's total time and share, and for decode the
+prefill: one --seq-token prompt (--correlated: the benchmark's page-correlated indexer queries,
+whose tokens of a page select largely the same blocks). Prints each kernel's total time and share, and for decode the
 routing stages' share (summaries, scoring, top-k), which the performance issue bounds at 15%.
 Not a test: nothing here asserts a time.
 """
@@ -55,6 +56,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--forced", type=int, default=0, help="forced blocks of the decode token's page (0: real top-k)")
+    ap.add_argument("--correlated", action="store_true",
+                    help="prefill: a page's tokens share one indexer query plus noise (bench_dash's page-correlated case)")
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
@@ -74,8 +77,8 @@ def main() -> int:
                        profile(fn))
                 del fn
         else:
-            fn, *_ = B.prefill_step(a.seq, gen)
-            report(f"prefill 1 x {a.seq // 1024}k", profile(fn))
+            fn, *_ = B.prefill_step(a.seq, gen, correlated=a.correlated)
+            report(f"prefill 1 x {a.seq // 1024}k" + (", page-correlated indexer" if a.correlated else ""), profile(fn))
             del fn
         torch.cuda.empty_cache()
     return 0

@@ -592,6 +592,37 @@ def test_query_major_tiles_too_many_slots_to_merge(head_dim, topk):
     check(steps, rc, kc, dtype)
 
 
+@pytest.mark.parametrize("heads, kv_heads, share_min, correlated", [(8, 2, 0, True), (32, 8, 0, True),
+                                                                    (4, 4, 1, False), (8, 2, 1, True)])
+def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlated):
+    """Query-major tiles list the blocks enough of their tokens select anywhere before them, not
+    only near their own: one sequence of over 9,000 tokens (more sparse blocks than the 128 a
+    tile lists). ``correlated``: a page's tokens share one random indexer query plus a tenth of
+    it in noise, so that they select the same far blocks (as a trained indexer's would);
+    otherwise independent queries with share_min 1 at G 1, so that a tile's 128 tokens select
+    more distinct blocks than its list holds and the rest stay block-major."""
+    import dataclasses
+    from dash_trt.testing import ROLE_PAGE
+
+    dtype = torch.bfloat16
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=1000, tile_share_min=share_min)
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads + share_min)
+    cfg = make_config(64, sparse_topk_blocks=8, sparse_page_bias=0.5, sparse_local_block=1)
+    seqs = build_sequences(gen, 1, heads=heads, kv_heads=kv_heads, head_dim=128, index_dim=64, dtype=dtype,
+                           pages=(64, 64), max_images=330, response=6)
+    x, coords = seqs[0]
+    assert x.length > (128 + 16) * 64
+    if correlated:
+        page_of = torch.cumsum((x.roles == ROLE_PAGE).long(), 0).clamp(min=1) - 1
+        shared = torch.randn(64, x.iq.shape[1], generator=gen).to(x.iq.device)
+        x = dataclasses.replace(x, iq=(shared[page_of.to(x.iq.device)] + 0.1 * x.iq.float()).to(dtype))
+        seqs = [(x, coords)]
+    plans = schedule(gen, seqs, 6)
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None], gen, dtype, tuning=tuning)
+    assert any(out.shape[0] >= 1000 for out, *_ in steps)
+    check(steps, rc, kc, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, share_min", [(8, 2, 0), (32, 8, 0), (8, 2, -1), (16, 1, 1)])
 def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_min):

@@ -216,7 +216,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         const size_t qm_smem = dash::query_major_smem(p, (plan.warpgroup & dash::kWgQueryMajor) != 0);
         const int group = p.num_heads / p.num_kv_heads;
         if (p.tune_tile_share_min >= 0 && qm_smem > 0 && qm_smem + kStaticSmemAllowance <= smem_limit &&
-            dash::kQmRows % group == 0) {
+            dash::kQmRows % group == 0 && plan.max_blocks <= dash::kQmMaxBlocks) {
             plan.qm_tile = dash::kQmRows / group;
             plan.qm_min = p.tune_tile_share_min > 0 ? p.tune_tile_share_min : std::max(1, plan.qm_tile * 3 / 8);
             plan.qm_tiles = (plan.bm_chunk + plan.qm_tile - 1) / plan.qm_tile;
@@ -278,10 +278,13 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(w.bm_work, sizeof(int32_t) * (plan.bm_num_keys + 1));
         take(w.bm_items, 16 * (size_t)dash::block_major_items((int64_t)chunk * plan.bm_slots, plan.bm_num_keys));
         if (plan.qm_tile > 0) {
-            const size_t words = (size_t)plan.qm_tiles * dash::kQmRange * dash::kQmWords;
+            const size_t words = (size_t)plan.qm_tiles * dash::kQmBlocks * dash::kQmWords;
             take(w.qm_base, sizeof(int32_t) * plan.qm_tiles);
+            take(w.qm_count, sizeof(int32_t) * plan.qm_tiles);
+            take(w.qm_list, sizeof(int32_t) * plan.qm_tiles * dash::kQmBlocks);
             take(w.qm_mask, sizeof(uint32_t) * words);
             take(w.qm_forced, sizeof(uint32_t) * words);
+            take(w.qm_sel, chunk * plan.kmax);
         }
     }
     return off;

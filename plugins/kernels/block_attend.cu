@@ -53,20 +53,16 @@ __device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan
 
 // Whether entry (chunk-relative token tl, slot j) reading sparse block b is served by its
 // query-major tile (qm_attend_kernel) instead of the block-major tiles: its tile is one
-// sequence's, b is among the kQmRange blocks up to the tile's own, and the entry is a local
-// window one, or b is selected by at least plan.qm_min of the tile's tokens. The one rule both
-// paths apply. (A token may read one block both ways: a selected block that its window
-// overlaps gives the keys before the window, the local entry the rest.)
+// sequence's and the entry is a local window one, or qm_prep_kernel listed b for the tile as a
+// block at least plan.qm_min of its tokens select (qm_sel). The one rule both paths apply. (A
+// token may read one block both ways: a selected block that its window overlaps gives the keys
+// before the window, the local entry the rest.)
 __device__ __forceinline__ bool qm_serves(const Plan& plan, const Workspace& ws, int tl, int j, int b) {
     if (plan.qm_tile == 0) return false;
-    const int tile = tl / plan.qm_tile, base = ws.qm_base[tile];
-    if (base < 0 || b <= base - kQmRange || b > base) return false;
-    if (j >= plan.kmax) return true;
-    const uint32_t* m = ws.qm_mask + ((int64_t)tile * kQmRange + (b - base + kQmRange - 1)) * kQmWords;
-    int readers = 0;
-#pragma unroll
-    for (int w = 0; w < kQmWords; ++w) readers += __popc(m[w]);
-    return readers >= plan.qm_min;
+    const int base = ws.qm_base[tl / plan.qm_tile];
+    if (base < 0) return false;
+    if (j >= plan.kmax) return b > base - kQmBlocks;  // local: the tile lists these (qm_prep_kernel)
+    return ws.qm_sel[(int64_t)tl * plan.kmax + j] != 0;
 }
 
 // Entry e = t * bm_slots + j of the chunk (chunk-relative token t): its key is the physical
@@ -81,40 +77,104 @@ __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& pl
     return summary_index(p, ws.token_seq[t], b, ws.error);
 }
 
+constexpr int kQmPrepThreads = 256;
+
 // Query-major tiles, step 1: for each tile of qm_tile consecutive chunk tokens, whether it is one
-// sequence's (qm_base: its last token's own sparse block, else -1) and which of its tokens
-// selected each of the kQmRange blocks up to that one (qm_mask; qm_forced: as a forced block).
-// Local window reads follow from the positions and take no bit.
-__global__ void qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
-    __shared__ uint32_t mask[kQmRange * kQmWords], forced_mask[kQmRange * kQmWords];
-    __shared__ int s_base;
+// sequence's (qm_base: its last token's own sparse block, else -1), and the blocks it reads
+// (qm_list, ascending; qm_count of them): those at least qm_min of its tokens select, anywhere
+// in the sequence, then the blocks its local windows may reach (lo..base). Per listed block,
+// which of its tokens the tile serves as a selected block (qm_mask; qm_forced: a forced one),
+// and per token and selected slot whether the tile serves it (qm_sel, for qm_serves).
+// Shared memory: a byte per sparse block of the sequence (plan.max_blocks): its selectors among
+// the tile's tokens (at most 128), then its list position + 1 where the tile serves it, else 0.
+// The list is capped at kQmBlocks; the selected blocks past the cap stay block-major (the
+// lowest-numbered are kept, a deterministic choice).
+__global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                 int t0, int tn) {
+    extern __shared__ uint32_t count_words[];  // plan.max_blocks bytes, rounded up to words
+    __shared__ uint32_t mask[kQmBlocks * kQmWords], forced_mask[kQmBlocks * kQmWords];
+    __shared__ int s_base, s_lo, s_part[kQmPrepThreads / 32];
+    uint8_t* count = reinterpret_cast<uint8_t*>(count_words);
     const int tile = blockIdx.x, ta = t0 + tile * plan.qm_tile, tb = min(ta + plan.qm_tile, t0 + tn);
-    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += blockDim.x) mask[i] = forced_mask[i] = 0;
+    const int nt = tb - ta, words = (plan.max_blocks + 3) / 4;
+    for (int i = threadIdx.x; i < kQmBlocks * kQmWords; i += blockDim.x) mask[i] = forced_mask[i] = 0;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) count_words[i] = 0;
     if (threadIdx.x == 0) {
         const int seq = ws.token_seq[ta];
         const bool one = seq >= 0 && ws.token_seq[tb - 1] == seq &&
                          ws.token_pos[tb - 1] - ws.token_pos[ta] == tb - 1 - ta;
-        s_base = one ? ws.token_pos[tb - 1] / p.sparse_block_size : -1;
+        int base = one ? ws.token_pos[tb - 1] / p.sparse_block_size : -1;
+        if (base >= plan.max_blocks) base = -1;  // past the table (bad metadata, reported elsewhere)
+        s_base = base;
+        // The local windows reach back to the first token's block minus sparse_local_block.
+        s_lo = max(max(ws.token_pos[ta] / p.sparse_block_size - p.sparse_local_block, base - kQmBlocks + 1), 0);
     }
     __syncthreads();
-    const int base = s_base;
-    if (base >= 0) {
-        for (int e = threadIdx.x; e < (tb - ta) * plan.kmax; e += blockDim.x) {
-            const int tl = e / plan.kmax, j = e % plan.kmax;
-            bool forced;
-            const int b = entry_block(p, plan, ws, ta + tl, j, forced);
-            if (b < 0 || b <= base - kQmRange || b > base) continue;
-            const int at = (b - base + kQmRange - 1) * kQmWords + tl / 32;
-            atomicOr(&mask[at], 1u << (tl % 32));
-            if (forced) atomicOr(&forced_mask[at], 1u << (tl % 32));
+    const int base = s_base, lo = s_lo;
+    const int64_t m0 = (int64_t)tile * kQmBlocks * kQmWords;
+    if (base < 0) {
+        if (threadIdx.x == 0) ws.qm_base[tile] = -1, ws.qm_count[tile] = 0;
+        return;
+    }
+    // (1) Selectors per block (a token selects a block once: at most 128 per byte).
+    for (int e = threadIdx.x; e < nt * plan.kmax; e += blockDim.x) {
+        const int b = ws.selected[(int64_t)(ta + e / plan.kmax) * plan.kmax + e % plan.kmax];
+        if (b >= 0 && b <= base) atomicAdd(&count_words[b / 4], 1u << (8 * (b % 4)));
+    }
+    __syncthreads();
+    // (2) List positions: the blocks below lo that qm_min tokens select, ascending, up to the
+    // cap left by the local blocks lo..base, which follow them. Each thread takes a contiguous
+    // run of blocks; a block scan of the runs' counts gives each its first position.
+    const int nloc = base - lo + 1, cap = kQmBlocks - nloc;
+    const int per = (lo + kQmPrepThreads - 1) / kQmPrepThreads;
+    const int b0 = min(lo, (int)threadIdx.x * per), b1 = min(lo, b0 + per);
+    int mine = 0;
+    for (int b = b0; b < b1; ++b) mine += count[b] >= plan.qm_min;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    if (lane == 31) s_part[warp] = incl;
+    __syncthreads();
+    int before = incl - mine, total = 0;
+    for (int w = 0; w < kQmPrepThreads / 32; ++w) {
+        if (w < warp) before += s_part[w];
+        total += s_part[w];
+    }
+    const int nsel = min(total, cap);
+    for (int b = b0, at = before; b < b1; ++b) {
+        const bool take = count[b] >= plan.qm_min;
+        count[b] = take && at < cap ? (uint8_t)(at + 1) : 0;
+        at += take;
+    }
+    for (int b = lo + (int)threadIdx.x; b <= base; b += blockDim.x)  // local blocks: served selections too
+        count[b] = count[b] >= plan.qm_min ? (uint8_t)(nsel + b - lo + 1) : 0;
+    __syncthreads();
+    // (3) The list, and which tokens' selections each listed block serves.
+    int32_t* list = ws.qm_list + (int64_t)tile * kQmBlocks;
+    for (int b = b0; b < b1; ++b)
+        if (count[b] != 0) list[count[b] - 1] = b;
+    for (int b = lo + (int)threadIdx.x; b <= base; b += blockDim.x) list[nsel + b - lo] = b;
+    for (int e = threadIdx.x; e < nt * plan.kmax; e += blockDim.x) {
+        const int tl = e / plan.kmax;
+        const int64_t at = (int64_t)(ta + tl) * plan.kmax + e % plan.kmax;
+        const int b = ws.selected[at];
+        const int u = b >= 0 && b <= base ? count[b] - 1 : -1;
+        ws.qm_sel[at - (int64_t)t0 * plan.kmax] = u >= 0 ? 1 : 0;
+        if (u >= 0) {
+            atomicOr(&mask[u * kQmWords + tl / 32], 1u << (tl % 32));
+            if (ws.forced[at] != 0) atomicOr(&forced_mask[u * kQmWords + tl / 32], 1u << (tl % 32));
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) ws.qm_base[tile] = base;
-    const int64_t out = (int64_t)tile * kQmRange * kQmWords;
-    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += blockDim.x) {
-        ws.qm_mask[out + i] = mask[i];
-        ws.qm_forced[out + i] = forced_mask[i];
+    const int n = nsel + nloc;
+    if (threadIdx.x == 0) ws.qm_base[tile] = base, ws.qm_count[tile] = n;
+    for (int i = threadIdx.x; i < n * kQmWords; i += blockDim.x) {
+        ws.qm_mask[m0 + i] = mask[i];
+        ws.qm_forced[m0 + i] = forced_mask[i];
     }
 }
 
@@ -560,21 +620,26 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     T* q_s = reinterpret_cast<T*>(smem + (WG ? (1024 - smem_at % 1024) % 1024 : 0));
     T* kv_s = q_s + S::q_elems;  // stage s: K at kv_s + s * stage_elems, V 64 rows later
-    __shared__ uint32_t mask[kQmRange * kQmWords], forced_mask[kQmRange * kQmWords];
-    __shared__ int list_u[kQmRange], list_first[kQmRange];  // blocks read, ascending; first cache slot
-    __shared__ uint8_t list_all[kQmRange];                  // selected by at least qm_min tokens
-    __shared__ uint8_t list_wg[WG ? kQmRange : 1];          // WG: bit g, a row of warpgroup g reads the block
+    __shared__ uint32_t mask[kQmBlocks * kQmWords], forced_mask[kQmBlocks * kQmWords];
+    __shared__ int list_b[kQmBlocks], list_first[kQmBlocks];  // blocks read, ascending; first cache slot
+    __shared__ uint8_t list_wg[WG ? kQmBlocks : 1];          // WG: bit g, a row of warpgroup g reads the block
     __shared__ int tok_pos[kQmRows], tok_prompt[kQmRows];
-    __shared__ int warp_n[4], s_n;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64_t m0 = (int64_t)tile * kQmRange * kQmWords;
-    for (int i = threadIdx.x; i < kQmRange * kQmWords; i += kQmThreads) {
+    const int n = ws.qm_count[tile];  // the blocks qm_prep_kernel listed for the tile
+    const int64_t m0 = (int64_t)tile * kQmBlocks * kQmWords;
+    for (int i = threadIdx.x; i < n * kQmWords; i += kQmThreads) {
         mask[i] = ws.qm_mask[m0 + i];
         forced_mask[i] = ws.qm_forced[m0 + i];
     }
     for (int i = threadIdx.x; i < cnt; i += kQmThreads) {
         tok_pos[i] = ws.token_pos[t0 + ta + i];
         tok_prompt[i] = ws.token_prompt[t0 + ta + i];
+    }
+    for (int i = threadIdx.x; i < n; i += kQmThreads) {
+        const int b = ws.qm_list[(int64_t)tile * kQmBlocks + i];
+        const int64_t key = summary_index(p, seq, b, ws.error);
+        list_b[i] = b;
+        list_first[i] = key < 0 ? -1 : (int)((key / per) * p.block_size + (key % per) * sbs);
     }
     // The tile's rotated queries (rows past its tokens are zero).
     constexpr int kChunk = 8;  // elements per 16-byte copy
@@ -588,45 +653,6 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     }
     __pipeline_commit();
     __syncthreads();
-    // The blocks the tile reads, in ascending order (warps 0-3 scan 32 blocks each): those
-    // selected by at least qm_min of its tokens, and those its local windows may reach.
-    const int first_local = tok_pos[0] / sbs - p.sparse_local_block;
-    bool take = false, all = false;
-    if (warp < kQmRange / 32) {
-        const int u = warp * 32 + lane, b = base - kQmRange + 1 + u;
-        int readers = 0;
-#pragma unroll
-        for (int w = 0; w < kQmWords; ++w) readers += __popc(mask[u * kQmWords + w]);
-        all = readers >= plan.qm_min;
-        take = b >= 0 && (all || b >= first_local);
-        const unsigned bal = __ballot_sync(0xffffffffu, take);
-        if (lane == 0) warp_n[warp] = __popc(bal);
-        __syncwarp();
-        if (take) {
-            int at = __popc(bal & ((1u << lane) - 1));
-            list_u[warp * 32 + at] = u;  // compacted per warp first
-            list_all[warp * 32 + at] = all ? 1 : 0;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {  // concatenate the four warps' runs
-        int n = 0;
-        for (int w = 0; w < kQmRange / 32; ++w) {
-            for (int i = 0; i < warp_n[w]; ++i) {
-                list_u[n + i] = list_u[w * 32 + i];
-                list_all[n + i] = list_all[w * 32 + i];
-            }
-            n += warp_n[w];
-        }
-        s_n = n;
-    }
-    __syncthreads();
-    const int n = s_n;
-    for (int i = threadIdx.x; i < n; i += kQmThreads) {
-        const int64_t key = summary_index(p, seq, base - kQmRange + 1 + list_u[i], ws.error);
-        list_first[i] = key < 0 ? -1 : (int)((key / per) * p.block_size + (key % per) * sbs);
-    }
-    __syncthreads();
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
     const int last_pos = tok_pos[cnt - 1];
@@ -635,7 +661,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     auto load_block = [&](int i, int st) {
         T* k_d = kv_s + st * S::stage_elems;
         T* v_d = k_d + 64 * S::RS;
-        const int first = list_first[i], b = base - kQmRange + 1 + list_u[i];
+        const int first = list_first[i], b = list_b[i];
         const int rows = first < 0 ? 0 : min(64, max(0, last_pos - b * sbs + 1));
         for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kQmThreads) {
             const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
@@ -650,7 +676,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     // The keys token tk reads in block i: [0, sel_hi] as a selected block (bias: the page bias
     // when forced) and [loc_lo, loc_hi] of its local window; both may be empty. True if any.
     auto reads = [&](int i, int tk, int& sel_hi, int& loc_lo, int& loc_hi, float& bias) {
-        const int u = list_u[i], b = base - kQmRange + 1 + u, bstart = b * sbs;
+        const int b = list_b[i], bstart = b * sbs;
         sel_hi = -1, loc_lo = 1, loc_hi = 0, bias = 0.0f;
         if (tk < cnt && list_first[i] >= 0) {
             const int pos = tok_pos[tk];
@@ -658,10 +684,10 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
                 loc_lo = max(pos - local + 1 - bstart, 0);
                 loc_hi = min(pos - bstart, sbs - 1);
             }
-            if (list_all[i] != 0 && (mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u)) {  // selected
+            if (mask[i * kQmWords + tk / 32] >> (tk % 32) & 1u) {  // a selection the tile serves
                 const int prompt = tok_prompt[tk];
                 sel_hi = min(min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - bstart, sbs - 1);
-                bias = (forced_mask[u * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
+                bias = (forced_mask[i * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
             }
         }
         return sel_hi >= 0 || loc_lo <= loc_hi;
@@ -1021,7 +1047,9 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
     const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
     if (plan.qm_tile > 0) {  // before the counts: entry_key asks qm_serves
-        qm_prep_kernel<<<(tn + plan.qm_tile - 1) / plan.qm_tile, 128, 0, stream>>>(p, plan, ws, t0, tn);
+        const size_t count_bytes = sizeof(uint32_t) * ((plan.max_blocks + 3) / 4);  // at most kQmMaxBlocks: no opt-in
+        qm_prep_kernel<<<(tn + plan.qm_tile - 1) / plan.qm_tile, kQmPrepThreads, count_bytes, stream>>>(p, plan, ws,
+                                                                                                      t0, tn);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
     count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);

@@ -175,15 +175,22 @@ struct Workspace {
     void* bm_scan_temp;   // cub scan scratch
     // Query-major tiles of the block-major prefill (plan.qm_tile > 0), per pass:
     int32_t* qm_base;     // [qm_tiles] the tile's last token's own sparse block, -1: no tile here
-    uint32_t* qm_mask;    // [qm_tiles, kQmRange, kQmWords] bit i: tile token i reads block base - kQmRange + 1 + u
-    uint32_t* qm_forced;  // [qm_tiles, kQmRange, kQmWords] bit i: ... and it is a forced (page-biased) block
+    int32_t* qm_count;    // [qm_tiles] blocks the tile reads (at most kQmBlocks)
+    int32_t* qm_list;     // [qm_tiles, kQmBlocks] those blocks, ascending
+    uint32_t* qm_mask;    // [qm_tiles, kQmBlocks, kQmWords] bit i: the tile serves token i's selection of list block u
+    uint32_t* qm_forced;  // [qm_tiles, kQmBlocks, kQmWords] bit i: ... and it is a forced (page-biased) block
+    uint8_t* qm_sel;      // [bm_chunk, kmax] 1: the token's query-major tile serves its j-th selected block
 };
 
 // Query-major tiles (block_attend.cu): a tile is 128 / G consecutive tokens of one sequence,
-// 128 query rows of a KV head; it reads the blocks among the kQmRange before its own one.
+// 128 query rows of a KV head; it reads up to kQmBlocks blocks: those enough of its tokens
+// select, anywhere before it, and those its local windows reach.
 constexpr int kQmRows = 128;
 constexpr int kWgBlockMajor = 1, kWgQueryMajor = 2;  // Plan::warpgroup bits
-constexpr int kQmRange = 128;
+constexpr int kQmBlocks = 128;
+// qm_prep_kernel counts a tile's selectors of every sparse block of the sequence in a byte of
+// shared memory each: query-major tiles need plan.max_blocks at most this.
+constexpr int kQmMaxBlocks = 40 * 1024;
 constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 128 tokens a tile
 
 constexpr int kMaxIndexDimDevice = 512;

@@ -104,7 +104,7 @@ class Tuning:
     fused_front: int = 0  #: decode-only calls fold the write and summary stages into later launches (< 0: no)
     front_writer: int = 0  #: the folded write: 0 the plan picks, 1 a CTA of its own, 2 the first routing CTA
     #: block-major prefill: a tile reads a block query-major when this many of its tokens select it
-    #: (3/8 of the tile; < 0: never, every entry goes block-major)
+    #: (5/8 of the tile; < 0: never, every entry goes block-major)
     tile_share_min: int = 0
     #: block-major prefill on an sm_90 GPU (a build for architecture 90a, head dim 128): the tiles as
     #: warpgroup MMAs (0: both tile kinds; 1: the block-major tiles only; 2: the query-major tiles

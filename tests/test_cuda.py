@@ -550,7 +550,7 @@ def test_block_major_prefill_path(dtype, head_dim, heads, kv_heads, prompt_mode,
 def test_query_major_tiles(dtype, head_dim, heads, kv_heads, share_min):
     """The block-major prefill's query-major tiles (tiles of 128 / G tokens reading the blocks
     they share: local windows, and blocks read by share_min of their tokens; 0: the default
-    3/8; 1: every block any token reads; -1: none) on pages of up to 11 sparse blocks, so that
+    5/8; 1: every block any token reads; -1: none) on pages of up to 11 sparse blocks, so that
     forced page blocks are shared, and more than top-k of them compete; several passes, tiles
     that straddle two sequences, decode tokens of other sequences in the same calls."""
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min)
@@ -613,8 +613,8 @@ def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlate
     x, coords = seqs[0]
     assert x.length > (128 + 16) * 64
     if correlated:
-        page_of = torch.cumsum((x.roles == ROLE_PAGE).long(), 0).clamp(min=1) - 1
-        shared = torch.randn(64, x.iq.shape[1], generator=gen).to(x.iq.device)
+        page_of = torch.cumsum((x.roles == ROLE_PAGE).long(), 0).clamp(min=1) - 1  # the response's markers too
+        shared = torch.randn(int(page_of.max()) + 1, x.iq.shape[1], generator=gen).to(x.iq.device)
         x = dataclasses.replace(x, iq=(shared[page_of.to(x.iq.device)] + 0.1 * x.iq.float()).to(dtype))
         seqs = [(x, coords)]
     plans = schedule(gen, seqs, 6)

@@ -108,8 +108,8 @@ typedef struct DashParams {
                                             2: the first routing CTA) */
     int32_t tune_tile_share_min;         /* block-major prefill: a tile of consecutive tokens of one sequence reads
                                             a sparse block itself (query-major, no partials) when at least this
-                                            many of its tokens select it; its local windows always (0: 3/8 of the
-                                            tile's tokens; < 0: no query-major tiles) */
+                                            many of its tokens select it, anywhere before it; its local windows
+                                            always (0: 5/8 of the tile's tokens; < 0: no query-major tiles) */
     int32_t tune_warpgroup_mma;          /* block-major prefill on an sm_90 GPU, with a build for architecture 90a,
                                             head dim 128: the tiles as warpgroup MMAs (0: the block-major and the
                                             query-major tiles; 1: the block-major ones only; 2: the query-major

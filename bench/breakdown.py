@@ -61,13 +61,15 @@ def main() -> int:
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
+    if any(w not in ("decode", "prefill") for w in a.which):
+        ap.error(f"cases are decode and prefill, got {a.which}")
+    if a.correlated and "prefill" not in a.which:
+        ap.error("--correlated applies to the prefill case only")
+    if a.ctx < 2 * B.SBS or a.ctx % B.SBS or a.seq < B.SBS * 64:
+        ap.error(f"--ctx must be a multiple of {B.SBS} (>= {2 * B.SBS}) and --seq at least {64 * B.SBS}")
     if not torch.cuda.is_available():
         print("breakdown: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if any(w not in ("decode", "prefill") for w in a.which):
-        ap.error(f"cases are decode and prefill, got {a.which}")
-    if a.ctx < 2 * B.SBS or a.ctx % B.SBS or a.seq < B.SBS * 64:
-        ap.error(f"--ctx must be a multiple of {B.SBS} (>= {2 * B.SBS}) and --seq at least {64 * B.SBS}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for which in a.which:
         if which == "decode":

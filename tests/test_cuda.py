@@ -621,6 +621,34 @@ def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlate
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None], gen, dtype, tuning=tuning)
     assert any(out.shape[0] >= 1000 for out, *_ in steps)
     check(steps, rc, kc, dtype)
+    # The case is what it claims, by the reference's selections on the kernels' tile grid.
+    far, widest = far_tile_stats([r.selected.cpu() for *_, r in steps], plans[0], 128 // (heads // kv_heads),
+                                 1000, 64, max(1, share_min) if share_min else (128 // (heads // kv_heads)) * 5 // 8)
+    if correlated:
+        assert far > 0  # tiles that serve a block more than 128 blocks back
+    else:
+        assert widest > 128 - 4  # more distinct selected blocks than the list holds beside the local ones
+
+
+def far_tile_stats(selections, chunks, tile, chunk, sbs, share):
+    """Over the query-major tiles of a single sequence's calls (``selections[i]``: call i's
+    [tokens, k] selected blocks, ``chunks[i]`` its token count; passes of ``chunk`` tokens, tiles
+    of ``tile``): how many tiles have a block more than 128 blocks before their last token's that
+    ``share`` of their tokens select, and the most distinct blocks one tile selects. Calls of
+    fewer than 64 tokens are left out (they stay token-major in the test's tuning)."""
+    far = widest = 0
+    start = 0
+    for sel, n in zip(selections, chunks):
+        for p0 in range(0, n if n >= 64 else 0, chunk):  # block-major calls (block_major_min_tokens=64)
+            for a in range(p0, min(p0 + chunk, n), tile):
+                b = min(a + tile, p0 + chunk, n)
+                base = (start + b - 1) // sbs
+                rows = sel[a:b]
+                blocks, counts = torch.unique(rows[rows >= 0], return_counts=True)
+                widest = max(widest, blocks.numel())
+                far += int(((blocks <= base - 128) & (counts >= share)).any())
+        start += n
+    return far, widest
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -238,26 +238,53 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
     }
 }
 
-// Logits of a tile whose rows each read their whole block or none of it (none[half]: rows r0 and
-// r0 + 8 of the lane), in the log2 domain: x = s * c2 + add[half] (c2 = scale x log2 e), -inf for
-// a row that reads nothing; m[half] takes the rows' maximum. Both tile kernels' fast path.
-__device__ __forceinline__ void whole_block_logits(float (&s)[8][4], const bool (&none)[2], float c2,
-                                                   const float (&add)[2], float (&m)[2]) {
+// The maxima of a tile's rows when each reads its whole block or none of it (none[half]: rows r0
+// and r0 + 8 of the lane), in the log2 domain: a row's logits are s * c2 + add[half] (c2 = scale x
+// log2 e > 0), so their maximum is fmaf(max s, c2, add[half]), exactly (fmaf rounds monotonically);
+// a row that reads nothing keeps m[half]. The scores are left as they are: softmax_numerators
+// applies c2 with each row's offset. Both tile kernels' fast path.
+__device__ __forceinline__ void whole_block_max(const float (&s)[8][4], const bool (&none)[2], float c2,
+                                                const float (&add)[2], float (&m)[2]) {
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        if (!none[half]) m[half] = fmaxf(m[half], fmaf(mx[half], c2, add[half]));
+}
+
+// Softmax numerators of a 16 x 64 tile (rows r0 and r0 + 8 of the lane): 2^(s * c + off[half]),
+// added to the lane's row sums l and packed as P, the A operand of P V (four k-steps of 16 keys).
+// The fast path passes raw scores with c = c2 and off = add - m (-inf for a row that reads
+// nothing); the masked path logits with c = 1 and off = -m. off = -inf (a row with no key yet)
+// gives 0 throughout, as does a masked (-inf) entry.
+template <typename T>
+__device__ __forceinline__ void softmax_numerators(const float (&s)[8][4], float c, const float (&off)[2],
+                                                   float (&l)[2], uint32_t (&pa)[4][4]) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        float e4[4];
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int half = e / 2;
-            const float x = none[half] ? -INFINITY : fmaf(s[n][e], c2, add[half]);
-            s[n][e] = x;
-            m[half] = fmaxf(m[half], x);
+            e4[e] = ex2_ftz(fmaf(s[n][e], c, off[e / 2]));
+            l[e / 2] += e4[e];
         }
+        pa[n / 2][(n % 2) * 2 + 0] = pack2<T>(e4[0], e4[1]);
+        pa[n / 2][(n % 2) * 2 + 1] = pack2<T>(e4[2], e4[3]);
+    }
+}
+// The offset of a row for softmax_numerators: fast (whole-block) path add - m, masked path -m;
+// -inf for a row that reads nothing here or has no key yet (m = -inf).
+__device__ __forceinline__ float numerator_offset(bool fast, bool none, float add, float m) {
+    return (fast && none) || m == -INFINITY ? -INFINITY : (fast ? add : 0.0f) - m;
 }
 
 // The warpgroup forms of qk_tile and of P V (WG tiles; all four warps of the warpgroup call them
 // together). S = Q K^T: this warp's 16 query rows (q, rows rs elements apart) as A registers,
 // the 64 keys of k_s (a swizzled 64 x D tile) as B. O = P V: P in the A layout (pa, as
-// softmax_tile packs it), V a swizzled 64 x D tile read transposed; o holds D / 8 n-tiles.
+// softmax_numerators packs it), V a swizzled 64 x D tile read transposed; o holds D / 8 n-tiles.
 template <typename T, int D>
 __device__ __forceinline__ void wg_qk_tile(float (&s)[8][4], const T* q, int rs, const T* k_s, int lane) {
     uint32_t a[D / 16][4];
@@ -422,15 +449,22 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
     const int tiles = (count * group + 15) / 16;
     const T* qrot = static_cast<const T*>(ws.bm_qrot);
     // Rotated queries of tile `tile` (16 rows) into buffer `buf`; rows past the entries are zero.
+    // Eight lanes copy a row's 128-byte lines (lane L: rows L / 8 + 4 j, chunk L % 8 of each
+    // line), so that an instruction reads four whole lines, with four row addresses a lane.
     auto gather = [&](int tile, int buf) {
-        T* dst = q_w + buf * S::q_rows * S::RS;
+        const int cl = (lane & 7) * kChunk;
 #pragma unroll
-        for (int c = lane; c < 16 * (D / kChunk); c += 32) {
-            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const int row = tile * 16 + r, ei = row >> gshift;
-            const bool in = ei < count;
-            const int64_t off = in ? (int64_t)(ent_q[ei] + (row & (group - 1))) * D + d : 0;
-            __pipeline_memcpy_async(dst + r * S::RS + d, qrot + off, 16, in ? 0 : 16);
+        for (int j = 0; j < 4; ++j) {
+            const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift;
+            T* dst = q_w + buf * S::q_rows * S::RS + r * S::RS + cl;
+            if (ei < count) {
+                const T* src = qrot + (int64_t)(ent_q[ei] + (row & (group - 1))) * D + cl;
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c) __pipeline_memcpy_async(dst + c * 64, src + c * 64, 16);
+            } else {
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c) *reinterpret_cast<uint4*>(dst + c * 64) = make_uint4(0, 0, 0, 0);
+            }
         }
     };
     // Warp w serves 16-row tiles w, w + kW, ...; with WG the four warps of warpgroup g serve its
@@ -492,8 +526,9 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
             whole = whole && (none[half] || (lo[half] == 0 && hi[half] == S::kv_rows - 1));
             bias[half] *= kLog2e;
         }
-        if (__all_sync(0xffffffffu, whole)) {
-            whole_block_logits(s, none, c2, bias, m);
+        const bool fast = __all_sync(0xffffffffu, whole);
+        if (fast) {
+            whole_block_max(s, none, c2, bias, m);
         } else {
 #pragma unroll
             for (int n = 0; n < 8; ++n)
@@ -507,10 +542,9 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
+        const float off[2] = {numerator_offset(fast, none[0], bias[0], m[0]), numerator_offset(fast, none[1], bias[1], m[1])};
         uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-            softmax_tile<T, true>(s[n], m, l, pa[n / 2][(n % 2) * 2 + 0], pa[n / 2][(n % 2) * 2 + 1]);
+        softmax_numerators<T>(s, fast ? c2 : 1.0f, off, l, pa);
 #pragma unroll
         for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
         __syncwarp();  // every lane is done reading Q: the buffer now stages the output
@@ -555,15 +589,18 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
             }
         }
         __syncwarp();
-        // The staged rows to the partials, 16 bytes a lane.
+        // The staged rows to the partials, 16 bytes a lane, whole 128-byte lines an instruction
+        // (lanes and rows as in the gather).
 #pragma unroll
-        for (int c = lane; c < 16 * (D / kChunk); c += 32) {
-            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const int row = tile * 16 + r, ei = row >> gshift;
-            if (ei >= count) continue;
-            const int at = ent_p[ei] + (row & (group - 1));
-            *reinterpret_cast<uint4*>(static_cast<T*>(ws.bm_part_o) + (int64_t)at * D + d) =
-                *reinterpret_cast<const uint4*>(q_b + r * S::RS + d);
+        for (int j = 0; j < 4; ++j) {
+            const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift, cl = (lane & 7) * kChunk;
+            if (ei < count) {
+                T* dst = static_cast<T*>(ws.bm_part_o) + (int64_t)(ent_p[ei] + (row & (group - 1))) * D + cl;
+                const T* src = q_b + r * S::RS + cl;
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c)
+                    *reinterpret_cast<uint4*>(dst + c * 64) = *reinterpret_cast<const uint4*>(src + c * 64);
+            }
         }
         __syncwarp();  // the buffer is gathered into again two tiles on
     }
@@ -586,6 +623,8 @@ struct QmSmem {
         return WG ? (r / 64) * 64 * D + sw128_offset<64>(r % 64, d) : r * RS + d;
     }
     static __device__ __forceinline__ int kv_at(int r, int d) { return WG ? sw128_offset<64>(r, d) : r * RS + d; }
+    // kv_at(r + k, d) - kv_at(r, d) for k a multiple of 8 (a whole swizzle period).
+    static constexpr int kv_row = WG ? 64 : RS;
 };
 constexpr int kQmThreads = 256;  // 8 warps of 16 rows
 constexpr int kQmWarps = kQmThreads / 32;
@@ -658,36 +697,57 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const int last_pos = tok_pos[cnt - 1];
     // Block i's K and V into stage `st`; rows the tile never reads (past its last token, or a
     // block the table does not map) are zero-filled, so that a zero probability never meets a NaN.
+    // Thread t copies chunk t % kCpr of rows t / kCpr + k kRowStep: one cache address and one
+    // shared offset a thread, stepped by whole rows (kRowStep a multiple of 8 keeps the swizzle).
+    constexpr int kCpr = D / kChunk, kRowStep = kQmThreads / kCpr;
+    static_assert(64 % kRowStep == 0 && kRowStep % 8 == 0, "whole swizzle periods a step");
+    const int ld_r = threadIdx.x / kCpr, ld_d = (threadIdx.x % kCpr) * kChunk, ld_s = S::kv_at(ld_r, ld_d);
+    const int64_t ld_step = (int64_t)kRowStep * hkv * D;
     auto load_block = [&](int i, int st) {
-        T* k_d = kv_s + st * S::stage_elems;
+        T* k_d = kv_s + st * S::stage_elems + ld_s;
         T* v_d = k_d + 64 * S::RS;
         const int first = list_first[i], b = list_b[i];
         const int rows = first < 0 ? 0 : min(64, max(0, last_pos - b * sbs + 1));
-        for (int c = threadIdx.x; c < 64 * (D / kChunk); c += kQmThreads) {
-            const int r = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-            const bool in = r < rows;
-            const int64_t off = in ? (((int64_t)first + r) * hkv + h) * D + d : 0;
-            __pipeline_memcpy_async(k_d + S::kv_at(r, d), kc + off, 16, in ? 0 : 16);
-            __pipeline_memcpy_async(v_d + S::kv_at(r, d), vc + off, 16, in ? 0 : 16);
+        const int64_t g = (((int64_t)max(first, 0) + ld_r) * hkv + h) * D + ld_d;
+#pragma unroll
+        for (int k = 0; k < 64 / kRowStep; ++k) {
+            const int at = k * kRowStep * S::kv_row;
+            if (ld_r + k * kRowStep < rows) {
+                __pipeline_memcpy_async(k_d + at, kc + g + k * ld_step, 16);
+                __pipeline_memcpy_async(v_d + at, vc + g + k * ld_step, 16);
+            } else {
+                *reinterpret_cast<uint4*>(k_d + at) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(v_d + at) = make_uint4(0, 0, 0, 0);
+            }
         }
     };
     if (n > 0) load_block(0, 0);
     __pipeline_commit();
-    // The keys token tk reads in block i: [0, sel_hi] as a selected block (bias: the page bias
-    // when forced) and [loc_lo, loc_hi] of its local window; both may be empty. True if any.
-    auto reads = [&](int i, int tk, int& sel_hi, int& loc_lo, int& loc_hi, float& bias) {
-        const int b = list_b[i], bstart = b * sbs;
+    // What token tk reads in any block: its position and the last position a selected block may
+    // give it (before its window, and before its prompt's end). Fixed across the blocks: the main
+    // loop takes them once.
+    struct TokRead {
+        int pos, sel_last;
+    };
+    auto tok_read = [&](int tk) {
+        const int t = tk < cnt ? tk : 0, pos = tok_pos[t], prompt = tok_prompt[t];
+        return TokRead{pos, min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX)};
+    };
+    // The keys token tk (tr = tok_read(tk)) reads in block i: [0, sel_hi] as a selected block
+    // (bias: the page bias when forced) and [loc_lo, loc_hi] of its local window; both may be
+    // empty. True if any.
+    auto reads = [&](int i, int tk, const TokRead& tr, int& sel_hi, int& loc_lo, int& loc_hi, float& bias) {
+        const int bstart = list_b[i] * sbs;
         sel_hi = -1, loc_lo = 1, loc_hi = 0, bias = 0.0f;
         if (tk < cnt && list_first[i] >= 0) {
-            const int pos = tok_pos[tk];
-            if ((b + 1) * sbs > pos - local + 1 && bstart <= pos) {  // the local window reaches b
-                loc_lo = max(pos - local + 1 - bstart, 0);
-                loc_hi = min(pos - bstart, sbs - 1);
+            if (bstart + sbs > tr.pos - local + 1 && bstart <= tr.pos) {  // the local window reaches the block
+                loc_lo = max(tr.pos - local + 1 - bstart, 0);
+                loc_hi = min(tr.pos - bstart, sbs - 1);
             }
-            if (mask[i * kQmWords + tk / 32] >> (tk % 32) & 1u) {  // a selection the tile serves
-                const int prompt = tok_prompt[tk];
-                sel_hi = min(min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - bstart, sbs - 1);
-                bias = (forced_mask[i * kQmWords + tk / 32] >> (tk % 32) & 1u) ? p.page_bias : 0.0f;
+            const uint32_t bit = 1u << (tk % 32);
+            if (mask[i * kQmWords + tk / 32] & bit) {  // a selection the tile serves
+                sel_hi = min(tr.sel_last - bstart, sbs - 1);
+                bias = (forced_mask[i * kQmWords + tk / 32] & bit) ? p.page_bias : 0.0f;
             }
         }
         return sel_hi >= 0 || loc_lo <= loc_hi;
@@ -700,7 +760,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
                 for (int tk = g * 64 / group; tk < tk1 && !(bits >> g & 1u); ++tk) {
                     int a, b, c;
                     float f;
-                    if (reads(i, tk, a, b, c, f)) bits |= 1u << g;
+                    if (reads(i, tk, tok_read(tk), a, b, c, f)) bits |= 1u << g;
                 }
             }
             list_wg[i] = (uint8_t)bits;
@@ -712,6 +772,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     int tok[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) tok[half] = (warp * 16 + r0 + half * 8) >> gshift;
+    const TokRead tr[2] = {tok_read(tok[0]), tok_read(tok[1])};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float o[D / 8][4];
 #pragma unroll
@@ -728,7 +789,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         bool any = false;
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            any = reads(i, tok[half], sel_hi[half], loc_lo[half], loc_hi[half], bias[half]) || any;
+            any = reads(i, tok[half], tr[half], sel_hi[half], loc_lo[half], loc_hi[half], bias[half]) || any;
         if (WG ? !(list_wg[i] >> (warp / 4) & 1u) : !__any_sync(0xffffffffu, any))
             continue;  // no row of this warp (WG: warpgroup) reads block i
         const T* k_s = kv_s + (i & 1) * S::stage_elems;
@@ -752,8 +813,9 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             add[half] = sel_hi[half] >= 0 ? bias[half] * kLog2e : 0.0f;
         }
         const float c2 = scale * kLog2e;
-        if (__all_sync(0xffffffffu, whole)) {
-            whole_block_logits(s, none, c2, add, mb);
+        const bool fast = __all_sync(0xffffffffu, whole);
+        if (fast) {
+            whole_block_max(s, none, c2, add, mb);
         } else {
 #pragma unroll
             for (int nn = 0; nn < 8; ++nn)
@@ -769,11 +831,10 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         }
         float alpha[2];
         online_softmax_step<true>(m, l, mb, alpha);
-        scale_rows(o, alpha);
+        if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) scale_rows(o, alpha);  // no max moved: x 1
+        const float off[2] = {numerator_offset(fast, none[0], add[0], m[0]), numerator_offset(fast, none[1], add[1], m[1])};
         uint32_t pa[4][4];
-#pragma unroll
-        for (int nn = 0; nn < 8; ++nn)
-            softmax_tile<T, true>(s[nn], m, l, pa[nn / 2][(nn % 2) * 2 + 0], pa[nn / 2][(nn % 2) * 2 + 1]);
+        softmax_numerators<T>(s, fast ? c2 : 1.0f, off, l, pa);
         if constexpr (WG) {
             wg_pv_tile<T, D>(o, pa, v_s, true);
         } else {

@@ -78,23 +78,29 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// The log2-domain constants of the prefill tiles (logits times log2 e; maxima back to base e).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// 2^x, one MUFU.EX2 (results below FLT_MIN flushed to 0; ex2(-inf) = 0). The prefill tiles'
+// softmax numerators (block_attend.cu: softmax_numerators).
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Softmax numerators of one 16 x 8 accumulator tile s (rows r0 and r0 + 8, lane's columns):
 // exp(s - m) per row, masked (-inf) entries and rows with no key yet (m = -inf) giving 0; adds
 // them to the lane's row sums l and packs them as the tile's two A-operand registers of P V
-// (row r0, row r0 + 8).
-// Base2: s and m are logits times log2 e, and the numerators exp2(s - m).
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-template <typename T, bool Base2 = false>
+// (row r0, row r0 + 8). The token-major attention's.
+template <typename T>
 __device__ __forceinline__ void softmax_tile(const float (&s)[4], const float (&m)[2], float (&l)[2], uint32_t& row0,
                                              uint32_t& row8) {
     float e4[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int half = e / 2;
-        e4[e] = m[half] == -INFINITY || s[e] == -INFINITY ? 0.0f
-                : Base2                                   ? exp2f(s[e] - m[half])
-                                                          : expf(s[e] - m[half]);
+        e4[e] = m[half] == -INFINITY || s[e] == -INFINITY ? 0.0f : expf(s[e] - m[half]);
         l[half] += e4[e];
     }
     row0 = pack2<T>(e4[0], e4[1]);
@@ -113,7 +119,7 @@ __device__ __forceinline__ float online_alpha(float m_old, float m_new) {
 // of the lane's columns (reduced over the quad here); m and l, the rows' running max and sum,
 // move to the new max, l rescaled; alpha, the factor the rows' output accumulators take
 // (0 while a row had no key yet). Base2: logits and maxima times log2 e (exp2). What the
-// token-major attention and the query-major tiles both run between S = Q K^T and softmax_tile.
+// token-major attention and the query-major tiles both run between S = Q K^T and their numerators.
 template <bool Base2>
 __device__ __forceinline__ void online_softmax_step(float (&m)[2], float (&l)[2], const float (&mt)[2],
                                                     float (&alpha)[2]) {

@@ -40,10 +40,11 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t lead_b
 // B of S = Q K^T: the 64 keys x D of a block, K-major (rows are keys, contiguous along D), the
 // k-step kk (16 elements of D) of it. Stride byte offset: 8 rows (1024 bytes); the leading one is
 // unused with this swizzle (16 bytes, as CUTLASS sets it).
+// The k-steps' descriptors differ from the tile's in the start address field alone (bytes / 16;
+// no carry: shared addresses stay below 256 KB), so unrolled k-steps share one sw128_desc.
 template <int R>
 __device__ __forceinline__ uint64_t kmajor_desc(const void* tile, int kk) {
-    const char* at = static_cast<const char*>(tile) + (kk / 4) * R * 128 + (kk % 4) * 32;
-    return sw128_desc(at, 16, 1024);
+    return sw128_desc(tile, 16, 1024) + (uint64_t)(((kk / 4) * R * 128 + (kk % 4) * 32) >> 4);
 }
 // B of O = P V: the 64 keys x D of a block as stored (rows are keys, contiguous along D), read
 // MN-major (transposed), the k-step kk (16 keys) of it: 2048 bytes on. Leading byte offset: from
@@ -51,7 +52,7 @@ __device__ __forceinline__ uint64_t kmajor_desc(const void* tile, int kk) {
 template <int R>
 __device__ __forceinline__ uint64_t mnmajor_desc(const void* tile, int kk, uint32_t lead = R * 128,
                                               uint32_t stride = 1024) {
-    return sw128_desc(static_cast<const char*>(tile) + kk * 2048, lead, stride);
+    return sw128_desc(tile, lead, stride) + (uint64_t)(kk * 2048 >> 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() {

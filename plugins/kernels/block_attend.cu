@@ -240,9 +240,9 @@ __device__ __forceinline__ void qk_tile(float (&s)[8][4], const T* q, const T* k
 
 // The maxima of a tile's rows when each reads its whole block or none of it (none[half]: rows r0
 // and r0 + 8 of the lane), in the log2 domain: a row's logits are s * c2 + add[half] (c2 = scale x
-// log2 e > 0), so their maximum is fmaf(max s, c2, add[half]), exactly (fmaf rounds monotonically);
-// a row that reads nothing keeps m[half]. The scores are left as they are: softmax_numerators
-// applies c2 with each row's offset. Both tile kernels' fast path.
+// log2 e > 0), so their maximum is fmaf(max s, c2, add[half]), exactly (fmaf rounds monotonically):
+// the masked path's maximum over the same logits. A row that reads nothing keeps m[half]. The
+// scores stay raw: softmax_numerators applies c2 and each row's offset. Both tile kernels' fast path.
 __device__ __forceinline__ void whole_block_max(const float (&s)[8][4], const bool (&none)[2], float c2,
                                                 const float (&add)[2], float (&m)[2]) {
     float mx[2] = {-INFINITY, -INFINITY};
@@ -255,30 +255,32 @@ __device__ __forceinline__ void whole_block_max(const float (&s)[8][4], const bo
         if (!none[half]) m[half] = fmaxf(m[half], fmaf(mx[half], c2, add[half]));
 }
 
-// Softmax numerators of a 16 x 64 tile (rows r0 and r0 + 8 of the lane): 2^(s * c + off[half]),
+// Softmax numerators of a 16 x 64 tile (rows r0 and r0 + 8 of the lane): 2^(s * c + off(n, e)),
 // added to the lane's row sums l and packed as P, the A operand of P V (four k-steps of 16 keys).
-// The fast path passes raw scores with c = c2 and off = add - m (-inf for a row that reads
-// nothing); the masked path logits with c = 1 and off = -m. off = -inf (a row with no key yet)
-// gives 0 throughout, as does a masked (-inf) entry.
-template <typename T>
-__device__ __forceinline__ void softmax_numerators(const float (&s)[8][4], float c, const float (&off)[2],
-                                                   float (&l)[2], uint32_t (&pa)[4][4]) {
+// off(n, e) is the entry's logit offset less the row's max (numerator_offset); a masked entry
+// holds s = -inf, and an offset of -inf (a row that reads nothing, or has no key yet) gives 0 too.
+// The block-major tiles pass raw scores with c = c2 on both paths (so an entry's numerator is the
+// same bits whichever path its warp took: the entries sharing a warp follow the order they were
+// listed in, which is not fixed); the query-major tiles' masked path passes logits with c = 1.
+template <typename T, typename Off>
+__device__ __forceinline__ void softmax_numerators(const float (&s)[8][4], float c, Off off, float (&l)[2],
+                                                   uint32_t (&pa)[4][4]) {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
         float e4[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            e4[e] = ex2_ftz(fmaf(s[n][e], c, off[e / 2]));
+            e4[e] = ex2_ftz(fmaf(s[n][e], c, off(n, e)));
             l[e / 2] += e4[e];
         }
         pa[n / 2][(n % 2) * 2 + 0] = pack2<T>(e4[0], e4[1]);
         pa[n / 2][(n % 2) * 2 + 1] = pack2<T>(e4[2], e4[3]);
     }
 }
-// The offset of a row for softmax_numerators: fast (whole-block) path add - m, masked path -m;
-// -inf for a row that reads nothing here or has no key yet (m = -inf).
-__device__ __forceinline__ float numerator_offset(bool fast, bool none, float add, float m) {
-    return (fast && none) || m == -INFINITY ? -INFINITY : (fast ? add : 0.0f) - m;
+// A row's offset for softmax_numerators: add - m; -inf for a row that reads nothing here (its
+// scores are raw on the fast path) or has no key yet (m = -inf).
+__device__ __forceinline__ float numerator_offset(bool none, float add, float m) {
+    return none || m == -INFINITY ? -INFINITY : add - m;
 }
 
 // The warpgroup forms of qk_tile and of P V (WG tiles; all four warps of the warpgroup call them
@@ -535,16 +537,16 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
-                    const float x = i >= lo[half] && i <= hi[half] ? fmaf(s[n][e], c2, bias[half]) : -INFINITY;
-                    s[n][e] = x;
-                    m[half] = fmaxf(m[half], x);
+                    const bool in = i >= lo[half] && i <= hi[half];
+                    if (in) m[half] = fmaxf(m[half], fmaf(s[n][e], c2, bias[half]));
+                    else s[n][e] = -INFINITY;
                 }
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
-        const float off[2] = {numerator_offset(fast, none[0], bias[0], m[0]), numerator_offset(fast, none[1], bias[1], m[1])};
+        const float off[2] = {numerator_offset(none[0], bias[0], m[0]), numerator_offset(none[1], bias[1], m[1])};
         uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
-        softmax_numerators<T>(s, fast ? c2 : 1.0f, off, l, pa);
+        softmax_numerators<T>(s, c2, [&](int, int e) { return off[e / 2]; }, l, pa);
 #pragma unroll
         for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
         __syncwarp();  // every lane is done reading Q: the buffer now stages the output
@@ -832,9 +834,13 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         float alpha[2];
         online_softmax_step<true>(m, l, mb, alpha);
         if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) scale_rows(o, alpha);  // no max moved: x 1
-        const float off[2] = {numerator_offset(fast, none[0], add[0], m[0]), numerator_offset(fast, none[1], add[1], m[1])};
+        // The fast path's scores are raw (c2 and add - m applied per entry), the masked path's
+        // logits already (- m). The two round differently, but a query-major tile's rows share a
+        // warp by token order alone, so which path a row takes does not depend on the schedule.
+        const float off[2] = {numerator_offset(fast && none[0], fast ? add[0] : 0.0f, m[0]),
+                              numerator_offset(fast && none[1], fast ? add[1] : 0.0f, m[1])};
         uint32_t pa[4][4];
-        softmax_numerators<T>(s, fast ? c2 : 1.0f, off, l, pa);
+        softmax_numerators<T>(s, fast ? c2 : 1.0f, [&](int, int e) { return off[e / 2]; }, l, pa);
         if constexpr (WG) {
             wg_pv_tile<T, D>(o, pa, v_s, true);
         } else {

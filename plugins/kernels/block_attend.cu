@@ -255,22 +255,22 @@ __device__ __forceinline__ void whole_block_max(const float (&s)[8][4], const bo
         if (!none[half]) m[half] = fmaxf(m[half], fmaf(mx[half], c2, add[half]));
 }
 
-// Softmax numerators of a 16 x 64 tile (rows r0 and r0 + 8 of the lane): 2^(s * c + off(n, e)),
+// Softmax numerators of a 16 x 64 tile (rows r0 and r0 + 8 of the lane): 2^(s * c + off[half]),
 // added to the lane's row sums l and packed as P, the A operand of P V (four k-steps of 16 keys).
-// off(n, e) is the entry's logit offset less the row's max (numerator_offset); a masked entry
+// off[half] is the row's logit offset less its max (numerator_offset); a masked entry
 // holds s = -inf, and an offset of -inf (a row that reads nothing, or has no key yet) gives 0 too.
 // The block-major tiles pass raw scores with c = c2 on both paths (so an entry's numerator is the
 // same bits whichever path its warp took: the entries sharing a warp follow the order they were
 // listed in, which is not fixed); the query-major tiles' masked path passes logits with c = 1.
-template <typename T, typename Off>
-__device__ __forceinline__ void softmax_numerators(const float (&s)[8][4], float c, Off off, float (&l)[2],
-                                                   uint32_t (&pa)[4][4]) {
+template <typename T>
+__device__ __forceinline__ void softmax_numerators(const float (&s)[8][4], float c, const float (&off)[2],
+                                                   float (&l)[2], uint32_t (&pa)[4][4]) {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
         float e4[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            e4[e] = ex2_ftz(fmaf(s[n][e], c, off(n, e)));
+            e4[e] = ex2_ftz(fmaf(s[n][e], c, off[e / 2]));
             l[e / 2] += e4[e];
         }
         pa[n / 2][(n % 2) * 2 + 0] = pack2<T>(e4[0], e4[1]);
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
         for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
         const float off[2] = {numerator_offset(none[0], bias[0], m[0]), numerator_offset(none[1], bias[1], m[1])};
         uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
-        softmax_numerators<T>(s, c2, [&](int, int e) { return off[e / 2]; }, l, pa);
+        softmax_numerators<T>(s, c2, off, l, pa);
 #pragma unroll
         for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
         __syncwarp();  // every lane is done reading Q: the buffer now stages the output
@@ -840,7 +840,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const float off[2] = {numerator_offset(fast && none[0], fast ? add[0] : 0.0f, m[0]),
                               numerator_offset(fast && none[1], fast ? add[1] : 0.0f, m[1])};
         uint32_t pa[4][4];
-        softmax_numerators<T>(s, fast ? c2 : 1.0f, [&](int, int e) { return off[e / 2]; }, l, pa);
+        softmax_numerators<T>(s, fast ? c2 : 1.0f, off, l, pa);
         if constexpr (WG) {
             wg_pv_tile<T, D>(o, pa, v_s, true);
         } else {

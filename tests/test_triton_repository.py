@@ -345,3 +345,63 @@ def test_paths_a_shell_would_run_are_refused(tmp_path, model, name, capsys):
     (tmp_path / name).mkdir()
     assert cli.main(["serve", str(tmp_path / name)]) == 2
     assert "starts its models through a shell" in capsys.readouterr().err
+
+
+class _WatchedServer:
+    """A stand-in for TritonServer in `dash-triton serve`'s watch loop: one model worker (pid
+    4242), a server that is alive or already exited (killed by SIGABRT) at the first poll."""
+
+    def __init__(self, alive: bool):
+        import types
+
+        self._alive, self.calls = alive, []
+        self.log_path, self.http_url, self.grpc_url, self.metrics_port = "/x/log", "h", "g", None
+        self.proc = types.SimpleNamespace(returncode=None if alive else -6)
+        self.leftovers = {"workers": [], "shm": []}
+
+    def __call__(self, *args, **kwargs):  # constructed by serve_main
+        return self
+
+    def start(self, timeout):
+        self.calls.append("start")
+
+    def workers(self):
+        return {4242: "/r/dash/1/model.py"}
+
+    def alive(self):
+        return self._alive
+
+    def log_tail(self):
+        return "terminate called after throwing an instance of 'PythonBackendException'"
+
+    def drain(self, grace):
+        self.calls.append("drain")
+        return True, []
+
+    def stop(self, kill=False):
+        self.calls.append(f"stop(kill={kill})")
+        self._alive = False
+        return -9
+
+    def cleanup(self):
+        self.calls.append("cleanup")
+
+
+@pytest.mark.parametrize("server_alive", [True, False])
+def test_serve_names_a_dead_worker_even_when_the_server_went_with_it(tmp_path, monkeypatch, capsys, server_alive):
+    """A model worker found dead: serve names it and exits 3, whether tritonserver still runs
+    (serve kills it) or Triton's Python backend already aborted the server in the same poll
+    interval (seen on a CPU machine: the stub's death raised an uncaught exception in Triton)."""
+    from dash_trt.triton import server as S
+
+    fake = _WatchedServer(alive=server_alive)
+    monkeypatch.setattr(S, "TritonServer", fake)
+    monkeypatch.setattr(S, "process_info", lambda pid: None)  # the worker is gone
+    assert cli.main(["serve", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "a model worker died (pid 4242, /r/dash/1/model.py)" in err, err
+    if server_alive:
+        assert fake.calls == ["start", "stop(kill=True)", "cleanup"]  # the only model: nothing to drain
+    else:
+        assert "and tritonserver exited (killed by SIGABRT)" in err and "PythonBackendException" in err, err
+        assert fake.calls == ["start", "cleanup"]

@@ -199,6 +199,16 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _exit_status(code: int | None) -> str:
+    """A process's exit status as a user reads it: ``code 1`` or ``killed by SIGABRT``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
+
+
 def serve_main(a, out: TextIO, err: TextIO) -> int:
     from .server import TritonServer, TritonStartError, TritonUnavailable, process_info
 
@@ -233,10 +243,16 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         # (a supervisor then restarts it with a fresh server).
         workers = server.workers()
         while not stop.wait(0.5):
-            if not server.alive():
-                print(f"dash-triton serve: error: tritonserver exited:\n{server.log_tail()}", file=err)
-                return EXIT_SERVER
             gone = {pid: m for pid, m in workers.items() if process_info(pid) is None}
+            if not server.alive():
+                # Triton 2.51's Python backend can abort the whole server (an uncaught exception
+                # in its stub-health thread) within moments of a stub's death, so both may be
+                # seen gone in one poll: the worker is named then too.
+                code = server.proc.returncode
+                died = "".join(f"a model worker died (pid {pid}, {where or 'a model'}) and " for pid, where in gone.items())
+                print(f"dash-triton serve: error: {died}tritonserver exited ({_exit_status(code)}):\n"
+                      f"{server.log_tail()}", file=err)
+                return EXIT_SERVER
             if gone:
                 pid, where = next(iter(gone.items()))
                 print(f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "

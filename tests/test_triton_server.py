@@ -831,10 +831,22 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
             detected = time.monotonic() - killed
             assert code == 3, lines
             failed = [line for line in lines if line.startswith("FAIL")]
-            assert failed and all(line.startswith("FAIL dash: ") for line in failed), lines
-            assert "not healthy" in failed[0] and "ok dash_stream: " in "\n".join(lines), lines
-            with urllib.request.urlopen(f"http://{srv.http_url}/v2/models/dash/ready", timeout=10) as r:
-                triton_says = r.status  # 200 under Triton 2.51: why the probe exists
+            triton_says = None
+            if "ok dash_stream: " in "\n".join(lines):  # the server outlived the worker (the usual case)
+                assert failed and all(line.startswith("FAIL dash: ") for line in failed), lines
+                assert "not healthy" in failed[0], lines
+                try:
+                    with urllib.request.urlopen(f"http://{srv.http_url}/v2/models/dash/ready", timeout=10) as r:
+                        triton_says = r.status  # 200 under Triton 2.51: why the probe exists
+                except OSError:
+                    pass  # the server went down since the probe: checked below
+            if triton_says is None:
+                # Triton 2.51's Python backend can abort the whole server (SIGABRT, an uncaught
+                # exception in its stub-health thread) right after a stub's death: the probe then
+                # fails for every model, as it must. Only that is accepted here, not a live server.
+                assert _exited(srv, 30), (lines, srv.log_tail())
+                triton_says = f"nothing (tritonserver exited, code {srv.proc.returncode})"
+                failed = failed or lines
             srv.stop()  # the supervisor's restart
             assert answers.all.wait(60), f"{len(answers.got)} of {FAULT_REQUESTS} answered; the rest hang"
         statuses = answers.statuses()
@@ -846,6 +858,17 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
         print(f"\nbare tritonserver, killed worker: Triton's readiness said {triton_says}; the probe failed "
               f"{detected:.2f} s after the kill ({failed[0][:90]}); {FAULT_REQUESTS} in flight answered on the "
               f"server's stop: {statuses}, lost 0")
+
+
+def _exited(srv, timeout: float) -> bool:
+    """Whether the server's process exits within ``timeout`` seconds (one that has already, at once)."""
+    import subprocess
+
+    try:
+        srv.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _ppid(pid: int) -> int | None:

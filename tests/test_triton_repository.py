@@ -352,11 +352,9 @@ class _WatchedServer:
     4242), a server that is alive or already exited (killed by SIGABRT) at the first poll."""
 
     def __init__(self, alive: bool):
-        import types
-
         self._alive, self.calls = alive, []
         self.log_path, self.http_url, self.grpc_url, self.metrics_port = "/x/log", "h", "g", None
-        self.proc = types.SimpleNamespace(returncode=None if alive else -6)
+        self.returncode = None if alive else -6
         self.leftovers = {"workers": [], "shm": []}
 
     def __call__(self, *args, **kwargs):  # constructed by serve_main

@@ -845,7 +845,7 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
                 # exception in its stub-health thread) right after a stub's death: the probe then
                 # fails for every model, as it must. Only that is accepted here, not a live server.
                 assert _exited(srv, 30), (lines, srv.log_tail())
-                triton_says = f"nothing (tritonserver exited, code {srv.proc.returncode})"
+                triton_says = f"nothing (tritonserver exited, code {srv.returncode})"
                 failed = failed or lines
             srv.stop()  # the supervisor's restart
             assert answers.all.wait(60), f"{len(answers.got)} of {FAULT_REQUESTS} answered; the rest hang"

@@ -248,9 +248,8 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
                 # Triton 2.51's Python backend can abort the whole server (an uncaught exception
                 # in its stub-health thread) within moments of a stub's death, so both may be
                 # seen gone in one poll: the worker is named then too.
-                code = server.proc.returncode
                 died = "".join(f"a model worker died (pid {pid}, {where or 'a model'}) and " for pid, where in gone.items())
-                print(f"dash-triton serve: error: {died}tritonserver exited ({_exit_status(code)}):\n"
+                print(f"dash-triton serve: error: {died}tritonserver exited ({_exit_status(server.returncode)}):\n"
                       f"{server.log_tail()}", file=err)
                 return EXIT_SERVER
             if gone:

@@ -495,6 +495,12 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The server process's exit code (negative: the signal that ended it); None while it
+        runs or when none was started."""
+        return None if self.proc is None else self.proc.poll()
+
     def workers(self) -> dict[int, str]:
         """The server's Python-backend stub processes (one per model instance): pid -> name,
         from /proc (Linux; empty elsewhere or when none runs)."""

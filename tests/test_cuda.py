@@ -679,6 +679,25 @@ def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("head_dim, heads, kv_heads, wg", [(128, 8, 2, 0), (128, 32, 8, 0), (128, 8, 2, -1),
+                                                           (64, 16, 1, 0)])
+def test_block_major_ctas_serving_many_work_items_match_one_each(head_dim, heads, kv_heads, wg):
+    """The block-major CTAs serve work items in turn (CTA x of a KV head: items x, x + CTAs,
+    ...), the next item's entry records copied while the current one's tiles run: with one CTA
+    per KV head serving every item, and with three, the output is bit for bit that of the
+    default grid (one CTA a work item), and the reference's (run_tile_case)."""
+    outs = []
+    for ctas in (0, 1, 3):
+        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, warpgroup_mma=wg,
+                             block_major_ctas=ctas)
+        outs.append(run_tile_case(torch.bfloat16, heads, kv_heads, head_dim, tuning, heads + kv_heads + head_dim,
+                                  (2, 6), 500))
+    for other in outs[1:]:
+        assert len(other) == len(outs[0])
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
 def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write

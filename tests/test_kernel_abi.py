@@ -71,6 +71,8 @@ def test_workspace_and_selected_width():
         ({"table_width": 10000, "topk": 20000}, 2, "sparse_topk_blocks 20000 too large for the routing stage"),
         ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),
         ({"tune_block_major_warpgroups": -1}, 1, "tune_block_major_warpgroups must be 0"),
+        ({"tune_block_major_ctas": -1}, 1, "tune_block_major_ctas must be 0 (one CTA a work item) or > 0, got -1"),
+        ({"tune_block_major_ctas": 1}, 0, ""),
     ],
 )
 def test_validation_messages(change, status, message):
@@ -154,6 +156,8 @@ def test_query_major_tiles_are_planned_where_compiled():
     # the warpgroup MMA tiles (sm_90a) need no buffer of their own: the workspace is the same either way
     assert size(head_dim=128, tune_warpgroup_mma=-1) == size(head_dim=128)
     assert size(head_dim=128, tune_block_major_warpgroups=1) == size(head_dim=128, tune_block_major_warpgroups=2)
+    # nor the grid of block-major CTAs: work items are listed per pass whatever serves them
+    assert size(head_dim=128, tune_block_major_ctas=1) == size(head_dim=128)
     assert size(dtype=0) == size(dtype=0, tune_tile_share_min=-1)
 
 

@@ -210,6 +210,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
+        plan.bm_ctas = p.tune_block_major_ctas;  // 0: one CTA a work item (launch_block_attend)
         plan.warpgroup = warpgroup_tiles(p);
         if (plan.warpgroup & dash::kWgBlockMajor) plan.bm_warpgroups = block_major_warpgroups(p, plan);
         // Query-major tiles where their kernel is compiled for the head dim and fits the device.
@@ -269,7 +270,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(w.bm_counts, sizeof(int32_t) * plan.bm_num_keys);
         take(w.bm_cursor, sizeof(int32_t) * plan.bm_num_keys);
         take(w.bm_offsets, sizeof(int32_t) * (plan.bm_num_keys + 1));
-        take(w.bm_entries, sizeof(int32_t) * chunk * plan.bm_slots);
+        take(w.bm_entries, sizeof(int4) * chunk * plan.bm_slots);
         take(bytes, elt * chunk * p.num_heads * p.head_dim);
         w.bm_qrot = bytes;
         take(bytes, elt * chunk * p.num_heads * plan.bm_slots * p.head_dim);
@@ -317,6 +318,7 @@ DashParams plan_key(const DashParams& p) {
     k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
     k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
     k.tune_warpgroup_mma = p.tune_warpgroup_mma, k.tune_block_major_warpgroups = p.tune_block_major_warpgroups;
+    k.tune_block_major_ctas = p.tune_block_major_ctas;
     return k;
 }
 
@@ -388,7 +390,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
     DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
-    DASH_FIELD(tune_block_major_warpgroups)
+    DASH_FIELD(tune_block_major_warpgroups) DASH_FIELD(tune_block_major_ctas)
 #undef DASH_FIELD
     return -1;
 }
@@ -451,6 +453,9 @@ static DashStatus validate_sizes(const DashParams* p) {
     if (p->tune_block_major_warpgroups < 0 || p->tune_block_major_warpgroups > 2)
         return fail(DASH_ERR_INVALID_ARGUMENT, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got " +
                                                    std::to_string(p->tune_block_major_warpgroups));
+    if (p->tune_block_major_ctas < 0)
+        return fail(DASH_ERR_INVALID_ARGUMENT, "tune_block_major_ctas must be 0 (one CTA a work item) or > 0, got " +
+                                                   std::to_string(p->tune_block_major_ctas));
     dash::Plan plan;
     return make_plan(*p, plan);
 }

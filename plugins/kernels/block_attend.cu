@@ -21,6 +21,8 @@
 // Which entries a tile serves is one rule (qm_serves), applied by both paths.
 #include <cuda_pipeline.h>
 
+#include <algorithm>
+
 #include <cub/device/device_scan.cuh>
 
 #include "common.cuh"
@@ -68,11 +70,11 @@ __device__ __forceinline__ bool qm_serves(const Plan& plan, const Workspace& ws,
 // Entry e = t * bm_slots + j of the chunk (chunk-relative token t): its key is the physical
 // sparse block it reads (summary_index), or -1 when it reads none or its query-major tile
 // serves it.
+// b and forced: entry_block's.
 __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
-                                             int64_t e) {
+                                             int64_t e, int& b, bool& forced) {
     const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
-    bool forced;
-    const int b = entry_block(p, plan, ws, t, j, forced);
+    b = entry_block(p, plan, ws, t, j, forced);
     if (b < 0 || qm_serves(plan, ws, tl, j, b)) return -1;
     return summary_index(p, ws.token_seq[t], b, ws.error);
 }
@@ -181,17 +183,46 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
 __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)tn * plan.bm_slots) return;
-    const int64_t key = entry_key(p, plan, ws, t0, e);
+    int b;
+    bool forced;
+    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
     if (key >= 0) atomicAdd(ws.bm_counts + key, 1);
+}
+
+// What block_attend_kernel needs of entry (chunk token tl = t - t0, slot j) reading sparse
+// block b, in one 16-byte record: x its first rotated query row and y its first partial row
+// (both of head 0: the kernel adds its KV head's first head), z its valid key offsets [lo, hi]
+// of the block (lo in the low and hi in the high 16 bits, clamped to [0, sbs] and [-1, sbs - 1]:
+// lo > hi still means none), w its logit bias (float bits). A selected block stops at the
+// local window and at prompt_length; a local-window block covers [pos - local + 1, pos].
+__device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int tl,
+                                             int j, int b, bool forced) {
+    const int sbs = p.sparse_block_size, local = p.sparse_local_block * sbs, pos = ws.token_pos[t], base = b * sbs;
+    int lo, hi;
+    if (j < plan.kmax) {
+        const int prompt = ws.token_prompt[t];
+        lo = 0;
+        hi = min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - base;
+    } else {
+        lo = pos - local + 1 - base;
+        hi = pos - base;
+    }
+    lo = min(max(lo, 0), sbs);
+    hi = max(min(hi, sbs - 1), -1);
+    return make_int4(tl * p.num_heads, (tl * plan.bm_slots + j) * p.num_heads, (lo & 0xffff) | (hi << 16),
+                     __float_as_int(forced ? p.page_bias : 0.0f));
 }
 
 __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)tn * plan.bm_slots) return;
-    const int64_t key = entry_key(p, plan, ws, t0, e);
+    int b;
+    bool forced;
+    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
     if (key < 0) return;
     const int at = ws.bm_offsets[key] + atomicAdd(ws.bm_cursor + key, 1);
-    ws.bm_entries[at] = (int32_t)e;
+    const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots);
+    ws.bm_entries[at] = entry_record(p, plan, ws, t0 + tl, tl, j, b, forced);
 }
 
 // Work items: a block's entries are served by ceil(count / kEntriesPerCta) CTAs, so the early
@@ -368,8 +399,9 @@ struct BmSmem {
     static __device__ __forceinline__ int kv_at(int i, int d) { return WG ? sw128_offset<kv_rows>(i, d) : i * RS + d; }
 };
 
-// One CTA per (work item, KV head): a work item is up to kEntriesPerCta entries of one physical
-// sparse block. The block's keys and values are loaded once; each warp then serves 16-row tiles
+// Work items of one KV head (blockIdx.y): a work item is up to kEntriesPerCta entries of one
+// physical sparse block, and CTA x serves items x, x + gridDim.x, ... (by default one CTA an
+// item; tune_block_major_ctas: fewer CTAs, each serving several). The block's keys and values are loaded once; each warp then serves 16-row tiles
 // (rows = entries x G heads of the KV head), gathering the next tile's rotated queries while it
 // computes the current one. An entry's valid keys are the offsets [lo, hi] of the block: a
 // selected block stops at the local window and at prompt_length; a local-window block covers
@@ -384,227 +416,223 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
     static_assert(!WG || D == 128, "warpgroup tiles: D = 128");
     constexpr int kThreads = bm_threads(WG), kW = kThreads / 32;
     using S = BmSmem<D, WG>;
-    const int w = blockIdx.x, h = blockIdx.y;
-    const int nitems = ws.bm_work[plan.bm_num_keys];  // both reads in one round; the item's entry
-    const int4 item = ws.bm_items[w];                 // is stale past nitems, and unused
+    const int h = blockIdx.y, stride = gridDim.x;
+    const int nitems = ws.bm_work[plan.bm_num_keys];
+    int w = blockIdx.x;
     if (w >= nitems) return;
-    const int key = item.x, begin = item.y, count = item.z;
-    if (count <= 0) return;
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
     const int gshift = __ffs(group) - 1;  // G divides 16 (block_major_supported): row / G and row % G as bit operations
     const int per = p.block_size / sbs;
-    const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * sbs;
-    const int local = p.sparse_local_block * sbs;
     extern __shared__ __align__(128) unsigned char smem[];
     const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     T* k_s = reinterpret_cast<T*>(smem + (WG ? (1024 - smem_at % 1024) % 1024 : 0));
     T* v_s = k_s + S::kv_elems;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     T* q_w = v_s + S::kv_elems + warp * 2 * S::q_rows * S::RS;  // this warp's two buffers
-    // The block's 64 keys and values, once, issued before the entries' metadata is read (rows
-    // past every entry's range are zeroed once they land, below).
     constexpr int kChunk = 8;  // elements per 16-byte copy
     const T* kc = static_cast<const T*>(p.key_cache);
     const T* vc = static_cast<const T*>(p.value_cache);
-    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
-        const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-        const int64_t off = ((first_slot + i) * hkv + h) * D + d;
-        __pipeline_memcpy_async(k_s + S::kv_at(i, d), kc + off, 16);
-        __pipeline_memcpy_async(v_s + S::kv_at(i, d), vc + off, 16);
-    }
-    __pipeline_commit();
-
-    // Every entry's metadata: its first rotated query row (of head h * G) and first partial row,
-    // valid key offsets [lo, hi] and logit bias. Row r of the tiles is head r % G of entry r / G.
-    __shared__ int ent_q[kEntriesPerCta], ent_p[kEntriesPerCta], ent_lo[kEntriesPerCta], ent_hi[kEntriesPerCta];
-    __shared__ float ent_bias[kEntriesPerCta];
-    __shared__ int s_rows;  // key rows any entry may read; later rows are zero-filled
-    if (threadIdx.x == 0) s_rows = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < count; i += kThreads) {
-        const int e = ws.bm_entries[begin + i];
-        const int tl = e / plan.bm_slots, j = e % plan.bm_slots;
-        const int t = t0 + tl;
-        const int pos = ws.token_pos[t];
-        int base, lo, hi;
-        float bias = 0.0f;
-        if (j < plan.kmax) {
-            base = ws.selected[(int64_t)t * plan.kmax + j] * sbs;
-            const int prompt = ws.token_prompt[t];
-            lo = 0;
-            hi = min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - base;
-            bias = ws.forced[(int64_t)t * plan.kmax + j] ? p.page_bias : 0.0f;
-        } else {
-            base = (pos / sbs - (j - plan.kmax)) * sbs;
-            lo = pos - local + 1 - base;
-            hi = pos - base;
-        }
-        ent_q[i] = tl * p.num_heads + h * group;
-        ent_p[i] = (tl * plan.bm_slots + j) * p.num_heads + h * group;
-        ent_lo[i] = max(lo, 0);
-        ent_hi[i] = min(hi, sbs - 1);
-        ent_bias[i] = bias;
-        atomicMax(&s_rows, min(hi, sbs - 1) + 1);
-    }
-    __syncthreads();
-
-    const int tiles = (count * group + 15) / 16;
     const T* qrot = static_cast<const T*>(ws.bm_qrot);
-    // Rotated queries of tile `tile` (16 rows) into buffer `buf`; rows past the entries are zero.
-    // Eight lanes copy a row's 128-byte lines (lane L: rows L / 8 + 4 j, chunk L % 8 of each
-    // line), so that an instruction reads four whole lines, with four row addresses a lane.
-    auto gather = [&](int tile, int buf) {
-        const int cl = (lane & 7) * kChunk;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift;
-            T* dst = q_w + buf * S::q_rows * S::RS + r * S::RS + cl;
-            if (ei < count) {
-                const T* src = qrot + (int64_t)(ent_q[ei] + (row & (group - 1))) * D + cl;
-#pragma unroll
-                for (int c = 0; c < D / 64; ++c) __pipeline_memcpy_async(dst + c * 64, src + c * 64, 16);
-            } else {
-#pragma unroll
-                for (int c = 0; c < D / 64; ++c) *reinterpret_cast<uint4*>(dst + c * 64) = make_uint4(0, 0, 0, 0);
-            }
-        }
-    };
-    // Warp w serves 16-row tiles w, w + kW, ...; with WG the four warps of warpgroup g serve its
-    // 64-row tile WG it + g of round it together (16-row tiles it * kW + warp), so a warpgroup runs
-    // every round in which its first warp has a tile (rows past the entries are zero).
-    const int lead = WG ? warp / 4 * 4 : warp;
-    if (lead < tiles) gather(warp, 0);
-    __pipeline_commit();
-    __pipeline_wait_prior(1);  // K and V (the gather may still be in flight)
-    // Rows past every entry's range may be unwritten slots: zero, so that a zero probability
-    // never meets a NaN (their logits are masked whatever the keys hold). Each thread clears the
-    // chunks it copied itself, which have landed.
-    const int rows = s_rows;
-    for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
-        const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
-        if (i < rows) continue;
-        *reinterpret_cast<uint4*>(k_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
-    }
-    if constexpr (WG) fence_async_smem();  // K and V are read by the wgmma (async) proxy
-    __syncthreads();
-
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int quad = lane % 4, r0 = lane / 4;
-    for (int it = 0; lead + it * kW < tiles; ++it) {
-        const int tile = warp + it * kW;
-        if (lead + (it + 1) * kW < tiles) gather(tile + kW, (it + 1) & 1);
+    // Rows of the tiles: row r is head r % G (of KV head h's group) of entry r / G.
+    const int hq = h * group;
+
+    // The CTA serves work items w, w + stride, ... (launch_block_attend). Each entry's record (entry_record) of the item is in rec[rb]; the next item's
+    // records are copied into rec[rb ^ 1] while this one's tiles run.
+    __shared__ int4 rec[2][kEntriesPerCta];
+    __shared__ int s_rows;  // key rows any entry may read; later rows are zero-filled
+    int4 item = ws.bm_items[w];
+    auto copy_records = [&](const int4& it, int buf) {
+        for (int i = threadIdx.x; i < it.z; i += kThreads)
+            __pipeline_memcpy_async(&rec[buf][i], ws.bm_entries + it.y + i, 16);
+    };
+    copy_records(item, 0);
+    __pipeline_commit();
+    if (threadIdx.x == 0) s_rows = 0;
+    int4 next = w + stride < nitems ? ws.bm_items[w + stride] : make_int4(0, 0, 0, 0);
+    __pipeline_wait_prior(0);
+    __syncthreads();
+    for (int rb = 0;; rb ^= 1) {
+        const int key = item.x, count = item.z;
+        const int4* ent = rec[rb];
+        // The block's 64 keys and values (rows past every entry's range are zeroed once they land).
+        const int64_t first_slot = (int64_t)(key / per) * p.block_size + (key % per) * sbs;
+        for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
+            const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            const int64_t off = ((first_slot + i) * hkv + h) * D + d;
+            __pipeline_memcpy_async(k_s + S::kv_at(i, d), kc + off, 16);
+            __pipeline_memcpy_async(v_s + S::kv_at(i, d), vc + off, 16);
+        }
         __pipeline_commit();
-        __pipeline_wait_prior(1);
-        __syncwarp();
-        T* q_b = q_w + (it & 1) * S::q_rows * S::RS;
-        float s[8][4];
-        if constexpr (WG) {
-            wg_qk_tile<T, D>(s, q_b, S::RS, k_s, lane);
-        } else {
-            qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
-        }
-        // Masked softmax of rows r0 and r0 + 8 (a quad of lanes shares a row).
-        // NOTE: float32 logits; masked keys are -inf and never enter the sums.
-        int lo[2], hi[2];
-        float bias[2];
+        for (int i = threadIdx.x; i < count; i += kThreads) atomicMax(&s_rows, (ent[i].z >> 16) + 1);
+        __syncthreads();
+
+        const int tiles = (count * group + 15) / 16;
+        // Rotated queries of tile `tile` (16 rows) into buffer `buf`; rows past the entries are zero.
+        // Eight lanes copy a row's 128-byte lines (lane L: rows L / 8 + 4 j, chunk L % 8 of each
+        // line), so that an instruction reads four whole lines, with four row addresses a lane.
+        auto gather = [&](int tile, int buf) {
+            const int cl = (lane & 7) * kChunk;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int ei = (tile * 16 + r0 + half * 8) >> gshift;
-            const bool in = ei < count;
-            lo[half] = in ? ent_lo[ei] : 1;
-            hi[half] = in ? ent_hi[ei] : 0;
-            bias[half] = in ? ent_bias[ei] : 0.0f;
-        }
-        // Logits in the log2 domain (x log2 e: one multiply-add, then exp2), as in the query-major
-        // tiles. Where every row of the warp reads its whole block or is past the entries (a
-        // selected block before the window: almost every block-major entry), no per-key test.
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-        const float c2 = scale * kLog2e;
-        bool whole = true, none[2];
+            for (int j = 0; j < 4; ++j) {
+                const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift;
+                T* dst = q_w + buf * S::q_rows * S::RS + r * S::RS + cl;
+                if (ei < count) {
+                    const T* src = qrot + (int64_t)(ent[ei].x + hq + (row & (group - 1))) * D + cl;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            none[half] = lo[half] > hi[half];
-            whole = whole && (none[half] || (lo[half] == 0 && hi[half] == S::kv_rows - 1));
-            bias[half] *= kLog2e;
-        }
-        const bool fast = __all_sync(0xffffffffu, whole);
-        if (fast) {
-            whole_block_max(s, none, c2, bias, m);
-        } else {
+                    for (int c = 0; c < D / 64; ++c) __pipeline_memcpy_async(dst + c * 64, src + c * 64, 16);
+                } else {
 #pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
-                    const bool in = i >= lo[half] && i <= hi[half];
-                    if (in) m[half] = fmaxf(m[half], fmaf(s[n][e], c2, bias[half]));
-                    else s[n][e] = -INFINITY;
+                    for (int c = 0; c < D / 64; ++c) *reinterpret_cast<uint4*>(dst + c * 64) = make_uint4(0, 0, 0, 0);
                 }
+            }
+        };
+        // Warp w serves 16-row tiles w, w + kW, ...; with WG the four warps of warpgroup g serve its
+        // 64-row tile WG it + g of round it together (16-row tiles it * kW + warp), so a warpgroup runs
+        // every round in which its first warp has a tile (rows past the entries are zero).
+        const int lead = WG ? warp / 4 * 4 : warp;
+        if (lead < tiles) gather(warp, 0);
+        if (w + stride < nitems) copy_records(next, rb ^ 1);  // waited for with the first tile's queries
+        __pipeline_commit();
+        __pipeline_wait_prior(1);  // K and V (the gather and the records may still be in flight)
+        // Rows past every entry's range may be unwritten slots: zero, so that a zero probability
+        // never meets a NaN (their logits are masked whatever the keys hold). Each thread clears the
+        // chunks it copied itself, which have landed.
+        const int rows = s_rows;
+        for (int c = threadIdx.x; c < S::kv_rows * (D / kChunk); c += kThreads) {
+            const int i = c / (D / kChunk), d = (c % (D / kChunk)) * kChunk;
+            if (i < rows) continue;
+            *reinterpret_cast<uint4*>(k_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(v_s + S::kv_at(i, d)) = make_uint4(0, 0, 0, 0);
         }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
-        const float off[2] = {numerator_offset(none[0], bias[0], m[0]), numerator_offset(none[1], bias[1], m[1])};
-        uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
-        softmax_numerators<T>(s, c2, off, l, pa);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
-        __syncwarp();  // every lane is done reading Q: the buffer now stages the output
-        // O = P V in chunks of up to 128 columns (64 accumulators per lane), normalised into q_b.
-        constexpr int DC = D < 128 ? D : 128;
-#pragma unroll
-        for (int dc = 0; dc < D; dc += DC) {
-            float o[DC / 8][4];
+        if constexpr (WG) fence_async_smem();  // K and V are read by the wgmma (async) proxy
+        __syncthreads();
+
+        for (int it = 0; lead + it * kW < tiles; ++it) {
+            const int tile = warp + it * kW;
+            if (lead + (it + 1) * kW < tiles) gather(tile + kW, (it + 1) & 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);
+            __syncwarp();
+            T* q_b = q_w + (it & 1) * S::q_rows * S::RS;
+            float s[8][4];
             if constexpr (WG) {
-                wg_pv_tile<T, D>(o, pa, v_s);
+                wg_qk_tile<T, D>(s, q_b, S::RS, k_s, lane);
+            } else {
+                qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
+            }
+            // Masked softmax of rows r0 and r0 + 8 (a quad of lanes shares a row).
+            // NOTE: float32 logits; masked keys are -inf and never enter the sums.
+            int lo[2], hi[2];
+            float bias[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int ei = (tile * 16 + r0 + half * 8) >> gshift;
+                const int4 r = ei < count ? ent[ei] : make_int4(0, 0, 1, 0);  // past the entries: lo 1 > hi 0
+                lo[half] = r.z & 0xffff;
+                hi[half] = r.z >> 16;
+                bias[half] = __int_as_float(r.w);
+            }
+            // Logits in the log2 domain (x log2 e: one multiply-add, then exp2), as in the query-major
+            // tiles. Where every row of the warp reads its whole block or is past the entries (a
+            // selected block before the window: almost every block-major entry), no per-key test.
+            float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+            const float c2 = scale * kLog2e;
+            bool whole = true, none[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                none[half] = lo[half] > hi[half];
+                whole = whole && (none[half] || (lo[half] == 0 && hi[half] == S::kv_rows - 1));
+                bias[half] *= kLog2e;
+            }
+            const bool fast = __all_sync(0xffffffffu, whole);
+            if (fast) {
+                whole_block_max(s, none, c2, bias, m);
             } else {
 #pragma unroll
-                for (int n = 0; n < DC / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+                for (int n = 0; n < 8; ++n)
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
+                    for (int e = 0; e < 4; ++e) {
+                        const int half = e / 2, i = n * 8 + quad * 2 + (e & 1);
+                        const bool in = i >= lo[half] && i <= hi[half];
+                        if (in) m[half] = fmaxf(m[half], fmaf(s[n][e], c2, bias[half]));
+                        else s[n][e] = -INFINITY;
+                    }
+            }
 #pragma unroll
-                    for (int dp = 0; dp < DC / 16; ++dp) {
-                        uint32_t b[4];
-                        ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dc + dp * 16 +
-                                                 (lane / 16) * 8);
-                        mma16816<T>(o[2 * dp], pa[kk], b[0], b[1]);
-                        mma16816<T>(o[2 * dp + 1], pa[kk], b[2], b[3]);
+            for (int half = 0; half < 2; ++half) m[half] = quad_max(m[half]);
+            const float off[2] = {numerator_offset(none[0], bias[0], m[0]), numerator_offset(none[1], bias[1], m[1])};
+            uint32_t pa[4][4];  // P as the A operand of P V: four k-steps of 16 keys
+            softmax_numerators<T>(s, c2, off, l, pa);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
+            __syncwarp();  // every lane is done reading Q: the buffer now stages the output
+            // O = P V in chunks of up to 128 columns (64 accumulators per lane), normalised into q_b.
+            constexpr int DC = D < 128 ? D : 128;
+#pragma unroll
+            for (int dc = 0; dc < D; dc += DC) {
+                float o[DC / 8][4];
+                if constexpr (WG) {
+                    wg_pv_tile<T, D>(o, pa, v_s);
+                } else {
+#pragma unroll
+                    for (int n = 0; n < DC / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                        for (int dp = 0; dp < DC / 16; ++dp) {
+                            uint32_t b[4];
+                            ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::RS + dc +
+                                                     dp * 16 +
+                                                     (lane / 16) * 8);
+                            mma16816<T>(o[2 * dp], pa[kk], b[0], b[1]);
+                            mma16816<T>(o[2 * dp + 1], pa[kk], b[2], b[3]);
+                        }
+                    }
+                }
+                const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
+#pragma unroll
+                for (int n = 0; n < DC / 8; ++n) {
+                    const int col = dc + n * 8 + quad * 2;
+                    *reinterpret_cast<uint32_t*>(q_b + r0 * S::RS + col) = pack2<T>(o[n][0] * inv0, o[n][1] * inv0);
+                    *reinterpret_cast<uint32_t*>(q_b + (r0 + 8) * S::RS + col) =
+                        pack2<T>(o[n][2] * inv1, o[n][3] * inv1);
+                }
+            }
+            if (quad == 0) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = tile * 16 + r0 + half * 8, ei = row >> gshift;
+                    if (ei < count) {
+                        const int at = ent[ei].y + hq + (row & (group - 1));
+                        ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
                     }
                 }
             }
-            const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
+            __syncwarp();
+            // The staged rows to the partials, 16 bytes a lane, whole 128-byte lines an instruction
+            // (lanes and rows as in the gather).
 #pragma unroll
-            for (int n = 0; n < DC / 8; ++n) {
-                const int col = dc + n * 8 + quad * 2;
-                *reinterpret_cast<uint32_t*>(q_b + r0 * S::RS + col) = pack2<T>(o[n][0] * inv0, o[n][1] * inv0);
-                *reinterpret_cast<uint32_t*>(q_b + (r0 + 8) * S::RS + col) = pack2<T>(o[n][2] * inv1, o[n][3] * inv1);
-            }
-        }
-        if (quad == 0) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = tile * 16 + r0 + half * 8, ei = row >> gshift;
+            for (int j = 0; j < 4; ++j) {
+                const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift, cl = (lane & 7) * kChunk;
                 if (ei < count) {
-                    const int at = ent_p[ei] + (row & (group - 1));
-                    ws.bm_part_ml[at] = make_float2(m[half] * kLn2, l[half]);  // the max back to base e
+                    T* dst = static_cast<T*>(ws.bm_part_o) + (int64_t)(ent[ei].y + hq + (row & (group - 1))) * D + cl;
+                    const T* src = q_b + r * S::RS + cl;
+#pragma unroll
+                    for (int c = 0; c < D / 64; ++c)
+                        *reinterpret_cast<uint4*>(dst + c * 64) = *reinterpret_cast<const uint4*>(src + c * 64);
                 }
             }
+            __syncwarp();  // the buffer is gathered into again two tiles on
         }
-        __syncwarp();
-        // The staged rows to the partials, 16 bytes a lane, whole 128-byte lines an instruction
-        // (lanes and rows as in the gather).
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = (lane >> 3) + 4 * j, row = tile * 16 + r, ei = row >> gshift, cl = (lane & 7) * kChunk;
-            if (ei < count) {
-                T* dst = static_cast<T*>(ws.bm_part_o) + (int64_t)(ent_p[ei] + (row & (group - 1))) * D + cl;
-                const T* src = q_b + r * S::RS + cl;
-#pragma unroll
-                for (int c = 0; c < D / 64; ++c)
-                    *reinterpret_cast<uint4*>(dst + c * 64) = *reinterpret_cast<const uint4*>(src + c * 64);
-            }
-        }
-        __syncwarp();  // the buffer is gathered into again two tiles on
+        item = next;
+        w += stride;
+        if (w >= nitems) break;
+        next = w + stride < nitems ? ws.bm_items[w + stride] : make_int4(0, 0, 0, 0);
+        if (threadIdx.x == 0) s_rows = 0;  // every thread read it before the barrier after the zero-fill
+        __pipeline_wait_prior(0);          // this thread's copies of the next item's records
+        __syncthreads();                   // K, V and rec[rb] free again; every thread's record copies landed
     }
 }
 
@@ -1011,14 +1039,22 @@ __global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace
     *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
 }
 
-// block_attend_kernel in the form WG (0: mma.sync; 1 or 2 warpgroups), its shared memory allowed.
+// block_attend_kernel in the form WG (0: mma.sync; 1 or 2 warpgroups), its shared memory allowed,
+// over `items` work items (at most; the kernel reads the pass's count): per KV head one CTA a work
+// item, or where plan.bm_ctas > 0 that many CTAs serving the items in turn (never more than the
+// items). One CTA an item is the default: on the H200 (2026-12-03) a grid of the CTAs the device
+// holds at once, each serving items in turn, took block_attend_kernel 2.53 -> 2.79 ms at 64k.
 template <typename T, int D, int WG>
-cudaError_t launch_block_attend(dim3 grid, const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
+cudaError_t launch_block_attend(int64_t items, const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
                                 cudaStream_t stream) {
     const size_t smem = sizeof(T) * BmSmem<D, WG>::elems;
-    const cudaError_t err = allow_smem(block_attend_kernel<T, D, WG>, smem);
-    if (err == cudaSuccess) block_attend_kernel<T, D, WG><<<grid, bm_threads(WG), smem, stream>>>(p, plan, ws, t0);
-    return err;
+    cudaError_t err = allow_smem(block_attend_kernel<T, D, WG>, smem);
+    if (err != cudaSuccess) return err;
+    // A grid of more CTAs than the device holds at once, each serving several items, would have
+    // the extra ones start only when a resident CTA has served all of its items.
+    const dim3 grid((unsigned)(plan.bm_ctas > 0 ? std::min<int64_t>(items, plan.bm_ctas) : items), p.num_kv_heads);
+    block_attend_kernel<T, D, WG><<<grid, bm_threads(WG), smem, stream>>>(p, plan, ws, t0);
+    return cudaSuccess;
 }
 
 template <typename T>
@@ -1032,14 +1068,13 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
             cudaError_t err = cudaGetLastError();
             if (err != cudaSuccess) return err;
             const int64_t items = block_major_items((int64_t)tn * plan.bm_slots, plan.bm_num_keys);
-            const dim3 grid((unsigned)items, p.num_kv_heads);
             const bool wg_bm = (plan.warpgroup & kWgBlockMajor) != 0, wg_qm = (plan.warpgroup & kWgQueryMajor) != 0;
             if constexpr (D == 128) {
                 if (wg_bm)
-                    err = plan.bm_warpgroups == 1 ? launch_block_attend<T, D, 1>(grid, p, plan, ws, t0, stream)
-                                                  : launch_block_attend<T, D, 2>(grid, p, plan, ws, t0, stream);
+                    err = plan.bm_warpgroups == 1 ? launch_block_attend<T, D, 1>(items, p, plan, ws, t0, stream)
+                                                  : launch_block_attend<T, D, 2>(items, p, plan, ws, t0, stream);
             }
-            if (D != 128 || !wg_bm) err = launch_block_attend<T, D, 0>(grid, p, plan, ws, t0, stream);
+            if (D != 128 || !wg_bm) err = launch_block_attend<T, D, 0>(items, p, plan, ws, t0, stream);
             if (err != cudaSuccess) return err;
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if constexpr (D <= 128) {

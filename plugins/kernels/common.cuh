@@ -165,7 +165,7 @@ struct Workspace {
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
     int32_t* bm_cursor;   // [bm_num_keys] fill cursors
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
-    int32_t* bm_entries;  // [bm_chunk * bm_slots] (token, slot) entries grouped by block
+    int4* bm_entries;     // [bm_chunk * bm_slots] entries grouped by block: their records (entry_record)
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
     int32_t* bm_work;     // [bm_num_keys + 1] exclusive prefix of bm_parts
     int4* bm_items;       // [block_major_items(...)] each work item's block, first entry and count
@@ -227,6 +227,7 @@ struct Plan {
     int qm_merge;         // 1: query-major tiles merge their tokens' block-major partials (no combine for them)
     int warpgroup;        // which tiles run as warpgroup MMAs (sm_90a; warpgroup_tiles): kWgBlockMajor | kWgQueryMajor
     int bm_warpgroups;    // warpgroup block-major tiles: warpgroups per CTA (1 or 2; block_major_warpgroups)
+    int bm_ctas;          // block-major CTAs per KV head (tune_block_major_ctas; 0: one a work item)
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 5
+#define DASH_ABI_VERSION 6
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -118,6 +118,9 @@ typedef struct DashParams {
                                             sharing one block's keys and values (0: the plan picks by the
                                             rows a block can expect per pass; 1; 2; any other value is
                                             DASH_ERR_INVALID_ARGUMENT) */
+    int32_t tune_block_major_ctas;       /* block-major tiles: CTAs per KV head (0: one a work item; > 0:
+                                            that many, at most one a work item, each serving work items
+                                            in turn; < 0: DASH_ERR_INVALID_ARGUMENT) */
 } DashParams;
 
 #ifdef __cplusplus

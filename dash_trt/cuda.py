@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -83,7 +83,7 @@ class DashParams(ctypes.Structure):
         ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
         ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
         ("tune_warpgroup_mma", ctypes.c_int32), ("tune_block_major_warpgroups", ctypes.c_int32),
-        ("tune_block_major_ctas", ctypes.c_int32),
+        ("tune_block_major_ctas", ctypes.c_int32), ("tune_tile_overlap", ctypes.c_int32),
     ]
 
 
@@ -117,6 +117,9 @@ class Tuning:
     #: block-major tiles: CTAs per KV head (0: one a work item; > 0: that many, at most one a work
     #: item, each serving work items in turn; < 0 is refused)
     block_major_ctas: int = 0
+    #: block-major prefill on sm_90 and later GPUs: the query-major tiles start while the
+    #: block-major tiles finish (programmatic dependent launch; 0: yes; < 0: no)
+    tile_overlap: int = 0
 
     def params(self) -> dict[str, int]:
         return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}

@@ -698,6 +698,67 @@ def test_block_major_ctas_serving_many_work_items_match_one_each(head_dim, heads
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("head_dim, heads, kv_heads, topk", [(128, 8, 2, 4), (128, 32, 8, 4), (64, 16, 1, 4),
+                                                           (128, 8, 2, 36)])
+def test_overlapped_query_major_tiles_match_serialized_ones(head_dim, heads, kv_heads, topk):
+    """tune_tile_overlap: the query-major tiles start while the block-major tiles run (on sm_90
+    and later) and wait for them only before merging their partials; top-k 36 at head dim 128
+    is too many slots for the tiles to merge (they write partials for the combine instead). With
+    one block-major CTA per KV head serving every work item, the tiles' main loops surely run
+    before the partials are complete, so a merge that did not wait would read unfinished ones.
+    Every step's output is bit for bit the serialized launches' and within the reference's
+    tolerance."""
+    dtype = torch.bfloat16
+    outs = []
+    for overlap, ctas in ((-1, 0), (0, 0), (0, 1)):
+        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=600, tile_overlap=overlap,
+                             block_major_ctas=ctas)
+        gen = torch.Generator().manual_seed(head_dim + heads + topk)
+        cfg = make_config(64, sparse_topk_blocks=topk, sparse_page_bias=0.5, sparse_local_block=1)
+        seqs = build_sequences(gen, 2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64,
+                               dtype=dtype, pages=(6, 8), max_images=1200, response=4)
+        plans = schedule(gen, seqs, 4)
+        steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None, None], gen, dtype, tuning=tuning)
+        assert any(out.shape[0] >= 600 for out, *_ in steps)
+        check(steps, rc, kc, dtype)
+        outs.append([out for out, *_ in steps])
+    for other in outs[1:]:
+        assert len(other) == len(outs[0])
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_block_major_prefill_graph_replays_match_eager():
+    """A block-major prefill (query-major tiles, overlapped with the block-major ones where the
+    GPU allows, one block-major CTA per KV head so that they surely overlap) captured in a CUDA
+    graph and replayed: the output and the cache bit for bit the eager call's."""
+    gen = torch.Generator().manual_seed(29)
+    dtype = torch.bfloat16
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
+    (x, coords), = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
+                                   pages=(8, 8), max_images=1200, response=0)
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=1024, block_major_ctas=1)
+    cache = P.DashKVCache.allocate(-(-x.length // 128) + 1, 128, 2, 128, 64, 64, dtype, "cuda")
+    fill_garbage(cache, gen)
+    pool = P.KVBlockPool(cache.key.shape[0], 128)
+    pool.add(0)
+    batch = pool.schedule([(0, x.length)], device="cuda")
+    assert x.length > 2 * 1024  # several passes
+    args = (x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls)
+    eager_cache = cache.clone()
+    eager = cuda.paged_dash_attention_cuda(*args, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0, tuning=tuning)
+    static = batch.to("cuda")
+    graph_cache = cache.clone()
+    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
+        *args, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False, tuning=tuning), cache.clone(), graph_cache)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    assert torch.equal(graph_cache.key, eager_cache.key)
+    assert torch.equal(graph_cache.summary, eager_cache.summary)
+
+
 def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write

@@ -158,6 +158,8 @@ def test_query_major_tiles_are_planned_where_compiled():
     assert size(head_dim=128, tune_block_major_warpgroups=1) == size(head_dim=128, tune_block_major_warpgroups=2)
     # nor the grid of block-major CTAs: work items are listed per pass whatever serves them
     assert size(head_dim=128, tune_block_major_ctas=1) == size(head_dim=128)
+    # nor the overlap of the two tile kernels
+    assert size(head_dim=128, tune_tile_overlap=-1) == size(head_dim=128)
     assert size(dtype=0) == size(dtype=0, tune_tile_share_min=-1)
 
 

@@ -71,6 +71,17 @@ int device_sm_count() {
     return sms;
 }
 
+// Compute capability major of the current device (9 where it cannot be asked: nothing runs there).
+int device_cc_major() {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major <= 0) {
+        (void)cudaGetLastError();
+        return 9;
+    }
+    return major;
+}
+
 // Which prefill tiles run as warpgroup MMAs (wgmma.cuh; dash::Plan::warpgroup bits): where the
 // library carries sm_90a code (DASH_SM90A: CMake architecture 90a), the current device is an
 // sm_90 GPU (which runs that code) and the head dim is 128, tune_warpgroup_mma picks: 1 the
@@ -226,6 +237,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
             plan.qm_tiles = (plan.bm_chunk + plan.qm_tile - 1) / plan.qm_tile;
             plan.qm_smem = qm_smem;
             plan.qm_merge = dash::qm_merge_fits(p, plan.bm_slots) ? 1 : 0;
+            plan.qm_overlap = p.tune_tile_overlap >= 0 && device_cc_major() >= 9 ? 1 : 0;
         }
     }
     plan.bytes = lay_out(p, plan, nullptr, nullptr);
@@ -318,7 +330,7 @@ DashParams plan_key(const DashParams& p) {
     k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
     k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
     k.tune_warpgroup_mma = p.tune_warpgroup_mma, k.tune_block_major_warpgroups = p.tune_block_major_warpgroups;
-    k.tune_block_major_ctas = p.tune_block_major_ctas;
+    k.tune_block_major_ctas = p.tune_block_major_ctas, k.tune_tile_overlap = p.tune_tile_overlap;
     return k;
 }
 
@@ -391,6 +403,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
     DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
     DASH_FIELD(tune_block_major_warpgroups) DASH_FIELD(tune_block_major_ctas)
+    DASH_FIELD(tune_tile_overlap)
 #undef DASH_FIELD
     return -1;
 }

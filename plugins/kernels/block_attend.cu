@@ -416,6 +416,9 @@ __global__ void __launch_bounds__(bm_threads(WG)) block_attend_kernel(const Dash
     static_assert(!WG || D == 128, "warpgroup tiles: D = 128");
     constexpr int kThreads = bm_threads(WG), kW = kThreads / 32;
     using S = BmSmem<D, WG>;
+    // The query-major tiles (plan.qm_overlap) may take the SMs this grid leaves; they wait for
+    // its end before they read its partials.
+    grid_launch_dependents();
     const int h = blockIdx.y, stride = gridDim.x;
     const int nitems = ws.bm_work[plan.bm_num_keys];
     int w = blockIdx.x;
@@ -679,7 +682,10 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     using S = QmSmem<D, WG>;
     const int tile = blockIdx.x, h = blockIdx.y;
     const int base = ws.qm_base[tile];
-    if (base < 0) return;
+    if (base < 0) {
+        grid_dependency_wait();  // plan.qm_overlap: the kernels after this one rely on block_attend_kernel's end
+        return;
+    }
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads, sbs = p.sparse_block_size;
     const int gshift = __ffs(group) - 1;  // G divides 16 (block_major_supported): row / G and row % G as bit operations
     const int tt = plan.qm_tile, ta = tile * tt, cnt = min(tt, tn - ta);  // chunk-relative tokens
@@ -895,6 +901,10 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     // Without it (a list too long for the space), slot kmax of the partials, for the combine.
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
+    // With plan.qm_overlap this kernel may have started before block_attend_kernel ended (its
+    // CTAs free the SMs unevenly): everything above reads only what earlier launches wrote; the
+    // partials below are block_attend_kernel's.
+    grid_dependency_wait();
     if (!plan.qm_merge) {
         T* part_o = static_cast<T*>(ws.bm_part_o);
 #pragma unroll
@@ -1083,8 +1093,20 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
                     auto launch_qm = [&](auto kernel) {  // plan.qm_smem is the chosen form's (query_major_smem)
                         cudaError_t e = allow_smem(kernel, plan.qm_smem);
                         if (e != cudaSuccess) return e;
-                        kernel<<<dim3(tiles, p.num_kv_heads), kQmThreads, plan.qm_smem, stream>>>(p, plan, ws, t0, tn);
-                        return cudaGetLastError();
+                        // plan.qm_overlap: a programmatic dependent launch; the kernel starts
+                        // while block_attend_kernel's last CTAs run (grid_dependency_wait).
+                        cudaLaunchAttribute attr[1];
+                        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                        attr[0].val.programmaticStreamSerializationAllowed = 1;
+                        cudaLaunchConfig_t cfg = {};
+                        cfg.gridDim = dim3(tiles, p.num_kv_heads);
+                        cfg.blockDim = dim3(kQmThreads);
+                        cfg.dynamicSmemBytes = plan.qm_smem;
+                        cfg.stream = stream;
+                        cfg.attrs = attr;
+                        cfg.numAttrs = plan.qm_overlap ? 1 : 0;
+                        e = cudaLaunchKernelEx(&cfg, kernel, p, plan, ws, t0, tn);
+                        return e != cudaSuccess ? e : cudaGetLastError();
                     };
                     err = D == 128 && wg_qm ? launch_qm(qm_attend_kernel<T, D, D == 128>)
                                             : launch_qm(qm_attend_kernel<T, D, false>);

@@ -109,6 +109,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// ------------------------------------------------------------------ programmatic dependent launch
+// sm_90 and later (no-ops before): a kernel launched with cudaLaunchAttributeProgrammaticStream-
+// Serialization may start once every CTA of the kernel before it in the stream has called
+// grid_launch_dependents (or exited); grid_dependency_wait then holds the calling thread until
+// that kernel has completed and its writes are visible. A kernel so launched waits in every
+// thread before its first read of the earlier kernel's output and before it exits, so that the
+// kernels after it, launched normally, find the earlier kernel complete too.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------ indexing
 // Flat cache slot of position `pos` of sequence `seq`, or -1 (and a data-error flag) when the
 // block table does not map it inside the cache. In two halves for callers that issue the
@@ -228,6 +246,7 @@ struct Plan {
     int warpgroup;        // which tiles run as warpgroup MMAs (sm_90a; warpgroup_tiles): kWgBlockMajor | kWgQueryMajor
     int bm_warpgroups;    // warpgroup block-major tiles: warpgroups per CTA (1 or 2; block_major_warpgroups)
     int bm_ctas;          // block-major CTAs per KV head (tune_block_major_ctas; 0: one a work item)
+    int qm_overlap;       // 1: qm_attend_kernel is a programmatic dependent launch behind block_attend_kernel
     size_t bm_scan_bytes;
     size_t route_smem;    // dynamic shared memory of the routing kernel
     size_t summarize_smem;

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 6
+#define DASH_ABI_VERSION 7
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -121,6 +121,10 @@ typedef struct DashParams {
     int32_t tune_block_major_ctas;       /* block-major tiles: CTAs per KV head (0: one a work item; > 0:
                                             that many, at most one a work item, each serving work items
                                             in turn; < 0: DASH_ERR_INVALID_ARGUMENT) */
+    int32_t tune_tile_overlap;           /* block-major prefill on sm_90 and later GPUs: the query-major tiles
+                                            start while the block-major tiles finish (programmatic dependent
+                                            launch) and wait for them only before merging their partials
+                                            (0: yes; < 0: no; ignored before sm_90) */
 } DashParams;
 
 #ifdef __cplusplus

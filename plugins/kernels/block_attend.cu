@@ -976,41 +976,72 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         row_n[row] = n;
     }
     __syncthreads();
-    constexpr int kChunks = D / 8;  // a thread's 8 output columns of a row; consecutive threads, consecutive columns
+    // (3) Pieces of 8 output columns of a row; consecutive threads, consecutive columns. A thread
+    // takes two pieces at once (pi and pi + kQmThreads: rows 256 / (D / 8) apart), with the
+    // loads of both pieces' partials in flight together (a row has about half its slots
+    // block-major: one piece alone would leave half the batch empty). Each piece still adds its
+    // partials in list order, so the bits do not depend on the pairing.
+    constexpr int kChunks = D / 8, kPieces = kQmRows * kChunks;
+    static_assert(kPieces % (2 * kQmThreads) == 0, "whole pairs of pieces");
     const T* part_o = static_cast<const T*>(ws.bm_part_o);
-    for (int pi = threadIdx.x; pi < kQmRows * kChunks; pi += kQmThreads) {
-        const int row = pi / kChunks, d0 = (pi % kChunks) * 8, tk = row >> gshift;
-        if (tk >= cnt) continue;
-        const int head = h * group + (row & (group - 1));
-        const int64_t row0 = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + head;
-        const float w_own = row_ml[row].x;
-        float acc[8];
+    for (int pi = threadIdx.x; pi < kPieces; pi += 2 * kQmThreads) {
+        int n[2], d0[2];
+        int64_t row0[2], out_at[2];
+        const float2* li[2];
+        float acc[2][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = w_own * o_s[row * ORS + d0 + i];
-        const int n = row_n[row];
-        const float2* li = list + row * plan.bm_slots;
-        constexpr int kBatch = 16;  // loads in flight (a row's block-major entries: about half its slots)
-        for (int j0 = 0; j0 < n; j0 += kBatch) {
+        for (int s = 0; s < 2; ++s) {
+            const int q = pi + s * kQmThreads, row = q / kChunks, tk = row >> gshift;
+            const int head = h * group + (row & (group - 1));
+            const bool in = tk < cnt;
+            d0[s] = (q % kChunks) * 8;
+            n[s] = in ? row_n[row] : 0;
+            row0[s] = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + head;
+            out_at[s] = in ? ((int64_t)(t0 + ta + tk) * p.num_heads + head) * D + d0[s] : -1;
+            li[s] = list + row * plan.bm_slots;
+            const float w_own = in ? row_ml[row].x : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[s][i] = in ? w_own * o_s[row * ORS + d0[s] + i] : 0.0f;
+        }
+        const int total = n[0] + n[1];
+        constexpr int kBatch = 16;  // loads in flight
+        for (int u0 = 0; u0 < total; u0 += kBatch) {
             uint4 raw[kBatch];
 #pragma unroll
-            for (int u = 0; u < kBatch; ++u)
-                if (j0 + u < n)
-                    raw[u] = *reinterpret_cast<const uint4*>(
-                        part_o + (row0 + (int64_t)__float_as_int(li[j0 + u].x) * p.num_heads) * D + d0);
+            for (int u = 0; u < kBatch; ++u) {
+                const int j = u0 + u;
+                if (j >= total) continue;
+                const bool second = j >= n[0];
+                const float2 e = second ? li[1][j - n[0]] : li[0][j];
+                raw[u] = *reinterpret_cast<const uint4*>(
+                    part_o + ((second ? row0[1] : row0[0]) + (int64_t)__float_as_int(e.x) * p.num_heads) * D +
+                    (second ? d0[1] : d0[0]));
+            }
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
-                if (j0 + u >= n) continue;
-                const float wgt = li[j0 + u].y;
+                const int j = u0 + u;
+                if (j >= total) continue;
                 const T* x = reinterpret_cast<const T*>(&raw[u]);
+                if (j >= n[0]) {
+                    const float wgt = li[1][j - n[0]].y;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] += wgt * to_f(x[i]);
+                    for (int i = 0; i < 8; ++i) acc[1][i] += wgt * to_f(x[i]);
+                } else {
+                    const float wgt = li[0][j].y;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[0][i] += wgt * to_f(x[i]);
+                }
             }
         }
-        uint4 res;
-        T* y = reinterpret_cast<T*>(&res);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) y[i] = from_f<T>(acc[i]);
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)(t0 + ta + tk) * p.num_heads + head) * D + d0) = res;
+        for (int s = 0; s < 2; ++s) {
+            if (out_at[s] < 0) continue;
+            uint4 res;
+            T* y = reinterpret_cast<T*>(&res);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) y[i] = from_f<T>(acc[s][i]);
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + out_at[s]) = res;
+        }
     }
 }
 

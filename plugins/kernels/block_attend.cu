@@ -948,15 +948,14 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const float2 own = row_ml[row];
         float mx = own.y > 0.0f ? own.x : -INFINITY;
         float2* li = list + row * plan.bm_slots;
-        // Every slot's (max, sum), 32 loads in flight (one round trip for up to 32 slots; 18 at
-        // top-16 with one local block), kept in the row's list for the second pass.
-        for (int s0 = 0; s0 < plan.bm_slots; s0 += 32) {
-            float2 ml[32];
+        // Every slot's (max, sum), 16 loads in flight, kept in the row's list for the second pass.
+        for (int s0 = 0; s0 < plan.bm_slots; s0 += 16) {
+            float2 ml[16];
 #pragma unroll
-            for (int u = 0; u < 32; ++u)
+            for (int u = 0; u < 16; ++u)
                 ml[u] = s0 + u < plan.bm_slots ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
 #pragma unroll
-            for (int u = 0; u < 32; ++u) {
+            for (int u = 0; u < 16; ++u) {
                 if (s0 + u < plan.bm_slots) li[s0 + u] = ml[u];
                 if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
             }
@@ -1047,63 +1046,38 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
 }
 
 // Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks.
-// A lane owns 8 output columns; a CTA covers 128 / (D / 8) heads of kCombineTokens consecutive
-// tokens (in a long prompt nearly every token's query-major tile merged it: the CTAs that find
-// nothing to do are a quarter as many). Each slot's (max, sum) and partial are loaded kCombineBatch
-// at a time, then added in slot order.
-constexpr int kCombineTokens = 4, kCombineBatch = 16;
+// A lane owns 8 output columns; a CTA covers 128 / (D / 8) heads of one token.
 template <typename T, int D>
-__global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
+__global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
     constexpr int kLanes = D / 8, kHeads = kBmThreads / kLanes;
+    const int tl = blockIdx.x, t = t0 + tl;
     const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
-    if (head >= p.num_heads) return;
-    const int tl0 = blockIdx.x * kCombineTokens, tl1 = min(tn, tl0 + kCombineTokens);
-    for (int tl = tl0; tl < tl1; ++tl) {
-        const int t = t0 + tl;
-        if (ws.token_seq[t] < 0) continue;
-        if (plan.qm_merge && ws.qm_base[tl / plan.qm_tile] >= 0) continue;  // its query-major tile merged it
-        const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
-        float m = -INFINITY;
-        for (int s0 = 0; s0 < plan.bm_slots; s0 += kCombineBatch) {
-            float2 ml[kCombineBatch];
-#pragma unroll
-            for (int u = 0; u < kCombineBatch; ++u)
-                ml[u] = s0 + u < plan.bm_slots ? ws.bm_part_ml[row0 + (int64_t)(s0 + u) * p.num_heads]
-                                               : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int u = 0; u < kCombineBatch; ++u)
-                if (ml[u].y > 0.0f) m = fmaxf(m, ml[u].x);
-        }
-        float denom = 0.0f, num[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int s0 = 0; s0 < plan.bm_slots; s0 += kCombineBatch) {
-            float2 ml[kCombineBatch];
-            uint4 raw[kCombineBatch];
-#pragma unroll
-            for (int u = 0; u < kCombineBatch; ++u)
-                ml[u] = s0 + u < plan.bm_slots ? ws.bm_part_ml[row0 + (int64_t)(s0 + u) * p.num_heads]
-                                               : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int u = 0; u < kCombineBatch; ++u)
-                if (ml[u].y > 0.0f)
-                    raw[u] = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) +
-                                                             (row0 + (int64_t)(s0 + u) * p.num_heads) * D + d);
-#pragma unroll
-            for (int u = 0; u < kCombineBatch; ++u) {
-                if (!(ml[u].y > 0.0f)) continue;
-                const float wgt = partial_weight(ml[u], m);
-                denom += wgt;
-                const T* x = reinterpret_cast<const T*>(&raw[u]);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) num[i] += wgt * to_f(x[i]);
-            }
-        }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        uint4 res;
-        T* y = reinterpret_cast<T*>(&res);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) y[i] = from_f<T>(num[i] * inv);
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
+    if (ws.token_seq[t] < 0 || head >= p.num_heads) return;
+    if (plan.qm_merge && ws.qm_base[tl / plan.qm_tile] >= 0) return;  // its query-major tile merged it
+    const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
+    float m = -INFINITY;
+    for (int s = 0; s < plan.bm_slots; ++s) {
+        const float2 ml = ws.bm_part_ml[row0 + (int64_t)s * p.num_heads];
+        if (ml.y > 0.0f) m = fmaxf(m, ml.x);
     }
+    float denom = 0.0f, num[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < plan.bm_slots; ++s) {
+        const int64_t row = row0 + (int64_t)s * p.num_heads;
+        const float2 ml = ws.bm_part_ml[row];
+        if (!(ml.y > 0.0f)) continue;
+        const float wgt = partial_weight(ml, m);
+        denom += wgt;
+        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) + row * D + d);
+        const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) num[i] += wgt * to_f(x[i]);
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    uint4 res;
+    T* y = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = from_f<T>(num[i] * inv);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
 }
 
 // block_attend_kernel in the form WG (0: mma.sync; 1 or 2 warpgroups), its shared memory allowed,
@@ -1171,8 +1145,8 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
                 }
             }
             constexpr int kHeads = kBmThreads / (D / 8);
-            bm_combine_kernel<T, D><<<dim3((tn + kCombineTokens - 1) / kCombineTokens, (p.num_heads + kHeads - 1) / kHeads),
-                                      kBmThreads, 0, stream>>>(p, plan, ws, t0, tn);
+            bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kBmThreads, 0, stream>>>(p, plan,
+                                                                                                           ws, t0);
             return cudaGetLastError();
         });
     }

@@ -46,41 +46,28 @@ bool fused_front_allowed(const DashParams& p) { return p.tune_fused_front >= 0; 
 
 long attend_target_ctas(const DashParams& p) { return p.tune_attend_ctas > 0 ? p.tune_attend_ctas : kTargetCtas; }
 
+// An attribute of the current device, or `fallback` where it cannot be asked (no device) or is
+// not positive; the (non-sticky) error of a failed query is cleared for the caller's next check.
+int device_attribute(cudaDeviceAttr attr, int fallback) {
+    int dev = 0, value = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess ||
+        value <= 0) {
+        (void)cudaGetLastError();
+        return fallback;
+    }
+    return value;
+}
+
 // Shared memory a block may opt in to on the current device (sm_90: 227 KB, sm_80: 163 KB,
 // sm_86 / sm_89: 99 KB). Where it cannot be asked (no device), the sm_90 figure: nothing runs
 // there, and a plan must not turn a path off on a query failure alone.
-size_t device_smem_optin() {
-    constexpr size_t kFallback = 227 * 1024;
-    int dev = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || bytes <= 0) {
-        (void)cudaGetLastError();  // clear the (non-sticky) error for the caller's next check
-        return kFallback;
-    }
-    return (size_t)bytes;
-}
+size_t device_smem_optin() { return (size_t)device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 * 1024); }
 
 // Streaming multiprocessors of the current device (132 where it cannot be asked: an H200).
-int device_sm_count() {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-        (void)cudaGetLastError();
-        return 132;
-    }
-    return sms;
-}
+int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 132); }
 
 // Compute capability major of the current device (9 where it cannot be asked: nothing runs there).
-int device_cc_major() {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major <= 0) {
-        (void)cudaGetLastError();
-        return 9;
-    }
-    return major;
-}
+int device_cc_major() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 9); }
 
 // Which prefill tiles run as warpgroup MMAs (wgmma.cuh; dash::Plan::warpgroup bits): where the
 // library carries sm_90a code (DASH_SM90A: CMake architecture 90a), the current device is an

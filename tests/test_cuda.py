@@ -189,14 +189,18 @@ def test_split_routing_merges_many_ctas(topk, writer):
     check(steps, rc, kc, dtype)
 
 
-@pytest.mark.parametrize("case", ["short", "chunks-top6", "chunks-top40", "chunks-top300", "chunks-dense"])
-def test_fused_and_split_routing_select_the_same_blocks(case):
+@pytest.mark.parametrize("case, index_dim", [("short", 128), ("chunks-top6", 128), ("chunks-top40", 128),
+                                             ("chunks-top300", 128), ("chunks-dense", 128), ("chunks-top6", 10),
+                                             ("chunks-top6", 200)])
+def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
     """The same 300 tokens routed as one call (fused routing: T >= 264) and as calls of 200 and
     100 (split routing: fewer tokens, a table wider than 256 blocks) select exactly the same
-    blocks in the same order: both launches score a block with the same arithmetic. "short": 125
-    blocks or fewer, one chunk of the fused routing; "chunks-*": over a thousand blocks, scored
-    256 (top-6, top-40) or 1216 (top-300) at a time and merged into the running top-k by rank
-    (few keys above the k-th best), by warp_topk (many), or written as they come (dense layer)."""
+    blocks in the same order: both launches score a (token, block) pair with the same chain of
+    multiply-adds. "short": 125 blocks or fewer, one chunk of the fused routing; "chunks-*": over
+    a thousand blocks, scored 256 (top-6, top-40) or 1216 (top-300) at a time and merged into the
+    running top-k by rank (few keys above the k-th best), by warp_topk (many), or written as they
+    come (dense layer). Index dims: 128 (the fused routing's compiled-in size), 10 (not a
+    multiple of 4: rows staged element by element) and 200 (a last slice of 8 elements)."""
     gen = torch.Generator().manual_seed(5)
     layer = 0
     if case == "short":
@@ -208,7 +212,7 @@ def test_fused_and_split_routing_select_the_same_blocks(case):
         layer = 1 if case == "chunks-dense" else 0
     cfg = make_config(sbs, **kw)
     dtype = torch.bfloat16
-    seqs = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=64, index_dim=128, dtype=dtype,
+    seqs = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=64, index_dim=index_dim, dtype=dtype,
                            pages=pages, max_images=images, response=300)
     prompt = seqs[0][0].length - 300
     assert (prompt // sbs > 1000) == (case != "short")

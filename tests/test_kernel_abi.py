@@ -66,7 +66,7 @@ def test_workspace_and_selected_width():
         ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
         ({"table_width": 100000}, 0, ""),  # 100000 sparse blocks: the fused routing scores them in chunks
         ({"table_width": 1000000}, 2, "context too long for the routing stage: 1000000 sparse blocks per sequence "
-                                      "(table_width * block_size / sparse_block_size); at most 405248 with "
+                                      "(table_width * block_size / sparse_block_size); at most 331520 with "
                                       "sparse_topk_blocks 16"),
         ({"table_width": 10000, "topk": 20000}, 2, "sparse_topk_blocks 20000 too large for the routing stage"),
         ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),

@@ -170,11 +170,13 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // Tokens per fused routing CTA: up to route_max_tile() while kFusedRouteTokens CTAs remain.
     const size_t want_tile =
         std::max<size_t>(1, std::min<size_t>(dash::route_max_tile(), (size_t)p.num_tokens / kFusedRouteTokens));
-    plan.route_tile = (int)std::min<size_t>(want_tile, (kMaxSmem - tile_iq) / per_token);
+    const size_t tile_fixed = tile_iq + dash::route_tile_stage_bytes();  // queries and staged rows
+    plan.route_tile = (int)std::min<size_t>(want_tile, (kMaxSmem - tile_fixed) / per_token);
     // Split: the last CTA of a token holds every candidate, then the best k (or select_topk's
     // per-warp lists and their merge).
-    const size_t split_smem = sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
-    plan.route_smem = plan.route_split ? split_smem : tile_iq + per_token * (size_t)plan.route_tile;
+    const size_t split_smem = dash::route_split_stage_bytes() +
+                              sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
+    plan.route_smem = plan.route_split ? split_smem : tile_fixed + per_token * (size_t)plan.route_tile;
     plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
                           sizeof(float) * (size_t)p.index_dim +                              // head_cls
@@ -197,7 +199,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string((kMaxSmem / 8 - std::min(kMaxSmem / 8, (route_warps + 1) * topk_slots)) /
+                        std::to_string(((kMaxSmem - dash::route_split_stage_bytes()) / 8 -
+                                        std::min((kMaxSmem - dash::route_split_stage_bytes()) / 8,
+                                                 (route_warps + 1) * topk_slots)) /
                                        std::min<size_t>(topk_slots, per_cta) * per_cta) +
                         " with sparse_topk_blocks " + std::to_string(p.topk));
     if (plan.summarize_smem > kMaxSmem)

@@ -948,14 +948,15 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const float2 own = row_ml[row];
         float mx = own.y > 0.0f ? own.x : -INFINITY;
         float2* li = list + row * plan.bm_slots;
-        // Every slot's (max, sum), 16 loads in flight, kept in the row's list for the second pass.
-        for (int s0 = 0; s0 < plan.bm_slots; s0 += 16) {
-            float2 ml[16];
+        // Every slot's (max, sum), 32 loads in flight (one round trip for up to 32 slots; 18 at
+        // top-16 with one local block), kept in the row's list for the second pass.
+        for (int s0 = 0; s0 < plan.bm_slots; s0 += 32) {
+            float2 ml[32];
 #pragma unroll
-            for (int u = 0; u < 16; ++u)
+            for (int u = 0; u < 32; ++u)
                 ml[u] = s0 + u < plan.bm_slots ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
+            for (int u = 0; u < 32; ++u) {
                 if (s0 + u < plan.bm_slots) li[s0 + u] = ml[u];
                 if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
             }

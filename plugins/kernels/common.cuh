@@ -314,6 +314,8 @@ int route_split_threads();  // split routing CTA
 int route_split_ctas_per_sm();
 int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
+size_t route_tile_stage_bytes();   // dynamic shared memory of a fused routing CTA's staged rows
+size_t route_split_stage_bytes();  // and of a split routing CTA's (before its candidates)
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 bool qm_merge_fits(const DashParams& p, int bm_slots);  // a query-major tile merges its rows' partials itself
 // 0 where the query-major tiles are not compiled (head dim); wg: their warpgroup form

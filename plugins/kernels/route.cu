@@ -5,7 +5,8 @@
 //
 // Two shapes of launch, chosen by the plan (Plan::route_split):
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
-//     their blocks into shared memory (each summary row read once per tile, not once per token),
+//     their blocks into shared memory (each summary row read once per tile, not once per token;
+//     a lane per row and every token of the tile),
 //     plan.route_chunk blocks at a time, and a warp per token merges each chunk into its running
 //     top-k (so the shared memory, and the CTAs an SM holds, do not depend on the context);
 //   few tokens (decode) with more blocks than one CTA scores, or any decode-only call:
@@ -13,18 +14,31 @@
 //     and keep their own top-k by rank; the last CTA of a token to finish (a counter per token,
 //     zeroed by dash_run) merges those candidates. One launch; on decode-only calls
 //     (Plan::fused_front) it also does the write and summary stages' work (front_write).
-// Both score a row with a whole warp in one fixed order (score_rows), so they agree bit for bit.
+// Both score a (token, block) pair in one thread in one fixed order (warp_score_rows), so they
+// agree bit for bit.
+#include <cuda_pipeline.h>
+
 #include "summarize.cuh"
 #include "token.cuh"
 
 namespace dash {
 namespace {
 
+constexpr int kStageWidth = 32;                // elements of a row staged at a time
+constexpr int kStageStride = kStageWidth + 4;  // floats a staged row: 16 B of padding, so that a
+                                               // quarter-warp's stores (one row) and its reads (8
+                                               // rows, one 16 B piece each) hit distinct banks
+__host__ __device__ constexpr int stage_floats(int rows) { return rows * kStageStride; }
 constexpr int kRouteThreads = 256;  // fused routing CTA
 constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
+constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
 constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
 constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
+constexpr int kSplitWarpRows = kSplitRows / (kSplitThreads / 32);  // rows a warp scores (a lane each)
+static_assert(kSplitWarpRows * (kSplitThreads / 32) == kSplitRows && kSplitWarpRows <= 32, "a lane per row");
+// Dynamic shared memory of a split routing CTA before its candidates: the warps' staged rows.
+constexpr int kSplitStageBytes = (int)sizeof(float) * (kSplitThreads / 32) * stage_floats(kSplitWarpRows);
 
 #ifdef DASH_TRACE
 // Split routing marks: 0 entry, 1 token found and iq rotated (fused) / iq loaded, 2 rows scored,
@@ -73,17 +87,6 @@ __device__ __forceinline__ void load_index_query(const DashParams& p, const Work
     for (int i = threadIdx.x; i < di4; i += blockDim.x) iq[i] = index_query(p, ws, t, i, di4);
 }
 
-// One step of the indexer score, in explicitly rounded operations, so that no launch shape
-// depends on the compiler's contraction.
-__device__ __forceinline__ float dot4(float acc, const float4 q, const float4 s) {
-    return __fadd_rn(acc, __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x)))));
-}
-
-// dot4(0, q, s) but for the sign of a zero result (dot4 adds it to +0).
-__device__ __forceinline__ float dot4_first(const float4 q, const float4 s) {
-    return __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmul_rn(q.x, s.x))));
-}
-
 // The page range of block b's summary row si: its lowest and highest image page, and whether
 // every page between them has an image token in the block (DASH_PAGE_DENSE).
 struct BlockPages {
@@ -107,194 +110,86 @@ __device__ __forceinline__ bool forced_block(const DashParams& p, const Workspac
     return cand;
 }
 
-// ------------------------------------------------------------------ scoring, a warp per row
-// The indexer score of a summary row is computed by a whole warp, the same way in every launch
-// (so a block's score, and the selection, never depend on how many tokens a call has): lane l
-// takes the row's float4 chunks l, l + 32, ... in turn (dot4), then the lanes' partials are
-// added in an xor butterfly over offsets 16, 8, 4, 2, 1. IEEE addition commutes, so every lane
-// that ends with a token's sum holds the same bits. A warp's loads of a row are one coalesced
-// 512-byte read (Di = 128), where a thread per row made 32 scattered ones.
-constexpr int kScoreBatch = 8;  // rows whose loads one warp has in flight together
+// ------------------------------------------------------------------ scoring, a thread per pair
+// The indexer dot product of a (token, summary row) pair is one chain of fused multiply-adds in
+// element order, from +0: acc = fma(q[d], s[d], acc) for d = 0, 1, ..., Di4 - 1 (query and row
+// zero past Di). Every launch computes every pair this way, in one thread (warp_score_rows), so
+// a block's score, and the selection, never depend on how many tokens a call has or on which
+// launch shape routes them. The rows are staged through shared memory kStageWidth elements at a
+// time (coalesced loads, cp.async), then each lane reads its own row from there while the
+// tokens' queries are read by the whole warp at once (a broadcast): a register-tiled product of
+// NT tokens by one row a lane, with no sum across lanes.
 
-// The lane's chunks of row `summ` (nullptr: none); zero past Di.
-template <int NCH>
-__device__ __forceinline__ void load_chunks(const float* summ, int di, bool vec, int lane, float4 (&out)[NCH]) {
+// Four steps of the chain.
+__device__ __forceinline__ float dot_step4(float acc, const float4 q, const float4 s) {
+    return __fmaf_rn(q.w, s.w, __fmaf_rn(q.z, s.z, __fmaf_rn(q.y, s.y, __fmaf_rn(q.x, s.x, acc))));
+}
+
+// The dot products of NT tokens' queries (iq: [NT][di4] shared memory, zero past Di) with the
+// warp's rows: lane i < ROWS holds row i's address in my_row (0: absent or unmapped, scored as
+// zeros) and gets acc[j], token j's product with its row. stage: the warp's own
+// stage_floats(ROWS) floats of shared memory. vec: every row starts 16-byte aligned and Di is a
+// multiple of 4 (cp.async; else element loads). Every lane of the warp calls it.
+template <int NT, int ROWS, int DI4 = 0>
+__device__ __forceinline__ void warp_score_rows(const float* iq, int di, int di4_arg, bool vec, unsigned long long my_row,
+                                                const float* any_row, float* stage, float (&acc)[NT]) {
+    static_assert(ROWS % 4 == 0 && ROWS <= 32, "a quarter-warp stages a row");
+    const int lane = threadIdx.x % 32, di4 = DI4 > 0 ? DI4 : di4_arg;  // DI4: Di4 known when compiled
 #pragma unroll
-    for (int m = 0; m < NCH; ++m) {
-        const int c = lane + 32 * m;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (summ != nullptr && 4 * c < di) {
+    for (int j = 0; j < NT; ++j) acc[j] = 0.0f;
+    for (int d0 = 0; d0 < di4; d0 += kStageWidth) {
+        const int w4 = min(kStageWidth, di4 - d0) / 4;  // 16-byte pieces of a row in this slice
+        const int c = lane & 7;
+#pragma unroll
+        for (int m = 0; m < ROWS / 4; ++m) {  // quarter-warp q stages row 4 m + q
+            const int r = 4 * m + (lane >> 3);
+            const unsigned long long row = __shfl_sync(0xffffffffu, my_row, r);
+            if (c >= w4) continue;
+            float* dst = stage + r * kStageStride + 4 * c;
+            const float* src = reinterpret_cast<const float*>(row) + d0 + 4 * c;
             if (vec) {
-                v = __ldg(reinterpret_cast<const float4*>(summ) + c);
+                __pipeline_memcpy_async(dst, row != 0 ? src : any_row, 16, row != 0 ? 0 : 16);
             } else {
-                v.x = summ[4 * c];
-                v.y = 4 * c + 1 < di ? summ[4 * c + 1] : 0.0f;
-                v.z = 4 * c + 2 < di ? summ[4 * c + 2] : 0.0f;
-                v.w = 4 * c + 3 < di ? summ[4 * c + 3] : 0.0f;
+                const int d = d0 + 4 * c;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (row != 0) {
+                    v.x = d < di ? src[0] : 0.0f;
+                    v.y = d + 1 < di ? src[1] : 0.0f;
+                    v.z = d + 2 < di ? src[2] : 0.0f;
+                    v.w = d + 3 < di ? src[3] : 0.0f;
+                }
+                *reinterpret_cast<float4*>(dst) = v;
             }
         }
-        out[m] = v;
+        __pipeline_commit();
+        __pipeline_wait_prior(0);
+        __syncwarp();
+        if (lane < ROWS) {
+            const float4* s4 = reinterpret_cast<const float4*>(stage + lane * kStageStride);
+            const float4* q4 = reinterpret_cast<const float4*>(iq + d0);
+#pragma unroll(DI4 > 0 ? kStageWidth / 4 : 1)
+            for (int i = 0; i < w4; ++i) {
+                const float4 s = s4[i];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) acc[j] = dot_step4(acc[j], q4[j * (di4 / 4) + i], s);
+            }
+        }
+        __syncwarp();  // the slice's reads before the next slice's stores
     }
-}
-
-// The lane's partial dot product of chunks `s` with the (zero-padded, shared-memory) query iq.
-template <int NCH>
-__device__ __forceinline__ float lane_partial(const float* iq, int di, int lane, const float4 (&s)[NCH]) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int m = 0; m < NCH; ++m) {
-        const int c = lane + 32 * m;
-        if (4 * c < di) acc = dot4(acc, reinterpret_cast<const float4*>(iq)[c], s[m]);
-    }
-    return acc;
-}
-
-// Butterfly sum of up to 8 tokens' partials at once: each step hands half of a lane's tokens to
-// its partner, so the sums take 4 + 2 + 1 + 1 + 1 shuffles instead of 5 per token. Token j's
-// sum ends in lanes 4j .. 4j + 3 (v[0]); with one token (v[0] only) it is the plain butterfly.
-// Pairs are formed exactly as in the plain butterfly (xor 16, then 8, 4, 2, 1), so a token's
-// sum has the same bits whichever form computes it.
-__device__ __forceinline__ float butterfly8(float (&v)[8], int lane) {
-    const unsigned full = 0xffffffffu;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const bool up = lane & 16;
-        const float send = up ? v[j] : v[4 + j], keep = up ? v[4 + j] : v[j];
-        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 16));
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const bool up = lane & 8;
-        const float send = up ? v[j] : v[2 + j], keep = up ? v[2 + j] : v[j];
-        v[j] = __fadd_rn(keep, __shfl_xor_sync(full, send, 8));
-    }
-    {
-        const bool up = lane & 4;
-        const float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
-        v[0] = __fadd_rn(keep, __shfl_xor_sync(full, send, 4));
-    }
-    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
-    return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
-}
-// butterfly8 without its selects: lane l holds token (j ^ butterfly_slot(l))'s partial in v[j],
-// so that at every step the lane keeps the low half of its values and sends the high half, which
-// are the partner's kept tokens. Each step adds the same two partials as butterfly8 does, so a
-// token's sum has the same bits; it ends in lanes 4 j .. 4 j + 3 (v[0]) as there.
-__host__ __device__ constexpr int butterfly_slot(int lane) { return (lane >> 2) & 7; }
-__device__ __forceinline__ float butterfly8_slotted(float (&v)[8]) {
-    const unsigned full = 0xffffffffu;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = __fadd_rn(v[j], __shfl_xor_sync(full, v[4 + j], 16));
-#pragma unroll
-    for (int j = 0; j < 2; ++j) v[j] = __fadd_rn(v[j], __shfl_xor_sync(full, v[2 + j], 8));
-    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[1], 4));
-    v[0] = __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 2));
-    return __fadd_rn(v[0], __shfl_xor_sync(full, v[0], 1));
-}
-__device__ __forceinline__ float butterfly1(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
 }
 
 __device__ __forceinline__ float score_of(float dot, float inv_sqrt) { return clamp_index_logit(dot * inv_sqrt); }
 
-// Float4 chunks per lane for an index dim (Di <= kMaxIndexDimDevice = 512).
-__host__ __device__ constexpr int chunks_per_lane(int di) { return di <= 128 ? 1 : di <= 256 ? 2 : 4; }
+// The address of row r's summary (0: r >= r1, or unmapped: flagged, scored 0 and never forced),
+// and its summary index (-1 then).
+__device__ __forceinline__ unsigned long long summary_row(const DashParams& p, const Workspace& ws, int seq, int r,
+                                                          int r1, int64_t& si) {
+    si = r < r1 ? summary_index(p, seq, r, ws.error) : -1;
+    return si >= 0 ? reinterpret_cast<uintptr_t>(p.summary_cache + si * p.index_dim) : 0ull;
+}
 
-// Scores rows [r0, r1) of sequence `seq` for the tile's tokens, a warp per rr <= R consecutive
-// rows: the lane that owns row r (lane r % rr) finds its summary row and forced flags (after
-// the first batch of row loads is out); the warp loads kB rows at a time; `emit(j, r, key)`
-// receives token j's key of row r. With one token lane 0 emits each row; with NT tokens the
-// lanes 4 j .. 4 j + 3 that hold token j's sums of a batch's rows emit one row each (lane 4 j + i
-// row i), so a batch's keys take one emit instead of kB. iq: [NT][di4] shared memory;
-// qp[j]: token j's query page; NT: tokens (1 or kRouteTile); inv_sqrt: index_inv_sqrt(Di).
-// With NT tokens, all NT rows of iq are read (zero for tokens past ntok) and, for Di <= 128,
-// each lane keeps its chunk of every token's query in registers across the rows.
-template <int NCH, int NT, int R, typename Emit>
-__device__ __forceinline__ void score_rows(const DashParams& p, const Workspace& ws, int seq, const float* iq, int di4,
-                                           const int* qp, int ntok, int r0, int r1, int rr, float inv_sqrt,
-                                           Emit emit) {
-    static_assert(R <= 32, "a lane owns one row of the warp's chunk");
-    const int di = p.index_dim, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    const bool vec = di % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
-    constexpr bool kRegQ = NT > 1 && NCH == 1;
-    float4 qr[kRegQ ? NT : 1];
-    if constexpr (kRegQ) {
-        static_assert(!kRegQ || NT == 8, "butterfly8_slotted sums 8 tokens");
-        const bool mine = 4 * lane < di;  // the lane's chunk of the query (lane_partial's test)
-#pragma unroll
-        for (int jj = 0; jj < NT; ++jj) {  // slot jj: token jj ^ butterfly_slot(lane)
-            const float* q = iq + (jj ^ butterfly_slot(lane)) * di4;
-            qr[jj] = mine ? reinterpret_cast<const float4*>(q)[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    }
-    // Rows per batch: kScoreBatch float4 registers a lane (half that beside 8 tokens' sums).
-    constexpr int kRows = NT == 1 ? kScoreBatch : kScoreBatch / 2;
-    constexpr int kB = kRows / NCH > 0 ? kRows / NCH : 1;
-    static_assert(NT == 1 || kB <= 4, "the four lanes holding a token's sums emit a batch's rows");
-    for (int base = r0 + warp * rr; base < r1; base += nwarps * rr) {
-        // Lane l < rr: row base + l's summary row and, per token, whether the block is forced.
-        const int my_r = base + lane;
-        const int64_t my_si = lane < rr && my_r < r1 ? summary_index(p, seq, my_r, ws.error) : -1;
-        // The row's address, found once by its lane and handed to the warp with each batch.
-        const unsigned long long my_row =
-            my_si >= 0 ? reinterpret_cast<uintptr_t>(p.summary_cache + my_si * di) : 0ull;
-        unsigned my_forced = 0;
-        const int rows = min(rr, r1 - base);
-        for (int b0 = 0; b0 < rows; b0 += kB) {
-            float4 s[kB][NCH];
-#pragma unroll
-            for (int i = 0; i < kB; ++i) {
-                const unsigned long long row = __shfl_sync(0xffffffffu, my_row, (b0 + i) % 32);
-                load_chunks<NCH>(b0 + i < rows ? reinterpret_cast<const float*>(row) : nullptr, di, vec, lane, s[i]);
-            }
-            if (b0 == 0 && my_si >= 0) {  // while the first rows load; the row's pages read once
-                const BlockPages pg = block_pages(p, my_si);
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-                    if (j < ntok && forced_block(p, ws, seq, my_r, pg, qp[j])) my_forced |= 1u << j;
-            }
-            // A block whose summary row is unmapped (flagged) scores 0, never forced.
-            if constexpr (NT == 1) {
-#pragma unroll
-                for (int i = 0; i < kB; ++i) {
-                    const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + i) % 32);
-                    if (b0 + i >= rows) continue;  // uniform over the warp
-                    const float dot = butterfly1(lane_partial<NCH>(iq, di, lane, s[i]));
-                    if (lane == 0) emit(0, base + b0 + i, route_key(score_of(dot, inv_sqrt), fm & 1u, base + b0 + i));
-                }
-            } else {
-                const int slot = lane & 3, j = (lane >> 2) & 7;  // the batch row this lane emits, its token
-                float mine = 0.0f;
-#pragma unroll
-                for (int i = 0; i < kB; ++i) {
-                    if (b0 + i >= rows) continue;  // uniform over the warp
-                    float v[8];
-                    float dot;  // token j's, in lanes 4 j .. 4 j + 3
-                    if constexpr (kRegQ) {
-                        // lane_partial's one chunk, from registers, without its first addition
-                        // to +0: that can only turn a -0 into +0, which changes no sum other than
-                        // a zero's sign, and route_key maps -0 to +0. Past Di the query and the
-                        // row are zero.
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) v[jj] = dot4_first(qr[jj], s[i][0]);
-                        dot = butterfly8_slotted(v);
-                    } else {
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) v[jj] = lane_partial<NCH>(iq + jj * di4, di, lane, s[i]);
-                        dot = butterfly8(v, lane);
-                    }
-                    if (slot == i) mine = dot;
-                }
-                const unsigned fm = __shfl_sync(0xffffffffu, my_forced, (b0 + slot) % 32);
-                if (slot < kB && b0 + slot < rows && j < ntok) {
-                    const int r = base + b0 + slot;
-                    emit(j, r, route_key(score_of(mine, inv_sqrt), (fm >> j) & 1u, r));
-                }
-            }
-        }
-    }
+__device__ __forceinline__ bool summary_rows_aligned(const DashParams& p) {
+    return p.index_dim % 4 == 0 && reinterpret_cast<uintptr_t>(p.summary_cache) % 16 == 0;
 }
 
 // The k largest keys of keys[lo, hi) (shared memory, consumed: taken keys become 0) into
@@ -422,8 +317,9 @@ __device__ void merge_chunk(uint64_t* keys, int m, uint64_t* best, int& count, i
 // sequence share each summary row load. The blocks are scored plan.route_chunk at a time into
 // shared memory; between chunks a warp per token merges the chunk's keys into its running top-k
 // (merge_chunk), so the shared memory does not grow with the context. Shared memory: iq
-// [kRouteTile][Di4] floats (zero for absent tokens), keys [tile][route_key_stride], best
-// [tile][topk]. At most 80 registers a thread (3 CTAs per SM).
+// [kRouteTile][Di4] floats (zero for absent tokens), each warp's staged rows
+// [kRouteWarps][stage_floats(32)], keys [tile][route_key_stride], best [tile][topk]. At most 80
+// registers a thread (3 CTAs per SM).
 template <typename T>
 __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
     static_assert(kRouteTile == kRouteThreads / 32, "a warp per token of the tile selects");
@@ -432,7 +328,8 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     const int topk = max(p.topk, 1), kstride = route_key_stride(chunk, plan.max_blocks, topk);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* iq = reinterpret_cast<float*>(smem_raw);
-    uint64_t* keys = reinterpret_cast<uint64_t*>(iq + (size_t)kRouteTile * di4);
+    float* stage = iq + (size_t)kRouteTile * di4;  // a warp's staged rows each
+    uint64_t* keys = reinterpret_cast<uint64_t*>(stage + (size_t)kRouteWarps * stage_floats(32));
     uint64_t* best = keys + (size_t)tile * kstride;
     __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile], s_nmax;
     // The tile's sequences, each once (at its first token), and the most blocks a token of it scores.
@@ -473,29 +370,38 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     __syncthreads();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
+    float* my_stage = stage + (size_t)warp * stage_floats(32);
     const int my_n = warp < tn ? s_n[warp] : 0, k = min(p.topk, my_n);
     int count = 0;  // warp's token: keys in its running best
     int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)(t0 + warp) * plan.kmax;
+    const bool vec = summary_rows_aligned(p);
     for (int c0 = 0; c0 < nmax; c0 += chunk) {
         for (int q = 0; q < nseq; ++q) {  // each sequence of the tile once
             const int seq = s_lseq[q], n = s_ln[q];
             if (n <= c0) continue;
             const int r1 = min(n, c0 + chunk);
-            // The lane that emits token jl's keys (lanes 4 jl .. 4 jl + 3 hold its sums).
-            const int jl = (lane >> 2) & 7, lim = s_seq[jl] == seq ? s_n[jl] : 0;
-            uint64_t* kl = keys + (size_t)jl * kstride;
-            auto emit = [&](int, int b, uint64_t key) {
-                if (b < lim) kl[b - c0] = key;
-            };
-            // Rows a warp: the chunk's rows spread over the warps in multiples of 4 (a batch),
-            // so a chunk shorter than 8 x 32 rows does not leave warps idle.
-            constexpr int kWarps = kRouteThreads / 32;
-            const int rr = min(32, ((r1 - c0 + kWarps - 1) / kWarps + 3) / 4 * 4);
-            switch (chunks_per_lane(di)) {
-                case 1: score_rows<1, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
-                case 2: score_rows<2, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
-                default: score_rows<4, kRouteTile, 32>(p, ws, seq, iq, di4, s_qp, tn, c0, r1, rr, inv_sqrt, emit); break;
+            int lim[kRouteTile];  // token j's blocks, where it belongs to this sequence
+#pragma unroll
+            for (int j = 0; j < kRouteTile; ++j) lim[j] = s_seq[j] == seq ? s_n[j] : 0;
+            // A warp per 32 rows of the chunk, a lane per row.
+            for (int base = c0 + 32 * warp; base < r1; base += 32 * kRouteWarps) {
+                const int r = base + lane;
+                int64_t si;
+                const unsigned long long row = summary_row(p, ws, seq, r, r1, si);
+                float acc[kRouteTile];
+                if (di4 == 128)  // the common index dim, with constant offsets; the same arithmetic
+                    warp_score_rows<kRouteTile, 32, 128>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
+                else
+                    warp_score_rows<kRouteTile, 32>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
+                if (r >= r1) continue;
+                const BlockPages pg = si >= 0 ? block_pages(p, si) : BlockPages{0, -1, 0};
+#pragma unroll
+                for (int j = 0; j < kRouteTile; ++j) {
+                    if (r >= lim[j]) continue;
+                    const bool f = si >= 0 && forced_block(p, ws, seq, r, pg, s_qp[j]);
+                    keys[(size_t)j * kstride + (r - c0)] = route_key(score_of(acc[j], inv_sqrt), f, r);
+                }
             }
         }
         __syncthreads();
@@ -556,17 +462,19 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     if (tid == 0) s_qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
     if (tid < kSplitRows) keys[tid] = 0;
     __syncthreads();
-    auto emit = [&](int, int r, uint64_t key) { keys[r - r0] = key; };
     const float inv_sqrt = index_inv_sqrt(p.index_dim);
-    // Rows per warp: kSplitRows spread over the CTA's warps; half as many when the CTA has at
-    // most half its rows (short contexts: every warp then scores, with fewer batches of loads).
-    // A row's score does not depend on the warp that computes it.
-    constexpr int kR = kSplitRows * 32 / kSplitThreads;
-    const int rr = r1 - r0 <= kR / 2 * (kSplitThreads / 32) ? kR / 2 : kR;
-    switch (chunks_per_lane(p.index_dim)) {
-        case 1: score_rows<1, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
-        case 2: score_rows<2, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
-        default: score_rows<4, 1, kR>(p, ws, seq, iq, di4, &s_qp, 1, r0, r1, rr, inv_sqrt, emit); break;
+    float* stage = reinterpret_cast<float*>(smem_raw);
+    if (r0 + (tid / 32) * kSplitWarpRows < r1) {  // a warp per kSplitWarpRows rows, a lane per row
+        const int warp = tid / 32, lane = tid % 32, r = r0 + warp * kSplitWarpRows + lane;
+        int64_t si;
+        const unsigned long long row = summary_row(p, ws, seq, lane < kSplitWarpRows ? r : r1, r1, si);
+        float acc[1];
+        warp_score_rows<1, kSplitWarpRows>(iq, p.index_dim, di4, summary_rows_aligned(p), row, p.summary_cache,
+                                           stage + warp * stage_floats(kSplitWarpRows), acc);
+        if (lane < kSplitWarpRows && r < r1) {
+            const bool f = si >= 0 && forced_block(p, ws, seq, r, block_pages(p, si), s_qp);
+            keys[r - r0] = route_key(score_of(acc[0], inv_sqrt), f, r);
+        }
     }
     __syncthreads();
     DASH_MARK(g_route_trace, 2);
@@ -594,7 +502,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     }
     rank += __shfl_xor_sync(0xffffffffu, rank, 1);
     if (mine == 0 || tid % 2 != 0) rank = kSplitRows;  // one thread of the pair places the key
-    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw);  // [ctas * kk], then the best / scratch
+    uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw + kSplitStageBytes);  // [ctas * kk], then the best / scratch
     const int k = min(p.topk, n);
     if (ctas == 1) {  // the token's only CTA: its ranks are final
         if (rank < k) cand[rank] = mine;
@@ -791,5 +699,7 @@ int route_split_threads() { return kSplitThreads; }
 int route_split_ctas_per_sm() { return kSplitCtasPerSm; }
 int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
+size_t route_tile_stage_bytes() { return sizeof(float) * kRouteWarps * stage_floats(32); }
+size_t route_split_stage_bytes() { return kSplitStageBytes; }
 
 }  // namespace dash

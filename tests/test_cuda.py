@@ -197,7 +197,7 @@ def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
     100 (split routing: fewer tokens, a table wider than 256 blocks) select exactly the same
     blocks in the same order: both launches score a (token, block) pair with the same chain of
     multiply-adds. "short": 125 blocks or fewer, one chunk of the fused routing; "chunks-*": over
-    a thousand blocks, scored 256 (top-6, top-40) or 1216 (top-300) at a time and merged into the
+    a thousand blocks, scored 512 (top-6, top-40) or 1216 (top-300) at a time and merged into the
     running top-k by rank (few keys above the k-th best), by warp_topk (many), or written as they
     come (dense layer). Index dims: 128 (the fused routing's compiled-in size), 10 (not a
     multiple of 4: rows staged element by element) and 200 (a last slice of 8 elements)."""

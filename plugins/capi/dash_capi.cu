@@ -158,12 +158,12 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                           (long)dash::route_split_ctas_per_sm() * device_sm_count();
     const bool own_cta = p.tune_front_writer == 1 ? true : p.tune_front_writer == 2 ? false : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
-    // Fused: the blocks are scored route_chunk at a time (256, or 4 x topk where more, never
+    // Fused: the blocks are scored route_chunk at a time (512, or 4 x topk where more, never
     // past the table), each chunk merged into the tokens' running top-k. Shared memory: the
     // indexer queries of route_max_tile() tokens, then per token of the tile a chunk's keys
     // (route_key_stride: with room for its running best appended) and its running best.
     const size_t max_blocks32 = ((size_t)plan.max_blocks + 31) / 32 * 32;
-    plan.route_chunk = (int)std::max<size_t>(32, std::min(max_blocks32, std::max<size_t>(256, (4 * topk_slots + 31) / 32 * 32)));
+    plan.route_chunk = (int)std::max<size_t>(32, std::min(max_blocks32, std::max<size_t>(512, (4 * topk_slots + 31) / 32 * 32)));
     const size_t tile_iq = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) * dash::route_max_tile();
     const size_t per_token = sizeof(uint64_t) * ((size_t)dash::route_key_stride(plan.route_chunk, plan.max_blocks,
                                                                                 (int)topk_slots) + topk_slots);

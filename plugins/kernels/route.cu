@@ -33,7 +33,7 @@ constexpr int kRouteThreads = 256;  // fused routing CTA
 constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
 constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
-constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (two batches of loads)
+constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (a lane per block)
 constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
 constexpr int kSplitWarpRows = kSplitRows / (kSplitThreads / 32);  // rows a warp scores (a lane each)
 static_assert(kSplitWarpRows * (kSplitThreads / 32) == kSplitRows && kSplitWarpRows <= 32, "a lane per row");

@@ -195,13 +195,12 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.route_tile < 1)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_topk_blocks " + std::to_string(p.topk) +
                                               " too large for the routing stage's shared memory");
+    const size_t split_keys = (kMaxSmem - dash::route_split_stage_bytes()) / 8;  // beside the staged rows
     if (split_smem > kMaxSmem)  // the split routing's candidates: min(topk, per_cta) per CTA of per_cta blocks
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string(((kMaxSmem - dash::route_split_stage_bytes()) / 8 -
-                                        std::min((kMaxSmem - dash::route_split_stage_bytes()) / 8,
-                                                 (route_warps + 1) * topk_slots)) /
+                        std::to_string((split_keys - std::min(split_keys, (route_warps + 1) * topk_slots)) /
                                        std::min<size_t>(topk_slots, per_cta) * per_cta) +
                         " with sparse_topk_blocks " + std::to_string(p.topk));
     if (plan.summarize_smem > kMaxSmem)

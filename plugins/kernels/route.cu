@@ -32,6 +32,9 @@ __host__ __device__ constexpr int stage_floats(int rows) { return rows * kStageS
 constexpr int kRouteThreads = 256;  // fused routing CTA
 constexpr int kRouteTile = 8;       // most tokens one fused routing CTA serves (a warp each to select)
 constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kTileWarpRows = 32;  // rows a fused routing warp scores at a time (a lane each)
+// Floats of a fused routing CTA's staged rows (its warps' shares).
+constexpr int kTileStageFloats = kRouteWarps * stage_floats(kTileWarpRows);
 constexpr int kSplitThreads = 512;  // split routing CTA: 16 warps ...
 constexpr int kSplitRows = 256;     // ... scoring 16 blocks each (a lane per block)
 constexpr int kSplitCtasPerSm = 2;  // its __launch_bounds__ (64 registers a thread)
@@ -318,7 +321,7 @@ __device__ void merge_chunk(uint64_t* keys, int m, uint64_t* best, int& count, i
 // shared memory; between chunks a warp per token merges the chunk's keys into its running top-k
 // (merge_chunk), so the shared memory does not grow with the context. Shared memory: iq
 // [kRouteTile][Di4] floats (zero for absent tokens), each warp's staged rows
-// [kRouteWarps][stage_floats(32)], keys [tile][route_key_stride], best [tile][topk]. At most 80
+// [kRouteWarps][stage_floats(kTileWarpRows)], keys [tile][route_key_stride], best [tile][topk]. At most 80
 // registers a thread (3 CTAs per SM).
 template <typename T>
 __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
@@ -329,7 +332,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* iq = reinterpret_cast<float*>(smem_raw);
     float* stage = iq + (size_t)kRouteTile * di4;  // a warp's staged rows each
-    uint64_t* keys = reinterpret_cast<uint64_t*>(stage + (size_t)kRouteWarps * stage_floats(32));
+    uint64_t* keys = reinterpret_cast<uint64_t*>(stage + (size_t)kTileStageFloats);
     uint64_t* best = keys + (size_t)tile * kstride;
     __shared__ int s_seq[kRouteTile], s_n[kRouteTile], s_qp[kRouteTile], s_nmax;
     // The tile's sequences, each once (at its first token), and the most blocks a token of it scores.
@@ -370,7 +373,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     __syncthreads();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
-    float* my_stage = stage + (size_t)warp * stage_floats(32);
+    float* my_stage = stage + (size_t)warp * stage_floats(kTileWarpRows);
     const int my_n = warp < tn ? s_n[warp] : 0, k = min(p.topk, my_n);
     int count = 0;  // warp's token: keys in its running best
     int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
@@ -384,16 +387,16 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
             int lim[kRouteTile];  // token j's blocks, where it belongs to this sequence
 #pragma unroll
             for (int j = 0; j < kRouteTile; ++j) lim[j] = s_seq[j] == seq ? s_n[j] : 0;
-            // A warp per 32 rows of the chunk, a lane per row.
-            for (int base = c0 + 32 * warp; base < r1; base += 32 * kRouteWarps) {
+            // A warp per kTileWarpRows rows of the chunk, a lane per row.
+            for (int base = c0 + kTileWarpRows * warp; base < r1; base += kTileWarpRows * kRouteWarps) {
                 const int r = base + lane;
                 int64_t si;
                 const unsigned long long row = summary_row(p, ws, seq, r, r1, si);
                 float acc[kRouteTile];
                 if (di4 == 128)  // the common index dim, with constant offsets; the same arithmetic
-                    warp_score_rows<kRouteTile, 32, 128>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
+                    warp_score_rows<kRouteTile, kTileWarpRows, 128>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
                 else
-                    warp_score_rows<kRouteTile, 32>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
+                    warp_score_rows<kRouteTile, kTileWarpRows>(iq, di, di4, vec, row, p.summary_cache, my_stage, acc);
                 if (r >= r1) continue;
                 const BlockPages pg = si >= 0 ? block_pages(p, si) : BlockPages{0, -1, 0};
 #pragma unroll
@@ -699,7 +702,7 @@ int route_split_threads() { return kSplitThreads; }
 int route_split_ctas_per_sm() { return kSplitCtasPerSm; }
 int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
-size_t route_tile_stage_bytes() { return sizeof(float) * kRouteWarps * stage_floats(32); }
+size_t route_tile_stage_bytes() { return sizeof(float) * kTileStageFloats; }
 size_t route_split_stage_bytes() { return kSplitStageBytes; }
 
 }  // namespace dash

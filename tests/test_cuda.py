@@ -763,6 +763,26 @@ def test_block_major_prefill_graph_replays_match_eager():
     assert torch.equal(graph_cache.summary, eager_cache.summary)
 
 
+def test_block_major_prefill_under_the_split_routing():
+    """Block-major calls of fewer tokens than the fused routing takes (64 to 263) over a block
+    table of more than 256 sparse blocks go through the split routing, which leaves the queries'
+    rotation to a kernel a pass at a time (the fused routing rotates each token's queries into
+    the output buffer itself, Plan::rope_routed): both ways must give the reference's output."""
+    tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=100)
+    gen = torch.Generator().manual_seed(23)
+    dtype = torch.bfloat16
+    cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
+                           pages=(6, 9), max_images=120, response=2)
+    plans = []
+    for x, _ in seqs:
+        prompt = x.length - 2
+        plans.append([100] * (prompt // 100) + ([prompt % 100] if prompt % 100 else []) + [1, 1])
+    steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [None, None], gen, dtype, table_width=300, tuning=tuning)
+    assert any(64 <= out.shape[0] < 264 for out, *_ in steps)  # block-major, split routing (300 > 256 blocks)
+    check(steps, rc, kc, dtype)
+
+
 def test_block_major_decode_only_steps_still_write_the_cache():
     """Decode-only steps forced onto the block-major attention (its threshold below T) keep the
     separate write stage: the block-major kernels write no K and V, so the fused decode write

@@ -208,6 +208,9 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
     if (plan.block_major) {
         plan.bm_chunk = (int)std::min(p.num_tokens, block_major_chunk(p));
+        // The fused routing rotates its tokens' queries into the output buffer, hiding the
+        // rotation's memory traffic behind the scoring (the split routing leaves it to a kernel a pass).
+        plan.rope_routed = plan.route_split ? 0 : 1;
         plan.bm_slots = plan.kmax + p.sparse_local_block + 1;  // selected + blocks the local window touches
         plan.bm_num_keys = p.num_blocks * (p.block_size / p.sparse_block_size);
         plan.bm_scan_bytes = dash::block_major_scan_bytes(plan.bm_num_keys);
@@ -254,7 +257,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
     take(w.token_pos, t * sizeof(int32_t));
     take(w.token_prompt, t * sizeof(int32_t));
     take(w.token_slot, t * sizeof(int64_t));
-    if (!plan.block_major && p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles
+    if (p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles, or the block-major prefill's
         take(w.token_cs, t * sizeof(float2) * (size_t)(p.head_dim / 2));
     take(w.selected, t * plan.kmax * sizeof(int32_t));
     take(w.forced, t * plan.kmax);
@@ -350,6 +353,12 @@ DashStatus launch(const DashParams& p, const dash::Plan& plan, void* stream_ptr)
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     dash::Workspace ws{};
     lay_out(p, plan, static_cast<char*>(p.workspace), &ws);
+    // Every token's rotated queries go to the output buffer, which the block-major passes read
+    // before they write a token's output (q itself works: a token's rotation reads its row before
+    // writing it; an output that partly overlaps the queries takes the rotation a pass at a time).
+    const size_t q_bytes = (size_t)p.num_tokens * p.num_heads * p.head_dim * 2;
+    const char *q0 = static_cast<const char*>(p.q), *o0 = static_cast<const char*>(p.out);
+    if (plan.rope_routed && (o0 == q0 || o0 + q_bytes <= q0 || q0 + q_bytes <= o0)) ws.q_rot = p.out;
     // The data-error word describes this run only; the routing counters start at 0.
     const size_t header = align_up(sizeof(int32_t) + (plan.route_split ? (size_t)p.num_tokens * sizeof(int32_t) : 0));
     cudaError_t err = cudaMemsetAsync(ws.error, 0, header, stream);

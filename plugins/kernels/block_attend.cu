@@ -358,26 +358,17 @@ __device__ __forceinline__ void wg_pv_tile(float (&o)[D / 8][4], const uint32_t 
     fence_regs(d);
 }
 
-// Rotated queries of the chunk, in T, for the block-major tiles: q_rot[t - t0][head][D]. The
-// angles depend on the token only: cos and sin once per pair index, shared by every head.
-template <typename T, int D>
-__global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0) {
-    const int t = t0 + blockIdx.x;
-    const RopeConfig rope = main_rope(p);
-    const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];
-    const int page = p.coords[t * DASH_NUM_COORDS + DASH_COORD_PAGE];
-    __shared__ float2 cs[D / 2];
-    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) cs[i] = rope_cos_sin<T>(rope_angle(i, D, tok, page, rope));
-    __syncthreads();
-    const T* q = static_cast<const T*>(p.q) + (int64_t)t * p.num_heads * D;
-    T* dst = static_cast<T*>(ws.bm_qrot) + (int64_t)blockIdx.x * p.num_heads * D;
-    for (int idx = threadIdx.x; idx < p.num_heads * (D / 2); idx += blockDim.x) {
-        const int hh = idx / (D / 2), i = idx % (D / 2);
-        float lo, hi;
-        rope_rotate<T>(to_f(q[hh * D + i]), to_f(q[hh * D + i + D / 2]), cs[i].x, cs[i].y, lo, hi);
-        dst[hh * D + i] = from_f<T>(lo);
-        dst[hh * D + i + D / 2] = from_f<T>(hi);
-    }
+// Rotated queries of a pass's tokens t0 .. t0 + tn - 1, in T, for the block-major tiles, where the
+// routing did not rotate them (Plan::rope_routed): q_rot[t - t0][head][D], a warp a token, the
+// angles the write stage left in token_cs.
+template <typename T>
+__global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0, int tn) {
+    const int tl = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (tl >= tn) return;
+    const int64_t hd = (int64_t)p.num_heads * p.head_dim;
+    warp_rope_queries<T>(static_cast<const T*>(p.q) + (t0 + tl) * hd, static_cast<T*>(ws.bm_qrot) + tl * hd,
+                         ws.token_cs + (int64_t)(t0 + tl) * (p.head_dim / 2), p.num_heads, p.head_dim,
+                         threadIdx.x % 32);
 }
 
 // Shared memory of block_attend_kernel, in elements of T: the block's K and V (64 rows), then
@@ -1100,15 +1091,23 @@ cudaError_t launch_block_attend(int64_t items, const DashParams& p, const Plan& 
 }
 
 template <typename T>
-cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Workspace& ws, int t0, int tn,
+cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Workspace& pass_ws, int t0, int tn,
                              cudaStream_t stream) {
     if constexpr (sizeof(T) != 2) {
         return cudaErrorInvalidValue;  // fp32 never takes this path (block_major_supported)
     } else {
-        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
-            rope_q_kernel<T, D><<<tn, 128, 0, stream>>>(p, ws, t0);
-            cudaError_t err = cudaGetLastError();
+        // The pass's rotated queries (bm_qrot): rows t0 .. of every token's (Workspace::q_rot), or
+        // rotated now into the workspace.
+        Workspace ws = pass_ws;
+        if (ws.q_rot != nullptr) {
+            ws.bm_qrot = static_cast<T*>(ws.q_rot) + (int64_t)t0 * p.num_heads * p.head_dim;
+        } else {
+            rope_q_kernel<T><<<(tn + 3) / 4, 128, 0, stream>>>(p, ws, t0, tn);
+            const cudaError_t err = cudaGetLastError();
             if (err != cudaSuccess) return err;
+        }
+        return DASH_DISPATCH_HEAD_DIM(p.head_dim, D, [&] {
+            cudaError_t err = cudaSuccess;
             const int64_t items = block_major_items((int64_t)tn * plan.bm_slots, plan.bm_num_keys);
             const bool wg_bm = (plan.warpgroup & kWgBlockMajor) != 0, wg_qm = (plan.warpgroup & kWgQueryMajor) != 0;
             if constexpr (D == 128) {

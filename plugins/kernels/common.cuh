@@ -21,13 +21,17 @@ struct Dtype<float> {
 };
 template <>
 struct Dtype<__half> {
+    using pair = __half2;  // two values in one register
     static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
     static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ __half2 pair_of(float a, float b) { return __floats2half2_rn(a, b); }
 };
 template <>
 struct Dtype<__nv_bfloat16> {
+    using pair = __nv_bfloat162;
     static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
     static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ __nv_bfloat162 pair_of(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 
 template <typename T>
@@ -92,6 +96,70 @@ __device__ __forceinline__ void rope_pair(float x_lo, float x_hi, float angle, f
                                           float& out_hi) {
     const float2 cs = rope_cos_sin<T>(angle);
     rope_rotate<T>(x_lo, x_hi, cs.x, cs.y, out_lo, out_hi);
+}
+
+// Page RoPE of one token's queries by one warp: q and dst [H][D] (dst may be q itself), cs the
+// token's D / 2 (cos, sin) pairs (Workspace::token_cs). Lane l takes the pairs 8c .. 8c + 7,
+// c = l % (D / 16), of heads l / (D / 16), + 32 / (D / 16), ...: one 16-byte load of a head's
+// low half and one of its high half, kHeads heads' loads in flight; the per-element form where
+// the rows are not 16-byte aligned. 32 % (D / 16) == 0 (D = 64, 128, 256).
+template <typename T, int kHeads = 4>
+__device__ __forceinline__ void warp_rope_queries(const T* q, T* dst, const float2* cs, int num_heads, int dim,
+                                                  int lane) {
+    static_assert(sizeof(T) == 2, "fp16 / bf16: 8 elements a 16-byte load");
+    const int half = dim / 2;
+    if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0 || (dim & 15) != 0 ||
+        32 % (dim / 16) != 0) {
+        for (int idx = lane; idx < num_heads * half; idx += 32) {
+            const int h = idx / half, i = idx % half;
+            float lo, hi;
+            rope_rotate<T>(to_f(q[h * dim + i]), to_f(q[h * dim + i + half]), cs[i].x, cs[i].y, lo, hi);
+            dst[h * dim + i] = from_f<T>(lo);
+            dst[h * dim + i + half] = from_f<T>(hi);
+        }
+        return;
+    }
+    // As packed pairs of T (two columns a register), each operation rounded once to T
+    // (__h*2_rn: no contraction into an FMA): the same bits as rope_rotate, which rounds each
+    // float32 product and sum to T, since float32 carries more than twice T's precision plus
+    // two bits (double rounding through it is then innocuous for +, -, x).
+    using T2 = typename Dtype<T>::pair;
+    const int cpr = dim / 16, step = 32 / cpr, col = (lane % cpr) * 8;
+    T2 c2[4], s2[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 a = cs[col + 2 * j], b = cs[col + 2 * j + 1];
+        c2[j] = Dtype<T>::pair_of(a.x, b.x);  // exact: token_cs holds values rounded to T
+        s2[j] = Dtype<T>::pair_of(a.y, b.y);
+    }
+    for (int h0 = lane / cpr; h0 < num_heads; h0 += kHeads * step) {
+        uint4 lo[kHeads], hi[kHeads];
+#pragma unroll
+        for (int u = 0; u < kHeads; ++u) {
+            const int h = h0 + u * step;
+            if (h < num_heads) {
+                lo[u] = *reinterpret_cast<const uint4*>(q + h * dim + col);
+                hi[u] = *reinterpret_cast<const uint4*>(q + h * dim + half + col);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kHeads; ++u) {
+            const int h = h0 + u * step;
+            if (h >= num_heads) break;
+            const T2* xl = reinterpret_cast<const T2*>(&lo[u]);
+            const T2* xh = reinterpret_cast<const T2*>(&hi[u]);
+            uint4 ol, oh;
+            T2* yl = reinterpret_cast<T2*>(&ol);
+            T2* yh = reinterpret_cast<T2*>(&oh);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // lo c - hi s, hi c + lo s
+                yl[j] = __hsub2_rn(__hmul2_rn(xl[j], c2[j]), __hmul2_rn(xh[j], s2[j]));
+                yh[j] = __hadd2_rn(__hmul2_rn(xh[j], c2[j]), __hmul2_rn(xl[j], s2[j]));
+            }
+            *reinterpret_cast<uint4*>(dst + h * dim + col) = ol;
+            *reinterpret_cast<uint4*>(dst + h * dim + half + col) = oh;
+        }
+    }
 }
 
 // torch.nan_to_num(x, 0, 0, 0)
@@ -169,8 +237,8 @@ struct Workspace {
     int32_t* token_pos;   // [T] position of each new token
     int32_t* token_prompt;// [T] its sequence's prompt length (-1: none)
     int64_t* token_slot;  // [T] its cache slot (-1 with token_seq -1)
-    float2* token_cs;     // [T, D / 2] cos / sin of its main RoPE angles (T precision; tensor-core
-                          // attention only: fp16 / bf16, not block-major)
+    float2* token_cs;     // [T, D / 2] cos / sin of its main RoPE angles (T precision; fp16 / bf16:
+                          // the tensor-core attention, and the block-major prefill's query rotation)
     int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
     uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
     float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage;
@@ -187,7 +255,10 @@ struct Workspace {
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
     int32_t* bm_work;     // [bm_num_keys + 1] exclusive prefix of bm_parts
     int4* bm_items;       // [block_major_items(...)] each work item's block, first entry and count
-    void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T)
+    void* bm_qrot;        // [bm_chunk, H, D] rotated queries (T) of a pass, where q_rot is not set
+    void* q_rot;          // [T, H, D] every token's rotated queries (T), written by the fused routing
+                          // (Plan::rope_routed): the output buffer, which the tiles overwrite with
+                          // each pass's outputs only after reading that pass's rows; else nullptr
     void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
     float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum; sum 0 = empty slot
     void* bm_scan_temp;   // cub scan scratch
@@ -235,6 +306,8 @@ struct Plan {
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
     int block_major;      // 1: prefill attention by block (block_attend.cu)
+    int rope_routed;      // 1: route_tile_kernel also rotates its tokens' queries (block-major with the
+                          // fused routing; Workspace::q_rot), else rope_q_kernel does, a pass at a time
     int bm_chunk;         // tokens per block-major pass
     int bm_slots;         // partial slots per (token, head): kmax + sparse_local_block + 1
     int bm_num_keys;      // physical sparse blocks: NB * block_size / sbs

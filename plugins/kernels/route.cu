@@ -425,6 +425,13 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
     if (warp >= tn) return;
     const int t = t0 + warp;
+    if constexpr (sizeof(T) == 2) {
+        if (ws.q_rot != nullptr) {  // Plan::rope_routed: the token's rotated queries, for the block-major tiles
+            const int64_t row = (int64_t)t * p.num_heads * p.head_dim;
+            warp_rope_queries<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
+                                 ws.token_cs + (int64_t)t * (p.head_dim / 2), p.num_heads, p.head_dim, lane);
+        }
+    }
     if (s_seq[warp] < 0) {
         write_selection(plan, nullptr, 0, sel, forced, lane, 32);
     } else if (p.dense_layer) {

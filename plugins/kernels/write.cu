@@ -37,9 +37,11 @@ __global__ void write_kernel(const DashParams p, Workspace ws) {
     for (int i = (int)threadIdx.x - 32; i >= 0 && i < ihalf; i += others)
         cs[half + i] = rope_cos_sin<T>(rope_angle(i, di, tok, page, irope));
     __syncthreads();
-    if (s_seq < 0) return;
-    if (ws.token_cs != nullptr)  // for the tensor-core attention
+    // For the tensor-core attention and the block-major prefill's query rotation, which rotates
+    // every token's queries (a token with bad metadata too: its output is left unspecified).
+    if (ws.token_cs != nullptr)
         for (int i = threadIdx.x; i < half; i += blockDim.x) ws.token_cs[(int64_t)t * half + i] = cs[i];
+    if (s_seq < 0) return;
     const T* k = static_cast<const T*>(p.k) + (int64_t)t * hkv * d;
     const T* v = static_cast<const T*>(p.v) + (int64_t)t * hkv * d;
     T* kc = static_cast<T*>(p.key_cache) + s_slot * hkv * d;

@@ -370,6 +370,17 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         const int j = i / di4, d = i - j * di4;
         iq[i] = s_seq[j] >= 0 ? index_query(p, ws, t0 + j, d, di4) : 0.0f;
     }
+    // Plan::rope_routed: warp j rotates token j's queries for the block-major tiles, its loads in
+    // flight with the indexer queries' (on the H200 cheaper here than after the selection).
+    if constexpr (sizeof(T) == 2) {
+        const int j = threadIdx.x / 32;
+        if (ws.q_rot != nullptr && j < tn) {
+            const int64_t row = (int64_t)(t0 + j) * p.num_heads * p.head_dim;
+            warp_rope_queries<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
+                                 ws.token_cs + (int64_t)(t0 + j) * (p.head_dim / 2), p.num_heads, p.head_dim,
+                                 threadIdx.x % 32);
+        }
+    }
     __syncthreads();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
@@ -425,13 +436,6 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
     if (warp >= tn) return;
     const int t = t0 + warp;
-    if constexpr (sizeof(T) == 2) {
-        if (ws.q_rot != nullptr) {  // Plan::rope_routed: the token's rotated queries, for the block-major tiles
-            const int64_t row = (int64_t)t * p.num_heads * p.head_dim;
-            warp_rope_queries<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
-                                 ws.token_cs + (int64_t)t * (p.head_dim / 2), p.num_heads, p.head_dim, lane);
-        }
-    }
     if (s_seq[warp] < 0) {
         write_selection(plan, nullptr, 0, sel, forced, lane, 32);
     } else if (p.dense_layer) {

@@ -32,7 +32,10 @@
 namespace dash {
 namespace {
 
-constexpr int kBmThreads = 128;  // block_attend_kernel's mma.sync form (four warps); bm_combine_kernel
+constexpr int kBmThreads = 128;  // block_attend_kernel's mma.sync form (four warps)
+// bm_combine_kernel: a CTA per token and up to 512 / (D / 8) heads (all 32 at D = 128), so that the
+// tokens whose query-major tile merged them cost one CTA each, not one per 8 heads.
+constexpr int kCombineThreads = 512;
 // Threads of block_attend_kernel: four warps, or with warpgroup MMA wg (Plan::bm_warpgroups: 1
 // or 2) warpgroups sharing the block's keys and values (two: twice the rows per load).
 __host__ __device__ constexpr int bm_threads(int wg) { return wg ? 128 * wg : kBmThreads; }
@@ -1038,10 +1041,10 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
 }
 
 // Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks.
-// A lane owns 8 output columns; a CTA covers 128 / (D / 8) heads of one token.
+// A lane owns 8 output columns; a CTA covers kCombineThreads / (D / 8) heads of one token.
 template <typename T, int D>
-__global__ void bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
-    constexpr int kLanes = D / 8, kHeads = kBmThreads / kLanes;
+__global__ void __launch_bounds__(kCombineThreads) bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
+    constexpr int kLanes = D / 8, kHeads = kCombineThreads / kLanes;
     const int tl = blockIdx.x, t = t0 + tl;
     const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
     if (ws.token_seq[t] < 0 || head >= p.num_heads) return;
@@ -1144,9 +1147,9 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
                     if (err != cudaSuccess) return err;
                 }
             }
-            constexpr int kHeads = kBmThreads / (D / 8);
-            bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kBmThreads, 0, stream>>>(p, plan,
-                                                                                                           ws, t0);
+            constexpr int kHeads = kCombineThreads / (D / 8);
+            bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kCombineThreads, 0, stream>>>(
+                p, plan, ws, t0);
             return cudaGetLastError();
         });
     }

@@ -121,8 +121,8 @@ __device__ __forceinline__ void warp_rope_queries(const T* q, T* dst, const floa
     }
     // As packed pairs of T (two columns a register), each operation rounded once to T
     // (__h*2_rn: no contraction into an FMA): the same bits as rope_rotate, which rounds each
-    // float32 product and sum to T, since float32 carries more than twice T's precision plus
-    // two bits (double rounding through it is then innocuous for +, -, x).
+    // float32 product and sum to T, since float32's 24 bits are at least twice T's precision
+    // plus two (bf16 8, fp16 11): rounding twice through float32 is then rounding once for +, -, x.
     using T2 = typename Dtype<T>::pair;
     const int cpr = dim / 16, step = 32 / cpr, col = (lane % cpr) * 8;
     T2 c2[4], s2[4];

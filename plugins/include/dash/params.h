@@ -86,7 +86,8 @@ typedef struct DashParams {
     int32_t* summary_pages_cache;/* [NB, block_size / sbs, 3]: lo, hi, dense flag */
 
     /* ---- output ---- */
-    void* out;                  /* [T, H, D] dtype */
+    void* out;                  /* [T, H, D] dtype; its contents before the call are not read (a
+                                   block-major prefill stages the rotated queries there first) */
 
     /* ---- scratch ---- */
     void* workspace;            /* dash_workspace_size(params) bytes, 256-byte aligned */

@@ -356,7 +356,7 @@ DashStatus launch(const DashParams& p, const dash::Plan& plan, void* stream_ptr)
     // Every token's rotated queries go to the output buffer, which the block-major passes read
     // before they write a token's output (q itself works: a token's rotation reads its row before
     // writing it; an output that partly overlaps the queries takes the rotation a pass at a time).
-    const size_t q_bytes = (size_t)p.num_tokens * p.num_heads * p.head_dim * 2;
+    const size_t q_bytes = (size_t)p.num_tokens * p.num_heads * p.head_dim * 2;  // fp16 / bf16 (block-major)
     const char *q0 = static_cast<const char*>(p.q), *o0 = static_cast<const char*>(p.out);
     if (plan.rope_routed && (o0 == q0 || o0 + q_bytes <= q0 || q0 + q_bytes <= o0)) ws.q_rot = p.out;
     // The data-error word describes this run only; the routing counters start at 0.

@@ -229,7 +229,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
             plan.qm_min = p.tune_tile_share_min > 0 ? p.tune_tile_share_min : std::max(1, plan.qm_tile * 5 / 8);
             plan.qm_tiles = (plan.bm_chunk + plan.qm_tile - 1) / plan.qm_tile;
             plan.qm_smem = qm_smem;
-            plan.qm_merge = dash::qm_merge_fits(p, plan.bm_slots) ? 1 : 0;
+            plan.qm_merge = dash::qm_merge_fits(p, plan.bm_slots, plan.bm_chunk) ? 1 : 0;
             plan.qm_overlap = p.tune_tile_overlap >= 0 && device_cc_major() >= 9 ? 1 : 0;
         }
     }
@@ -273,7 +273,6 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         const size_t elt = 2;  // fp16 / bf16: the block-major path's only dtypes
         char* bytes = nullptr;
         take(w.bm_counts, sizeof(int32_t) * plan.bm_num_keys);
-        take(w.bm_cursor, sizeof(int32_t) * plan.bm_num_keys);
         take(w.bm_offsets, sizeof(int32_t) * (plan.bm_num_keys + 1));
         take(w.bm_entries, sizeof(int4) * chunk * plan.bm_slots);
         take(bytes, elt * chunk * p.num_heads * p.head_dim);
@@ -281,6 +280,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(bytes, elt * chunk * p.num_heads * plan.bm_slots * p.head_dim);
         w.bm_part_o = bytes;
         take(w.bm_part_ml, sizeof(float2) * chunk * p.num_heads * plan.bm_slots);
+        take(w.bm_rank, sizeof(int2) * chunk * plan.bm_slots);
         take(bytes, plan.bm_scan_bytes);
         w.bm_scan_temp = bytes;
         take(w.bm_parts, sizeof(int32_t) * plan.bm_num_keys);

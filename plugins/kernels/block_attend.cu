@@ -33,9 +33,10 @@ namespace dash {
 namespace {
 
 constexpr int kBmThreads = 128;  // block_attend_kernel's mma.sync form (four warps)
-// bm_combine_kernel: a CTA per token and up to 512 / (D / 8) heads (all 32 at D = 128), so that the
-// tokens whose query-major tile merged them cost one CTA each, not one per 8 heads.
+// bm_combine_kernel: a token's step covers up to 512 / (D / 8) heads (all 32 at D = 128) in one CTA.
 constexpr int kCombineThreads = 512;
+// CTAs of bm_combine_kernel at most (each takes its share of a pass's tokens): about four an SM.
+constexpr int kCombineCtas = 1024;
 // Threads of block_attend_kernel: four warps, or with warpgroup MMA wg (Plan::bm_warpgroups: 1
 // or 2) warpgroups sharing the block's keys and values (two: twice the rows per load).
 __host__ __device__ constexpr int bm_threads(int wg) { return wg ? 128 * wg : kBmThreads; }
@@ -189,7 +190,8 @@ __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, 
     int b;
     bool forced;
     const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
-    if (key >= 0) atomicAdd(ws.bm_counts + key, 1);
+    // The rank places the entry in fill_kernel; the merges read only these slots' partials.
+    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_counts + key, 1)) : make_int2(-1, 0);
 }
 
 // What block_attend_kernel needs of entry (chunk token tl = t - t0, slot j) reading sparse
@@ -216,16 +218,21 @@ __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& pl
                      __float_as_int(forced ? p.page_bias : 0.0f));
 }
 
+// Each block-major entry's record at its block's offset plus the rank count_kernel gave it. The
+// entry's (block, rank) and what its record needs are read together: none depends on another.
 __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)tn * plan.bm_slots) return;
-    int b;
-    bool forced;
-    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
-    if (key < 0) return;
-    const int at = ws.bm_offsets[key] + atomicAdd(ws.bm_cursor + key, 1);
-    const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots);
-    ws.bm_entries[at] = entry_record(p, plan, ws, t0 + tl, tl, j, b, forced);
+    const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
+    const int2 kr = ws.bm_rank[e];
+    const bool sel = j < plan.kmax;
+    const int64_t sj = (int64_t)t * plan.kmax + (sel ? j : 0);
+    const int selected = ws.selected[sj], pos = ws.token_pos[t];
+    const bool forced = sel && ws.forced[sj] != 0;
+    if (kr.x < 0) return;
+    // The block entry_block gives (a block-major entry's token is valid and its block is read).
+    const int b = sel ? selected : pos / p.sparse_block_size - (j - plan.kmax);
+    ws.bm_entries[ws.bm_offsets[kr.x] + kr.y] = entry_record(p, plan, ws, t, tl, j, b, forced);
 }
 
 // Work items: a block's entries are served by ceil(count / kEntriesPerCta) CTAs, so the early
@@ -891,7 +898,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     // (1) each warp stages its 16 rows (unnormalised, fp32; max in base e and sum) in the K / V
     // stages, which no warp reads any more; (2) a thread per row finds the row's block-major
     // slots and their weights (normalised) and lists them where the queries were; (3) a thread
-    // per 8 output columns of a row adds the listed partials, sixteen loads in flight at a time.
+    // per 8 output columns of two rows adds the listed partials, the loads of both in flight.
     // Without it (a list too long for the space), slot kmax of the partials, for the combine.
 #pragma unroll
     for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
@@ -922,7 +929,8 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     float2* row_ml = reinterpret_cast<float2*>(o_s + kQmRows * ORS);  // then (own weight, 1 / denominator)
     static_assert(kQmRows * ORS * sizeof(float) + kQmRows * sizeof(float2) <= 2 * S::stage_elems * sizeof(T),
                   "the stages hold the rows and their (max, sum)");
-    float2* list = reinterpret_cast<float2*>(q_s);  // [kQmRows][bm_slots]: (slot, weight); qm_merge_fits
+    // [kQmRows][bm_slots]: (partial row's offset in 16-byte units, as float bits; weight): qm_merge_fits
+    float2* list = reinterpret_cast<float2*>(q_s);
     int* row_n = tok_pos;                           // listed slots per row (the positions are done with)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -942,15 +950,22 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const float2 own = row_ml[row];
         float mx = own.y > 0.0f ? own.x : -INFINITY;
         float2* li = list + row * plan.bm_slots;
-        // Every slot's (max, sum), 32 loads in flight (one round trip for up to 32 slots; 18 at
-        // top-16 with one local block), kept in the row's list for the second pass.
+        const int2* kind = ws.bm_rank + (int64_t)(ta + tk) * plan.bm_slots;
+        // Every slot's (max, sum) and kind, 32 of each in flight (one round trip for up to 32
+        // slots; 18 at top-16 with one local block), kept in the row's list for the second pass:
+        // (0, 0) where the slot is not block-major (its (max, sum) is stale).
         for (int s0 = 0; s0 < plan.bm_slots; s0 += 32) {
             float2 ml[32];
-#pragma unroll
-            for (int u = 0; u < 32; ++u)
-                ml[u] = s0 + u < plan.bm_slots ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
+            bool bm[32];
 #pragma unroll
             for (int u = 0; u < 32; ++u) {
+                const bool in = s0 + u < plan.bm_slots;
+                ml[u] = in ? ml_g[row0 + (int64_t)(s0 + u) * p.num_heads] : make_float2(0.0f, 0.0f);
+                bm[u] = in && kind[s0 + u].x >= 0;
+            }
+#pragma unroll
+            for (int u = 0; u < 32; ++u) {
+                if (!bm[u]) ml[u] = make_float2(0.0f, 0.0f);
                 if (s0 + u < plan.bm_slots) li[s0 + u] = ml[u];
                 if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
             }
@@ -963,7 +978,9 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             if (!(ml.y > 0.0f)) continue;  // not a block-major entry (the query-major slots among them)
             const float wgt = partial_weight(ml, mx);
             denom += wgt;
-            li[n++] = make_float2(__int_as_float(s), wgt);
+            // The partial row's first element, in 16-byte units (qm_merge_fits: it fits 32 bits).
+            const uint32_t at16 = (uint32_t)(((row0 + (int64_t)s * p.num_heads) * D) >> 3);
+            li[n++] = make_float2(__uint_as_float(at16), wgt);
         }
         const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
         for (int j = 0; j < n; ++j) li[j].y *= inv;
@@ -972,61 +989,55 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     }
     __syncthreads();
     // (3) Pieces of 8 output columns of a row; consecutive threads, consecutive columns. A thread
-    // takes two pieces at once (pi and pi + kQmThreads: rows 256 / (D / 8) apart), with the
-    // loads of both pieces' partials in flight together (a row has about half its slots
-    // block-major: one piece alone would leave half the batch empty). Each piece still adds its
-    // partials in list order, so the bits do not depend on the pairing.
+    // takes two pieces at once (pi and pi + kQmThreads: rows 256 / (D / 8) apart, the same
+    // columns), with up to kBatch loads of each piece's partials in flight together (a row has
+    // about half its slots block-major: one piece alone would leave half the loads idle). Each
+    // piece adds its partials in list order, so the bits do not depend on the pairing.
     constexpr int kChunks = D / 8, kPieces = kQmRows * kChunks;
-    static_assert(kPieces % (2 * kQmThreads) == 0, "whole pairs of pieces");
+    static_assert(kPieces % (2 * kQmThreads) == 0 && kQmThreads % kChunks == 0, "whole pairs of pieces, same columns");
     const T* part_o = static_cast<const T*>(ws.bm_part_o);
     for (int pi = threadIdx.x; pi < kPieces; pi += 2 * kQmThreads) {
-        int n[2], d0[2];
-        int64_t row0[2], out_at[2];
+        const int d0 = (pi % kChunks) * 8;
+        int n[2];
+        int64_t out_at[2];
         const float2* li[2];
         float acc[2][8];
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
-            const int q = pi + s * kQmThreads, row = q / kChunks, tk = row >> gshift;
-            const int head = h * group + (row & (group - 1));
+            const int row = (pi + s * kQmThreads) / kChunks, tk = row >> gshift;
             const bool in = tk < cnt;
-            d0[s] = (q % kChunks) * 8;
             n[s] = in ? row_n[row] : 0;
-            row0[s] = (int64_t)(ta + tk) * plan.bm_slots * p.num_heads + head;
-            out_at[s] = in ? ((int64_t)(t0 + ta + tk) * p.num_heads + head) * D + d0[s] : -1;
+            out_at[s] = in ? ((int64_t)(t0 + ta + tk) * p.num_heads + h * group + (row & (group - 1))) * D + d0 : -1;
             li[s] = list + row * plan.bm_slots;
             const float w_own = in ? row_ml[row].x : 0.0f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[s][i] = in ? w_own * o_s[row * ORS + d0[s] + i] : 0.0f;
+            for (int i = 0; i < 8; ++i) acc[s][i] = in ? w_own * o_s[row * ORS + d0 + i] : 0.0f;
         }
-        const int total = n[0] + n[1];
-        constexpr int kBatch = 16;  // loads in flight
-        for (int u0 = 0; u0 < total; u0 += kBatch) {
-            uint4 raw[kBatch];
+        constexpr int kBatch = 6;  // loads in flight a piece
+        const int most = max(n[0], n[1]);
+        for (int u0 = 0; u0 < most; u0 += kBatch) {
+            uint4 raw[2][kBatch];
 #pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int j = u0 + u;
-                if (j >= total) continue;
-                const bool second = j >= n[0];
-                const float2 e = second ? li[1][j - n[0]] : li[0][j];
-                raw[u] = *reinterpret_cast<const uint4*>(
-                    part_o + ((second ? row0[1] : row0[0]) + (int64_t)__float_as_int(e.x) * p.num_heads) * D +
-                    (second ? d0[1] : d0[0]));
-            }
+            for (int s = 0; s < 2; ++s)
 #pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int j = u0 + u;
-                if (j >= total) continue;
-                const T* x = reinterpret_cast<const T*>(&raw[u]);
-                if (j >= n[0]) {
-                    const float wgt = li[1][j - n[0]].y;
+                for (int u = 0; u < kBatch; ++u)
+                    if (u0 + u < n[s])
+                        raw[s][u] = *reinterpret_cast<const uint4*>(
+                            part_o + (size_t)__float_as_uint(li[s][u0 + u].x) * 8 + d0);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[1][i] += wgt * to_f(x[i]);
-                } else {
-                    const float wgt = li[0][j].y;
+            for (int s = 0; s < 2; ++s)
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[0][i] += wgt * to_f(x[i]);
+                for (int u = 0; u < kBatch; ++u) {
+                    if (u0 + u >= n[s]) continue;
+                    const float wgt = li[s][u0 + u].y;
+                    const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw[s][u]);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 x = Dtype<T>::unpack(w[i]);
+                        acc[s][2 * i] += wgt * x.x;
+                        acc[s][2 * i + 1] += wgt * x.y;
+                    }
                 }
-            }
         }
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -1040,39 +1051,63 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     }
 }
 
-// Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks.
-// A lane owns 8 output columns; a CTA covers kCombineThreads / (D / 8) heads of one token.
+// Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks,
+// for the tokens whose query-major tile did not merge them. CTA x takes chunk tokens
+// [x per, (x + 1) per) (a grid of at most kCombineCtas), lists those that need the merge, then
+// merges them one at a time; a lane owns 8 output columns, a CTA kCombineThreads / (D / 8) heads
+// (blockIdx.y). (One CTA a token cost the launches of all the tokens the tiles merged.)
 template <typename T, int D>
-__global__ void __launch_bounds__(kCombineThreads) bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0) {
+__global__ void __launch_bounds__(kCombineThreads) bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0,
+                                                                     int tn) {
     constexpr int kLanes = D / 8, kHeads = kCombineThreads / kLanes;
-    const int tl = blockIdx.x, t = t0 + tl;
+    __shared__ int s_tok[kCombineThreads], s_n;
+    const int per = (tn + gridDim.x - 1) / gridDim.x, end = min((blockIdx.x + 1) * per, tn);
     const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
-    if (ws.token_seq[t] < 0 || head >= p.num_heads) return;
-    if (plan.qm_merge && ws.qm_base[tl / plan.qm_tile] >= 0) return;  // its query-major tile merged it
-    const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
-    float m = -INFINITY;
-    for (int s = 0; s < plan.bm_slots; ++s) {
-        const float2 ml = ws.bm_part_ml[row0 + (int64_t)s * p.num_heads];
-        if (ml.y > 0.0f) m = fmaxf(m, ml.x);
-    }
-    float denom = 0.0f, num[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < plan.bm_slots; ++s) {
-        const int64_t row = row0 + (int64_t)s * p.num_heads;
-        const float2 ml = ws.bm_part_ml[row];
-        if (!(ml.y > 0.0f)) continue;
-        const float wgt = partial_weight(ml, m);
-        denom += wgt;
-        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) + row * D + d);
-        const T* x = reinterpret_cast<const T*>(&raw);
+    for (int c0 = blockIdx.x * per; c0 < end; c0 += kCombineThreads) {
+        if (threadIdx.x == 0) s_n = 0;
+        __syncthreads();
+        const int c = c0 + threadIdx.x;
+        if (c < end && ws.token_seq[t0 + c] >= 0) {
+            const bool tiled = plan.qm_tile > 0 && ws.qm_base[c / plan.qm_tile] >= 0;
+            if (!(plan.qm_merge && tiled)) s_tok[atomicAdd(&s_n, 1)] = tiled ? c | INT32_MIN : c;
+        }
+        __syncthreads();
+        const int n = s_n;
+        for (int i = 0; i < n && head < p.num_heads; ++i) {
+            const int tl = s_tok[i] & INT32_MAX, t = t0 + tl;
+            // The slots with partials: the block-major ones, and slot kmax of a query-major tile's
+            // token (its row of the tile, written without the merge).
+            const int2* kind = ws.bm_rank + (int64_t)tl * plan.bm_slots;
+            const int own = s_tok[i] < 0 ? plan.kmax : -1;
+            const int64_t row0 = (int64_t)tl * plan.bm_slots * p.num_heads + head;  // slot s: row0 + s * H
+            float m = -INFINITY;
+            for (int s = 0; s < plan.bm_slots; ++s) {
+                if (kind[s].x < 0 && s != own) continue;
+                const float2 ml = ws.bm_part_ml[row0 + (int64_t)s * p.num_heads];
+                if (ml.y > 0.0f) m = fmaxf(m, ml.x);
+            }
+            float denom = 0.0f, num[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int s = 0; s < plan.bm_slots; ++s) {
+                if (kind[s].x < 0 && s != own) continue;
+                const int64_t row = row0 + (int64_t)s * p.num_heads;
+                const float2 ml = ws.bm_part_ml[row];
+                if (!(ml.y > 0.0f)) continue;
+                const float wgt = partial_weight(ml, m);
+                denom += wgt;
+                const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(ws.bm_part_o) + row * D + d);
+                const T* x = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) num[i] += wgt * to_f(x[i]);
-    }
-    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    uint4 res;
-    T* y = reinterpret_cast<T*>(&res);
+                for (int k = 0; k < 8; ++k) num[k] += wgt * to_f(x[k]);
+            }
+            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+            uint4 res;
+            T* y = reinterpret_cast<T*>(&res);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = from_f<T>(num[i] * inv);
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
+            for (int k = 0; k < 8; ++k) y[k] = from_f<T>(num[k] * inv);
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ((int64_t)t * p.num_heads + head) * D + d) = res;
+        }
+        __syncthreads();  // s_tok and s_n are reused
+    }
 }
 
 // block_attend_kernel in the form WG (0: mma.sync; 1 or 2 warpgroups), its shared memory allowed,
@@ -1148,8 +1183,8 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
                 }
             }
             constexpr int kHeads = kCombineThreads / (D / 8);
-            bm_combine_kernel<T, D><<<dim3(tn, (p.num_heads + kHeads - 1) / kHeads), kCombineThreads, 0, stream>>>(
-                p, plan, ws, t0);
+            bm_combine_kernel<T, D><<<dim3(std::min(tn, kCombineCtas), (p.num_heads + kHeads - 1) / kHeads),
+                                      kCombineThreads, 0, stream>>>(p, plan, ws, t0, tn);
             return cudaGetLastError();
         });
     }
@@ -1159,9 +1194,11 @@ cudaError_t launch_bm_attend(const DashParams& p, const Plan& plan, const Worksp
 
 // Whether a query-major tile can list its rows' block-major slots where its queries were
 // (qm_attend_kernel's merge): kQmRows x bm_slots (slot, weight) pairs.
-bool qm_merge_fits(const DashParams& p, int bm_slots) {
+bool qm_merge_fits(const DashParams& p, int bm_slots, int bm_chunk) {
     const size_t q_bytes = p.head_dim == 64 ? 2 * QmSmem<64>::q_elems : p.head_dim == 128 ? 2 * QmSmem<128>::q_elems : 0;
-    return (size_t)kQmRows * bm_slots * sizeof(float2) <= q_bytes;
+    // The list holds each partial row's offset in 16-byte units as 32 bits.
+    const uint64_t units = (uint64_t)bm_chunk * bm_slots * p.num_heads * p.head_dim / 8;
+    return (size_t)kQmRows * bm_slots * sizeof(float2) <= q_bytes && units <= UINT32_MAX;
 }
 
 size_t query_major_smem(const DashParams& p, bool wg) {
@@ -1198,10 +1235,6 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
     cudaError_t err;
     const int nbs = plan.bm_num_keys;
     if ((err = cudaMemsetAsync(ws.bm_counts, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
-    if ((err = cudaMemsetAsync(ws.bm_cursor, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
-    if ((err = cudaMemsetAsync(ws.bm_part_ml, 0, sizeof(float2) * (size_t)tn * plan.bm_slots * p.num_heads,
-                               stream)) != cudaSuccess)
-        return err;
     const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
     if (plan.qm_tile > 0) {  // before the counts: entry_key asks qm_serves

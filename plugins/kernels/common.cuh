@@ -25,6 +25,10 @@ struct Dtype<__half> {
     static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
     static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ __half2 pair_of(float a, float b) { return __floats2half2_rn(a, b); }
+    // Two values packed in a 32-bit word (the lower address in the low half), exactly.
+    static __device__ __forceinline__ float2 unpack(uint32_t w) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&w));
+    }
 };
 template <>
 struct Dtype<__nv_bfloat16> {
@@ -32,6 +36,10 @@ struct Dtype<__nv_bfloat16> {
     static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
     static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ __nv_bfloat162 pair_of(float a, float b) { return __floats2bfloat162_rn(a, b); }
+    // bf16 is float32's upper half: one shift or mask a value.
+    static __device__ __forceinline__ float2 unpack(uint32_t w) {
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    }
 };
 
 template <typename T>
@@ -249,7 +257,6 @@ struct Workspace {
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
-    int32_t* bm_cursor;   // [bm_num_keys] fill cursors
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
     int4* bm_entries;     // [bm_chunk * bm_slots] entries grouped by block: their records (entry_record)
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
@@ -260,7 +267,11 @@ struct Workspace {
                           // (Plan::rope_routed): the output buffer, which the tiles overwrite with
                           // each pass's outputs only after reading that pass's rows; else nullptr
     void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
-    float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum; sum 0 = empty slot
+    float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum where bm_rank says the entry is
+                          // block-major (not cleared: other slots hold stale values); sum 0 = no key
+    int2* bm_rank;        // [bm_chunk, bm_slots] per entry (count_kernel writes each): the physical
+                          // sparse block it reads block-major and its rank among that block's
+                          // entries, or (-1, 0): not block-major
     void* bm_scan_temp;   // cub scan scratch
     // Query-major tiles of the block-major prefill (plan.qm_tile > 0), per pass:
     int32_t* qm_base;     // [qm_tiles] the tile's last token's own sparse block, -1: no tile here
@@ -390,7 +401,7 @@ int route_max_tile();
 size_t route_tile_stage_bytes();   // dynamic shared memory of a fused routing CTA's staged rows
 size_t route_split_stage_bytes();  // and of a split routing CTA's (before its candidates)
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
-bool qm_merge_fits(const DashParams& p, int bm_slots);  // a query-major tile merges its rows' partials itself
+bool qm_merge_fits(const DashParams& p, int bm_slots, int bm_chunk);  // a query-major tile merges its rows' partials itself
 // 0 where the query-major tiles are not compiled (head dim); wg: their warpgroup form
 size_t query_major_smem(const DashParams& p, bool wg);
 size_t block_major_scan_bytes(int num_items);

@@ -1052,22 +1052,24 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
 }
 
 // Merge the slots of each (token, head): the kmax selected blocks and the local-window blocks,
-// for the tokens whose query-major tile did not merge them. CTA x takes chunk tokens
-// [x per, (x + 1) per) (a grid of at most kCombineCtas), lists those that need the merge, then
+// for the tokens whose query-major tile did not merge them. CTA x of a grid of G (at most
+// kCombineCtas) takes chunk tokens x, x + G, x + 2 G, ..., lists those that need the merge, then
 // merges them one at a time; a lane owns 8 output columns, a CTA kCombineThreads / (D / 8) heads
-// (blockIdx.y). (One CTA a token cost the launches of all the tokens the tiles merged.)
+// (blockIdx.y). (One CTA a token cost the launches of all the tokens the tiles merged. Tokens
+// G apart, not a run of neighbours: those that need the merge come in runs, such as a mixed
+// call's decode tokens, which a CTA would otherwise merge one after another.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kCombineThreads) bm_combine_kernel(const DashParams p, const Plan plan, Workspace ws, int t0,
                                                                      int tn) {
     constexpr int kLanes = D / 8, kHeads = kCombineThreads / kLanes;
     __shared__ int s_tok[kCombineThreads], s_n;
-    const int per = (tn + gridDim.x - 1) / gridDim.x, end = min((blockIdx.x + 1) * per, tn);
+    const int per = (tn + gridDim.x - 1) / gridDim.x;
     const int head = blockIdx.y * kHeads + threadIdx.x / kLanes, d = (threadIdx.x % kLanes) * 8;
-    for (int c0 = blockIdx.x * per; c0 < end; c0 += kCombineThreads) {
+    for (int r0 = 0; r0 < per; r0 += kCombineThreads) {
         if (threadIdx.x == 0) s_n = 0;
         __syncthreads();
-        const int c = c0 + threadIdx.x;
-        if (c < end && ws.token_seq[t0 + c] >= 0) {
+        const int r = r0 + threadIdx.x, c = blockIdx.x + r * gridDim.x;  // the CTA's r-th token
+        if (r < per && c < tn && ws.token_seq[t0 + c] >= 0) {
             const bool tiled = plan.qm_tile > 0 && ws.qm_base[c / plan.qm_tile] >= 0;
             if (!(plan.qm_merge && tiled)) s_tok[atomicAdd(&s_n, 1)] = tiled ? c | INT32_MIN : c;
         }

@@ -41,13 +41,13 @@ constexpr int kCombineCtas = 1024;
 // or 2) warpgroups sharing the block's keys and values (two: twice the rows per load).
 __host__ __device__ constexpr int bm_threads(int wg) { return wg ? 128 * wg : kBmThreads; }
 
-// The sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for j < kmax
-// the j-th selected block of the token (forced: page-biased); for j = kmax + i the block i
-// blocks before the token's own, when its local window reaches it.
-__device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
-                                           bool& forced) {
+// entry_block: the sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for
+// j < kmax the j-th selected block of the token (forced: page-biased); for j = kmax + i the block
+// i blocks before the token's own, when its local window reaches it. slot_block: the same for a
+// token known to be valid (no token_seq read).
+__device__ __forceinline__ int slot_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
+                                          bool& forced) {
     forced = false;
-    if (ws.token_seq[t] < 0) return -1;
     if (j < plan.kmax) {
         forced = ws.forced[(int64_t)t * plan.kmax + j] != 0;
         return ws.selected[(int64_t)t * plan.kmax + j];
@@ -55,6 +55,11 @@ __device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan
     const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
     const int b = pos / sbs - (j - plan.kmax);
     return (b + 1) * sbs <= pos - p.sparse_local_block * sbs + 1 ? -1 : b;  // -1: ends before the window
+}
+__device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
+                                           bool& forced) {
+    forced = false;
+    return ws.token_seq[t] < 0 ? -1 : slot_block(p, plan, ws, t, j, forced);
 }
 
 // Whether entry (chunk-relative token tl, slot j) reading sparse block b is served by its
@@ -225,13 +230,9 @@ __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, i
     if (e >= (int64_t)tn * plan.bm_slots) return;
     const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
     const int2 kr = ws.bm_rank[e];
-    const bool sel = j < plan.kmax;
-    const int64_t sj = (int64_t)t * plan.kmax + (sel ? j : 0);
-    const int selected = ws.selected[sj], pos = ws.token_pos[t];
-    const bool forced = sel && ws.forced[sj] != 0;
+    bool forced;
+    const int b = slot_block(p, plan, ws, t, j, forced);  // a block-major entry's token is valid
     if (kr.x < 0) return;
-    // The block entry_block gives (a block-major entry's token is valid and its block is read).
-    const int b = sel ? selected : pos / p.sparse_block_size - (j - plan.kmax);
     ws.bm_entries[ws.bm_offsets[kr.x] + kr.y] = entry_record(p, plan, ws, t, tl, j, b, forced);
 }
 

@@ -88,6 +88,18 @@ __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& pl
     return summary_index(p, ws.token_seq[t], b, ws.error);
 }
 
+// count_kernel's work for entry e of the chunk: its (block key, rank) in bm_rank ((-1, 0) where
+// the entry is not block-major), the rank the old count its atomicAdd returns; fill_kernel places
+// the entry by it and the merges read only the block-major slots' partials. The ranks of a block's
+// entries come in any order; each entry's partial does not depend on its place.
+__device__ __forceinline__ void count_entry(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
+                                            int64_t e) {
+    int b;
+    bool forced;
+    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
+    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_counts + key, 1)) : make_int2(-1, 0);
+}
+
 constexpr int kQmPrepThreads = 256;
 
 // Query-major tiles, step 1: for each tile of qm_tile consecutive chunk tokens, whether it is one
@@ -99,7 +111,8 @@ constexpr int kQmPrepThreads = 256;
 // Shared memory: a byte per sparse block of the sequence (plan.max_blocks): its selectors among
 // the tile's tokens (at most 128), then its list position + 1 where the tile serves it, else 0.
 // The list is capped at kQmBlocks; the selected blocks past the cap stay block-major (the
-// lowest-numbered are kept, a deterministic choice).
+// lowest-numbered are kept, a deterministic choice). Last, the tile's tokens' entries are counted
+// (count_entry), which then see its qm_base and qm_sel: no count_kernel where there are tiles.
 __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                  int t0, int tn) {
     extern __shared__ uint32_t count_words[];  // plan.max_blocks bytes, rounded up to words
@@ -123,8 +136,11 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
     __syncthreads();
     const int base = s_base, lo = s_lo;
     const int64_t m0 = (int64_t)tile * kQmBlocks * kQmWords;
+    const int64_t e0 = (int64_t)(ta - t0) * plan.bm_slots, e1 = e0 + (int64_t)nt * plan.bm_slots;
     if (base < 0) {
         if (threadIdx.x == 0) ws.qm_base[tile] = -1, ws.qm_count[tile] = 0;
+        __syncthreads();  // qm_base, for qm_serves
+        for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) count_entry(p, plan, ws, t0, e);
         return;
     }
     // (1) Selectors per block (a token selects a block once: at most 128 per byte).
@@ -187,16 +203,14 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
         ws.qm_mask[m0 + i] = mask[i];
         ws.qm_forced[m0 + i] = forced_mask[i];
     }
+    __syncthreads();  // qm_base and every qm_sel of the tile (global stores of this CTA), for qm_serves
+    for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) count_entry(p, plan, ws, t0, e);
 }
 
+// The entries' counts where there are no query-major tiles (qm_prep_kernel counts them otherwise).
 __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (int64_t)tn * plan.bm_slots) return;
-    int b;
-    bool forced;
-    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
-    // The rank places the entry in fill_kernel; the merges read only these slots' partials.
-    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_counts + key, 1)) : make_int2(-1, 0);
+    if (e < (int64_t)tn * plan.bm_slots) count_entry(p, plan, ws, t0, e);
 }
 
 // What block_attend_kernel needs of entry (chunk token tl = t - t0, slot j) reading sparse
@@ -377,7 +391,7 @@ __global__ void rope_q_kernel(const DashParams p, Workspace ws, int t0, int tn) 
     const int tl = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (tl >= tn) return;
     const int64_t hd = (int64_t)p.num_heads * p.head_dim;
-    warp_rope_queries<T>(static_cast<const T*>(p.q) + (t0 + tl) * hd, static_cast<T*>(ws.bm_qrot) + tl * hd,
+    warp_rope_rows<T>(static_cast<const T*>(p.q) + (t0 + tl) * hd, static_cast<T*>(ws.bm_qrot) + tl * hd,
                          ws.token_cs + (int64_t)(t0 + tl) * (p.head_dim / 2), p.num_heads, p.head_dim,
                          threadIdx.x % 32);
 }
@@ -1240,13 +1254,13 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
     if ((err = cudaMemsetAsync(ws.bm_counts, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
     const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
-    if (plan.qm_tile > 0) {  // before the counts: entry_key asks qm_serves
+    if (plan.qm_tile > 0) {  // the tiles, then their tokens' counts (entry_key asks qm_serves)
         const size_t count_bytes = sizeof(uint32_t) * ((plan.max_blocks + 3) / 4);  // at most kQmMaxBlocks: no opt-in
         qm_prep_kernel<<<(tn + plan.qm_tile - 1) / plan.qm_tile, kQmPrepThreads, count_bytes, stream>>>(p, plan, ws,
                                                                                                       t0, tn);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    } else {
+        count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     }
-    count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     size_t temp = plan.bm_scan_bytes;
     // Inclusive prefix in [1, nbs]: offsets[0] = 0 is set by the memset below.

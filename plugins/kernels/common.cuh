@@ -106,18 +106,17 @@ __device__ __forceinline__ void rope_pair(float x_lo, float x_hi, float angle, f
     rope_rotate<T>(x_lo, x_hi, cs.x, cs.y, out_lo, out_hi);
 }
 
-// Page RoPE of one token's queries by one warp: q and dst [H][D] (dst may be q itself), cs the
-// token's D / 2 (cos, sin) pairs (Workspace::token_cs). Lane l takes the pairs 8c .. 8c + 7,
-// c = l % (D / 16), of heads l / (D / 16), + 32 / (D / 16), ...: one 16-byte load of a head's
-// low half and one of its high half, kHeads heads' loads in flight; the per-element form where
-// the rows are not 16-byte aligned. 32 % (D / 16) == 0 (D = 64, 128, 256).
+// Page RoPE of one token's rows by one warp (its queries [H][D], or its keys [Hkv][D]): q and dst
+// (dst may be q itself), cs the token's D / 2 (cos, sin) pairs (Workspace::token_cs, or the write
+// stage's). Lane l takes the pairs 8c .. 8c + 7, c = l % (D / 16), of heads l / (D / 16), +
+// 32 / (D / 16), ...: one 16-byte load of a head's low half and one of its high half, kHeads
+// heads' loads in flight; the per-element form where the rows are not 16-byte aligned, and for
+// float32. 32 % (D / 16) == 0 (D = 64, 128, 256).
 template <typename T, int kHeads = 4>
-__device__ __forceinline__ void warp_rope_queries(const T* q, T* dst, const float2* cs, int num_heads, int dim,
-                                                  int lane) {
-    static_assert(sizeof(T) == 2, "fp16 / bf16: 8 elements a 16-byte load");
+__device__ __forceinline__ void warp_rope_rows(const T* q, T* dst, const float2* cs, int num_heads, int dim, int lane) {
     const int half = dim / 2;
-    if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0 || (dim & 15) != 0 ||
-        32 % (dim / 16) != 0) {
+    if (sizeof(T) != 2 || ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0 ||
+        (dim & 15) != 0 || 32 % (dim / 16) != 0) {
         for (int idx = lane; idx < num_heads * half; idx += 32) {
             const int h = idx / half, i = idx % half;
             float lo, hi;
@@ -127,45 +126,47 @@ __device__ __forceinline__ void warp_rope_queries(const T* q, T* dst, const floa
         }
         return;
     }
-    // As packed pairs of T (two columns a register), each operation rounded once to T
-    // (__h*2_rn: no contraction into an FMA): the same bits as rope_rotate, which rounds each
-    // float32 product and sum to T, since float32's 24 bits are at least twice T's precision
-    // plus two (bf16 8, fp16 11): rounding twice through float32 is then rounding once for +, -, x.
-    using T2 = typename Dtype<T>::pair;
-    const int cpr = dim / 16, step = 32 / cpr, col = (lane % cpr) * 8;
-    T2 c2[4], s2[4];
+    if constexpr (sizeof(T) == 2) {  // 8 elements a 16-byte load
+        // As packed pairs of T (two columns a register), each operation rounded once to T
+        // (__h*2_rn: no contraction into an FMA): the same bits as rope_rotate, which rounds each
+        // float32 product and sum to T, since float32's 24 bits are at least twice T's precision
+        // plus two (bf16 8, fp16 11): rounding twice through float32 is then rounding once for +, -, x.
+        using T2 = typename Dtype<T>::pair;
+        const int cpr = dim / 16, step = 32 / cpr, col = (lane % cpr) * 8;
+        T2 c2[4], s2[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 a = cs[col + 2 * j], b = cs[col + 2 * j + 1];
-        c2[j] = Dtype<T>::pair_of(a.x, b.x);  // exact: token_cs holds values rounded to T
-        s2[j] = Dtype<T>::pair_of(a.y, b.y);
-    }
-    for (int h0 = lane / cpr; h0 < num_heads; h0 += kHeads * step) {
-        uint4 lo[kHeads], hi[kHeads];
-#pragma unroll
-        for (int u = 0; u < kHeads; ++u) {
-            const int h = h0 + u * step;
-            if (h < num_heads) {
-                lo[u] = *reinterpret_cast<const uint4*>(q + h * dim + col);
-                hi[u] = *reinterpret_cast<const uint4*>(q + h * dim + half + col);
-            }
+        for (int j = 0; j < 4; ++j) {
+            const float2 a = cs[col + 2 * j], b = cs[col + 2 * j + 1];
+            c2[j] = Dtype<T>::pair_of(a.x, b.x);  // exact: token_cs holds values rounded to T
+            s2[j] = Dtype<T>::pair_of(a.y, b.y);
         }
+        for (int h0 = lane / cpr; h0 < num_heads; h0 += kHeads * step) {
+            uint4 lo[kHeads], hi[kHeads];
 #pragma unroll
-        for (int u = 0; u < kHeads; ++u) {
-            const int h = h0 + u * step;
-            if (h >= num_heads) break;
-            const T2* xl = reinterpret_cast<const T2*>(&lo[u]);
-            const T2* xh = reinterpret_cast<const T2*>(&hi[u]);
-            uint4 ol, oh;
-            T2* yl = reinterpret_cast<T2*>(&ol);
-            T2* yh = reinterpret_cast<T2*>(&oh);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // lo c - hi s, hi c + lo s
-                yl[j] = __hsub2_rn(__hmul2_rn(xl[j], c2[j]), __hmul2_rn(xh[j], s2[j]));
-                yh[j] = __hadd2_rn(__hmul2_rn(xh[j], c2[j]), __hmul2_rn(xl[j], s2[j]));
+            for (int u = 0; u < kHeads; ++u) {
+                const int h = h0 + u * step;
+                if (h < num_heads) {
+                    lo[u] = *reinterpret_cast<const uint4*>(q + h * dim + col);
+                    hi[u] = *reinterpret_cast<const uint4*>(q + h * dim + half + col);
+                }
             }
-            *reinterpret_cast<uint4*>(dst + h * dim + col) = ol;
-            *reinterpret_cast<uint4*>(dst + h * dim + half + col) = oh;
+#pragma unroll
+            for (int u = 0; u < kHeads; ++u) {
+                const int h = h0 + u * step;
+                if (h >= num_heads) break;
+                const T2* xl = reinterpret_cast<const T2*>(&lo[u]);
+                const T2* xh = reinterpret_cast<const T2*>(&hi[u]);
+                uint4 ol, oh;
+                T2* yl = reinterpret_cast<T2*>(&ol);
+                T2* yh = reinterpret_cast<T2*>(&oh);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {  // lo c - hi s, hi c + lo s
+                    yl[j] = __hsub2_rn(__hmul2_rn(xl[j], c2[j]), __hmul2_rn(xh[j], s2[j]));
+                    yh[j] = __hadd2_rn(__hmul2_rn(xh[j], c2[j]), __hmul2_rn(xl[j], s2[j]));
+                }
+                *reinterpret_cast<uint4*>(dst + h * dim + col) = ol;
+                *reinterpret_cast<uint4*>(dst + h * dim + half + col) = oh;
+            }
         }
     }
 }

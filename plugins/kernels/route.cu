@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         const int j = threadIdx.x / 32;
         if (ws.q_rot != nullptr && j < tn) {
             const int64_t row = (int64_t)(t0 + j) * p.num_heads * p.head_dim;
-            warp_rope_queries<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
+            warp_rope_rows<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
                                  ws.token_cs + (int64_t)(t0 + j) * (p.head_dim / 2), p.num_heads, p.head_dim,
                                  threadIdx.x % 32);
         }

@@ -88,33 +88,16 @@ __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& pl
     return summary_index(p, ws.token_seq[t], b, ws.error);
 }
 
-// count_kernel's work for the chunk's entries e0 .. e1 - 1, a CTA's threads together: each
-// entry's (block key, rank) in bm_rank ((-1, 0) where the entry is not block-major), the rank
-// the old count its atomicAdd returns; fill_kernel places the entry by it and the merges read only
-// the block-major slots' partials. A thread takes kCountBatch entries at once, their lookups
-// and then their atomics in flight together. The ranks of a block's entries come in any order;
-// no entry's partial depends on its place.
-constexpr int kCountBatch = 3;
-__device__ __forceinline__ void count_entries(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
-                                              int64_t e0, int64_t e1) {
-    for (int64_t e = e0 + threadIdx.x; e < e1; e += kCountBatch * blockDim.x) {
-        int64_t key[kCountBatch];
-#pragma unroll
-        for (int u = 0; u < kCountBatch; ++u) {
-            const int64_t eu = e + (int64_t)u * blockDim.x;
-            int b;
-            bool forced;
-            key[u] = eu < e1 ? entry_key(p, plan, ws, t0, eu, b, forced) : -1;
-        }
-        int rank[kCountBatch];
-#pragma unroll
-        for (int u = 0; u < kCountBatch; ++u) rank[u] = key[u] >= 0 ? atomicAdd(ws.bm_counts + key[u], 1) : 0;
-#pragma unroll
-        for (int u = 0; u < kCountBatch; ++u) {
-            const int64_t eu = e + (int64_t)u * blockDim.x;
-            if (eu < e1) ws.bm_rank[eu] = key[u] >= 0 ? make_int2((int)key[u], rank[u]) : make_int2(-1, 0);
-        }
-    }
+// count_kernel's work for entry e of the chunk: its (block key, rank) in bm_rank ((-1, 0) where
+// the entry is not block-major), the rank the old count its atomicAdd returns; fill_kernel places
+// the entry by it and the merges read only the block-major slots' partials. The ranks of a block's
+// entries come in any order; each entry's partial does not depend on its place.
+__device__ __forceinline__ void count_entry(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
+                                            int64_t e) {
+    int b;
+    bool forced;
+    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
+    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_counts + key, 1)) : make_int2(-1, 0);
 }
 
 constexpr int kQmPrepThreads = 256;
@@ -129,7 +112,7 @@ constexpr int kQmPrepThreads = 256;
 // the tile's tokens (at most 128), then its list position + 1 where the tile serves it, else 0.
 // The list is capped at kQmBlocks; the selected blocks past the cap stay block-major (the
 // lowest-numbered are kept, a deterministic choice). Last, the tile's tokens' entries are counted
-// (count_entries), which then see its qm_base and qm_sel: no count_kernel where there are tiles.
+// (count_entry), which then see its qm_base and qm_sel: no count_kernel where there are tiles.
 __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                  int t0, int tn) {
     extern __shared__ uint32_t count_words[];  // plan.max_blocks bytes, rounded up to words
@@ -157,7 +140,7 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
     if (base < 0) {
         if (threadIdx.x == 0) ws.qm_base[tile] = -1, ws.qm_count[tile] = 0;
         __syncthreads();  // qm_base, for qm_serves
-        count_entries(p, plan, ws, t0, e0, e1);
+        for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) count_entry(p, plan, ws, t0, e);
         return;
     }
     // (1) Selectors per block (a token selects a block once: at most 128 per byte).
@@ -221,13 +204,13 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
         ws.qm_forced[m0 + i] = forced_mask[i];
     }
     __syncthreads();  // qm_base and every qm_sel of the tile (global stores of this CTA), for qm_serves
-    count_entries(p, plan, ws, t0, e0, e1);
+    for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) count_entry(p, plan, ws, t0, e);
 }
 
 // The entries' counts where there are no query-major tiles (qm_prep_kernel counts them otherwise).
 __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
-    const int64_t e0 = (int64_t)blockIdx.x * blockDim.x, all = (int64_t)tn * plan.bm_slots;
-    count_entries(p, plan, ws, t0, e0, e0 + blockDim.x < all ? e0 + blockDim.x : all);
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < (int64_t)tn * plan.bm_slots) count_entry(p, plan, ws, t0, e);
 }
 
 // What block_attend_kernel needs of entry (chunk token tl = t - t0, slot j) reading sparse

@@ -237,7 +237,7 @@ __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& pl
                      __float_as_int(forced ? p.page_bias : 0.0f));
 }
 
-// Each block-major entry's record at its block's offset plus the rank count_kernel gave it. The
+// Each block-major entry's record at its block's offset plus the rank count_entry gave it. The
 // entry's (block, rank) and what its record needs are read together: none depends on another.
 __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, int t0, int tn) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;

@@ -270,7 +270,7 @@ struct Workspace {
     void* bm_part_o;      // [bm_chunk, bm_slots, H, D] normalised partial outputs (T)
     float2* bm_part_ml;   // [bm_chunk, bm_slots, H] max and sum where bm_rank says the entry is
                           // block-major (not cleared: other slots hold stale values); sum 0 = no key
-    int2* bm_rank;        // [bm_chunk, bm_slots] per entry (count_kernel writes each): the physical
+    int2* bm_rank;        // [bm_chunk, bm_slots] per entry (count_entry writes each): the physical
                           // sparse block it reads block-major and its rank among that block's
                           // entries, or (-1, 0): not block-major
     void* bm_scan_temp;   // cub scan scratch

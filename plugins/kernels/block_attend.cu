@@ -985,7 +985,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
                 if (ml[u].y > 0.0f) mx = fmaxf(mx, ml[u].x);
             }
         }
-        const float w_own = own.y > 0.0f ? expf(own.x - mx) : 0.0f;  // weighs the unnormalised row
+        const float w_own = own.y > 0.0f ? partial_scale(own.x, mx) : 0.0f;  // weighs the unnormalised row
         float denom = w_own * own.y;
         int n = 0;
         for (int s = 0; s < plan.bm_slots; ++s) {  // compacted in place: entry n <= s is rewritten after s is read

@@ -19,8 +19,9 @@ __global__ void __launch_bounds__(kWriteWarps * 32, 6) write_kernel(const DashPa
     const int d = p.head_dim, half = d / 2, hkv = p.num_kv_heads;
     const int di = p.index_dim, ihalf = di / 2;
     // cos and sin of each pair's angle once per token (shared by the KV heads; large angles take
-    // the slow path of cosf / sinf, most of the stage's arithmetic), while the token's lookup
-    // loads are in flight: [D / 2] main, then [Di / 2] index, a region a warp.
+    // the slow path of cosf / sinf, most of the stage's arithmetic), after the token's sequence
+    // lookup and before its slot's: [D / 2] main, then [Di / 2] index, a region a warp. The other
+    // warps of the SM (six CTAs of four) cover each warp's waits.
     extern __shared__ float2 cs_all[];
     float2* cs = cs_all + warp * (half + ihalf);
     const int tok = p.coords[t * DASH_NUM_COORDS + DASH_COORD_TOK];

@@ -18,6 +18,7 @@
 // agree bit for bit.
 #include <cuda_pipeline.h>
 
+#include "mma.cuh"
 #include "summarize.cuh"
 #include "token.cuh"
 
@@ -449,6 +450,318 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     }
 }
 
+// ------------------------------------------------------------------ prefill routing on tensor cores
+// Plan::route_mma, in place of route_tile_kernel for a sparse layer's prefill. Two launches a
+// chunk of Plan::route_rows tokens:
+//   route_mma_kernel: every (token, block) product as tf32 MMAs (a CTA per 64 tokens, the
+//     summary rows of their sequence staged 64 at a time), into route_approx, and per token the
+//     largest norm of the rows it was scored against (route_smax);
+//   route_select_kernel: a warp per token. An approximation a of the exact product d (the one
+//     chain of multiply-adds, warp_score_rows) is within eps = kMmaErr |q| max|s| of it: tf32
+//     keeps 11 significant bits (2^-11 relative on each operand; a product 2^-10 at most), the
+//     tensor cores' float accumulation and the chain's add about 128 x 2^-23 more, and
+//     |sum q s| <= |q| |s|; kMmaErr is 2^-7, four times that. So score(d) lies in [score(a - eps),
+//     score(a + eps)] (score_of is monotone). The k-th largest lower bound (here: of the lanes'
+//     maxima, a lower bound of it) is a threshold no selected block's upper bound is below: k
+//     blocks score at least that. Every forced block and every block whose upper bound reaches
+//     the threshold is a candidate; the warp scores those exactly (the chain) and keeps the k
+//     largest keys (merge_chunk). The selection is the top-k of every block's exact key, bit for
+//     bit that of route_tile_kernel and the split routing, with about 2k blocks scored exactly
+//     instead of every one.
+// A sequence with fewer than kMmaMinTokens tokens in a scoring CTA (decode tokens beside a
+// prefill chunk) is not scored there: its tokens' route_smax is +inf, and their warps score
+// every block exactly (each its own, in parallel, instead of one CTA scoring many sequences).
+constexpr int kMmaTokens = 64;   // tokens a scoring CTA (four warps of 16)
+constexpr int kMmaThreads = 128;
+constexpr int kMmaRows = 64;     // summary rows staged at a time (eight n-tiles of 8)
+constexpr int kMmaStride = 132;  // floats a staged row or query: 4 mod 32, so the 32 lanes of a
+                                 // fragment load (8 rows, 4 columns) hit distinct banks
+constexpr int kMmaMaxDim = 128;  // index dims route_mma_kernel holds (Di rounded up to 8)
+constexpr int kMmaMaxTopk = 32;  // route_select_kernel's threshold: the k-th of 32 lanes' maxima
+constexpr int kMmaMinTokens = 8;
+constexpr float kMmaErr = 1.0f / 128.0f;
+constexpr float kMmaErrFloor = 1e-35f;  // flushed subnormal products: 128 x 2^-126 at most
+constexpr float kMmaMaxMag = 1e30f;     // |a| + eps past this: no bound taken (the chain may overflow)
+constexpr int kSelThreads = 256;        // route_select_kernel: a warp a token
+constexpr int kSelWarps = kSelThreads / 32;
+constexpr int kSelKeys = 512;           // exact keys a selecting warp gathers between two merges
+constexpr int kSelCand = 64;            // candidates waiting to be scored: at most 31 + 32
+
+// Dynamic shared memory of route_mma_kernel: the tile's queries and the staged rows (tf32).
+constexpr size_t kMmaSmemBytes = sizeof(float) * 2 * (size_t)kMmaTokens * kMmaStride;
+
+// A selecting warp's shared memory: its token's query [di4] floats, then keys [kSelKeys + topk],
+// best [topk], the waiting candidates' summary indices [kSelCand] and blocks [kSelCand].
+__host__ __device__ constexpr size_t select_warp_bytes(int di4, int topk) {
+    return ((sizeof(float) * (size_t)di4 + sizeof(uint64_t) * ((size_t)kSelKeys + 2 * (size_t)topk + kSelCand) +
+             sizeof(int) * (size_t)kSelCand) + 15) / 16 * 16;
+}
+
+// Bounds of a block's exact score from its approximation a: [score(a - eps), score(a + eps)], or
+// the whole clamped range where a is not finite or too large to bound.
+__device__ __forceinline__ float2 score_bounds(float a, float eps, float inv_sqrt) {
+    if (!(fabsf(a) + eps <= kMmaMaxMag)) return make_float2(score_of(-INFINITY, inv_sqrt), score_of(INFINITY, inv_sqrt));
+    return make_float2(score_of(a - eps, inv_sqrt), score_of(a + eps, inv_sqrt));
+}
+
+// The exact product of a query (iq: [di4] shared floats, zero past Di) with summary row si (-1:
+// unmapped, scored as zeros): warp_score_rows's chain, one multiply-add an element in order.
+__device__ __forceinline__ float exact_dot(const DashParams& p, const float* iq, int di, int di4, int64_t si,
+                                           bool vec) {
+    float acc = 0.0f;
+    if (si >= 0 && vec) {  // Di a multiple of 4 (di4 == di) and rows 16-byte aligned
+        const float4* r4 = reinterpret_cast<const float4*>(p.summary_cache + si * di);
+        const float4* q4 = reinterpret_cast<const float4*>(iq);
+#pragma unroll 8
+        for (int i = 0; i < di4 / 4; ++i) acc = dot_step4(acc, q4[i], __ldg(r4 + i));
+        return acc;
+    }
+    const float* row = si >= 0 ? p.summary_cache + si * di : nullptr;
+    for (int d = 0; d < di4; ++d) acc = __fmaf_rn(iq[d], row != nullptr && d < di ? __ldg(row + d) : 0.0f, acc);
+    return acc;
+}
+
+// Tensor-core scores of chunk tokens [c0, c0 + cn), kMmaTokens a CTA: for each sequence with at
+// least kMmaMinTokens tokens in the tile, its summary rows kMmaRows at a time into shared memory
+// (tf32, and each row's norm), then each warp's 16 tokens x 64 rows as m16n8k8 MMAs over Di
+// (zero-padded to 8), written to route_approx for the blocks each token routes over.
+__global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                int c0, int cn) {
+    extern __shared__ __align__(16) float mma_smem[];
+    float* q_s = mma_smem;                                   // [kMmaTokens][kMmaStride]
+    float* r_s = mma_smem + (size_t)kMmaTokens * kMmaStride;  // [kMmaRows][kMmaStride]
+    __shared__ int s_seq[kMmaTokens], s_n[kMmaTokens], s_lseq[kMmaTokens], s_ln[kMmaTokens], s_nseq;
+    __shared__ unsigned long long s_row[kMmaRows];
+    __shared__ unsigned s_norm;  // float bits of a non-negative maximum (ordered as unsigned)
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int ta = c0 + blockIdx.x * kMmaTokens, tn = min(kMmaTokens, c0 + cn - ta);
+    const int di = p.index_dim, di4 = (di + 3) / 4 * 4, dk = (di + 7) / 8 * 8;
+    if (tid < kMmaTokens) {
+        const int t = ta + tid;
+        const int seq = tid < tn ? ws.token_seq[t] : -1;
+        s_seq[tid] = seq;
+        s_n[tid] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], ws.token_prompt[t]) : 0;
+    }
+    if (tid == 0) s_nseq = 0, s_norm = 0u;
+    __syncthreads();
+    if (tid < kMmaTokens) {  // each sequence once (at its first token), with enough tokens here
+        const int seq = s_seq[tid];
+        bool first = seq >= 0;
+        int cnt = 0, n = 0;
+        for (int i = 0; i < kMmaTokens; ++i) {
+            if (s_seq[i] != seq) continue;
+            first = first && i >= tid;
+            ++cnt;
+            n = max(n, s_n[i]);
+        }
+        if (first && cnt >= kMmaMinTokens) {
+            const int at = atomicAdd(&s_nseq, 1);
+            s_lseq[at] = seq;
+            s_ln[at] = n;
+        }
+        if (tid < tn && cnt < kMmaMinTokens) ws.route_smax[ta - c0 + tid] = INFINITY;
+    }
+    for (int i = tid; i < kMmaTokens * dk; i += kMmaThreads) {  // the queries, tf32, zero past Di
+        const int j = i / dk, d = i - j * dk;
+        const float v = s_seq[j] >= 0 && d < di ? __ldg(ws.iq_rot + (int64_t)(ta + j) * di4 + d) : 0.0f;
+        q_s[j * kMmaStride + d] = __uint_as_float(to_tf32(v));
+    }
+    __syncthreads();
+    const int nseq = s_nseq, g = lane / 4, tq = lane % 4;
+    const bool vec = summary_rows_aligned(p);
+    const float* qw = q_s + warp * 16 * kMmaStride;
+    for (int q = 0; q < nseq; ++q) {
+        const int seq = s_lseq[q], nq = s_ln[q];
+        const int mt = warp * 16 + lane % 16;
+        int wn = s_seq[mt] == seq ? s_n[mt] : 0;  // the most blocks a token of this warp routes over
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) wn = max(wn, __shfl_xor_sync(0xffffffffu, wn, o));
+        float nmax = 0.0f;
+        for (int j0 = 0; j0 < nq; j0 += kMmaRows) {
+            if (tid < kMmaRows) {
+                int64_t si;
+                s_row[tid] = summary_row(p, ws, seq, j0 + tid, nq, si);
+            }
+            __syncthreads();
+            const int pr = dk / 4;  // 16-byte pieces a row
+            for (int c = tid; c < kMmaRows * pr; c += kMmaThreads) {
+                const int r = c / pr, d = 4 * (c - r * pr);
+                const unsigned long long row = s_row[r];
+                float* dst = r_s + r * kMmaStride + d;
+                const float* src = reinterpret_cast<const float*>(row) + d;
+                if (vec && row != 0 && d < di) {
+                    __pipeline_memcpy_async(dst, src, 16);
+                } else {
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (row != 0) {
+                        v.x = d < di ? src[0] : 0.0f;
+                        v.y = d + 1 < di ? src[1] : 0.0f;
+                        v.z = d + 2 < di ? src[2] : 0.0f;
+                        v.w = d + 3 < di ? src[3] : 0.0f;
+                    }
+                    *reinterpret_cast<float4*>(dst) = v;
+                }
+            }
+            __pipeline_commit();
+            __pipeline_wait_prior(0);
+            __syncthreads();
+            {  // each row's norm, then its elements to tf32 in place: two threads a row
+                const int r = tid / 2, h = tid % 2;
+                float ss = 0.0f;
+                for (int d = 4 * h; d < dk; d += 8) {
+                    float4* at = reinterpret_cast<float4*>(r_s + r * kMmaStride + d);
+                    float4 v = *at;
+                    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+                    v.x = __uint_as_float(to_tf32(v.x)), v.y = __uint_as_float(to_tf32(v.y));
+                    v.z = __uint_as_float(to_tf32(v.z)), v.w = __uint_as_float(to_tf32(v.w));
+                    *at = v;
+                }
+                ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+                nmax = fmaxf(nmax, sqrtf(ss));
+            }
+            __syncthreads();
+            if (j0 < wn) {  // warp-uniform: this warp's tokens route over some of these rows
+                float acc[8][4];
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll 4
+                for (int kk = 0; kk < dk / 8; ++kk) {
+                    const int col = kk * 8 + tq;
+                    const uint32_t a[4] = {__float_as_uint(qw[g * kMmaStride + col]),
+                                           __float_as_uint(qw[(g + 8) * kMmaStride + col]),
+                                           __float_as_uint(qw[g * kMmaStride + col + 4]),
+                                           __float_as_uint(qw[(g + 8) * kMmaStride + col + 4])};
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) {
+                        const float* b = r_s + (nt * 8 + g) * kMmaStride + col;
+                        mma1688_tf32(acc[nt], a, __float_as_uint(b[0]), __float_as_uint(b[4]));
+                    }
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int j = warp * 16 + g + 8 * half;
+                    if (s_seq[j] != seq) continue;
+                    const int n = s_n[j];
+                    float* out = ws.route_approx + (int64_t)(ta + j - c0) * plan.route_stride;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) {
+                        const int b = j0 + nt * 8 + 2 * tq;  // even; route_stride is a multiple of 4
+                        if (b + 1 < n) *reinterpret_cast<float2*>(out + b) = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+                        else if (b < n) out[b] = acc[nt][2 * half];
+                    }
+                }
+            }
+            __syncthreads();  // the staged rows and s_row are rewritten next
+        }
+        nmax = warp_max(nmax);
+        if (lane == 0) atomicMax(&s_norm, __float_as_uint(nmax));
+        __syncthreads();
+        if (tid < tn && s_seq[tid] == seq) ws.route_smax[ta - c0 + tid] = __uint_as_float(s_norm);
+        __syncthreads();
+        if (tid == 0) s_norm = 0u;
+    }
+}
+
+// The selection of chunk tokens [c0, c0 + cn) from route_mma_kernel's scores, a warp a token (see
+// above). Also the queries' rotation for the block-major tiles (Plan::rope_routed), as
+// route_tile_kernel does.
+template <typename T>
+__global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashParams p, const Plan plan, Workspace ws,
+                                                                   int c0, int cn) {
+    extern __shared__ __align__(16) unsigned char sel_smem[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, tl = blockIdx.x * kSelWarps + warp;
+    if (tl >= cn) return;
+    const int t = c0 + tl, di = p.index_dim, di4 = (di + 3) / 4 * 4, topk = max(p.topk, 1);
+    unsigned char* mine = sel_smem + (size_t)warp * select_warp_bytes(di4, topk);
+    float* iq = reinterpret_cast<float*>(mine);
+    uint64_t* keys = reinterpret_cast<uint64_t*>(mine + sizeof(float) * (size_t)di4);
+    uint64_t* best = keys + kSelKeys + topk;
+    int64_t* cand_si = reinterpret_cast<int64_t*>(best + topk);
+    int* cand_b = reinterpret_cast<int*>(cand_si + kSelCand);  // block | 1 << 31 where forced
+    if constexpr (sizeof(T) == 2) {
+        if (ws.q_rot != nullptr) {
+            const int64_t row = (int64_t)t * p.num_heads * p.head_dim;
+            warp_rope_rows<T>(static_cast<const T*>(p.q) + row, static_cast<T*>(ws.q_rot) + row,
+                              ws.token_cs + (int64_t)t * (p.head_dim / 2), p.num_heads, p.head_dim, lane);
+        }
+    }
+    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
+    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    const int seq = ws.token_seq[t];
+    const int n = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], ws.token_prompt[t]) : 0;
+    const int k = min(p.topk, n);
+    int count = 0;  // keys in best
+    if (k > 0) {
+        const int qp = p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE];
+        float ss = 0.0f;
+        for (int i = lane; i < di4; i += 32) {
+            const float v = index_query(p, ws, t, i, di4);
+            iq[i] = v;
+            ss = fmaf(v, v, ss);
+        }
+        const float inv_sqrt = index_inv_sqrt(di);
+        const float smax = ws.route_smax[tl], bound = kMmaErr * sqrtf(warp_sum(ss)) * smax;
+        const bool every = !(smax <= kMmaMaxMag) || !(bound <= kMmaMaxMag);  // +inf: not scored on tensor cores
+        const float eps = fmaxf(bound, kMmaErrFloor);
+        const float* approx = ws.route_approx + (int64_t)tl * plan.route_stride;
+        float thr = -INFINITY;
+        if (!every && k <= kMmaMaxTopk) {
+            float lm = -INFINITY;
+            for (int b = lane; b < n; b += 32) lm = fmaxf(lm, score_bounds(approx[b], eps, inv_sqrt).x);
+            int ge = 0;  // lanes whose maximum is at least this lane's: as many blocks score that much
+            for (int o = 0; o < 32; ++o) ge += __shfl_sync(0xffffffffu, lm, o) >= lm ? 1 : 0;
+            thr = warp_max(ge >= k ? lm : -INFINITY);
+        }
+        __syncwarp();  // iq
+        const bool vec = summary_rows_aligned(p);
+        int m = 0, nc = 0;
+        for (int b0 = 0; b0 < n; b0 += 32) {
+            const int b = b0 + lane;
+            bool take = false, f = false;
+            int64_t si = -1;
+            if (b < n) {
+                si = summary_index(p, seq, b, ws.error);
+                f = si >= 0 && forced_block(p, ws, seq, b, block_pages(p, si), qp);
+                take = f || every || !(score_bounds(approx[b], eps, inv_sqrt).y < thr);
+            }
+            const unsigned ballot = __ballot_sync(0xffffffffu, take);
+            if (take) {
+                const int at = nc + __popc(ballot & ((1u << lane) - 1u));
+                cand_si[at] = si;
+                cand_b[at] = b | (f ? (int)0x80000000u : 0);
+            }
+            nc += __popc(ballot);
+            __syncwarp();
+            while (nc >= 32 || (nc > 0 && b0 + 32 >= n)) {  // score 32 (the last: the rest) exactly
+                const int now = min(32, nc), rest = nc - now;
+                if (lane < now) {
+                    const int cb = cand_b[lane];
+                    const float dot = exact_dot(p, iq, di, di4, cand_si[lane], vec);
+                    keys[m + lane] = route_key(score_of(dot, inv_sqrt), cb < 0, cb & 0x7fffffff);
+                }
+                int rb = 0;
+                int64_t rsi = 0;
+                if (lane < rest) rb = cand_b[now + lane], rsi = cand_si[now + lane];
+                __syncwarp();
+                if (lane < rest) cand_b[lane] = rb, cand_si[lane] = rsi;
+                __syncwarp();
+                nc = rest;
+                m += now;
+                if (m + 32 > kSelKeys) {
+                    merge_chunk(keys, m, best, count, k);
+                    m = 0;
+                }
+            }
+        }
+        if (m > 0) merge_chunk(keys, m, best, count, k);
+    }
+    write_selection(plan, best, count, sel, forced, lane, 32);
+    if (p.selected_out != nullptr) {
+        __syncwarp();
+        for (int i = lane; i < plan.kmax; i += 32) p.selected_out[(int64_t)t * plan.kmax + i] = sel[i];
+    }
+}
+
 constexpr int kRankMergeMax = 1024;  // split routing: most candidates merged by a quadratic rank
 
 // A token skipped for bad metadata (flagged): an empty selection, also in selected_out. The
@@ -692,6 +1005,20 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
     }
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         cudaError_t err;
+        if (plan.route_mma) {  // chunks of route_rows tokens: route_approx holds one chunk's scores
+            if ((err = allow_smem(route_mma_kernel, kMmaSmemBytes)) != cudaSuccess) return err;
+            const size_t sel_smem = route_select_smem(p);
+            if ((err = allow_smem(route_select_kernel<T>, sel_smem)) != cudaSuccess) return err;
+            for (int c0 = 0; c0 < p.num_tokens; c0 += plan.route_rows) {
+                const int cn = p.num_tokens - c0 < plan.route_rows ? p.num_tokens - c0 : plan.route_rows;
+                route_mma_kernel<<<(cn + kMmaTokens - 1) / kMmaTokens, kMmaThreads, kMmaSmemBytes, stream>>>(p, plan, ws,
+                                                                                                        c0, cn);
+                route_select_kernel<T><<<(cn + kSelWarps - 1) / kSelWarps, kSelThreads, sel_smem, stream>>>(p, plan, ws,
+                                                                                                         c0, cn);
+                if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            }
+            return cudaSuccess;
+        }
         if (!plan.route_split) {
             if ((err = allow_smem(route_tile_kernel<T>, plan.route_smem)) != cudaSuccess) return err;
             const int tiles = (p.num_tokens + plan.route_tile - 1) / plan.route_tile;
@@ -715,5 +1042,12 @@ int route_split_rows() { return kSplitRows; }
 int route_max_tile() { return kRouteTile; }
 size_t route_tile_stage_bytes() { return sizeof(float) * kTileStageFloats; }
 size_t route_split_stage_bytes() { return kSplitStageBytes; }
+bool route_mma_supported(const DashParams& p) {
+    return !p.dense_layer && p.topk >= 1 && p.topk <= kMmaMaxTopk && p.index_dim <= kMmaMaxDim;
+}
+size_t route_mma_smem() { return kMmaSmemBytes; }
+size_t route_select_smem(const DashParams& p) {
+    return kSelWarps * select_warp_bytes((p.index_dim + 3) / 4 * 4, p.topk > 1 ? p.topk : 1);
+}
 
 }  // namespace dash

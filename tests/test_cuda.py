@@ -232,7 +232,7 @@ def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
 def test_tensor_core_routing_selects_the_exact_top_k(inputs):
     """Plan::route_mma (tf32 scores of every block, then exact scores of the blocks whose error
     bound reaches a token's top-k) selects exactly what scoring every block exactly does
-    (route_mma < 0) and what the split routing does. Two sequences of 1000+ blocks in one call: the
+    (route_mma < 0) and what the split routing does. Two sequences of 900+ blocks in one call: the
     second step's 305 tokens are 300 of the first and 5 of the second, so one 64-token scoring
     tile holds 5 tokens of a sequence (too few: their warps score every block exactly).
     "zero-queries": every score is 0 (every block a candidate, ties to the lower block, several
@@ -249,7 +249,7 @@ def test_tensor_core_routing_selects_the_exact_top_k(inputs):
         elif inputs == "one-loud-block":
             x.ik[400:404] *= 1000
     prompts = [x.length - 300 for x, _ in seqs]
-    assert min(prompts) // 4 > 1000
+    assert min(prompts) // 4 > 900  # blocks: two merges of 512 keys where every block is a candidate
     runs = []
     for plans, tuning in (([[prompts[0], 300], [prompts[1] + 295, 5]], None),
                           ([[prompts[0], 300], [prompts[1] + 295, 5]], cuda.Tuning(route_mma=-1)),

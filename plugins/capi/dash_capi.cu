@@ -185,6 +185,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                              device_cc_major() >= 8 && dash::route_select_smem(p) <= smem_limit ? 1 : 0;
     if (plan.route_mma) {
         plan.route_stride = (plan.max_blocks + 3) / 4 * 4;
+        plan.route_spans = (plan.max_blocks + dash::route_mma_span() - 1) / dash::route_mma_span();
         const size_t rows = kRouteApproxBytes / (sizeof(float) * (size_t)plan.route_stride) / 64 * 64;
         plan.route_rows = (int)std::min<size_t>((size_t)p.num_tokens, std::max<size_t>(64, rows));
     }
@@ -281,7 +282,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
     if (plan.route_split && !p.dense_layer) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
     if (plan.route_mma) {
         take(w.route_approx, sizeof(float) * (size_t)plan.route_rows * plan.route_stride);
-        take(w.route_smax, sizeof(float) * (size_t)plan.route_rows);
+        take(w.route_smax, sizeof(float) * (size_t)plan.route_rows * plan.route_spans);
     }
     if (plan.block_major) {
         const size_t chunk = (size_t)plan.bm_chunk;

@@ -453,29 +453,31 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
 // ------------------------------------------------------------------ prefill routing on tensor cores
 // Plan::route_mma, in place of route_tile_kernel for a sparse layer's prefill. Two launches a
 // chunk of Plan::route_rows tokens:
-//   route_mma_kernel: every (token, block) product as tf32 MMAs (a CTA per 64 tokens, the
-//     summary rows of their sequence staged 64 at a time), into route_approx, and per token the
-//     largest norm of the rows it was scored against (route_smax);
-//   route_select_kernel: a warp per token. An approximation a of the exact product d (the one
+//   route_mma_kernel: every (token, block) product as tf32 MMAs, a CTA per 64 tokens and
+//     kMmaSpan blocks (grid y: Plan::route_spans), the summary rows staged 64 at a time; into
+//     route_approx, +inf where the block is forced for the token (forced_block), and per token
+//     and span the largest norm of the rows scored (route_smax);
+//   route_select_kernel: a warp per token. The approximation a of the exact product d (the one
 //     chain of multiply-adds, warp_score_rows) is within eps = kMmaErr |q| max|s| of it: tf32
 //     keeps 11 significant bits (2^-11 relative on each operand; a product 2^-10 at most), the
 //     tensor cores' float accumulation and the chain's add about 128 x 2^-23 more, and
-//     |sum q s| <= |q| |s|; kMmaErr is 2^-7, four times that. So score(d) lies in [score(a - eps),
-//     score(a + eps)] (score_of is monotone). The k-th largest lower bound (here: of the lanes'
-//     maxima, a lower bound of it) is a threshold no selected block's upper bound is below: k
-//     blocks score at least that. Every forced block and every block whose upper bound reaches
-//     the threshold is a candidate; the warp scores those exactly (the chain) and keeps the k
-//     largest keys (merge_chunk). The selection is the top-k of every block's exact key, bit for
-//     bit that of route_tile_kernel and the split routing, with about 2k blocks scored exactly
-//     instead of every one.
+//     |sum q s| <= |q| |s|; kMmaErr is 2^-7, four times that, which also covers the rounding
+//     of a - eps and a + eps. So score(d) lies in [score(a - eps), score(a + eps)] (score_of is
+//     monotone). k blocks score at least the k-th largest lower bound (here: of the lanes'
+//     maxima, a lower bound of it), so a block whose upper bound is below it is not selected.
+//     Every forced block and every block whose upper bound reaches it is a candidate; the warp
+//     scores those exactly (the chain) and keeps the k largest keys (merge_chunk). The
+//     selection is the top-k of every block's exact key, bit for bit that of route_tile_kernel
+//     and the split routing, with about 2k blocks scored exactly instead of every one.
 // A sequence with fewer than kMmaMinTokens tokens in a scoring CTA (decode tokens beside a
 // prefill chunk) is not scored there: its tokens' route_smax is +inf, and their warps score
 // every block exactly (each its own, in parallel, instead of one CTA scoring many sequences).
 constexpr int kMmaTokens = 64;   // tokens a scoring CTA (four warps of 16)
 constexpr int kMmaThreads = 128;
 constexpr int kMmaRows = 64;     // summary rows staged at a time (eight n-tiles of 8)
-constexpr int kMmaStride = 132;  // floats a staged row or query: 4 mod 32, so the 32 lanes of a
-                                 // fragment load (8 rows, 4 columns) hit distinct banks
+constexpr int kMmaSpan = 256;    // blocks a scoring CTA (four stagings)
+constexpr int kMmaStride = 132;  // floats a staged row: 4 mod 32, so the 32 lanes of a fragment
+                                 // load (8 rows, 4 columns) hit distinct banks
 constexpr int kMmaMaxDim = 128;  // index dims route_mma_kernel holds (Di rounded up to 8)
 constexpr int kMmaMaxTopk = 32;  // route_select_kernel's threshold: the k-th of 32 lanes' maxima
 constexpr int kMmaMinTokens = 8;
@@ -486,19 +488,17 @@ constexpr int kSelThreads = 256;        // route_select_kernel: a warp a token
 constexpr int kSelWarps = kSelThreads / 32;
 constexpr int kSelKeys = 512;           // exact keys a selecting warp gathers between two merges
 constexpr int kSelCand = 64;            // candidates waiting to be scored: at most 31 + 32
-
-// Dynamic shared memory of route_mma_kernel: the tile's queries and the staged rows (tf32).
-constexpr size_t kMmaSmemBytes = sizeof(float) * 2 * (size_t)kMmaTokens * kMmaStride;
+constexpr int kSelBatch = 4;            // rounds of 32 blocks whose scores a selecting warp loads at once
 
 // A selecting warp's shared memory: its token's query [di4] floats, then keys [kSelKeys + topk],
-// best [topk], the waiting candidates' summary indices [kSelCand] and blocks [kSelCand].
+// best [topk] and the waiting candidates' blocks [kSelCand].
 __host__ __device__ constexpr size_t select_warp_bytes(int di4, int topk) {
-    return ((sizeof(float) * (size_t)di4 + sizeof(uint64_t) * ((size_t)kSelKeys + 2 * (size_t)topk + kSelCand) +
-             sizeof(int) * (size_t)kSelCand) + 15) / 16 * 16;
+    return (sizeof(float) * (size_t)di4 + sizeof(uint64_t) * ((size_t)kSelKeys + 2 * (size_t)topk) +
+            sizeof(int) * (size_t)kSelCand + 15) / 16 * 16;
 }
 
 // Bounds of a block's exact score from its approximation a: [score(a - eps), score(a + eps)], or
-// the whole clamped range where a is not finite or too large to bound.
+// the whole clamped range where a is not finite (+inf: a forced block) or too large to bound.
 __device__ __forceinline__ float2 score_bounds(float a, float eps, float inv_sqrt) {
     if (!(fabsf(a) + eps <= kMmaMaxMag)) return make_float2(score_of(-INFINITY, inv_sqrt), score_of(INFINITY, inv_sqrt));
     return make_float2(score_of(a - eps, inv_sqrt), score_of(a + eps, inv_sqrt));
@@ -521,29 +521,33 @@ __device__ __forceinline__ float exact_dot(const DashParams& p, const float* iq,
     return acc;
 }
 
-// Tensor-core scores of chunk tokens [c0, c0 + cn), kMmaTokens a CTA: for each sequence with at
-// least kMmaMinTokens tokens in the tile, its summary rows kMmaRows at a time into shared memory
-// (tf32, and each row's norm), then each warp's 16 tokens x 64 rows as m16n8k8 MMAs over Di
-// (zero-padded to 8), written to route_approx for the blocks each token routes over.
+// Tensor-core scores of chunk tokens [c0, c0 + cn), kMmaTokens a CTA, blocks [y kMmaSpan, (y + 1)
+// kMmaSpan) (y = blockIdx.y): for each sequence with at least kMmaMinTokens tokens in the tile,
+// its summary rows kMmaRows at a time into shared memory (tf32, and each row's norm), then each
+// warp's 16 tokens (A fragments in registers) x 64 rows as m16n8k8 MMAs over Di (zero-padded to
+// 8), written to route_approx for the blocks each token routes over (+inf where forced).
 __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                 int c0, int cn) {
-    extern __shared__ __align__(16) float mma_smem[];
-    float* q_s = mma_smem;                                   // [kMmaTokens][kMmaStride]
-    float* r_s = mma_smem + (size_t)kMmaTokens * kMmaStride;  // [kMmaRows][kMmaStride]
-    __shared__ int s_seq[kMmaTokens], s_n[kMmaTokens], s_lseq[kMmaTokens], s_ln[kMmaTokens], s_nseq;
+    __shared__ __align__(16) float r_s[kMmaRows * kMmaStride];
+    __shared__ int s_seq[kMmaTokens], s_n[kMmaTokens], s_qp[kMmaTokens], s_lseq[kMmaTokens], s_ln[kMmaTokens];
+    __shared__ int s_nseq, s_work;
     __shared__ unsigned long long s_row[kMmaRows];
+    __shared__ BlockPages s_pg[kMmaRows];
     __shared__ unsigned s_norm;  // float bits of a non-negative maximum (ordered as unsigned)
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, tq = lane % 4;
     const int ta = c0 + blockIdx.x * kMmaTokens, tn = min(kMmaTokens, c0 + cn - ta);
+    const int jb = blockIdx.y * kMmaSpan, spans = plan.route_spans;
     const int di = p.index_dim, di4 = (di + 3) / 4 * 4, dk = (di + 7) / 8 * 8;
     if (tid < kMmaTokens) {
         const int t = ta + tid;
         const int seq = tid < tn ? ws.token_seq[t] : -1;
         s_seq[tid] = seq;
         s_n[tid] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], ws.token_prompt[t]) : 0;
+        s_qp[tid] = tid < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
-    if (tid == 0) s_nseq = 0, s_norm = 0u;
+    if (tid == 0) s_nseq = 0, s_work = 0, s_norm = 0u;
     __syncthreads();
+    float* smax = ws.route_smax + (int64_t)(ta - c0) * spans + blockIdx.y;
     if (tid < kMmaTokens) {  // each sequence once (at its first token), with enough tokens here
         const int seq = s_seq[tid];
         bool first = seq >= 0;
@@ -558,29 +562,47 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
             const int at = atomicAdd(&s_nseq, 1);
             s_lseq[at] = seq;
             s_ln[at] = n;
+            if (n > jb) s_work = 1;
         }
-        if (tid < tn && cnt < kMmaMinTokens) ws.route_smax[ta - c0 + tid] = INFINITY;
-    }
-    for (int i = tid; i < kMmaTokens * dk; i += kMmaThreads) {  // the queries, tf32, zero past Di
-        const int j = i / dk, d = i - j * dk;
-        const float v = s_seq[j] >= 0 && d < di ? __ldg(ws.iq_rot + (int64_t)(ta + j) * di4 + d) : 0.0f;
-        q_s[j * kMmaStride + d] = __uint_as_float(to_tf32(v));
+        if (tid < tn && cnt < kMmaMinTokens) smax[(int64_t)tid * spans] = INFINITY;
     }
     __syncthreads();
-    const int nseq = s_nseq, g = lane / 4, tq = lane % 4;
+    const int nseq = s_nseq;
+    if (!s_work) {  // no listed sequence reaches this span: nothing to score here
+        for (int i = tid; i < tn; i += kMmaThreads)
+            if (s_seq[i] >= 0 && s_nseq > 0)
+                for (int q = 0; q < nseq; ++q)
+                    if (s_lseq[q] == s_seq[i]) smax[(int64_t)i * spans] = 0.0f;
+        return;
+    }
+    // This warp's 16 queries as tf32 A fragments (rows g and g + 8), zero past Di.
+    uint32_t a[kMmaMaxDim / 8][4];
+    {
+        const int jl = warp * 16 + g, jh = jl + 8;
+        const float* ql = s_seq[jl] >= 0 ? ws.iq_rot + (int64_t)(ta + jl) * di4 : nullptr;
+        const float* qh = s_seq[jh] >= 0 ? ws.iq_rot + (int64_t)(ta + jh) * di4 : nullptr;
+#pragma unroll
+        for (int kk = 0; kk < kMmaMaxDim / 8; ++kk) {
+            const int c = kk * 8 + tq;
+            a[kk][0] = to_tf32(ql != nullptr && c < di ? __ldg(ql + c) : 0.0f);
+            a[kk][1] = to_tf32(qh != nullptr && c < di ? __ldg(qh + c) : 0.0f);
+            a[kk][2] = to_tf32(ql != nullptr && c + 4 < di ? __ldg(ql + c + 4) : 0.0f);
+            a[kk][3] = to_tf32(qh != nullptr && c + 4 < di ? __ldg(qh + c + 4) : 0.0f);
+        }
+    }
     const bool vec = summary_rows_aligned(p);
-    const float* qw = q_s + warp * 16 * kMmaStride;
     for (int q = 0; q < nseq; ++q) {
-        const int seq = s_lseq[q], nq = s_ln[q];
+        const int seq = s_lseq[q], nq = s_ln[q], jend = min(nq, jb + kMmaSpan);
         const int mt = warp * 16 + lane % 16;
         int wn = s_seq[mt] == seq ? s_n[mt] : 0;  // the most blocks a token of this warp routes over
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) wn = max(wn, __shfl_xor_sync(0xffffffffu, wn, o));
         float nmax = 0.0f;
-        for (int j0 = 0; j0 < nq; j0 += kMmaRows) {
+        for (int j0 = jb; j0 < jend; j0 += kMmaRows) {
             if (tid < kMmaRows) {
                 int64_t si;
-                s_row[tid] = summary_row(p, ws, seq, j0 + tid, nq, si);
+                s_row[tid] = summary_row(p, ws, seq, j0 + tid, jend, si);
+                s_pg[tid] = si >= 0 ? block_pages(p, si) : BlockPages{0, -1, 0};
             }
             __syncthreads();
             const int pr = dk / 4;  // 16-byte pieces a row
@@ -624,39 +646,42 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
                 float acc[8][4];
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll 4
-                for (int kk = 0; kk < dk / 8; ++kk) {
-                    const int col = kk * 8 + tq;
-                    const uint32_t a[4] = {__float_as_uint(qw[g * kMmaStride + col]),
-                                           __float_as_uint(qw[(g + 8) * kMmaStride + col]),
-                                           __float_as_uint(qw[g * kMmaStride + col + 4]),
-                                           __float_as_uint(qw[(g + 8) * kMmaStride + col + 4])};
+#pragma unroll
+                for (int kk = 0; kk < kMmaMaxDim / 8; ++kk) {
+                    if (kk * 8 >= dk) break;
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt) {
-                        const float* b = r_s + (nt * 8 + g) * kMmaStride + col;
-                        mma1688_tf32(acc[nt], a, __float_as_uint(b[0]), __float_as_uint(b[4]));
+                        const float* b = r_s + (nt * 8 + g) * kMmaStride + kk * 8 + tq;
+                        mma1688_tf32(acc[nt], a[kk], __float_as_uint(b[0]), __float_as_uint(b[4]));
                     }
                 }
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int j = warp * 16 + g + 8 * half;
                     if (s_seq[j] != seq) continue;
-                    const int n = s_n[j];
+                    const int n = s_n[j], qp = s_qp[j];
                     float* out = ws.route_approx + (int64_t)(ta + j - c0) * plan.route_stride;
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt) {
-                        const int b = j0 + nt * 8 + 2 * tq;  // even; route_stride is a multiple of 4
-                        if (b + 1 < n) *reinterpret_cast<float2*>(out + b) = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
-                        else if (b < n) out[b] = acc[nt][2 * half];
+                        const int r = nt * 8 + 2 * tq, b = j0 + r;  // even; route_stride is a multiple of 4
+                        if (b >= n) continue;
+                        float2 v = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+                        if (forced_block(p, ws, seq, b, s_pg[r], qp)) v.x = INFINITY;
+                        if (b + 1 < n) {
+                            if (forced_block(p, ws, seq, b + 1, s_pg[r + 1], qp)) v.y = INFINITY;
+                            *reinterpret_cast<float2*>(out + b) = v;
+                        } else {
+                            out[b] = v.x;
+                        }
                     }
                 }
             }
-            __syncthreads();  // the staged rows and s_row are rewritten next
+            __syncthreads();  // the staged rows, s_row and s_pg are rewritten next
         }
         nmax = warp_max(nmax);
         if (lane == 0) atomicMax(&s_norm, __float_as_uint(nmax));
         __syncthreads();
-        if (tid < tn && s_seq[tid] == seq) ws.route_smax[ta - c0 + tid] = __uint_as_float(s_norm);
+        if (tid < tn && s_seq[tid] == seq) smax[(int64_t)tid * spans] = __uint_as_float(s_norm);
         __syncthreads();
         if (tid == 0) s_norm = 0u;
     }
@@ -676,8 +701,7 @@ __global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashPar
     float* iq = reinterpret_cast<float*>(mine);
     uint64_t* keys = reinterpret_cast<uint64_t*>(mine + sizeof(float) * (size_t)di4);
     uint64_t* best = keys + kSelKeys + topk;
-    int64_t* cand_si = reinterpret_cast<int64_t*>(best + topk);
-    int* cand_b = reinterpret_cast<int*>(cand_si + kSelCand);  // block | 1 << 31 where forced
+    int* cand = reinterpret_cast<int*>(best + topk);
     if constexpr (sizeof(T) == 2) {
         if (ws.q_rot != nullptr) {
             const int64_t row = (int64_t)t * p.num_heads * p.head_dim;
@@ -699,15 +723,25 @@ __global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashPar
             iq[i] = v;
             ss = fmaf(v, v, ss);
         }
-        const float inv_sqrt = index_inv_sqrt(di);
-        const float smax = ws.route_smax[tl], bound = kMmaErr * sqrtf(warp_sum(ss)) * smax;
+        float smax = 0.0f;
+        for (int y = 0; y < plan.route_spans; ++y) smax = fmaxf(smax, ws.route_smax[(int64_t)tl * plan.route_spans + y]);
+        const float inv_sqrt = index_inv_sqrt(di), bound = kMmaErr * sqrtf(warp_sum(ss)) * smax;
         const bool every = !(smax <= kMmaMaxMag) || !(bound <= kMmaMaxMag);  // +inf: not scored on tensor cores
         const float eps = fmaxf(bound, kMmaErrFloor);
         const float* approx = ws.route_approx + (int64_t)tl * plan.route_stride;
         float thr = -INFINITY;
         if (!every && k <= kMmaMaxTopk) {
             float lm = -INFINITY;
-            for (int b = lane; b < n; b += 32) lm = fmaxf(lm, score_bounds(approx[b], eps, inv_sqrt).x);
+            for (int b0 = 0; b0 < n; b0 += 32 * kSelBatch) {
+                float av[kSelBatch];
+#pragma unroll
+                for (int i = 0; i < kSelBatch; ++i) {
+                    const int b = b0 + 32 * i + lane;
+                    av[i] = b < n ? approx[b] : INFINITY;  // +inf: no lower bound
+                }
+#pragma unroll
+                for (int i = 0; i < kSelBatch; ++i) lm = fmaxf(lm, score_bounds(av[i], eps, inv_sqrt).x);
+            }
             int ge = 0;  // lanes whose maximum is at least this lane's: as many blocks score that much
             for (int o = 0; o < 32; ++o) ge += __shfl_sync(0xffffffffu, lm, o) >= lm ? 1 : 0;
             thr = warp_max(ge >= k ? lm : -INFINITY);
@@ -715,41 +749,40 @@ __global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashPar
         __syncwarp();  // iq
         const bool vec = summary_rows_aligned(p);
         int m = 0, nc = 0;
-        for (int b0 = 0; b0 < n; b0 += 32) {
-            const int b = b0 + lane;
-            bool take = false, f = false;
-            int64_t si = -1;
-            if (b < n) {
-                si = summary_index(p, seq, b, ws.error);
-                f = si >= 0 && forced_block(p, ws, seq, b, block_pages(p, si), qp);
-                take = f || every || !(score_bounds(approx[b], eps, inv_sqrt).y < thr);
+        for (int b1 = 0; b1 < n; b1 += 32 * kSelBatch) {
+            float av[kSelBatch];
+#pragma unroll
+            for (int i = 0; i < kSelBatch; ++i) {
+                const int b = b1 + 32 * i + lane;
+                av[i] = every || b >= n ? 0.0f : approx[b];
             }
-            const unsigned ballot = __ballot_sync(0xffffffffu, take);
-            if (take) {
-                const int at = nc + __popc(ballot & ((1u << lane) - 1u));
-                cand_si[at] = si;
-                cand_b[at] = b | (f ? (int)0x80000000u : 0);
-            }
-            nc += __popc(ballot);
-            __syncwarp();
-            while (nc >= 32 || (nc > 0 && b0 + 32 >= n)) {  // score 32 (the last: the rest) exactly
-                const int now = min(32, nc), rest = nc - now;
-                if (lane < now) {
-                    const int cb = cand_b[lane];
-                    const float dot = exact_dot(p, iq, di, di4, cand_si[lane], vec);
-                    keys[m + lane] = route_key(score_of(dot, inv_sqrt), cb < 0, cb & 0x7fffffff);
-                }
-                int rb = 0;
-                int64_t rsi = 0;
-                if (lane < rest) rb = cand_b[now + lane], rsi = cand_si[now + lane];
+#pragma unroll
+            for (int i = 0; i < kSelBatch; ++i) {
+                const int b0 = b1 + 32 * i, b = b0 + lane;
+                if (b0 >= n) break;
+                const bool take = b < n && (every || !(score_bounds(av[i], eps, inv_sqrt).y < thr));
+                const unsigned ballot = __ballot_sync(0xffffffffu, take);
+                if (take) cand[nc + __popc(ballot & ((1u << lane) - 1u))] = b;
+                nc += __popc(ballot);
                 __syncwarp();
-                if (lane < rest) cand_b[lane] = rb, cand_si[lane] = rsi;
-                __syncwarp();
-                nc = rest;
-                m += now;
-                if (m + 32 > kSelKeys) {
-                    merge_chunk(keys, m, best, count, k);
-                    m = 0;
+                while (nc >= 32 || (nc > 0 && b0 + 32 >= n)) {  // score 32 (the last: the rest) exactly
+                    const int now = min(32, nc), rest = nc - now;
+                    if (lane < now) {
+                        const int cb = cand[lane];
+                        const int64_t si = summary_index(p, seq, cb, ws.error);
+                        const bool f = si >= 0 && forced_block(p, ws, seq, cb, block_pages(p, si), qp);
+                        keys[m + lane] = route_key(score_of(exact_dot(p, iq, di, di4, si, vec), inv_sqrt), f, cb);
+                    }
+                    const int rb = lane < rest ? cand[now + lane] : 0;
+                    __syncwarp();
+                    if (lane < rest) cand[lane] = rb;
+                    __syncwarp();
+                    nc = rest;
+                    m += now;
+                    if (m + 32 > kSelKeys) {
+                        merge_chunk(keys, m, best, count, k);
+                        m = 0;
+                    }
                 }
             }
         }
@@ -1006,13 +1039,12 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
     return DASH_DISPATCH_DTYPE(p.dtype, T, [&] {
         cudaError_t err;
         if (plan.route_mma) {  // chunks of route_rows tokens: route_approx holds one chunk's scores
-            if ((err = allow_smem(route_mma_kernel, kMmaSmemBytes)) != cudaSuccess) return err;
             const size_t sel_smem = route_select_smem(p);
             if ((err = allow_smem(route_select_kernel<T>, sel_smem)) != cudaSuccess) return err;
             for (int c0 = 0; c0 < p.num_tokens; c0 += plan.route_rows) {
                 const int cn = p.num_tokens - c0 < plan.route_rows ? p.num_tokens - c0 : plan.route_rows;
-                route_mma_kernel<<<(cn + kMmaTokens - 1) / kMmaTokens, kMmaThreads, kMmaSmemBytes, stream>>>(p, plan, ws,
-                                                                                                        c0, cn);
+                route_mma_kernel<<<dim3((cn + kMmaTokens - 1) / kMmaTokens, plan.route_spans), kMmaThreads, 0, stream>>>(
+                    p, plan, ws, c0, cn);
                 route_select_kernel<T><<<(cn + kSelWarps - 1) / kSelWarps, kSelThreads, sel_smem, stream>>>(p, plan, ws,
                                                                                                          c0, cn);
                 if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -1045,7 +1077,7 @@ size_t route_split_stage_bytes() { return kSplitStageBytes; }
 bool route_mma_supported(const DashParams& p) {
     return !p.dense_layer && p.topk >= 1 && p.topk <= kMmaMaxTopk && p.index_dim <= kMmaMaxDim;
 }
-size_t route_mma_smem() { return kMmaSmemBytes; }
+int route_mma_span() { return kMmaSpan; }
 size_t route_select_smem(const DashParams& p) {
     return kSelWarps * select_warp_bytes((p.index_dim + 3) / 4 * 4, p.topk > 1 ? p.topk : 1);
 }

@@ -282,7 +282,8 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
     if (plan.route_split && !p.dense_layer) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
     if (plan.route_mma) {
         take(w.route_approx, sizeof(float) * (size_t)plan.route_rows * plan.route_stride);
-        take(w.route_smax, sizeof(float) * (size_t)plan.route_rows * plan.route_spans);
+        take(w.route_skip, (size_t)plan.route_rows);
+        take(w.route_seq_smax, sizeof(float) * (size_t)p.num_seqs);
     }
     if (plan.block_major) {
         const size_t chunk = (size_t)plan.bm_chunk;

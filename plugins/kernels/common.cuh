@@ -258,9 +258,9 @@ struct Workspace {
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     float* route_approx;  // [route_rows, route_stride] tensor-core scores of a routing chunk's tokens
                           // and blocks (Plan::route_mma; route.cu's route_mma_kernel)
-    float* route_smax;    // [route_rows, route_spans] the largest norm of the summary rows scored for
-                          // the token by each span's CTA (+inf: not scored on tensor cores; its
-                          // selection scores every block)
+    uint8_t* route_skip;  // [route_rows] 1: the token was not scored on tensor cores (its selection
+                          // scores every block exactly)
+    float* route_seq_smax;// [B] the largest norm of the summary rows the sequence's tokens route over
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts

@@ -451,27 +451,29 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
 }
 
 // ------------------------------------------------------------------ prefill routing on tensor cores
-// Plan::route_mma, in place of route_tile_kernel for a sparse layer's prefill. Two launches a
-// chunk of Plan::route_rows tokens:
+// Plan::route_mma, in place of route_tile_kernel for a sparse layer's prefill:
+//   route_norm_kernel (once a call): the largest norm of each sequence's summary rows that any
+//     of its tokens routes over (route_seq_smax);
+//   then a chunk of Plan::route_rows tokens at a time:
 //   route_mma_kernel: every (token, block) product as tf32 MMAs, a CTA per 64 tokens and
-//     kMmaSpan blocks (grid y: Plan::route_spans), the summary rows staged 64 at a time; into
-//     route_approx, +inf where the block is forced for the token (forced_block), and per token
-//     and span the largest norm of the rows scored (route_smax);
+//     kMmaSpan blocks (grid y: Plan::route_spans), the summary rows staged 64 at a time, into
+//     route_approx; +inf where the block's page range holds the token's page (every forced block
+//     among them);
 //   route_select_kernel: a warp per token. The approximation a of the exact product d (the one
 //     chain of multiply-adds, warp_score_rows) is within eps = kMmaErr |q| max|s| of it: tf32
 //     keeps 11 significant bits (2^-11 relative on each operand; a product 2^-10 at most), the
 //     tensor cores' float accumulation and the chain's add about 128 x 2^-23 more, and
-//     |sum q s| <= |q| |s|; kMmaErr is 2^-7, four times that, which also covers the rounding
-//     of a - eps and a + eps. So score(d) lies in [score(a - eps), score(a + eps)] (score_of is
-//     monotone). k blocks score at least the k-th largest lower bound (here: of the lanes'
-//     maxima, a lower bound of it), so a block whose upper bound is below it is not selected.
-//     Every forced block and every block whose upper bound reaches it is a candidate; the warp
-//     scores those exactly (the chain) and keeps the k largest keys (merge_chunk). The
-//     selection is the top-k of every block's exact key, bit for bit that of route_tile_kernel
-//     and the split routing, with about 2k blocks scored exactly instead of every one.
+//     |sum q s| <= |q| |s|; kMmaErr is 2^-7, four times that. With Ta the k-th largest of the
+//     lanes' largest finite a (k blocks have a >= Ta, so d >= Ta - eps), a block with
+//     a < Ta - 2.5 eps - 2^-18 |Ta| has d below all k by more than the rounding of score_of, so
+//     a strictly lower score, and is not selected (where the scores at Ta are not clamped).
+//     Every other block (the +inf ones included) is a candidate: the warp scores those exactly
+//     (the chain, the forced test) and keeps the k largest keys (merge_chunk). The selection is
+//     the top-k of every block's exact key, bit for bit that of route_tile_kernel and the split
+//     routing, with about 2k blocks scored exactly instead of every one.
 // A sequence with fewer than kMmaMinTokens tokens in a scoring CTA (decode tokens beside a
-// prefill chunk) is not scored there: its tokens' route_smax is +inf, and their warps score
-// every block exactly (each its own, in parallel, instead of one CTA scoring many sequences).
+// prefill chunk) is not scored there (route_skip): their warps score every block exactly, each
+// its own, in parallel, instead of one CTA scoring many sequences.
 constexpr int kMmaTokens = 64;   // tokens a scoring CTA (four warps of 16)
 constexpr int kMmaThreads = 128;
 constexpr int kMmaRows = 64;     // summary rows staged at a time (eight n-tiles of 8)
@@ -483,7 +485,8 @@ constexpr int kMmaMaxTopk = 32;  // route_select_kernel's threshold: the k-th of
 constexpr int kMmaMinTokens = 8;
 constexpr float kMmaErr = 1.0f / 128.0f;
 constexpr float kMmaErrFloor = 1e-35f;  // flushed subnormal products: 128 x 2^-126 at most
-constexpr float kMmaMaxMag = 1e30f;     // |a| + eps past this: no bound taken (the chain may overflow)
+constexpr float kMmaMaxMag = 1e30f;     // |a| past this: no bound taken (the chain may overflow)
+constexpr int kNormThreads = 256;       // route_norm_kernel: a thread a row
 constexpr int kSelThreads = 256;        // route_select_kernel: a warp a token
 constexpr int kSelWarps = kSelThreads / 32;
 constexpr int kSelKeys = 512;           // exact keys a selecting warp gathers between two merges
@@ -497,11 +500,34 @@ __host__ __device__ constexpr size_t select_warp_bytes(int di4, int topk) {
             sizeof(int) * (size_t)kSelCand + 15) / 16 * 16;
 }
 
-// Bounds of a block's exact score from its approximation a: [score(a - eps), score(a + eps)], or
-// the whole clamped range where a is not finite (+inf: a forced block) or too large to bound.
-__device__ __forceinline__ float2 score_bounds(float a, float eps, float inv_sqrt) {
-    if (!(fabsf(a) + eps <= kMmaMaxMag)) return make_float2(score_of(-INFINITY, inv_sqrt), score_of(INFINITY, inv_sqrt));
-    return make_float2(score_of(a - eps, inv_sqrt), score_of(a + eps, inv_sqrt));
+// The most remote blocks a token of sequence seq routes over in this call: its last token's.
+__device__ __forceinline__ int seq_remote_blocks(const DashParams& p, const Plan& plan, int seq) {
+    const int len = p.seq_lens[seq];
+    return len > 0 ? remote_blocks(p, plan, len - 1, p.prompt_lens[seq]) : 0;
+}
+
+// route_seq_smax[seq] (zeroed before): the largest norm of the summary rows of blocks
+// [y kMmaSpan, (y + 1) kMmaSpan) that sequence seq = blockIdx.x routes over, a thread a row (an
+// unmapped row is skipped here; the scoring flags it). Non-finite rows give +inf or NaN, which
+// send the sequence's tokens to exact scoring.
+__global__ void __launch_bounds__(kNormThreads) route_norm_kernel(const DashParams p, const Plan plan, Workspace ws) {
+    const int seq = blockIdx.x, b = blockIdx.y * kMmaSpan + threadIdx.x;
+    float nrm = 0.0f;
+    if (threadIdx.x < kMmaSpan && b < seq_remote_blocks(p, plan, seq)) {
+        const int32_t phys = table_entry(p, seq, b * p.sparse_block_size);
+        if (phys != kNoEntry && phys >= 0 && phys < p.num_blocks) {
+            const int64_t slot = (int64_t)phys * p.block_size + (b * p.sparse_block_size) % p.block_size;
+            const int per = p.block_size / p.sparse_block_size;
+            const float* row = p.summary_cache + ((slot / p.block_size) * per + (slot % p.block_size) / p.sparse_block_size) *
+                                                     p.index_dim;
+            float ss = 0.0f;
+            for (int d = 0; d < p.index_dim; ++d) ss = fmaf(row[d], row[d], ss);
+            nrm = sqrtf(ss);
+        }
+    }
+    nrm = warp_max(nrm);
+    if (threadIdx.x % 32 == 0 && nrm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(ws.route_seq_smax) + seq, __float_as_uint(nrm));
+    if (threadIdx.x % 32 == 0 && nrm != nrm) atomicMax(reinterpret_cast<unsigned*>(ws.route_seq_smax) + seq, 0x7fc00000u);
 }
 
 // The exact product of a query (iq: [di4] shared floats, zero past Di) with summary row si (-1:
@@ -523,20 +549,20 @@ __device__ __forceinline__ float exact_dot(const DashParams& p, const float* iq,
 
 // Tensor-core scores of chunk tokens [c0, c0 + cn), kMmaTokens a CTA, blocks [y kMmaSpan, (y + 1)
 // kMmaSpan) (y = blockIdx.y): for each sequence with at least kMmaMinTokens tokens in the tile,
-// its summary rows kMmaRows at a time into shared memory (tf32, and each row's norm), then each
-// warp's 16 tokens (A fragments in registers) x 64 rows as m16n8k8 MMAs over Di (zero-padded to
-// 8), written to route_approx for the blocks each token routes over (+inf where forced).
-__global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams p, const Plan plan, Workspace ws,
+// its summary rows kMmaRows at a time into shared memory (tf32; the next rows' addresses and
+// page ranges looked up meanwhile), then each warp's 16 tokens (A fragments in registers) x 64
+// rows as m16n8k8 MMAs over Di (zero-padded to 8), written to route_approx for the blocks each
+// token routes over (+inf where the block's page range holds the token's page).
+__global__ void __launch_bounds__(kMmaThreads, 4) route_mma_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                 int c0, int cn) {
     __shared__ __align__(16) float r_s[kMmaRows * kMmaStride];
     __shared__ int s_seq[kMmaTokens], s_n[kMmaTokens], s_qp[kMmaTokens], s_lseq[kMmaTokens], s_ln[kMmaTokens];
     __shared__ int s_nseq, s_work;
-    __shared__ unsigned long long s_row[kMmaRows];
-    __shared__ BlockPages s_pg[kMmaRows];
-    __shared__ unsigned s_norm;  // float bits of a non-negative maximum (ordered as unsigned)
+    __shared__ unsigned long long s_row[2][kMmaRows];
+    __shared__ int2 s_pg[2][kMmaRows];  // page range (lo, hi); hi < lo: none
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, tq = lane % 4;
     const int ta = c0 + blockIdx.x * kMmaTokens, tn = min(kMmaTokens, c0 + cn - ta);
-    const int jb = blockIdx.y * kMmaSpan, spans = plan.route_spans;
+    const int jb = blockIdx.y * kMmaSpan;
     const int di = p.index_dim, di4 = (di + 3) / 4 * 4, dk = (di + 7) / 8 * 8;
     if (tid < kMmaTokens) {
         const int t = ta + tid;
@@ -545,9 +571,8 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
         s_n[tid] = seq >= 0 ? remote_blocks(p, plan, ws.token_pos[t], ws.token_prompt[t]) : 0;
         s_qp[tid] = tid < tn ? p.coords[t * DASH_NUM_COORDS + DASH_COORD_QUERY_PAGE] : -1;
     }
-    if (tid == 0) s_nseq = 0, s_work = 0, s_norm = 0u;
+    if (tid == 0) s_nseq = 0, s_work = 0;
     __syncthreads();
-    float* smax = ws.route_smax + (int64_t)(ta - c0) * spans + blockIdx.y;
     if (tid < kMmaTokens) {  // each sequence once (at its first token), with enough tokens here
         const int seq = s_seq[tid];
         bool first = seq >= 0;
@@ -564,17 +589,11 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
             s_ln[at] = n;
             if (n > jb) s_work = 1;
         }
-        if (tid < tn && cnt < kMmaMinTokens) smax[(int64_t)tid * spans] = INFINITY;
+        if (blockIdx.y == 0 && tid < tn) ws.route_skip[ta - c0 + tid] = cnt < kMmaMinTokens ? 1 : 0;
     }
     __syncthreads();
+    if (!s_work) return;  // no listed sequence reaches this span
     const int nseq = s_nseq;
-    if (!s_work) {  // no listed sequence reaches this span: nothing to score here
-        for (int i = tid; i < tn; i += kMmaThreads)
-            if (s_seq[i] >= 0 && s_nseq > 0)
-                for (int q = 0; q < nseq; ++q)
-                    if (s_lseq[q] == s_seq[i]) smax[(int64_t)i * spans] = 0.0f;
-        return;
-    }
     // This warp's 16 queries as tf32 A fragments (rows g and g + 8), zero past Di.
     uint32_t a[kMmaMaxDim / 8][4];
     {
@@ -591,24 +610,32 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
         }
     }
     const bool vec = summary_rows_aligned(p);
+    // Stage j's row addresses and page ranges into buffer `buf` (threads < kMmaRows; rows past
+    // jend are absent).
+    auto lookup = [&](int seq, int j0, int jend, int buf) {
+        if (tid < kMmaRows) {
+            int64_t si;
+            s_row[buf][tid] = summary_row(p, ws, seq, j0 + tid, jend, si);
+            const BlockPages pg = si >= 0 ? block_pages(p, si) : BlockPages{0, -1, 0};
+            s_pg[buf][tid] = make_int2(pg.lo, pg.hi);
+        }
+    };
     for (int q = 0; q < nseq; ++q) {
         const int seq = s_lseq[q], nq = s_ln[q], jend = min(nq, jb + kMmaSpan);
+        if (jend <= jb) continue;  // uniform
         const int mt = warp * 16 + lane % 16;
         int wn = s_seq[mt] == seq ? s_n[mt] : 0;  // the most blocks a token of this warp routes over
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) wn = max(wn, __shfl_xor_sync(0xffffffffu, wn, o));
-        float nmax = 0.0f;
-        for (int j0 = jb; j0 < jend; j0 += kMmaRows) {
-            if (tid < kMmaRows) {
-                int64_t si;
-                s_row[tid] = summary_row(p, ws, seq, j0 + tid, jend, si);
-                s_pg[tid] = si >= 0 ? block_pages(p, si) : BlockPages{0, -1, 0};
-            }
-            __syncthreads();
+        lookup(seq, jb, jend, 0);
+        __syncthreads();
+        for (int j0 = jb, buf = 0; j0 < jend; j0 += kMmaRows, buf ^= 1) {
+            // The rows into shared memory (cp.async; zeros past Di and for absent rows), the next
+            // stage's lookups in flight meanwhile, then each thread's own pieces to tf32 in place.
             const int pr = dk / 4;  // 16-byte pieces a row
             for (int c = tid; c < kMmaRows * pr; c += kMmaThreads) {
                 const int r = c / pr, d = 4 * (c - r * pr);
-                const unsigned long long row = s_row[r];
+                const unsigned long long row = s_row[buf][r];
                 float* dst = r_s + r * kMmaStride + d;
                 const float* src = reinterpret_cast<const float*>(row) + d;
                 if (vec && row != 0 && d < di) {
@@ -625,21 +652,14 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
                 }
             }
             __pipeline_commit();
+            if (j0 + kMmaRows < jend) lookup(seq, j0 + kMmaRows, jend, buf ^ 1);
             __pipeline_wait_prior(0);
-            __syncthreads();
-            {  // each row's norm, then its elements to tf32 in place: two threads a row
-                const int r = tid / 2, h = tid % 2;
-                float ss = 0.0f;
-                for (int d = 4 * h; d < dk; d += 8) {
-                    float4* at = reinterpret_cast<float4*>(r_s + r * kMmaStride + d);
-                    float4 v = *at;
-                    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-                    v.x = __uint_as_float(to_tf32(v.x)), v.y = __uint_as_float(to_tf32(v.y));
-                    v.z = __uint_as_float(to_tf32(v.z)), v.w = __uint_as_float(to_tf32(v.w));
-                    *at = v;
-                }
-                ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-                nmax = fmaxf(nmax, sqrtf(ss));
+            for (int c = tid; c < kMmaRows * pr; c += kMmaThreads) {
+                const int r = c / pr, d = 4 * (c - r * pr);
+                float4* at = reinterpret_cast<float4*>(r_s + r * kMmaStride + d);
+                const float4 v = *at;
+                *at = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
+                                  __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
             }
             __syncthreads();
             if (j0 < wn) {  // warp-uniform: this warp's tokens route over some of these rows
@@ -655,35 +675,34 @@ __global__ void __launch_bounds__(kMmaThreads) route_mma_kernel(const DashParams
                         mma1688_tf32(acc[nt], a[kk], __float_as_uint(b[0]), __float_as_uint(b[4]));
                     }
                 }
+                int qp[2], n[2];
+                float* out[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int j = warp * 16 + g + 8 * half;
-                    if (s_seq[j] != seq) continue;
-                    const int n = s_n[j], qp = s_qp[j];
-                    float* out = ws.route_approx + (int64_t)(ta + j - c0) * plan.route_stride;
+                    const bool mine = s_seq[j] == seq;
+                    n[half] = mine ? s_n[j] : 0;
+                    qp[half] = s_qp[j];
+                    out[half] = ws.route_approx + (int64_t)(ta + j - c0) * plan.route_stride;
+                }
 #pragma unroll
-                    for (int nt = 0; nt < 8; ++nt) {
-                        const int r = nt * 8 + 2 * tq, b = j0 + r;  // even; route_stride is a multiple of 4
-                        if (b >= n) continue;
-                        float2 v = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
-                        if (forced_block(p, ws, seq, b, s_pg[r], qp)) v.x = INFINITY;
-                        if (b + 1 < n) {
-                            if (forced_block(p, ws, seq, b + 1, s_pg[r + 1], qp)) v.y = INFINITY;
-                            *reinterpret_cast<float2*>(out + b) = v;
-                        } else {
-                            out[b] = v.x;
-                        }
+                for (int nt = 0; nt < 8; ++nt) {
+                    const int r = nt * 8 + 2 * tq, b = j0 + r;  // even; route_stride is a multiple of 4
+                    const int2 pg0 = s_pg[buf][r], pg1 = s_pg[buf][r + 1];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        if (b >= n[half]) continue;
+                        const int x = qp[half];
+                        float2 val = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+                        if (x >= 0 && pg0.x <= x && x <= pg0.y) val.x = INFINITY;  // may be forced
+                        if (x >= 0 && pg1.x <= x && x <= pg1.y) val.y = INFINITY;
+                        if (b + 1 < n[half]) *reinterpret_cast<float2*>(out[half] + b) = val;
+                        else out[half][b] = val.x;
                     }
                 }
             }
-            __syncthreads();  // the staged rows, s_row and s_pg are rewritten next
+            __syncthreads();  // the staged rows are rewritten next; the next lookup has landed
         }
-        nmax = warp_max(nmax);
-        if (lane == 0) atomicMax(&s_norm, __float_as_uint(nmax));
-        __syncthreads();
-        if (tid < tn && s_seq[tid] == seq) smax[(int64_t)tid * spans] = __uint_as_float(s_norm);
-        __syncthreads();
-        if (tid == 0) s_norm = 0u;
     }
 }
 
@@ -723,28 +742,32 @@ __global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashPar
             iq[i] = v;
             ss = fmaf(v, v, ss);
         }
-        float smax = 0.0f;
-        for (int y = 0; y < plan.route_spans; ++y) smax = fmaxf(smax, ws.route_smax[(int64_t)tl * plan.route_spans + y]);
-        const float inv_sqrt = index_inv_sqrt(di), bound = kMmaErr * sqrtf(warp_sum(ss)) * smax;
-        const bool every = !(smax <= kMmaMaxMag) || !(bound <= kMmaMaxMag);  // +inf: not scored on tensor cores
-        const float eps = fmaxf(bound, kMmaErrFloor);
+        const float smax = ws.route_seq_smax[seq], bound = kMmaErr * sqrtf(warp_sum(ss)) * smax;
+        const float inv_sqrt = index_inv_sqrt(di), eps = fmaxf(bound, kMmaErrFloor);
         const float* approx = ws.route_approx + (int64_t)tl * plan.route_stride;
-        float thr = -INFINITY;
-        if (!every && k <= kMmaMaxTopk) {
-            float lm = -INFINITY;
+        bool every = ws.route_skip[tl] != 0 || !(smax <= kMmaMaxMag) || !(bound <= kMmaMaxMag);
+        float cut = -INFINITY;  // blocks whose approximation is below it are not selected
+        if (!every) {
+            float lm = -INFINITY;  // the lane's largest finite approximation
             for (int b0 = 0; b0 < n; b0 += 32 * kSelBatch) {
                 float av[kSelBatch];
 #pragma unroll
                 for (int i = 0; i < kSelBatch; ++i) {
                     const int b = b0 + 32 * i + lane;
-                    av[i] = b < n ? approx[b] : INFINITY;  // +inf: no lower bound
+                    av[i] = b < n ? approx[b] : INFINITY;
                 }
 #pragma unroll
-                for (int i = 0; i < kSelBatch; ++i) lm = fmaxf(lm, score_bounds(av[i], eps, inv_sqrt).x);
+                for (int i = 0; i < kSelBatch; ++i)
+                    if (fabsf(av[i]) <= kMmaMaxMag) lm = fmaxf(lm, av[i]);
             }
-            int ge = 0;  // lanes whose maximum is at least this lane's: as many blocks score that much
+            int ge = 0;  // lanes whose maximum is at least this lane's: k of them hold k blocks that large
             for (int o = 0; o < 32; ++o) ge += __shfl_sync(0xffffffffu, lm, o) >= lm ? 1 : 0;
-            thr = warp_max(ge >= k ? lm : -INFINITY);
+            const float ta = warp_max(ge >= k && lm > -INFINITY ? lm : -INFINITY);
+            if (ta > -INFINITY) {
+                const float lo = (ta - eps) * inv_sqrt;  // the k blocks' scores are at least about this
+                if (fabsf(lo) < 0.999f * 1e4f) cut = ta - (2.5f * eps + ldexpf(fabsf(ta), -18));
+                else every = true;  // near the clamp, scores may tie: every block exactly
+            }
         }
         __syncwarp();  // iq
         const bool vec = summary_rows_aligned(p);
@@ -760,7 +783,7 @@ __global__ void __launch_bounds__(kSelThreads) route_select_kernel(const DashPar
             for (int i = 0; i < kSelBatch; ++i) {
                 const int b0 = b1 + 32 * i, b = b0 + lane;
                 if (b0 >= n) break;
-                const bool take = b < n && (every || !(score_bounds(av[i], eps, inv_sqrt).y < thr));
+                const bool take = b < n && (every || !(av[i] < cut) || !(av[i] > -kMmaMaxMag));
                 const unsigned ballot = __ballot_sync(0xffffffffu, take);
                 if (take) cand[nc + __popc(ballot & ((1u << lane) - 1u))] = b;
                 nc += __popc(ballot);
@@ -1041,6 +1064,8 @@ cudaError_t launch_route(const DashParams& p, const Plan& plan, const Workspace&
         if (plan.route_mma) {  // chunks of route_rows tokens: route_approx holds one chunk's scores
             const size_t sel_smem = route_select_smem(p);
             if ((err = allow_smem(route_select_kernel<T>, sel_smem)) != cudaSuccess) return err;
+            if ((err = cudaMemsetAsync(ws.route_seq_smax, 0, sizeof(float) * p.num_seqs, stream)) != cudaSuccess) return err;
+            route_norm_kernel<<<dim3(p.num_seqs, plan.route_spans), kNormThreads, 0, stream>>>(p, plan, ws);
             for (int c0 = 0; c0 < p.num_tokens; c0 += plan.route_rows) {
                 const int cn = p.num_tokens - c0 < plan.route_rows ? p.num_tokens - c0 : plan.route_rows;
                 route_mma_kernel<<<dim3((cn + kMmaTokens - 1) / kMmaTokens, plan.route_spans), kMmaThreads, 0, stream>>>(

@@ -508,8 +508,8 @@ __device__ __forceinline__ int seq_remote_blocks(const DashParams& p, const Plan
 
 // route_seq_smax[seq] (zeroed before): the largest norm of the summary rows of blocks
 // [y kMmaSpan, (y + 1) kMmaSpan) that sequence seq = blockIdx.x routes over, a thread a row (an
-// unmapped row is skipped here; the scoring flags it). Non-finite rows give +inf or NaN, which
-// send the sequence's tokens to exact scoring.
+// unmapped row is skipped here; the scoring flags it). A non-finite norm gives +inf, which sends
+// the sequence's tokens to exact scoring.
 __global__ void __launch_bounds__(kNormThreads) route_norm_kernel(const DashParams p, const Plan plan, Workspace ws) {
     const int seq = blockIdx.x, b = blockIdx.y * kMmaSpan + threadIdx.x;
     float nrm = 0.0f;
@@ -523,11 +523,11 @@ __global__ void __launch_bounds__(kNormThreads) route_norm_kernel(const DashPara
             float ss = 0.0f;
             for (int d = 0; d < p.index_dim; ++d) ss = fmaf(row[d], row[d], ss);
             nrm = sqrtf(ss);
+            if (!(nrm <= 3.0e38f)) nrm = INFINITY;  // NaN too (fmaxf would drop it)
         }
     }
-    nrm = warp_max(nrm);
+    nrm = warp_max(nrm);  // non-negative: ordered as unsigned bits
     if (threadIdx.x % 32 == 0 && nrm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(ws.route_seq_smax) + seq, __float_as_uint(nrm));
-    if (threadIdx.x % 32 == 0 && nrm != nrm) atomicMax(reinterpret_cast<unsigned*>(ws.route_seq_smax) + seq, 0x7fc00000u);
 }
 
 // The exact product of a query (iq: [di4] shared floats, zero past Di) with summary row si (-1:

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 8
+ABI_VERSION = 7
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -84,7 +84,6 @@ class DashParams(ctypes.Structure):
         ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
         ("tune_warpgroup_mma", ctypes.c_int32), ("tune_block_major_warpgroups", ctypes.c_int32),
         ("tune_block_major_ctas", ctypes.c_int32), ("tune_tile_overlap", ctypes.c_int32),
-        ("tune_route_mma", ctypes.c_int32),
     ]
 
 
@@ -121,10 +120,6 @@ class Tuning:
     #: block-major prefill on sm_90 and later GPUs: the query-major tiles start while the
     #: block-major tiles finish (programmatic dependent launch; 0: yes; < 0: no)
     tile_overlap: int = 0
-    #: the routing of many tokens (prefill) scores the blocks on tensor cores, then scores exactly
-    #: only those that may be in a token's top-k: the same selection (0: yes where supported;
-    #: < 0: every block exactly)
-    route_mma: int = 0
 
     def params(self) -> dict[str, int]:
         return {f"tune_{f.name}": int(getattr(self, f.name)) for f in fields(self)}

@@ -27,7 +27,6 @@ constexpr size_t kMaxSmem = 200 * 1024;  // below the 227 KB opt-in limit of sm_
 constexpr long kTargetCtas = 256;        // split-K aims for this many attention CTAs (swept on the H200)
 constexpr size_t kStaticSmemAllowance = 8 * 1024;  // static shared memory beside a kernel's dynamic part
 constexpr int kFusedRouteTokens = 264;   // from this many tokens on, fused routing (about 2 CTAs per SM)
-constexpr size_t kRouteApproxBytes = 64 << 20;  // Plan::route_mma: a chunk's tensor-core scores at most
 constexpr int kBlockMajorMinTokens = 1024;  // prefill attention goes block-major from here (if supported)
 constexpr int kBlockMajorChunk = 16384;     // tokens per block-major pass (bounds the partials; H200 sweep at b94d373)
 constexpr double kBmTwoWgRows = 1024;       // expected rows per block from which a block-major CTA is two warpgroups
@@ -178,17 +177,6 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     const size_t split_smem = dash::route_split_stage_bytes() +
                               sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
     plan.route_smem = plan.route_split ? split_smem : tile_fixed + per_token * (size_t)plan.route_tile;
-    // Many tokens of a sparse layer: tensor-core scores, then the candidates scored exactly
-    // (route.cu; tf32 MMAs: sm_80 on), route_rows tokens at a time so that their scores take at
-    // most kRouteApproxBytes of workspace.
-    plan.route_mma = !plan.route_split && p.tune_route_mma >= 0 && dash::route_mma_supported(p) &&
-                             device_cc_major() >= 8 && dash::route_select_smem(p) <= smem_limit ? 1 : 0;
-    if (plan.route_mma) {
-        plan.route_stride = (plan.max_blocks + 3) / 4 * 4;
-        plan.route_spans = (plan.max_blocks + dash::route_mma_span() - 1) / dash::route_mma_span();
-        const size_t rows = kRouteApproxBytes / (sizeof(float) * (size_t)plan.route_stride) / 64 * 64;
-        plan.route_rows = (int)std::min<size_t>((size_t)p.num_tokens, std::max<size_t>(64, rows));
-    }
     plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
                           sizeof(float) * (size_t)p.index_dim +                              // head_cls
@@ -280,11 +268,6 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(w.part_ml, rows * sizeof(float2));
     }
     if (plan.route_split && !p.dense_layer) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
-    if (plan.route_mma) {
-        take(w.route_approx, sizeof(float) * (size_t)plan.route_rows * plan.route_stride);
-        take(w.route_skip, (size_t)plan.route_rows);
-        take(w.route_seq_smax, sizeof(float) * (size_t)p.num_seqs);
-    }
     if (plan.block_major) {
         const size_t chunk = (size_t)plan.bm_chunk;
         const size_t elt = 2;  // fp16 / bf16: the block-major path's only dtypes
@@ -341,7 +324,6 @@ DashParams plan_key(const DashParams& p) {
     k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
     k.tune_warpgroup_mma = p.tune_warpgroup_mma, k.tune_block_major_warpgroups = p.tune_block_major_warpgroups;
     k.tune_block_major_ctas = p.tune_block_major_ctas, k.tune_tile_overlap = p.tune_tile_overlap;
-    k.tune_route_mma = p.tune_route_mma;
     return k;
 }
 
@@ -420,7 +402,7 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
     DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
     DASH_FIELD(tune_block_major_warpgroups) DASH_FIELD(tune_block_major_ctas)
-    DASH_FIELD(tune_tile_overlap) DASH_FIELD(tune_route_mma)
+    DASH_FIELD(tune_tile_overlap)
 #undef DASH_FIELD
     return -1;
 }

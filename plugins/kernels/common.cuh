@@ -256,11 +256,6 @@ struct Workspace {
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
-    float* route_approx;  // [route_rows, route_stride] tensor-core scores of a routing chunk's tokens
-                          // and blocks (Plan::route_mma; route.cu's route_mma_kernel)
-    uint8_t* route_skip;  // [route_rows] 1: the token was not scored on tensor cores (its selection
-                          // scores every block exactly)
-    float* route_seq_smax;// [B] the largest norm of the summary rows the sequence's tokens route over
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
@@ -319,11 +314,6 @@ struct Plan {
     int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
     int route_tile;       // tokens per fused routing CTA
     int route_chunk;      // fused routing: blocks scored between two merges into the running top-k
-    int route_mma;        // 1: the fused routing scores on tensor cores, then rescores the candidates
-                          // exactly (route_mma_kernel, route_select_kernel) instead of route_tile_kernel
-    int route_rows;       // route_mma: tokens a chunk of the two launches (route_approx's rows)
-    int route_stride;     // route_mma: floats a row of route_approx (max_blocks rounded up to 4)
-    int route_spans;      // route_mma: scoring CTAs a token tile (route_mma_span() blocks each)
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's
                           // writer CTAs and the attention's local-window CTAs do that work
     int front_writer_cta; // fused_front: 1 = an extra CTA (y = 0) per token writes, 0 = routing CTA 0
@@ -411,11 +401,6 @@ int route_split_rows();     // blocks one split routing CTA scores
 int route_max_tile();
 size_t route_tile_stage_bytes();   // dynamic shared memory of a fused routing CTA's staged rows
 size_t route_split_stage_bytes();  // and of a split routing CTA's (before its candidates)
-// Plan::route_mma: whether its kernels serve these sizes (index dim, top-k), the blocks a scoring
-// CTA takes, and a selecting CTA's dynamic shared memory.
-bool route_mma_supported(const DashParams& p);
-int route_mma_span();
-size_t route_select_smem(const DashParams& p);
 bool block_major_supported(const DashParams& p, size_t smem_limit);  // limit: the device's opt-in bytes
 bool qm_merge_fits(const DashParams& p, int bm_slots, int bm_chunk);  // a query-major tile merges its rows' partials itself
 // 0 where the query-major tiles are not compiled (head dim); wg: their warpgroup form

@@ -32,24 +32,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
     }
 }
 
-// float32 -> tf32 (round to nearest, ties away: cvt.rna), as the bits mma.sync's tf32 operands take.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return r;
-}
-
-// mma.sync m16n8k8 with tf32 operands and float accumulators (C += A B): A 16 x 8 row-major (a lane
-// holds rows lane/4 and lane/4 + 8, columns lane % 4 and lane % 4 + 4), B 8 x 8 (column lane/4,
-// rows lane % 4 and lane % 4 + 4), C as in m16n8k16.
-__device__ __forceinline__ void mma1688_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Four 8x8 matrices of 16-bit elements from shared memory; lane i addresses row i % 8 of matrix i / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
     const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 8
+#define DASH_ABI_VERSION 7
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -126,11 +126,6 @@ typedef struct DashParams {
                                             start while the block-major tiles finish (programmatic dependent
                                             launch) and wait for them only before merging their partials
                                             (0: yes; < 0: no; ignored before sm_90) */
-    int32_t tune_route_mma;              /* the routing of many tokens (prefill) scores the blocks on tensor
-                                            cores, then scores exactly only those that may be in a token's
-                                            top-k: the same selection (0: yes where supported, top-k <= 32
-                                            and index_dim <= 128 on a sparse layer; < 0: every block
-                                            exactly) */
 } DashParams;
 
 #ifdef __cplusplus

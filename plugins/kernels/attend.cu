@@ -53,7 +53,7 @@ struct TokenRows {
             base = b < 0 ? kNoPiece : b * sbs;
             if (b >= 0 && f) bias = p.page_bias;
         } else {
-            base = pos - local + 1 + (pc - kmax) * sbs;
+            base = window_first(pos, local) + (pc - kmax) * sbs;
         }
     }
     __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
@@ -64,7 +64,7 @@ struct TokenRows {
     // Position of key row kp of piece pc if this token may read it, else -1: local tokens win
     // where a selected block overlaps the window; remote reads stop at prompt_length.
     __device__ __forceinline__ int readable(int pc, int kp) const {
-        const bool ok = pc < kmax ? (kp <= pos - local && (prompt < 0 || kp < prompt)) : (kp >= 0 && kp <= pos);
+        const bool ok = pc < kmax ? kp <= selected_last(pos, local, prompt) : (kp >= 0 && kp <= pos);
         return ok ? kp : -1;
     }
 };

@@ -54,7 +54,7 @@ __device__ __forceinline__ int slot_block(const DashParams& p, const Plan& plan,
     }
     const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
     const int b = pos / sbs - (j - plan.kmax);
-    return (b + 1) * sbs <= pos - p.sparse_local_block * sbs + 1 ? -1 : b;  // -1: ends before the window
+    return (b + 1) * sbs <= window_first(pos, p.sparse_local_block * sbs) ? -1 : b;  // -1: ends before the window
 }
 __device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
                                            bool& forced) {
@@ -226,9 +226,9 @@ __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& pl
     if (j < plan.kmax) {
         const int prompt = ws.token_prompt[t];
         lo = 0;
-        hi = min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX) - base;
+        hi = selected_last(pos, local, prompt) - base;
     } else {
-        lo = pos - local + 1 - base;
+        lo = window_first(pos, local) - base;
         hi = pos - base;
     }
     lo = min(max(lo, 0), sbs);
@@ -783,7 +783,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     };
     auto tok_read = [&](int tk) {
         const int t = tk < cnt ? tk : 0, pos = tok_pos[t], prompt = tok_prompt[t];
-        return TokRead{pos, min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX)};
+        return TokRead{pos, selected_last(pos, local, prompt)};
     };
     // The keys token tk (tr = tok_read(tk)) reads in block i: [0, sel_hi] as a selected block
     // (bias: the page bias when forced) and [loc_lo, loc_hi] of its local window; both may be
@@ -792,8 +792,8 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         const int bstart = list_b[i] * sbs;
         sel_hi = -1, loc_lo = 1, loc_hi = 0, bias = 0.0f;
         if (tk < cnt && list_first[i] >= 0) {
-            if (bstart + sbs > tr.pos - local + 1 && bstart <= tr.pos) {  // the local window reaches the block
-                loc_lo = max(tr.pos - local + 1 - bstart, 0);
+            if (bstart + sbs > window_first(tr.pos, local) && bstart <= tr.pos) {  // the local window reaches the block
+                loc_lo = max(window_first(tr.pos, local) - bstart, 0);
                 loc_hi = min(tr.pos - bstart, sbs - 1);
             }
             const uint32_t bit = 1u << (tk % 32);

@@ -230,6 +230,15 @@ __device__ __forceinline__ int64_t cache_slot(const DashParams& p, int seq, int 
     return slot_of_entry(p, pos, table_entry(p, seq, pos), err);
 }
 
+// The keys a token at position pos reads (docs/spec.md), `local` = sparse_local_block x sbs: its
+// selected blocks' keys up to selected_last (before its local window, and before its prompt's
+// end where it has one: prompt >= 0), and its local window [window_first, pos]. Every attention
+// path (token-major, block-major, query-major) takes its key ranges from these two.
+__device__ __forceinline__ int selected_last(int pos, int local, int prompt) {
+    return min(pos - local, prompt >= 0 ? prompt - 1 : INT32_MAX);
+}
+__device__ __forceinline__ int window_first(int pos, int local) { return pos - local + 1; }
+
 // Where the summary of sparse block `b` of a sequence lives: the KV block of its first token.
 __device__ __forceinline__ int64_t summary_index(const DashParams& p, int seq, int b, int32_t* err) {
     const int64_t slot = cache_slot(p, seq, b * p.sparse_block_size, err);

@@ -226,6 +226,44 @@ def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("inputs", ["random", "zero-queries", "one-loud-block"])
+def test_fused_and_split_routing_agree_on_ties_and_extreme_summaries(inputs):
+    """The fused routing (a call of 305 tokens) and the split routing (calls of 205 and 100)
+    select the same blocks for two sequences of 900+ blocks, the second with 5 tokens in the fused
+    call (a tile shared by two sequences). "zero-queries": every score is 0, so the selection is
+    the forced blocks, then the lowest-numbered ones, over several merges of the running top-k;
+    "one-loud-block": one block's index keys x 1000 (scores far from the others', up to the clamp
+    of the index logits)."""
+    gen = torch.Generator().manual_seed(11)
+    cfg = make_config(4, sparse_topk_blocks=6)
+    dtype = torch.bfloat16
+    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=128, dtype=dtype,
+                           pages=(30, 30), max_images=300, response=300)
+    for x, _ in seqs:
+        if inputs == "zero-queries":
+            x.iq.zero_()
+        elif inputs == "one-loud-block":
+            x.ik[400:404] *= 1000
+    prompts = [x.length - 300 for x, _ in seqs]
+    assert min(prompts) // 4 > 900  # blocks: more than one chunk of the fused routing
+    runs = []
+    for plans in ([[prompts[0], 300], [prompts[1] + 295, 5]], [[prompts[0], 200, 100], [prompts[1] + 295, 5]]):
+        steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], torch.Generator().manual_seed(7), dtype,
+                                 table_width=1500)
+        if inputs == "random":
+            check(steps, rc, kc, dtype)
+        rows = [[] for _ in plans]  # each sequence's selections after its first step, in order
+        for s, (_, sel, _, _) in enumerate(steps[1:], start=1):
+            at = 0
+            for i, plan in enumerate(plans):
+                if s < len(plan):
+                    rows[i].append(sel[at:at + plan[s]])
+                    at += plan[s]
+        runs.append(torch.cat([torch.cat(r) for r in rows]))
+    assert runs[0].shape[0] == 305 and bool((runs[0] >= 0).any())
+    assert torch.equal(runs[0], runs[1])
+
+
 def capture(call, warm_cache, graph_cache):
     """``call(cache)`` run once on a side stream outside capture (warm-up, on ``warm_cache``), then
     captured into a CUDA graph on ``graph_cache``: (graph, the captured call's output)."""

@@ -272,6 +272,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         const size_t chunk = (size_t)plan.bm_chunk;
         const size_t elt = 2;  // fp16 / bf16: the block-major path's only dtypes
         char* bytes = nullptr;
+        take(w.bm_tally, sizeof(int32_t) * dash::kTallyStride * plan.bm_num_keys);
         take(w.bm_counts, sizeof(int32_t) * plan.bm_num_keys);
         take(w.bm_offsets, sizeof(int32_t) * (plan.bm_num_keys + 1));
         take(w.bm_entries, sizeof(int4) * chunk * plan.bm_slots);

@@ -89,7 +89,8 @@ __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& pl
 }
 
 // count_kernel's work for entry e of the chunk: its (block key, rank) in bm_rank ((-1, 0) where
-// the entry is not block-major), the rank the old count its atomicAdd returns; fill_kernel places
+// the entry is not block-major), the rank the old count its atomicAdd on the block's tally line
+// returns (parts_kernel compacts the tallies into bm_counts for the scan); fill_kernel places
 // the entry by it and the merges read only the block-major slots' partials. The ranks of a block's
 // entries come in any order; each entry's partial does not depend on its place.
 __device__ __forceinline__ void count_entry(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
@@ -97,7 +98,7 @@ __device__ __forceinline__ void count_entry(const DashParams& p, const Plan& pla
     int b;
     bool forced;
     const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
-    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_counts + key, 1)) : make_int2(-1, 0);
+    ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_tally + key * kTallyStride, 1)) : make_int2(-1, 0);
 }
 
 constexpr int kQmPrepThreads = 256;
@@ -255,9 +256,14 @@ __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, i
 // same at 64k: 10.51 vs 10.55 ms of block_attend_kernel.)
 constexpr int kEntriesPerCta = 128;
 
+// Each block's count out of its tally line (bm_counts, which the scan takes), and the CTAs that
+// serve it (bm_parts).
 __global__ void parts_kernel(const Plan plan, Workspace ws) {
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k < plan.bm_num_keys) ws.bm_parts[k] = (ws.bm_counts[k] + kEntriesPerCta - 1) / kEntriesPerCta;
+    if (k >= plan.bm_num_keys) return;
+    const int n = ws.bm_tally[(int64_t)k * kTallyStride];
+    ws.bm_counts[k] = n;
+    ws.bm_parts[k] = (n + kEntriesPerCta - 1) / kEntriesPerCta;
 }
 
 // Each work item's block, first entry and entry count (bm_items), once per pass: work items
@@ -1251,7 +1257,8 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
                                cudaStream_t stream) {
     cudaError_t err;
     const int nbs = plan.bm_num_keys;
-    if ((err = cudaMemsetAsync(ws.bm_counts, 0, sizeof(int) * nbs, stream)) != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(ws.bm_tally, 0, sizeof(int) * kTallyStride * (size_t)nbs, stream)) != cudaSuccess)
+        return err;
     const int64_t entries = (int64_t)tn * plan.bm_slots;
     const int grid = (int)((entries + 255) / 256);
     if (plan.qm_tile > 0) {  // the tiles, then their tokens' counts (entry_key asks qm_serves)
@@ -1262,6 +1269,8 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
         count_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    parts_kernel<<<(nbs + 255) / 256, 256, 0, stream>>>(plan, ws);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
     size_t temp = plan.bm_scan_bytes;
     // Inclusive prefix in [1, nbs]: offsets[0] = 0 is set by the memset below.
     if ((err = cudaMemsetAsync(ws.bm_offsets, 0, sizeof(int), stream)) != cudaSuccess) return err;
@@ -1269,8 +1278,6 @@ cudaError_t launch_block_major(const DashParams& p, const Plan& plan, const Work
         cudaSuccess)
         return err;
     fill_kernel<<<grid, 256, 0, stream>>>(p, plan, ws, t0, tn);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    parts_kernel<<<(nbs + 255) / 256, 256, 0, stream>>>(plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     if ((err = cudaMemsetAsync(ws.bm_work, 0, sizeof(int), stream)) != cudaSuccess) return err;
     temp = plan.bm_scan_bytes;

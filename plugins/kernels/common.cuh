@@ -266,7 +266,9 @@ struct Workspace {
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
     uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
-    int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block
+    int32_t* bm_tally;    // [bm_num_keys * kTallyStride] count_entry's counter of each physical sparse
+                          // block, one a 128-byte line (kTallyStride)
+    int32_t* bm_counts;   // [bm_num_keys] entries per physical sparse block (the tally, compacted)
     int32_t* bm_offsets;  // [bm_num_keys + 1] exclusive prefix of the counts
     int4* bm_entries;     // [bm_chunk * bm_slots] entries grouped by block: their records (entry_record)
     int32_t* bm_parts;    // [bm_num_keys] CTAs serving each block
@@ -291,6 +293,12 @@ struct Workspace {
     uint32_t* qm_forced;  // [qm_tiles, kQmBlocks, kQmWords] bit i: ... and it is a forced (page-biased) block
     uint8_t* qm_sel;      // [bm_chunk, kmax] 1: the token's query-major tile serves its j-th selected block
 };
+
+// Ints between two blocks' counters in Workspace::bm_tally: a 128-byte line each. The counts'
+// atomics (count_entry) wait on their return; with the counters packed, a pass's atomics met on a
+// few lines (a 16k prompt's 256 blocks: 8 lines) and qm_prep_kernel spent two thirds of its stall
+// samples on them (Nsight Compute, H200, 2026-12-04).
+constexpr int kTallyStride = 32;
 
 // Query-major tiles (block_attend.cu): a tile is 128 / G consecutive tokens of one sequence,
 // 128 query rows of a KV head; it reads up to kQmBlocks blocks: those enough of its tokens

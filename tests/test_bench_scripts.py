@@ -83,3 +83,32 @@ def test_bench_dash_refuses_unknown_knobs_before_it_needs_a_gpu(flag, value, mes
         bench_dash.main()
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+NCU_CSV = '''==PROF== Connected to process 1 (python3)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","void unnamed>::write_kernel<__nv_bfloat16>(DashParams, Workspace)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","75,800,000"
+"0","1","python3","h","void unnamed>::write_kernel<__nv_bfloat16>(DashParams, Workspace)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","66,100,000"
+"0","1","python3","h","void unnamed>::write_kernel<__nv_bfloat16>(DashParams, Workspace)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","66,496"
+"7","1","python3","h","void unnamed>::block_attend_kernel<__nv_bfloat16, 128, 2>(DashParams, Plan, Workspace, int)","1","7","(256, 1, 1)","(20488, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","508,100,000"
+"7","1","python3","h","void unnamed>::block_attend_kernel<__nv_bfloat16, 128, 2>(DashParams, Plan, Workspace, int)","1","7","(256, 1, 1)","(20488, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","1,770,300,000"
+"7","1","python3","h","void unnamed>::block_attend_kernel<__nv_bfloat16, 128, 2>(DashParams, Plan, Workspace, int)","1","7","(256, 1, 1)","(20488, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","930,600"
+==PROF== Disconnected from process 1
+'''
+
+
+def test_ncu_dram_tables_every_kernel_and_sums_the_call(tmp_path, capsys):
+    """bench/ncu_dram.py --kernels on an ncu --csv file: a row a launch (the function's name and
+    template arguments, whatever namespace ncu prints), the call's totals and its bytes at a
+    streaming rate; a missing file is an error message, not a traceback."""
+    ncu_dram = _load(BENCH / "ncu_dram.py")
+    path = tmp_path / "ncu.csv"
+    path.write_text(NCU_CSV)
+    assert ncu_dram.main(["--kernels", str(path), "--read-gbs", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "| 0: write_kernel<__nv_bfloat16> | 66.5 | 75.8 | 66.1 |" in out
+    assert "| 7: block_attend_kernel<__nv_bfloat16, 128, 2> | 930.6 | 508.1 | 1770.3 |" in out
+    assert "2 kernel launches, 997.1 us; DRAM read 0.584 GB, written 1.836 GB, 2.420 GB in all (76% writes)" in out
+    assert "at 4000 GB/s (every byte as fast as a streaming read): 0.605 ms" in out
+    assert ncu_dram.main(["--kernels", str(tmp_path / "absent.csv")]) == 2
+    assert "cannot read" in capsys.readouterr().err

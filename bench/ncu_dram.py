@@ -61,9 +61,9 @@ def read_kernels(path: str) -> list[tuple[int, str, dict[str, float]]]:
     for row in csv.DictReader(lines):
         try:
             value = float(row["Metric Value"].replace(",", ""))
-        except (KeyError, ValueError):
+            kid = int(row["ID"])
+        except (KeyError, ValueError, AttributeError):  # not a metric row of ncu's --csv
             continue
-        kid = int(row["ID"])
         launches.setdefault(kid, (short_name(row.get("Kernel Name", "")), {}))[1][row["Metric Name"]] = value
     return [(kid, name, metrics) for kid, (name, metrics) in sorted(launches.items())]
 
@@ -98,10 +98,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kernels", action="store_true", help="the per-kernel table and totals instead of the decode count")
     ap.add_argument("--read-gbs", type=float, default=None, help="with --kernels: a streaming-read rate in GB/s")
     a = ap.parse_args(argv)
+    if a.read_gbs is not None and not a.read_gbs > 0:
+        ap.error(f"--read-gbs must be a positive rate in GB/s, got {a.read_gbs}")
     try:
         kernels = read_kernels(a.csv)
     except OSError as e:
         print(f"ncu_dram: cannot read {a.csv}: {e.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"ncu_dram: {a.csv} is not text (expected the output of ncu --csv)", file=sys.stderr)
         return 2
     if not kernels:
         print(f"ncu_dram: no kernel metrics in {a.csv}", file=sys.stderr)

@@ -100,7 +100,8 @@ NCU_CSV = '''==PROF== Connected to process 1 (python3)
 def test_ncu_dram_tables_every_kernel_and_sums_the_call(tmp_path, capsys):
     """bench/ncu_dram.py --kernels on an ncu --csv file: a row a launch (the function's name and
     template arguments, whatever namespace ncu prints), the call's totals and its bytes at a
-    streaming rate; a missing file is an error message, not a traceback."""
+    streaming rate; a missing, binary or empty file and a rate of 0 are error messages, not
+    tracebacks."""
     ncu_dram = _load(BENCH / "ncu_dram.py")
     path = tmp_path / "ncu.csv"
     path.write_text(NCU_CSV)
@@ -112,3 +113,13 @@ def test_ncu_dram_tables_every_kernel_and_sums_the_call(tmp_path, capsys):
     assert "at 4000 GB/s (every byte as fast as a streaming read): 0.605 ms" in out
     assert ncu_dram.main(["--kernels", str(tmp_path / "absent.csv")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    binary = tmp_path / "ncu.ncu-rep"
+    binary.write_bytes(bytes(range(128, 256)))
+    assert ncu_dram.main(["--kernels", str(binary)]) == 2
+    assert "is not text (expected the output of ncu --csv)" in capsys.readouterr().err
+    (tmp_path / "log.csv").write_text("==PROF== no kernels were profiled\n")
+    assert ncu_dram.main(["--kernels", str(tmp_path / "log.csv")]) == 1
+    assert "no kernel metrics" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        ncu_dram.main(["--kernels", str(path), "--read-gbs", "0"])
+    assert exc.value.code == 2 and "--read-gbs must be a positive rate" in capsys.readouterr().err

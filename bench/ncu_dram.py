@@ -68,6 +68,11 @@ def read_kernels(path: str) -> list[tuple[int, str, dict[str, float]]]:
     return [(kid, name, metrics) for kid, (name, metrics) in sorted(launches.items())]
 
 
+def total(kernels, metric: str) -> float:
+    """A metric summed over the launches (0 where ncu did not report it)."""
+    return sum(k[2].get(metric, 0.0) for k in kernels)
+
+
 def kernels_table(kernels, read_gbs: float | None) -> str:
     shown = [m for m in COLUMNS if any(m in k[2] for k in kernels)]
     out = ["| kernel | " + " | ".join(COLUMNS[m][0] for m in shown) + " |",
@@ -75,13 +80,11 @@ def kernels_table(kernels, read_gbs: float | None) -> str:
     for kid, name, metrics in kernels:
         cells = [COLUMNS[m][2].format(metrics[m] * COLUMNS[m][1]) if m in metrics else "" for m in shown]
         out.append(f"| {kid}: {name} | " + " | ".join(cells) + " |")
-    total = {m: sum(k[2].get(m, 0.0) for k in kernels) for m in ("gpu__time_duration.sum", "dram__bytes_read.sum",
-                                                                  "dram__bytes_write.sum")}
-    read, write = total["dram__bytes_read.sum"], total["dram__bytes_write.sum"]
+    read, write = total(kernels, "dram__bytes_read.sum"), total(kernels, "dram__bytes_write.sum")
     out.append("")
     line = f"{len(kernels)} kernel launches"
     if any("gpu__time_duration.sum" in k[2] for k in kernels):
-        line += f", {total['gpu__time_duration.sum'] / 1e3:.1f} us"
+        line += f", {total(kernels, 'gpu__time_duration.sum') / 1e3:.1f} us"
     line += (f"; DRAM read {read / 1e9:.3f} GB, written {write / 1e9:.3f} GB, {(read + write) / 1e9:.3f} GB in all"
              + (f" ({write / (read + write):.0%} writes)" if read + write > 0 else ""))
     out.append(line)
@@ -117,8 +120,7 @@ def main(argv: list[str]) -> int:
     import bench_dash as B  # torch is only needed here
 
     want = B.decode_traffic([a.ctx] * a.nseq)
-    read = sum(k[2].get("dram__bytes_read.sum", 0.0) for k in kernels)
-    write = sum(k[2].get("dram__bytes_write.sum", 0.0) for k in kernels)
+    read, write = total(kernels, "dram__bytes_read.sum"), total(kernels, "dram__bytes_write.sum")
     print(f"{len(kernels)} DASH kernel launches: DRAM read {read / 1e6:.1f} MB, written {write / 1e6:.1f} MB; "
           f"the benchmark counts {want['bytes'] / 1e6:.1f} MB (K/V {want['kv_bytes'] / 1e6:.1f}, routing "
           f"{want['route_bytes'] / 1e6:.1f}, inputs/outputs {want['io_bytes'] / 1e6:.1f}); measured / counted "

@@ -4,25 +4,29 @@ Every front end that carries the configuration as flat scalars reads this table:
 the torch custom op's schema (:mod:`dash_trt.ops`), the ONNX ``dash_trt.DashAttention``
 node, its ``OpSchema`` and its local function (:mod:`dash_trt.onnx_ops`), and later the
 TensorRT plugin creator's field list. The table is generated from the fields of
-:class:`~dash_trt.config.DashConfig` (plus the per-call ``layer_idx``), so a new config
-key shows up everywhere at once and no front end repeats a name as a string literal.
+:class:`~dash_trt.config.DashConfig` that a node carries (plus the per-call ``layer_idx``),
+so a new config key shows up everywhere at once and no front end repeats a name as a string
+literal.
 
-Encoding (ONNX attributes have no "optional" or "int or list"):
+A node is one layer, so it carries that layer's routing values resolved
+(:meth:`DashConfig.for_layer`): ``dash_scaling_factor`` and ``dash_prior_floor`` hold the
+layer's scale and floor (its entries of ``dash_scale_per_layer`` / ``dash_floor_per_layer``
+when the config has them); the per-layer lists, the layer map ``sparse_attention_freq`` and
+the flags Unlimited-OCR-2 fixes are not attributes. Every attribute is a scalar: no list
+attribute, so tools that cannot type an empty list (onnx-graphsurgeon) read the node.
+
+Encoding (ONNX attributes have no "optional"):
 
 ======================  ============  ==================================================
 DashConfig kind         ONNX type     encoding
 ======================  ============  ==================================================
 int                     INT           as is
 opt_int (None allowed)  INT           ``-1`` for None (token ids are never negative)
-int_or_list             INTS          an int ``n`` is ``[n]``; a per-layer list as is
-int_list                INTS          as is (may be empty)
 float, pos_float        FLOAT         as is
 mode (None allowed)     STRING        ``""`` for None
 ======================  ============  ==================================================
 
-``decode(encode(cfg, layer)) == (cfg, layer)`` for every valid config, except that a
-one-entry per-layer ``sparse_topk_blocks`` list decodes as that int (the same value for
-every layer it is defined for).
+``decode(encode(cfg, layer)) == (cfg.for_layer(layer), layer)`` for every valid config.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ __all__ = [
 ]
 
 #: Version string of the DASH attention node/plugin contract (ONNX attribute
-#: ``plugin_version``; the TensorRT plugin creator registers the same version).
-PLUGIN_VERSION = "1"
+#: ``plugin_version``; the TensorRT plugin creator registers the same version). "2": the
+#: function is Unlimited-OCR-2's DASH (entmax prior routing) and the attributes its keys;
+#: a node of version "1" computed the withdrawn routing and finds no plugin.
+PLUGIN_VERSION = "2"
 
 #: Namespace the TensorRT plugin creator registers in (ONNX attribute ``plugin_namespace``).
 #: TensorRT's ONNX parser from 10.15 on imports a node whose op also has a model-local
@@ -67,15 +73,13 @@ PLUGIN_FIELDS = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NA
 _ONNX_TYPE = {
     "int": "INT",
     "opt_int": "INT",
-    "int_or_list": "INTS",
-    "int_list": "INTS",
     "float": "FLOAT",
     "pos_float": "FLOAT",
     "mode": "STRING",
 }
 
 #: torch schema type of each ONNX attribute type.
-_TORCH_TYPE = {"INT": "int", "INTS": "int[]", "FLOAT": "float", "STRING": "str"}
+_TORCH_TYPE = {"INT": "int", "FLOAT": "float", "STRING": "str"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Attribute:
     """One flat attribute of the DASH attention op."""
 
     name: str
-    onnx_type: str  #: "INT", "INTS", "FLOAT" or "STRING"
+    onnx_type: str  #: "INT", "FLOAT" or "STRING"
     default: Any  #: encoded default; ``None`` when the attribute is required
     doc: str
     kind: str  #: DashConfig kind ("int", "mode", ...) or "call" for per-call attributes
@@ -100,10 +104,6 @@ class Attribute:
 def _encode_value(kind: str, value: Any) -> Any:
     if kind == "opt_int":
         return -1 if value is None else int(value)
-    if kind == "int_or_list":
-        return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)]
-    if kind == "int_list":
-        return [int(v) for v in value]
     if kind in ("float", "pos_float"):
         return float(value)
     if kind == "mode":
@@ -114,11 +114,6 @@ def _encode_value(kind: str, value: Any) -> Any:
 def _decode_value(kind: str, value: Any) -> Any:
     if kind == "opt_int":
         return None if int(value) < 0 else int(value)
-    if kind == "int_or_list":
-        vals = [int(v) for v in value]
-        return vals[0] if len(vals) == 1 else tuple(vals)
-    if kind == "int_list":
-        return tuple(int(v) for v in value)
     if kind in ("float", "pos_float"):
         return float(value)
     if kind == "mode":
@@ -131,24 +126,21 @@ def _decode_value(kind: str, value: Any) -> Any:
 def _config_attributes() -> tuple[Attribute, ...]:
     out = []
     for f in dataclasses.fields(DashConfig):
+        if not f.metadata["attribute"]:
+            continue
         kind = f.metadata["kind"]
-        if f.default is not dataclasses.MISSING:
-            default = _encode_value(kind, f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = _encode_value(kind, f.default_factory())
-        else:
-            default = None
+        default = None if f.default is dataclasses.MISSING else _encode_value(kind, f.default)
         out.append(Attribute(f.name, _ONNX_TYPE[kind], default, f.metadata["doc"], kind))
     return tuple(out)
 
 
-#: One attribute per :class:`DashConfig` field, in field order.
+#: One attribute per :class:`DashConfig` field a node carries, in field order.
 CONFIG_ATTRIBUTES: tuple[Attribute, ...] = _config_attributes()
 
 #: Attributes of one call that are not configuration.
 CALL_ATTRIBUTES: tuple[Attribute, ...] = (
-    Attribute("layer_idx", "INT", None, "index of the decoder layer (selects the per-layer "
-              "top-k and dense-layer routing)", "call"),
+    Attribute("layer_idx", "INT", None, "index of the decoder layer (its routing values are already "
+              "resolved into the node's attributes; kept to name the layer)", "call"),
 )
 
 #: What the torch custom op takes as scalar arguments.
@@ -165,11 +157,16 @@ NODE_ATTRIBUTES: tuple[Attribute, ...] = OP_ATTRIBUTES + (
 
 
 def encode(sp: DashConfig | Mapping[str, Any], layer_idx: int) -> dict[str, Any]:
-    """Flat attribute values (:data:`OP_ATTRIBUTES` order) of one call."""
+    """Flat attribute values (:data:`OP_ATTRIBUTES` order) of one call: the layer's config
+    (:meth:`DashConfig.for_layer`, which refuses a layer that is not a DASH layer)."""
     cfg = sp if isinstance(sp, DashConfig) else DashConfig.from_dict(sp)
-    if isinstance(layer_idx, bool) or int(layer_idx) < 0:
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
         raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
-    attrs = {a.name: _encode_value(a.kind, getattr(cfg, a.name)) for a in CONFIG_ATTRIBUTES}
+    # the layer's values, as cfg.for_layer(layer_idx) holds them (without building a config: this
+    # runs inside torch.compile'd code, which cannot trace dataclasses.replace)
+    r = cfg.routing(layer_idx)
+    resolved = {"dash_scaling_factor": r.scale, "dash_prior_floor": r.floor}
+    attrs = {a.name: _encode_value(a.kind, resolved.get(a.name, getattr(cfg, a.name))) for a in CONFIG_ATTRIBUTES}
     attrs["layer_idx"] = int(layer_idx)
     return attrs
 

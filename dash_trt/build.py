@@ -32,7 +32,7 @@ images          (derived)                               ``0, tokens.opt, tokens.
 ==============  ======================================  ============================================
 
 Any other dynamic input needs ``--shape NAME:MIN:OPT:MAX`` (dims as ``AxB``, trtexec style).
-The DASH configuration is read from the ONNX ``metadata_props`` (key ``dash_attention_config``,
+The DASH configuration is read from the ONNX ``metadata_props`` (key ``sparse_attention_config``,
 a JSON object) or the DashAttention nodes' attributes when the ``onnx`` package is installed,
 else from ``--config config.json``; it is used to check the KV block size and printed.
 
@@ -422,28 +422,15 @@ def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
 
 
 def _config_from_node(node) -> DashConfig | None:
-    """The DASH configuration from a DashAttention node's attributes (encoded as in
-    plugins/trt/dash_attributes.def: INTS lists, -1 for unset ids, "" for unset modes)."""
+    """The DASH configuration of the layer a DashAttention node computes (its attributes, read by
+    dash_trt.attributes, which needs neither torch nor TensorRT)."""
     import onnx
 
-    keys = set(DashConfig.keys())
-    sp = {}
-    for attr in node.attribute:
-        if attr.name not in keys:
-            continue
-        value = onnx.helper.get_attribute_value(attr)
-        if isinstance(value, bytes):
-            value = value.decode()
-        if attr.name in ("image_token_id", "page_token_id"):
-            value = None if int(value) < 0 else int(value)
-        elif attr.name.endswith("_freq_mode"):
-            value = value or None
-        elif attr.name == "sparse_topk_blocks" and isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        sp[attr.name] = value
+    from . import attributes as A
+
     try:
-        return DashConfig.from_dict(sp)
-    except DashConfigError:
+        return A.decode({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute})[0]
+    except (ValueError, TypeError):
         return None  # the plugin validates the attributes itself; this copy is informational
 
 
@@ -459,7 +446,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", type=Path, default=None,
                    help="libdash_trt_plugin.so (default: the one in this installation, see dash-trt info)")
     p.add_argument("--out", type=Path, help="engine file to write (required unless --print-trtexec)")
-    p.add_argument("--config", type=Path, help="model config.json with a dash_attention_config section, used when "
+    p.add_argument("--config", type=Path, help="model config.json with a sparse_attention_config section, used when "
                                                "the ONNX file carries none")
     p.add_argument("--max-tokens", type=_limit_type(lambda m: 256), help="new tokens per step: MAX or MIN,OPT,MAX "
                    "[default 1,256,8192]")

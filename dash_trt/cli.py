@@ -21,8 +21,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEMO_CONFIG = {
     "sparse_block_size": 16,
     "sparse_local_block": 1,
-    "sparse_topk_blocks": 4,
-    "sparse_page_bias": 0.5,
+    "sparse_index_dim": 32,
+    "dash_topk_blocks": 4,
+    "dash_scaling_factor": 16.0,
     "sparse_rope_page_pairs": 1,
 }
 
@@ -97,7 +98,7 @@ def run_demo(
                                       x.length - decode_steps, return_routing=True)
         width = max(r.shape[1] for r in routes[i])
         sel = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in routes[i]])
-        report = compare_outputs(torch.cat(outs[i]), want, Routing(sel, sel >= 0, torch.empty(0)), want_r)
+        report = compare_outputs(torch.cat(outs[i]), want, Routing(sel), want_r)
         ok &= report.ok
         print(f"sequence {i}: {report} -> {'OK' if report.ok else 'MISMATCH'}", file=stream)
     print(f"paged operator: {step} steps in {paged_s:.2f} s; free KV blocks after the run: "

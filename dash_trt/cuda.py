@@ -43,7 +43,12 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 7
+ABI_VERSION = 8
+#: Routing rules a kernel library reports (``DASH_ROUTING_*``, plugins/include/dash/params.h).
+ROUTING_WITHDRAWN, ROUTING_UNLIMITED_OCR2 = 1, 2
+#: Why the kernels are not used while they route by another rule than the function's.
+ROUTING_FENCE = ("the DASH kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
+                 "not Unlimited-OCR-2's")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
@@ -67,7 +72,8 @@ class DashParams(ctypes.Structure):
         ("num_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32), ("table_width", ctypes.c_int32),
         ("max_new_tokens", ctypes.c_int32), ("dtype", ctypes.c_int32),
         ("sparse_block_size", ctypes.c_int32), ("sparse_local_block", ctypes.c_int32),
-        ("topk", ctypes.c_int32), ("dense_layer", ctypes.c_int32), ("page_bias", ctypes.c_float),
+        ("topk", ctypes.c_int32), ("route_scale", ctypes.c_float), ("prior_floor", ctypes.c_float),
+        ("sigma", ctypes.c_float),
         ("rope_page_pairs", ctypes.c_int32), ("rope_tok_theta", ctypes.c_float),
         ("rope_page_theta", ctypes.c_float), ("main_truncate", ctypes.c_int32),
         ("index_truncate", ctypes.c_int32), ("rope_page_mod", ctypes.c_int32),
@@ -208,6 +214,7 @@ def _library() -> ctypes.CDLL:
     lib.dash_status_string.restype = ctypes.c_char_p
     lib.dash_status_string.argtypes = [ctypes.c_int]
     lib.dash_last_error_message.restype = ctypes.c_char_p
+    lib.dash_abi_version.restype = ctypes.c_int32
     if lib.dash_abi_version() != ABI_VERSION:
         raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
     if lib.dash_params_size() != ctypes.sizeof(DashParams):
@@ -218,6 +225,19 @@ def _library() -> ctypes.CDLL:
         if got != want:
             raise DashKernelError(f"{path}: DashParams.{name} at offset {got}, binding has {want}")
     return lib
+
+
+def routing_rule() -> int:
+    """The routing rule the kernel library implements (:data:`ROUTING_UNLIMITED_OCR2` is the
+    function's; :data:`ROUTING_WITHDRAWN`: every launch is refused)."""
+    lib = _library()
+    lib.dash_routing_rule.restype = ctypes.c_int32
+    return int(lib.dash_routing_rule())
+
+
+def routing_fence() -> str | None:
+    """None if the kernels route by the function's rule, else why they are not used."""
+    return None if routing_rule() == ROUTING_UNLIMITED_OCR2 else ROUTING_FENCE
 
 
 def available() -> bool:
@@ -308,11 +328,12 @@ def _config_fields_cached(cfg, layer_idx: int) -> tuple:
 
 
 def _config_fields(cfg, layer_idx: int) -> dict:
-    """The configuration fields of DashParams for one layer."""
+    """The configuration fields of DashParams for one layer (its routing values resolved)."""
+    r = cfg.routing(layer_idx)
     return dict(
         sparse_block_size=cfg.sparse_block_size, sparse_local_block=cfg.sparse_local_block,
-        topk=cfg.topk_for(layer_idx), dense_layer=int(cfg.is_dense_layer(layer_idx)),
-        page_bias=float(cfg.sparse_page_bias), rope_page_pairs=cfg.sparse_rope_page_pairs,
+        topk=r.topk, route_scale=r.scale, prior_floor=r.floor, sigma=r.sigma,
+        rope_page_pairs=cfg.sparse_rope_page_pairs,
         rope_tok_theta=float(cfg.sparse_rope_tok_theta), rope_page_theta=float(cfg.sparse_rope_page_theta),
         main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
         index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
@@ -375,6 +396,9 @@ def paged_dash_attention_cuda(
     """
     cfg = as_config(sp)
     lib = _library()
+    fence = routing_fence()
+    if fence is not None:  # the library refuses the launch too; say why before any work
+        raise DashKernelError(f"DASH_ERR_UNSUPPORTED: {fence}")
     if validate:
         _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
                             query_start_loc, prompt_lens, cfg)
@@ -486,6 +510,8 @@ def supports(head_dim: int, index_dim: int, kv_block_size: int, sparse_block_siz
     operator, and a step can be captured in a CUDA graph), else the reason."""
     if not available():
         return "the kernel library or a CUDA device is not available"
+    if routing_fence() is not None:
+        return routing_fence()
     if head_dim not in supported_head_dims():
         return f"unsupported head dim: {head_dim} (supported: {', '.join(map(str, supported_head_dims()))})"
     if index_dim % 2 or index_dim > 512:

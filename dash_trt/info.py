@@ -54,6 +54,7 @@ def _kernels() -> dict[str, Any]:
         out["head_dims"] = list(cuda.supported_head_dims())
         archs = cuda.compiled_architectures()
         out["architectures"] = list(archs) if archs is not None else None
+        out["routing"] = "unlimited-ocr-2" if cuda.routing_fence() is None else "withdrawn"
         out["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         out["status"] = (f"cannot be loaded ({type(exc).__name__}: {exc}); a library of another dash-trt version? "
@@ -144,6 +145,10 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
         archs = ", ".join(k["architectures"]) if k.get("architectures") else "architectures not reported"
         print(f"kernel library: {k['path']} (ABI {k['abi']}; {archs}; head dims {', '.join(map(str, k['head_dims']))})",
               file=out)
+        if k.get("routing") == "withdrawn":
+            print("WARNING: the kernels route by a withdrawn rule, not Unlimited-OCR-2's: they refuse every launch, "
+                  "CUDA tensors run the PyTorch paged operator and the TensorRT plugin builds no engine "
+                  "(docs/spec.md, 'Which paths compute it')", file=out)
     else:
         print(f"kernel library: {k['status']}" + (f" [{k['path']}]" if k.get("path") else ""), file=out)
     if g["available"]:

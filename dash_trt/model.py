@@ -2,14 +2,15 @@
 generation over the paged cache.
 
 Architecture (Llama-like): token embeddings; ``num_hidden_layers`` decoder layers, each
-RMSNorm -> q/k/v projections plus the indexer projections ``iq``/``ik`` and the learned
-``head_cls`` -> DASH attention (the torch custom op, :mod:`dash_trt.ops`) -> output
-projection, residual; RMSNorm -> gated MLP (SiLU) -> residual; final RMSNorm; logits.
+RMSNorm -> q/k/v projections plus Unlimited-OCR-2's DASH router (:class:`~dash_trt.modeling.
+DashRouter`: the indexer's ``iq``/``ik`` and the learned ``head_cls``) -> DASH attention (the
+torch custom op, :mod:`dash_trt.ops`) -> output projection, residual; RMSNorm -> gated MLP
+(SiLU) -> residual; final RMSNorm; logits.
 Image tokens are embedded from the token table: a real vision-language model would put
 its vision encoder's features there; the attention and the cache do not care.
 
 The configuration is a Hugging-Face-style ``config.json`` (:class:`DashModelConfig`)
-whose ``dash_attention_config`` section is the :class:`~dash_trt.config.DashConfig`.
+whose ``sparse_attention_config`` section is the :class:`~dash_trt.config.DashConfig`.
 A checkpoint ``model.pt`` is ``{"config": <config.json dict>, "state_dict": ...}``
 and is read with ``torch.load(weights_only=True)``; unpickling arbitrary objects (a
 whole pickled module) needs ``allow_pickle=True`` (``dash-export --unsafe-load``).
@@ -43,13 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused as _fused
-from .config import CONFIG_SECTION, DashConfig, DashConfigError
+from .config import CONFIG_SECTION, DashConfig, DashConfigError, missing_section_message
 from .modeling import (
     IMAGE_INPUTS,
     MODEL_INPUTS,
     DashAttention,
     DashContext,
     DashModel,
+    DashRouter,
     ExportGraph,
     ModelContractError,
 )
@@ -116,7 +118,6 @@ class DashModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    index_head_dim: int
     intermediate_size: int
     dash: DashConfig
     rms_norm_eps: float = 1e-6
@@ -131,12 +132,12 @@ class DashModelConfig:
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "index_head_dim", "intermediate_size")
+                 "num_key_value_heads", "head_dim", "intermediate_size")
 
     #: Upper bounds of the sizes (far above any real decoder; a typo such as 10**9 layers must
     #: be an error, not an allocation that runs until memory is gone).
     _LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
-               "num_key_value_heads": 1024, "head_dim": 1024, "index_head_dim": 1024, "intermediate_size": 1 << 18}
+               "num_key_value_heads": 1024, "head_dim": 1024, "intermediate_size": 1 << 18}
 
     def __post_init__(self) -> None:
         for name in self._REQUIRED:
@@ -169,9 +170,13 @@ class DashModelConfig:
             raise ModelConfigError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
         try:
             self.dash.check_head_dim(self.head_dim, "head_dim")
-            self.dash.check_head_dim(self.index_head_dim, "index_head_dim")
+            self.dash.check_head_dim(self.index_head_dim, "sparse_index_dim")
+            self.dash.check_layers(self.num_hidden_layers)
         except DashConfigError as exc:
             raise ModelConfigError(str(exc)) from None
+        if self.index_head_dim > self._LIMITS["head_dim"]:
+            raise ModelConfigError(f"sparse_index_dim is {self.index_head_dim}, more than the supported "
+                                   f"{self._LIMITS['head_dim']}")
         for name in ("image_token_id", "page_token_id"):
             tid = getattr(self.dash, name)
             if tid is None:
@@ -180,10 +185,11 @@ class DashModelConfig:
                 raise ModelConfigError(f"{name} {tid} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.dash.image_token_id == self.dash.page_token_id:
             raise ModelConfigError("image_token_id and page_token_id must differ")
-        topk = self.dash.sparse_topk_blocks
-        if isinstance(topk, tuple) and len(topk) < self.num_hidden_layers:
-            raise ModelConfigError(
-                f"sparse_topk_blocks lists {len(topk)} layers, the model has {self.num_hidden_layers}")
+
+    @property
+    def index_head_dim(self) -> int:
+        """The DASH indexer's width (``sparse_attention_config.sparse_index_dim``)."""
+        return self.dash.sparse_index_dim
 
     @property
     def image_token_id(self) -> int:
@@ -225,9 +231,10 @@ class DashModelConfig:
         if not isinstance(config, Mapping):
             raise ModelConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
         if CONFIG_SECTION not in config:
-            raise ModelConfigError(
-                f"{source} has no '{CONFIG_SECTION}' section: it does not describe a DASH attention "
-                f"model (add the section with the sparse_* keys, see export/README.md)")
+            raise ModelConfigError(missing_section_message(config, source) + (
+                "" if "dash_attention_config" in config else
+                ": it does not describe a DASH attention model (add the section with the sparse_* keys, "
+                "see export/README.md)"))
         try:
             dash = DashConfig.from_model_config(config)
         except DashConfigError as exc:
@@ -235,8 +242,13 @@ class DashModelConfig:
         missing = [k for k in cls._REQUIRED if k not in config]
         if missing:
             raise ModelConfigError(f"{source} is missing key(s): {', '.join(missing)}")
+        if "index_head_dim" in config and config["index_head_dim"] != dash.sparse_index_dim:
+            raise ModelConfigError(f"{source}: index_head_dim is {config['index_head_dim']!r}, but "
+                                   f"{CONFIG_SECTION}.sparse_index_dim is {dash.sparse_index_dim} (the indexer's "
+                                   f"width is that key; leave index_head_dim out)")
         values = {k: config[k] for k in cls._FIELDS if k in config}
-        extra = {k: v for k, v in config.items() if k not in cls._FIELDS and k != CONFIG_SECTION}
+        extra = {k: v for k, v in config.items()
+                 if k not in cls._FIELDS and k not in (CONFIG_SECTION, "index_head_dim")}
         return cls(dash=dash, extra=extra, **values)
 
     def replace(self, **changes) -> DashModelConfig:
@@ -261,8 +273,9 @@ def load_model_config(path: str | os.PathLike) -> DashModelConfig:
     return DashModelConfig.from_dict(data, source=path)
 
 
-#: The built-in demo model: small enough to export and check in seconds on a CPU,
-#: with the benchmark's routing shape scaled down (per-layer top-k, page bias).
+#: The built-in demo model: small enough to export and check in seconds on a CPU, its
+#: ``sparse_attention_config`` in Unlimited-OCR-2's schema (flags included; per-layer scale and
+#: floor; K of 4 so that a short document still routes).
 DEMO_CONFIG: dict[str, Any] = {
     "architectures": [ARCHITECTURE],
     "model_type": MODEL_TYPE,
@@ -272,18 +285,29 @@ DEMO_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "index_head_dim": 32,
     "intermediate_size": 256,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "eos_token_id": 258,
     "torch_dtype": "float32",
     CONFIG_SECTION: {
+        "training_stage": "dash",
+        "dash_stage0": "head_cls",
+        "use_sparse_attention": True,
+        "sparse_attention_freq": [1, 1],
         "sparse_block_size": 16,
         "sparse_local_block": 1,
-        "sparse_topk_blocks": [4, 2],
-        "sparse_page_bias": 0.5,
+        "sparse_index_dim": 32,
+        "dash_topk_blocks": 4,
+        "dash_sigma": 1.0,
+        "dash_scale_per_layer": [32.0, 16.0],
+        "dash_floor_per_layer": [1e-4, 1e-3],
+        "sparse_main_rope_mode": "page2d",
+        "sparse_rope_mode": "page2d",
+        "sparse_rope_page_span": 0,
         "sparse_rope_page_pairs": 1,
+        "image_bucket_constraint": True,
+        "dash_image_only": True,
         "page_token_id": 256,
         "image_token_id": 257,
     },
@@ -498,29 +522,27 @@ class DashSelfAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.index_dim = cfg.index_head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.iq_proj = nn.Linear(h, self.index_dim, bias=False)
-        self.ik_proj = nn.Linear(h, self.index_dim, bias=False)
-        self.head_cls = nn.Parameter(torch.zeros(self.index_dim))
+        self.dash_router = DashRouter(h, cfg.index_head_dim, cfg.rms_norm_eps)
         self.attn = DashAttention(cfg, layer_idx)
 
     def project(self, x: torch.Tensor):
         t = x.shape[0]
+        iq, ik = self.dash_router(x)
         return (
             self.q_proj(x).view(t, self.num_heads, self.head_dim),
             self.k_proj(x).view(t, self.num_kv_heads, self.head_dim),
             self.v_proj(x).view(t, self.num_kv_heads, self.head_dim),
-            self.iq_proj(x),
-            self.ik_proj(x),
+            iq,
+            ik,
         )
 
     def forward(self, x: torch.Tensor, dash: DashContext) -> torch.Tensor:
         q, k, v, iq, ik = self.project(x)
-        out = self.attn(q, k, v, iq, ik, self.head_cls, dash)
+        out = self.attn(q, k, v, iq, ik, self.dash_router.head_cls, dash)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -590,15 +612,17 @@ class DashForCausalLM(DashModel):
 def _init_weights(model: DashModel, gen: torch.Generator) -> None:
     """Random weights with O(1) activations and logits (fan-in scaled), so that greedy
     decoding and top-k routing are not decided by float rounding: norm weights near 1,
-    embedding tables and other vectors N(0, 1), biases N(0, 0.1), matrices N(0, 1/fan_in)."""
+    embedding tables and other vectors N(0, 1), biases N(0, 0.1), matrices N(0, 1/fan_in); the
+    weights of norms applied as ``1 + weight`` (``zero_centered``, the DASH router's) N(0, 0.1)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    norms = {id(p) for n, m in model.named_modules() if "norm" in type(m).__name__.lower() or "norm" in n.split(".")[-1]
-             for p in m.parameters(recurse=False)}
+    norm_modules = [m for n, m in model.named_modules()
+                    if "norm" in type(m).__name__.lower() or "norm" in n.split(".")[-1]]
+    norms = {id(p): getattr(m, "zero_centered", False) for m in norm_modules for p in m.parameters(recurse=False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
             kw = {"generator": gen, "device": gen.device, "dtype": torch.float32}
             if id(p) in norms and p.ndim == 1 and not name.endswith("bias"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, **kw))
+                p.copy_((0.0 if norms[id(p)] else 1.0) + 0.1 * torch.randn(p.shape, **kw))
             elif p.ndim == 2 and id(p) not in embeddings:
                 p.copy_(torch.randn(p.shape, **kw) / math.sqrt(p.shape[1]))
             elif name.endswith("bias"):

@@ -5,7 +5,7 @@ serving runtime) relies on.
 
 The contract (``docs/models.md`` has a worked example). A model is a subclass of
 :class:`DashModel` whose constructor takes its :class:`~dash_trt.model.DashModelConfig` (the
-``config.json``: the usual Hugging Face keys, a ``dash_attention_config`` section, and any
+``config.json``: the usual Hugging Face keys, a ``sparse_attention_config`` section, and any
 keys of the model's own, kept in ``config.extra``) and which implements:
 
 - ``embed_input_ids(input_ids [T] int64) -> [T, H]``: the token embeddings;
@@ -40,8 +40,8 @@ from .config import DashConfig
 from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
 from .paged import DashBatch, DashKVCache
 
-__all__ = ["DashAttention", "DashContext", "DashModel", "ModelContractError", "merge_image_features",
-           "MODEL_INPUTS", "IMAGE_INPUTS"]
+__all__ = ["DashAttention", "DashContext", "DashModel", "DashRouter", "RouterNorm", "ModelContractError",
+           "merge_image_features", "MODEL_INPUTS", "IMAGE_INPUTS"]
 
 EXPORT, PAGED, REFERENCE = "export", "paged", "reference"
 
@@ -131,6 +131,49 @@ class DashContext:
                                      f"model must call every layer's DashAttention module once")
 
 
+class RouterNorm(nn.Module):
+    """The DASH router's RMS norm, Gemma-style, as Unlimited-OCR-2 has it: float32, non-finite
+    inputs set to 0, ``x * rsqrt(mean(x^2) + eps)`` clamped to +-1e4, times ``1 + weight``
+    (the weight starts at zero), clamped again, back to the input's dtype."""
+
+    #: The weight is an offset from 1 (random initialisation draws it around 0, not around 1).
+    zero_centered = True
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)
+        # NOTE: +-1e4 before and after the weight, as the checkpoint was trained.
+        y = y.clamp(-1e4, 1e4) * (1 + self.weight.float())
+        return y.clamp(-1e4, 1e4).to(x.dtype)
+
+
+class DashRouter(nn.Module):
+    """Unlimited-OCR-2's per-layer DASH router: the indexer's query and key projections
+    (``q_proj``, ``k_proj``: hidden -> ``sparse_index_dim``, no bias), a :class:`RouterNorm` on
+    each (``q_norm``, ``k_norm``) and the learned block-summary query ``head_cls`` [index_dim].
+    The names are the checkpoint's (``...self_attn.dash_router.q_proj.weight``, ...,
+    ``...self_attn.dash_router.head_cls``). It reads the same normalised hidden state as the
+    layer's q/k/v projections; ``router(x)`` returns ``(iq, ik)`` for :class:`DashAttention`,
+    with ``router.head_cls``."""
+
+    def __init__(self, hidden_size: int, index_dim: int, eps: float):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden_size, index_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, index_dim, bias=False)
+        self.q_norm = RouterNorm(index_dim, eps)
+        self.k_norm = RouterNorm(index_dim, eps)
+        self.head_cls = nn.Parameter(torch.zeros(index_dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x))
+
+
 class DashAttention(nn.Module):
     """DASH attention of one layer, as a drop-in for a decoder's attention core.
 
@@ -138,8 +181,9 @@ class DashAttention(nn.Module):
     projections (with whatever names, biases or norms it has) and calls
     ``attn(q, k, v, iq, ik, head_cls, dash)`` with ``q`` [T, heads, head_dim], ``k``/``v`` [T,
     kv_heads, head_dim], the indexer's ``iq``/``ik`` [T, index_head_dim] and its learned
-    ``head_cls`` [index_head_dim]; it returns the attention output [T, heads, head_dim]. RoPE
-    (token and page coordinates) is applied inside, from the context's coordinates.
+    ``head_cls`` [index_head_dim] (Unlimited-OCR-2's :class:`DashRouter` computes the three);
+    it returns the attention output [T, heads, head_dim]. RoPE (token and page coordinates) is
+    applied inside, from the context's coordinates.
 
     ``config`` is the model's :class:`~dash_trt.model.DashModelConfig` (the sizes come from it)
     or a :class:`~dash_trt.config.DashConfig` with the sizes given explicitly.

@@ -47,15 +47,16 @@ B sequences, every step vectorised over tokens):
    are not remote get -1e9. Candidates from the page ranges; the rare "page strictly
    inside the range" pairs are resolved from the image pages (``NonZero`` + gather +
    ``ScatterND``), like :func:`dash_trt.paged._candidates`.
-4. Top-k exactly as docs/spec.md's routing: forced first, then score descending,
-   ties to the lower block index. ONNX ``TopK`` breaks ties by the lower index, so two
-   ``TopK`` calls give the exact order: one over forced blocks only (others at -inf),
-   one over the rest (forced at -inf); the first ``F = #forced`` picks come from the
-   first, the remainder from the second. The block axis gets one extra never-remote
-   column and ``TopK`` takes ``K + 1`` entries so it never sees an empty axis or
-   ``k = 0``; ranks ``>= K`` are marked invalid. ``K = min(topk, N_max)`` (all blocks on
-   dense layers) over the batch's largest block count; a shorter sequence's extra picks
-   are never remote, hence invalid, so the output is the same as per-sequence ``K``.
+4. Routing exactly as docs/spec.md's (Unlimited-OCR-2's): each token's candidates are its
+   page's remote image blocks, or every remote block when there are none; routing values
+   ``x = score * scale / sqrt(Di)`` there, -1e4 elsewhere. The block axis is the batch's
+   widest (complete blocks plus one never-remote column); a token's columns past its own
+   sequence's ``N = ceil(len / sbs)`` get -inf, so one ``TopK`` of ``min(16, N')`` (ties to the
+   lower index, as the reference's stable sort) ranks every token's own top ``M = min(16, N)``
+   first. entmax-1.5 over the first M ranks in closed form (``CumSum`` of the halved values and
+   their squares, the support counted over ranks < M); the first ``K = min(dash_topk_blocks, M)``
+   are kept, valid where they are candidates; their bias is the centred log of the floored
+   prior over ``dash_sigma``.
 5. Attention over the selected blocks plus the local window: keys and values gathered
    through the block table ([T, M, Hkv, D]), GQA by reshaping q to [T, Hkv, G, D],
    float32 logits and softmax, output cast to q's dtype.
@@ -75,7 +76,8 @@ from onnx import AttributeProto, TensorProto, helper
 
 from . import attributes as A
 from .ops import OUTPUTS, TENSOR_INPUTS, paged_attention_op
-from .reference import NOT_REMOTE, SCORE_CLAMP
+from .config import ROUTE_TOP_M
+from .reference import NOT_CANDIDATE, NOT_REMOTE, SCORE_CLAMP
 
 __all__ = [
     "DOMAIN",
@@ -478,35 +480,55 @@ def dash_attention_function() -> onnx.FunctionProto:
                                  g.i([1]), keepdims=0), g.i(0))
     cand = g.op("ScatterND", cand, u_idx, u_hit)
 
-    # ---- 4: route (forced first, score descending, lower index on ties)
-    forced = g.op("And", cand, remote)
-    layer = g.attr("layer_idx")
-    dense_layers = g.cat(g.attr("sparse_dense_layers"), g.i([-1]))  # never empty
-    is_dense = g.op("Greater", g.op("ReduceMax", g.cast(g.op("Equal", dense_layers, layer), I64), keepdims=0), g.i(0))
-    topk_list = g.attr("sparse_topk_blocks")
-    topk = g.op("Gather", topk_list, g.op("Min", layer, g.op("Sub", g.scalar(g.dim(topk_list, 0)), g.i(1))))
-    k_sel = g.op("Where", is_dense, g.scalar(n_max), g.op("Min", topk, g.scalar(n_max)))  # scalar
-    k_take = g.unsq(g.op("Add", k_sel, g.i(1)), 0)  # [1]
-    neg_inf = g.f(-np.inf)
-    _, top_forced = g.op("TopK", g.op("Where", forced, scores, neg_inf), k_take, axis=1, largest=1, sorted=1,
-                         outputs=2)
-    _, top_rest = g.op("TopK", g.op("Where", forced, neg_inf, scores), k_take, axis=1, largest=1, sorted=1,
-                       outputs=2)
-    n_forced = g.op("ReduceSum", g.cast(forced, I64), g.i([1]), keepdims=1)  # [T, 1]
-    rank = g.unsq(g.arange(g.scalar(k_take)), 0)  # [1, K+1]
-    from_forced = g.op("Less", rank, n_forced)
-    pick_f = g.op("GatherElements", top_forced, g.op("Expand", rank, g.op("Shape", top_forced)), axis=1)
-    rest_rank = g.op("Max", g.op("Sub", rank, n_forced), g.i(0))
-    pick_r = g.op("GatherElements", top_rest, rest_rank, axis=1)
-    selected = g.op("Where", from_forced, pick_f, pick_r)  # [T, K+1]
-    valid = g.op("And", g.op("GatherElements", remote, selected, axis=1), g.op("Less", rank, k_sel))
-    sel_forced = g.op("GatherElements", forced, selected, axis=1)
-    bias = g.op("Where", sel_forced, g.attr("sparse_page_bias"), g.f(0.0))
+    # ---- 4: route (Unlimited-OCR-2: own-page restriction, top 16 by routing value, entmax-1.5
+    # prior over them, keep K, centred log prior over sigma as each kept block's bias)
+    own = g.op("And", cand, remote)
+    any_own = g.op("Greater", g.op("ReduceMax", g.cast(own, I64), g.i([1]), keepdims=1), g.i(0))  # [T, 1]
+    # (ONNX Runtime has no boolean Where)
+    restrict = g.op("Or", g.op("And", any_own, own), g.op("And", g.op("Not", any_own), remote))  # [T, N']
+    # NOTE: scale / sqrt(Di) in double, rounded once to float32, as the reference's Python float
+    factor = g.cast(g.op("Div", g.cast(g.attr("dash_scaling_factor"), TensorProto.DOUBLE),
+                         g.op("Sqrt", g.cast(idx_dim, TensorProto.DOUBLE))), F32)
+    not_cand = g.f(NOT_CANDIDATE)
+    x = g.op("Where", restrict, g.op("Mul", scores, factor), not_cand)
+    x = g.op("Where", g.op("Or", g.op("IsNaN", x), g.op("IsInf", x)), not_cand, x)
+    # The sequence's own N = ceil(len / sbs) blocks; the batch's other columns rank below all of them.
+    n_t = g.op("Div", g.op("Add", len_t, g.op("Sub", sbs, g.i(1))), sbs)  # [T]
+    x = g.op("Where", g.op("Less", g.unsq(j, 0), g.unsq(n_t, 1)), x, g.f(-np.inf))
+    kk = g.op("Min", g.i([ROUTE_TOP_M]), n_cols)  # [1]
+    vals, idx = g.op("TopK", x, kk, axis=1, largest=1, sorted=1, outputs=2)  # ties to the lower index
+    m_t = g.op("Min", n_t, g.i(ROUTE_TOP_M))  # [T]: M of the token's sequence
+    rank = g.arange(g.scalar(kk))
+    in_m = g.op("Less", g.unsq(rank, 0), g.unsq(m_t, 1))  # [T, kk]
+    top = g.op("Slice", vals, g.i([0]), g.i([1]), g.i([1]))  # [T, 1]
+    z = g.op("Where", in_m, g.op("Div", g.op("Sub", vals, top), g.f(2.0)), g.f(0.0))
+    rho = g.unsq(g.cast(g.op("Add", rank, g.i(1)), F32), 0)  # [1, kk]
+    mean = g.op("Div", g.op("CumSum", z, g.i(1)), rho)
+    mean_sq = g.op("Div", g.op("CumSum", g.op("Mul", z, z), g.i(1)), rho)
+    gap = g.op("Max", g.op("Div", g.op("Sub", g.f(1.0), g.op("Mul", rho, g.op("Sub", mean_sq, g.op("Mul", mean, mean)))),
+                           rho), g.f(0.0))
+    tau = g.op("Sub", mean, g.op("Sqrt", gap))
+    support = g.op("ReduceSum", g.cast(g.op("And", g.op("LessOrEqual", tau, z), in_m), I64), g.i([1]), keepdims=1)
+    thr = g.op("GatherElements", tau, g.op("Sub", g.op("Max", support, g.i(1)), g.i(1)), axis=1)  # [T, 1]
+    d = g.op("Max", g.op("Sub", z, thr), g.f(0.0))
+    prior = g.op("Mul", d, d)
+    k_take = g.op("Min", g.unsq(g.attr("dash_topk_blocks"), 0), kk)  # [1]: columns kept
+    k_t = g.op("Min", g.attr("dash_topk_blocks"), m_t)  # [T]: K of the token's sequence
+    selected = g.op("Slice", idx, g.i([0]), k_take, g.i([1]))  # [T, K]
+    prior = g.op("Slice", prior, g.i([0]), k_take, g.i([1]))
+    kept = g.op("Less", g.unsq(g.arange(g.scalar(k_take)), 0), g.unsq(k_t, 1))
+    valid = g.op("And", g.op("GatherElements", restrict, selected, axis=1), kept)
+    logp = g.op("Log", g.op("Max", prior, g.attr("dash_prior_floor")))
+    zero = g.f(0.0)
+    n_valid = g.op("Max", g.op("ReduceSum", g.cast(valid, F32), g.i([1]), keepdims=1), g.f(1.0))
+    mean_log = g.op("Div", g.op("ReduceSum", g.op("Where", valid, logp, zero), g.i([1]), keepdims=1), n_valid)
+    bias = g.op("Where", valid, g.op("Div", g.op("Sub", logp, mean_log), g.attr("dash_sigma")), zero)
 
     # ---- 5: attend selected blocks + local window (float32 softmax, GQA)
+    neg_inf = g.f(-np.inf)
     offs = g.arange(sbs)
     r_pos = g.op("Reshape", g.op("Add", g.unsq(g.op("Mul", selected, sbs), 2), g.unsq(offs, 0, 1)),
-                 g.cat(t_len, g.i([-1])))  # [T, (K+1)*sbs]
+                 g.cat(t_len, g.i([-1])))  # [T, K*sbs]
     sel_shape3 = g.cat(t_len, k_take, g.unsq(sbs, 0))
     flat2 = g.cat(t_len, g.i([-1]))
     r_bias = g.op("Reshape", g.op("Expand", g.unsq(bias, 2), sel_shape3), flat2)

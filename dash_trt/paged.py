@@ -74,6 +74,7 @@ from .reference import (
     page_coordinates,
     page_rope,
     query_chunk_size,
+    routed_width,
     sparse_attend,
 )
 
@@ -661,7 +662,7 @@ def paged_dash_attention(
     output = torch.empty_like(q)
     parts = []
     k_width_all = 0
-    n_max = max((length // sbs for length in lens), default=0)
+    n_max = max((-(-length // sbs) for length in lens), default=0)
     table_rows = block_tables.long()
     for s, (start, length) in enumerate(zip(starts, lens)):
         n_new = int(query_start_loc[s + 1]) - start
@@ -669,10 +670,10 @@ def paged_dash_attention(
         table = table_rows[s]
         # Stage 2: summarise the sparse blocks this call completes.
         _summarise_completed(cache, table, length - n_new, length, prompt, head_cls, sbs)
-        # Stage 3 + 4: route over complete blocks, attend selected + local window.
-        n_blk = length // sbs
-        summary, pages = _block_state(cache, table, n_blk, sbs)
-        k_width = n_blk if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), n_blk)
+        # Stage 3 + 4: route over the sequence's blocks, attend selected + local window.
+        n_blk = -(-length // sbs)
+        summary, pages = _block_state(cache, table, length // sbs, n_blk, sbs)
+        k_width = routed_width(cfg, layer_idx, n_blk)
         k_width_all = max(k_width_all, k_width)
         chunk = query_chunk_size(cfg, k_width * sbs + cfg.local_window, q.shape[1], k.shape[1], q.shape[2])
 
@@ -687,18 +688,16 @@ def paged_dash_attention(
             pos = torch.arange(length - n_new + c0, length - n_new + c1, device=device)
             qp = coords[rows, COORD_QUERY_PAGE]
             candidate = _candidates(cache, table, pages, qp, sbs)
-            scores, selected, bias, valid = _route_chunk(
+            scores, selected, bias, valid, values = _route_chunk(
                 iq_rot[rows], summary, pos, candidate, cfg, layer_idx, prompt
             )
             out = sparse_attend(q_rot[rows], pos, selected, bias, valid, gather_kv, length, prompt, cfg)
             output[rows] = out.to(q.dtype)
             if return_routing:
-                parts.append(_record_routing(scores, selected, valid, candidate, n_max))
+                parts.append(_record_routing(scores, selected, bias, valid, values, n_max))
     if return_routing:
         routing = _stack_routing(parts, k_width_all) if parts else Routing(
-            torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0, dtype=torch.bool),
-            torch.empty(0, 0),
-        )
+            torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0))
         return output, routing
     return output
 
@@ -745,11 +744,18 @@ def _summarise_completed(cache, table, old_len, new_len, prompt, head_cls, sbs) 
     cache.summary_pages[phys, sub] = torch.stack((lo, hi, dense.long()), -1).to(torch.int32)
 
 
-def _block_state(cache, table, n_blk, sbs):
-    """Summaries [N, Di] and page ranges [N, 3] of a sequence's complete blocks."""
-    blocks = torch.arange(n_blk, device=table.device)
+def _block_state(cache, table, n_complete, n_blk, sbs):
+    """Summaries [N, Di] and page ranges [N, 3] of a sequence's ``n_blk`` sparse blocks: its
+    ``n_complete`` complete ones from the cache, then the partial last one (if any) as a zero
+    summary with no pages. A partial block is never remote (it holds the newest token, inside
+    every local window), so it only keeps N equal to the reference's ceil(length / sbs)."""
+    blocks = torch.arange(n_complete, device=table.device)
     phys, sub = _summary_location(table, blocks, sbs, cache.block_size)
-    return cache.summary[phys, sub], cache.summary_pages[phys, sub].long()
+    summary, pages = cache.summary[phys, sub], cache.summary_pages[phys, sub].long()
+    if n_blk > n_complete:
+        summary = torch.cat([summary, summary.new_zeros(n_blk - n_complete, summary.shape[1])])
+        pages = torch.cat([pages, pages.new_full((n_blk - n_complete, 3), -1)])
+    return summary, pages
 
 
 def _candidates(cache, table, pages, qp, sbs) -> torch.Tensor:

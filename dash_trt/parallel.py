@@ -9,8 +9,9 @@ Megatron-style, over ``torch.distributed`` (NCCL on GPUs, one process per GPU la
   ``o_proj``, and a KV cache of its own KV heads only;
 - the MLP's ``gate_proj``/``up_proj`` rows and ``down_proj`` columns split alike;
 - one all-reduce after ``o_proj`` and one after ``down_proj`` (:class:`RowParallelLinear`);
-- everything else replicated: embeddings, norms, ``lm_head``, and the DASH indexer
-  (``iq_proj``, ``ik_proj``, ``head_cls``). The indexer is shared by all heads of a token, and
+- everything else replicated: embeddings, norms, ``lm_head``, and the DASH router
+  (``dash_router``: its ``q_proj``, ``k_proj``, norms and ``head_cls``). The router is shared by
+  all heads of a token, and
   its inputs (the hidden states) are the same on every rank after each all-reduce, so every
   rank routes for itself and selects the same blocks: no broadcast of the selection, at the
   price of scoring on every rank (the routing is a few percent of a step; its index cache,
@@ -119,8 +120,11 @@ def shard_model(model, rank: int, world: int, group=None):
              "down_proj": (1, s.inter0, s.intermediate)}
     local = {}
     for name, w in model.state_dict().items():
-        owner = name.split(".")[-2]  # "layers.0.self_attn.q_proj.weight" -> "q_proj"
-        local[name] = w.narrow(*split[owner]).contiguous() if owner in split else w
+        parts = name.split(".")
+        owner = parts[-2]  # "layers.0.self_attn.q_proj.weight" -> "q_proj"
+        # the router's own q_proj / k_proj ("...self_attn.dash_router.q_proj.weight") are replicated
+        sharded = owner in split and parts[-3] != "dash_router"
+        local[name] = w.narrow(*split[owner]).contiguous() if sharded else w
     shard.load_state_dict(local)  # copies; strict: a name the shard lacks is an error
     if cfg.tie_word_embeddings:  # to_empty gave lm_head a storage of its own
         shard.lm_head.weight = shard.embed_tokens.weight

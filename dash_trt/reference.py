@@ -1,11 +1,13 @@
 """The PyTorch reference of DASH attention: the function every backend computes.
 
-This follows the original DASH reference implementation (its ``backend="TRITON_ATTN"``
-path; not part of this repository) result for result, with ``route_blocks`` as
-docs/spec.md defines it. It is vectorised
-over a chunk of queries and grouped by KV head (GQA) instead of repeating keys per
-query head, and the chunk is bounded by a memory budget so long prefills stay within
-a fixed temporary size. Chunking never changes the output (docs/spec.md, property 1).
+The function is the DASH attention of Baidu's Unlimited-OCR-2, as vLLM 0.34.0 ships it
+(``vllm/model_executor/layers/dash_attention.py``, its ``backend="TRITON_ATTN"`` path; not
+part of this repository, and never imported): page coordinates, page RoPE, block summaries,
+Unlimited-OCR-2's routing (own-page candidates, top 16, entmax-1.5 prior, keep K, a
+centred log-prior bias) and one float32 softmax, result for result (docs/spec.md). It is
+vectorised over a chunk of queries and grouped by KV head (GQA) instead of repeating keys
+per query head, and the chunk is bounded by a memory budget so long prefills stay within a
+fixed temporary size. Chunking never changes the output (docs/spec.md, property 1).
 
 The building blocks (:func:`block_summaries`, :func:`routing_scores`,
 :func:`route_blocks`, :func:`sparse_attend`) are shared with the paged operator in
@@ -22,13 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import DashConfig, as_config
+from .config import ROUTE_TOP_M, DashConfig, as_config
 
 __all__ = [
     "page_coordinates",
     "page_rope",
     "prompt_page_positions",
     "route_blocks",
+    "entmax15",
     "dash_attention",
     "block_summaries",
     "routing_scores",
@@ -40,6 +43,7 @@ __all__ = [
     "ROLE_PAGE",
     "SCORE_CLAMP",
     "NOT_REMOTE",
+    "NOT_CANDIDATE",
 ]
 
 #: Token roles (docs/spec.md, "Words").
@@ -47,10 +51,14 @@ ROLE_TEXT, ROLE_IMAGE, ROLE_PAGE = 0, 1, 2
 
 # NOTE: numerics shared by every backend. Indexer logits and block scores are
 # clamped to +-1e4 so that exp() and top-k stay finite; blocks a query may not read
-# get exactly -1e9, which route_blocks recognises as "not remote" (< -1e8).
+# get exactly -1e9, which route_blocks recognises as "not remote" (< -1e8); routing
+# values of blocks a query may not select are -1e4 (they still fill the top 16 when
+# fewer blocks can be selected, with no prior mass).
 SCORE_CLAMP = 1e4
 NOT_REMOTE = -1e9
 REMOTE_THRESHOLD = -1e8
+#: Routing value of a block a query may not select (not a candidate, or not remote).
+NOT_CANDIDATE = -1e4
 
 #: Bytes of gathered keys/values/logits one query chunk may hold (float32).
 _CHUNK_BUDGET_BYTES = 256 << 20
@@ -216,43 +224,70 @@ def routing_scores(
     return scores.masked_fill(~remote, NOT_REMOTE)
 
 
+def entmax15(x: torch.Tensor) -> torch.Tensor:
+    """entmax with alpha = 1.5 over the last dim: ``p_i = max(x_i / 2 - tau, 0) ** 2`` with
+    ``tau`` such that the ``p`` sum to 1 (float32 in, float32 out).
+
+    ``tau`` in closed form over the values sorted descending: for each support size ``r``,
+    ``tau_r = mean_r - sqrt(max((1 - r * var_r) / r, 0))`` (mean and variance of the ``r``
+    largest halved values); the support is the number of ``r`` with ``tau_r <= x_(r) / 2``.
+    The values are first shifted by their maximum, so a row of -1e4 entries is as good as
+    any other (equal values share the mass equally).
+    """
+    z = (x - x.amax(-1, keepdim=True)) / 2
+    ordered = z.sort(-1, descending=True).values
+    rank = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    mean = ordered.cumsum(-1) / rank
+    mean_sq = ordered.square().cumsum(-1) / rank
+    gap = ((1 - rank * (mean_sq - mean.square())) / rank).clamp(min=0)
+    tau = mean - gap.sqrt()
+    support = (tau <= ordered).sum(-1, keepdim=True).clamp(min=1)
+    return (z - tau.gather(-1, support - 1)).clamp(min=0).square()
+
+
 def route_blocks(
     scores: torch.Tensor, candidate: torch.Tensor, sp: SpLike, layer_idx: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k block routing as docs/spec.md defines it.
+    """Unlimited-OCR-2's block routing (docs/spec.md step 4).
 
     ``scores`` [Q, N] float32 (clamped, non-remote blocks at -1e9), ``candidate``
-    [Q, N] bool (block holds an image token of the query's page). Returns
-    ``selected`` [Q, K] int64, ``bias`` [Q, K] float32 and ``valid`` [Q, K] bool,
-    with ``K = N`` for dense layers and ``min(topk, N)`` otherwise. Order: forced
-    (candidate and remote) blocks first, then score descending, ties to the lower
+    [Q, N] bool (block holds an image token of the query's page). Returns ``selected``
+    [Q, K] int64, ``bias`` [Q, K] float32 and ``valid`` [Q, K] bool, with ``M = min(16, N)``
+    and ``K = min(dash_topk_blocks, M)``: the K best of the top M by routing value, their
+    centred log entmax prior over sigma as the bias of their keys. Ties go to the lower
     block index.
     """
-    cfg = as_config(sp)
+    selected, bias, valid, _ = _route(scores, candidate, as_config(sp), layer_idx)
+    return selected, bias, valid
+
+
+def _route(scores: torch.Tensor, candidate: torch.Tensor, cfg: DashConfig, layer_idx: int):
+    """:func:`route_blocks`, also returning the routing values x [Q, N]."""
     if scores.ndim != 2 or candidate.shape != scores.shape:
         raise ValueError(
             f"scores and candidate must both be [Q, N], got {tuple(scores.shape)} "
             f"and {tuple(candidate.shape)}"
         )
-    n = scores.shape[1]
-    k = n if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), n)
+    r = cfg.routing(layer_idx)
     remote = scores > REMOTE_THRESHOLD
-    forced = candidate & remote
-    # Two stable sorts give the lexicographic order (forced, score, -index): the
-    # first orders by score with ties kept in index order, the second moves forced
-    # blocks to the front without disturbing that order.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    by_forced = torch.sort(
-        forced.gather(-1, order).to(torch.int32), dim=-1, descending=True, stable=True
-    ).indices
-    selected = order.gather(-1, by_forced)[:, :k]
-    valid = remote.gather(-1, selected)
-    bias = torch.where(
-        forced.gather(-1, selected),
-        torch.tensor(float(cfg.sparse_page_bias), dtype=torch.float32, device=scores.device),
-        torch.tensor(0.0, dtype=torch.float32, device=scores.device),
-    )
-    return selected, bias, valid
+    own_page = candidate & remote
+    # Candidates restrict: a query whose page has a remote image block reads only those;
+    # one whose page has none (response text, a page still local) competes over all.
+    cand = torch.where(own_page.any(-1, keepdim=True), own_page, remote)
+    x = torch.where(cand, scores * (r.scale / math.sqrt(cfg.sparse_index_dim)), NOT_CANDIDATE)
+    x = torch.nan_to_num(x, nan=NOT_CANDIDATE, posinf=NOT_CANDIDATE, neginf=NOT_CANDIDATE)
+    m = min(ROUTE_TOP_M, x.shape[-1])
+    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    prior = entmax15(values[:, :m])
+    k = min(r.topk, m)
+    selected, prior = order[:, :k], prior[:, :k]
+    valid = cand.gather(-1, selected)
+    # NOTE: the floor keeps log() finite for blocks of the top K that entmax gave no mass;
+    # centred over the valid blocks, so one valid block gets bias 0.
+    logp = prior.clamp(min=r.floor).log()
+    mean = torch.where(valid, logp, 0).sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    bias = torch.where(valid, (logp - mean) / r.sigma, 0)
+    return selected, bias, valid, x
 
 
 # ---------------------------------------------------------------------- attention
@@ -310,18 +345,26 @@ def query_chunk_size(cfg: DashConfig, keys_per_query: int, num_heads: int, kv_he
     return max(1, min(cfg.dash_query_chunk, _CHUNK_BUDGET_BYTES // max(per_query, 1)))
 
 
+def routed_width(cfg: DashConfig, layer_idx: int, num_blocks: int) -> int:
+    """K of a sequence of ``num_blocks`` sparse blocks: ``min(dash_topk_blocks, 16, N)``."""
+    return min(cfg.routing(layer_idx).topk, ROUTE_TOP_M, num_blocks)
+
+
 @dataclass
 class Routing:
     """What routing chose, for comparing implementations (docs/spec.md, "Comparing").
 
-    ``selected`` [T, K] int64: the valid selected blocks, -1 padded; ``forced``
-    [T, K] bool; ``scores`` [T, N] float32: every block's score (-1e9 if not remote),
-    N the largest block count in the batch.
+    ``selected`` [T, K] int64: the valid selected blocks, -1 padded (K the widest row);
+    ``bias`` [T, K] float32: their bias (0 at the padding); ``values`` [T, N] float32: every
+    block's routing value x (-1e4 where the token may not select it); ``scores`` [T, N]
+    float32: every block's score (-1e9 if not remote); N the largest block count in the
+    batch. An implementation that reports only its selection leaves the others None.
     """
 
     selected: torch.Tensor
-    forced: torch.Tensor
-    scores: torch.Tensor
+    bias: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
 
 def _route_chunk(
@@ -332,26 +375,29 @@ def _route_chunk(
     cfg: DashConfig,
     layer_idx: int,
     prompt_length: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+):
+    """Scores [c, N], then routing: ``(scores, selected, bias, valid, values)``."""
     scores = routing_scores(iq, summary, pos, cfg, prompt_length)
-    selected, bias, valid = route_blocks(scores, candidate, cfg, layer_idx)
-    return scores, selected, bias, valid
+    selected, bias, valid, values = _route(scores, candidate, cfg, layer_idx)
+    return scores, selected, bias, valid, values
 
 
-def _record_routing(scores, selected, valid, candidate, width: int):
-    """Routing rows padded to ``width`` blocks (for :class:`Routing`)."""
+def _record_routing(scores, selected, bias, valid, values, width: int):
+    """One chunk's routing rows, padded to ``width`` blocks (for :class:`Routing`)."""
     c = scores.shape[0]
     sel = torch.where(valid, selected, torch.full_like(selected, -1))
-    forced = candidate.gather(-1, selected) & valid
-    padded = torch.full((c, width), NOT_REMOTE, dtype=torch.float32, device=scores.device)
-    padded[:, : scores.shape[1]] = scores
-    return sel, forced, padded
+    bias = torch.where(valid, bias, 0.0)
+    padded_scores = torch.full((c, width), NOT_REMOTE, dtype=torch.float32, device=scores.device)
+    padded_scores[:, : scores.shape[1]] = scores
+    padded_values = torch.full((c, width), NOT_CANDIDATE, dtype=torch.float32, device=scores.device)
+    padded_values[:, : values.shape[1]] = values
+    return sel, bias, padded_values, padded_scores
 
 
 def _stack_routing(parts, k_width: int) -> Routing:
-    sel = [F.pad(s, (0, k_width - s.shape[1]), value=-1) for s, _, _ in parts]
-    forced = [F.pad(f, (0, k_width - f.shape[1]), value=False) for _, f, _ in parts]
-    return Routing(torch.cat(sel), torch.cat(forced), torch.cat([p for _, _, p in parts]))
+    sel = torch.cat([F.pad(p[0], (0, k_width - p[0].shape[1]), value=-1) for p in parts])
+    bias = torch.cat([F.pad(p[1], (0, k_width - p[1].shape[1]), value=0.0) for p in parts])
+    return Routing(sel, bias, torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))
 
 
 def dash_attention(
@@ -410,7 +456,7 @@ def dash_attention(
     membership.scatter_(1, image_blocks + 1, True)
 
     output = torch.empty_like(q)
-    k_width = nblk if cfg.is_dense_layer(layer_idx) else min(cfg.topk_for(layer_idx), nblk)
+    k_width = routed_width(cfg, layer_idx, nblk)
     chunk = query_chunk_size(cfg, k_width * bs + cfg.local_window, q.shape[1], k.shape[1], q.shape[2])
     parts = []
     for start in range(0, nq, chunk):
@@ -419,7 +465,7 @@ def dash_attention(
         qp = query_page[-nq:][start:end]
         candidate = membership.T[(qp + 1).clamp(0, num_pages)]
         candidate &= (qp[:, None] >= 0) & (qp[:, None] < num_pages)
-        scores, selected, bias, valid = _route_chunk(
+        scores, selected, bias, valid, values = _route_chunk(
             iq[start:end], summary, pos, candidate, cfg, layer_idx, prompt_length
         )
         out = sparse_attend(
@@ -428,7 +474,7 @@ def dash_attention(
         )
         output[start:end] = out.to(q.dtype)
         if return_routing:
-            parts.append(_record_routing(scores, selected, valid, candidate, nblk))
+            parts.append(_record_routing(scores, selected, bias, valid, values, nblk))
     if return_routing:
         return output, _stack_routing(parts, k_width)
     return output
@@ -464,7 +510,7 @@ def check_heads(cfg: DashConfig, q: torch.Tensor, k: torch.Tensor, iq: torch.Ten
             f"query heads ({nh}) must be a multiple of KV heads ({hkv}) for grouped-query attention"
         )
     cfg.check_head_dim(q.shape[-1], "head dim D")
-    cfg.check_head_dim(iq.shape[-1], "indexer dim Di")
+    cfg.check_index_dim(iq.shape[-1], "indexer dim Di")
 
 
 def _check_dense_inputs(q, k, v, iq, ik, roles, head_cls, cfg, prompt_length) -> None:

@@ -84,3 +84,28 @@ def running_triton(repo, log_path, **kwargs):
         code = srv.stop()
         srv.cleanup()
     assert code == 0, f"tritonserver exit code {code}:\n{srv.log_tail()}"
+
+
+def demo_config(layers: int | None = None, **config) -> dict:
+    """A copy of the demo model's config.json with ``num_hidden_layers`` = ``layers`` (its
+    ``sparse_attention_freq`` and per-layer lists resized to match: entries repeat the last)
+    and the other keys given (a ``sparse_attention_config`` dict updates the section's keys)."""
+    import copy
+
+    from dash_trt.config import CONFIG_SECTION
+    from dash_trt.model import DEMO_CONFIG
+
+    out = copy.deepcopy(DEMO_CONFIG)
+    section = config.pop(CONFIG_SECTION, {})
+    out.update(config)
+    out[CONFIG_SECTION].update(section)
+    n = layers if layers is not None else out["num_hidden_layers"]
+    out["num_hidden_layers"] = n
+    sp = out[CONFIG_SECTION]
+    if "sparse_attention_freq" not in section:
+        sp["sparse_attention_freq"] = [1] * n
+    for key in ("dash_scale_per_layer", "dash_floor_per_layer"):
+        values = sp.get(key)
+        if values and key not in section:
+            sp[key] = (list(values) + [values[-1]] * n)[:n]
+    return out

@@ -167,7 +167,7 @@ def test_default_limits_and_context():
 
 
 def test_config_checks_the_kv_block_size():
-    cfg = B.DashConfig.from_dict({"sparse_block_size": 32, "sparse_local_block": 1})
+    cfg = B.DashConfig.from_dict({"sparse_block_size": 32, "sparse_local_block": 1, "sparse_index_dim": 64})
     with pytest.raises(ProfileError, match="KV block size 16 is not a whole multiple of sparse_block_size 32"):
         B.derive_limits(EXPORT_INPUTS, config=cfg)
 
@@ -263,14 +263,15 @@ def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
     nodes = [helper.make_node("Identity", ["input_ids"], ["ids_out"])]
     if node:
         nodes.append(helper.make_node("DashAttention", ["coords"], ["unused"], domain="dash_trt",
-                                      sparse_block_size=32, sparse_local_block=1, sparse_topk_blocks=[4],
-                                      layer_idx=0, sparse_main_rope_tok_freq_mode="", plugin_version="1",
+                                      sparse_block_size=32, sparse_local_block=1, sparse_index_dim=64,
+                                      dash_topk_blocks=4, layer_idx=0, sparse_main_rope_tok_freq_mode="",
+                                      plugin_version="2",
                                       **({} if node == "no-namespace" else {"plugin_namespace": ""})))
     graph = helper.make_graph(nodes, "tiny", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("dash_trt", 1)])
     if metadata:
-        helper.set_model_props(model, {"dash_attention_config": json.dumps(
-            {"sparse_block_size": 16, "sparse_local_block": 1})})
+        helper.set_model_props(model, {"sparse_attention_config": json.dumps(
+            {"sparse_block_size": 16, "sparse_local_block": 1, "sparse_index_dim": 64})})
     onnx.save(model, str(path))
     return path
 

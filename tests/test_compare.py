@@ -12,6 +12,7 @@ from onnx import numpy_helper
 from dash_trt import compare as C
 from dash_trt import export as E
 from dash_trt import model as M
+from conftest import demo_config
 
 
 @pytest.fixture(scope="module")
@@ -132,16 +133,14 @@ def test_in_place_runner_gives_the_functional_runners_outputs(demo_onnx):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"num_hidden_layers": 3, "topk": 4}, "the graph has caches for 2 layers, the checkpoint has 3"),
+    ({"num_hidden_layers": 3}, "the graph has caches for 2 layers, the checkpoint has 3"),
     ({"head_dim": 16}, r"past.0.key is \[NB, 16, 2, 32\] in the graph, \[NB, 16, 2, 16\] for the checkpoint"),
     ({"vocab_size": 300}, "logits of 320 classes, the checkpoint's vocab_size is 300"),
 ])
 def test_a_checkpoint_of_another_model_is_named_in_one_line(demo_onnx, tmp_path, capsys, change, match):
     """dash-compare with the checkpoint of a different model: exit 2 and one line saying how
     it differs from the graph (no KeyError or ONNX Runtime shape error from inside a run)."""
-    cfg = {**M.DEMO_CONFIG, **{k: v for k, v in change.items() if k != "topk"}}
-    if "topk" in change:
-        cfg[M.CONFIG_SECTION] = {**cfg[M.CONFIG_SECTION], "sparse_topk_blocks": change["topk"]}
+    cfg = demo_config(change.get("num_hidden_layers"), **{k: v for k, v in change.items() if k != "num_hidden_layers"})
     ckpt = tmp_path / "other.pt"
     M.save_checkpoint(M.random_model(cfg), ckpt)
     rc = C.main([demo_onnx, "--checkpoint", str(ckpt)])

@@ -7,14 +7,19 @@ import pytest
 
 from dash_trt.config import CONFIG_SECTION, DashConfig, DashConfigError
 
-BASE = {"sparse_block_size": 64, "sparse_local_block": 1}
+from dash_trt.config import REQUIRED_FLAGS
+
+BASE = {"sparse_block_size": 64, "sparse_local_block": 1, "sparse_index_dim": 128}
 
 
 def test_defaults_follow_the_spec_table():
     cfg = DashConfig.from_dict(BASE)
-    assert cfg.sparse_topk_blocks == 16
-    assert cfg.sparse_dense_layers == ()
-    assert cfg.sparse_page_bias == 0.0
+    assert cfg.dash_topk_blocks == 12
+    assert cfg.dash_sigma == 1.0
+    assert cfg.dash_scaling_factor == 128.0
+    assert cfg.dash_prior_floor == 1e-4
+    assert cfg.dash_scale_per_layer is None and cfg.dash_floor_per_layer is None
+    assert cfg.sparse_attention_freq is None
     assert cfg.sparse_rope_page_pairs == 1
     assert cfg.sparse_rope_tok_theta == 10000.0
     assert cfg.sparse_rope_page_theta == 256.0
@@ -23,40 +28,62 @@ def test_defaults_follow_the_spec_table():
     assert cfg.sparse_rope_page_mod == 0
     assert cfg.dash_query_chunk == 2048
     assert cfg.local_window == 64
-    assert DashConfig.required_keys() == ("sparse_block_size", "sparse_local_block")
+    assert DashConfig.required_keys() == ("sparse_block_size", "sparse_local_block", "sparse_index_dim")
+    assert all(getattr(cfg, k) == v for k, v in REQUIRED_FLAGS.items())
+    assert cfg.routing(5) == (12, 1.0, 128.0, 1e-4)
 
 
 def test_round_trip_through_json_and_model_config(tmp_path):
-    sp = {**BASE, "sparse_topk_blocks": [4, 8], "sparse_dense_layers": [1], "sparse_page_bias": 0.5,
-          "sparse_main_rope_tok_freq_mode": "truncate", "image_token_id": 5, "page_token_id": 6}
+    sp = {**BASE, "dash_topk_blocks": 8, "sparse_attention_freq": [1, 0, 1], "dash_scale_per_layer": [64, 32.0],
+          "dash_floor_per_layer": [1e-3, 1e-2], "dash_sigma": 0.5, "sparse_main_rope_tok_freq_mode": "truncate",
+          "image_token_id": 5, "page_token_id": 6, **REQUIRED_FLAGS}
     cfg = DashConfig.from_dict(sp)
-    assert cfg.topk_for(0) == 4 and cfg.topk_for(1) == 8 and cfg.is_dense_layer(1)
+    assert cfg.slot(2) == 1 and cfg.routing(2) == (8, 0.5, 32.0, 1e-2) and cfg.num_dash_layers == 2
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"hidden_size": 64, CONFIG_SECTION: cfg.to_dict()}))
     assert DashConfig.from_model_config(path) == cfg
     assert DashConfig.from_model_config(json.loads(path.read_text())) == cfg
+    # one layer's config: what an exported node carries
+    layer = cfg.for_layer(2)
+    assert layer.dash_scaling_factor == 32.0 and layer.dash_prior_floor == 1e-2
+    assert layer.dash_scale_per_layer is None and layer.sparse_attention_freq is None
+    assert layer.routing(2) == cfg.routing(2)
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
         ({"sparse_block_size": None}, "missing required key"),
+        ({"sparse_index_dim": None}, "missing required key\\(s\\): sparse_index_dim"),
         ({"sparse_block_size": 0}, "'sparse_block_size' must be >= 1"),
         ({"sparse_local_block": -1}, "'sparse_local_block' must be >= 1"),
         ({"sparse_block_size": 4.0}, "must be an integer"),
         ({"sparse_block_size": True}, "must be an integer"),
-        ({"sparse_topk_blocks": -2}, "must not be negative"),
-        ({"sparse_topk_blocks": []}, "must not be an empty list"),
-        ({"sparse_dense_layers": 3}, "must be a list"),
-        ({"sparse_page_bias": math.nan}, "must be finite"),
-        ({"sparse_page_bias": math.inf}, "must be finite"),
+        ({"dash_topk_blocks": 0}, "'dash_topk_blocks' must be >= 1"),
+        ({"dash_sigma": 0.0}, "'dash_sigma' must be > 0"),
+        ({"dash_sigma": math.nan}, "'dash_sigma' must be finite"),
+        ({"dash_prior_floor": 0.0}, "'dash_prior_floor' must be > 0"),
+        ({"dash_scaling_factor": math.inf}, "'dash_scaling_factor' must be finite"),
+        ({"dash_scale_per_layer": 3.0}, "must be a list of numbers"),
+        ({"dash_floor_per_layer": [1e-4, -1.0]}, "'dash_floor_per_layer' must be > 0"),
+        ({"sparse_attention_freq": [1, 2]}, "must hold only 0 and 1"),
+        ({"sparse_attention_freq": []}, "non-empty list"),
         ({"sparse_rope_tok_theta": math.inf}, "must be finite"),
         ({"sparse_rope_page_theta": 0.0}, "must be > 0"),
         ({"sparse_rope_page_theta": "256"}, "must be a number"),
         ({"sparse_main_rope_tok_freq_mode": "trunc"}, "must be one of"),
         ({"dash_query_chunk": 0}, "'dash_query_chunk' must be >= 1"),
         ({"sparse_rope_page_mod": -1}, "must not be negative"),
-        ({"sparse_blok_size": 64}, "unknown DASH config key\\(s\\): sparse_blok_size"),
+        # the flags Unlimited-OCR-2 fixes: refused with vLLM's reason
+        ({"training_stage": "warmup"}, "Unlimited-OCR-2 requires training_stage='dash'"),
+        ({"sparse_rope_mode": "1d"}, "Unlimited-OCR-2 requires sparse_rope_mode='page2d'"),
+        ({"sparse_rope_page_span": 2}, "Unlimited-OCR-2 requires sparse_rope_page_span=0"),
+        ({"use_sparse_attention": False}, "Unlimited-OCR-2 requires use_sparse_attention=True"),
+        ({"dash_image_only": False}, "Unlimited-OCR-2 requires dash_image_only=True"),
+        # the withdrawn rule's keys: refused with what replaced them
+        ({"sparse_topk_blocks": 16}, "'sparse_topk_blocks' belongs to a withdrawn routing rule.*dash_topk_blocks"),
+        ({"sparse_dense_layers": []}, "'sparse_dense_layers' belongs to a withdrawn routing rule"),
+        ({"sparse_page_bias": 0.5}, "'sparse_page_bias' belongs to a withdrawn routing rule"),
     ],
 )
 def test_bad_values_name_the_key(change, match):
@@ -70,10 +97,31 @@ def test_bad_values_name_the_key(change, match):
         DashConfig.from_dict(sp)
 
 
-def test_unknown_keys_can_be_downgraded_to_a_warning():
-    with pytest.warns(UserWarning, match="unknown DASH config key"):
-        cfg = DashConfig.from_dict({**BASE, "future_key": 1}, strict=False)
-    assert cfg.sparse_block_size == 64
+def test_keys_nothing_reads_are_kept_and_named_once():
+    """A real checkpoint's section may carry keys of its training: accepted, listed in one
+    warning, kept in to_dict, not compared; strict=True refuses them."""
+    with pytest.warns(UserWarning, match="not used by dash-trt, nor by vLLM's DASH layer: future_key, warmup"):
+        cfg = DashConfig.from_dict({**BASE, "future_key": 1, "warmup": {"steps": 3}})
+    assert cfg.sparse_block_size == 64 and cfg.ignored_keys == {"future_key": 1, "warmup": {"steps": 3}}
+    assert cfg.to_dict()["warmup"] == {"steps": 3} and cfg == DashConfig.from_dict(BASE)
+    with pytest.raises(DashConfigError, match="not used by dash-trt"):
+        DashConfig.from_dict({**BASE, "sparse_blok_size": 64}, strict=True)
+
+
+def test_layer_map_and_per_layer_lists():
+    cfg = DashConfig.from_dict({**BASE, "sparse_attention_freq": [1, 0, 1], "dash_scale_per_layer": [1.0, 2.0]})
+    assert [cfg.slot(i) for i in (0, 2)] == [0, 1]
+    with pytest.raises(DashConfigError, match="layer 1 is not a DASH layer"):
+        cfg.routing(1)
+    with pytest.raises(DashConfigError, match="sparse_attention_freq lists 3 layers, no entry for layer 3"):
+        cfg.routing(3)
+    with pytest.raises(DashConfigError, match="Unlimited-OCR-2 requires DASH in every decoder layer"):
+        cfg.check_layers(3)
+    short = DashConfig.from_dict({**BASE, "dash_floor_per_layer": [1e-4]})
+    with pytest.raises(DashConfigError, match="dash_floor_per_layer lists 1 DASH layers, the model has 2"):
+        short.check_layers(2)
+    with pytest.raises(DashConfigError, match="layer_idx must be a non-negative integer"):
+        short.routing(-1)
 
 
 def test_model_config_errors(tmp_path):
@@ -87,6 +135,11 @@ def test_model_config_errors(tmp_path):
     no_section.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(DashConfigError, match=f"no '{CONFIG_SECTION}' section"):
         DashConfig.from_model_config(no_section)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"dash_attention_config": {"sparse_block_size": 4, "sparse_local_block": 1}}))
+    with pytest.raises(DashConfigError, match="'dash_attention_config' section, the withdrawn schema .* rename it "
+                                              "'sparse_attention_config'"):
+        DashConfig.from_model_config(old)
     with pytest.raises(DashConfigError, match="must be a mapping"):
         DashConfig.from_dict([("sparse_block_size", 4)])
 
@@ -127,7 +180,7 @@ def test_docs_spec_lists_every_config_key_with_its_default():
                 rows[key] = cells[2]
     assert set(rows) == set(DashConfig.keys())
     for f in dataclasses.fields(DashConfig):
-        if f.default is dataclasses.MISSING:
+        if f.default is dataclasses.MISSING or f.name not in rows:
             continue
         want = {None: {"unset", "none"}, (): {"[]"}}.get(f.default, {str(f.default)})
         assert rows[f.name] in want, (f.name, rows[f.name], f.default)

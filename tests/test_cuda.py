@@ -33,11 +33,24 @@ def _need_kernels():
         pytest.skip("needs a CUDA GPU")
     if cuda.library_path() is None:
         pytest.skip("kernel library not built (pip install . with nvcc, or DASH_TRT_LIBRARY)")
+    if cuda.routing_fence() is not None:
+        # Until the routing stage computes Unlimited-OCR-2's prior (the GPU work on the routing
+        # stage), every launch is refused: there is nothing to compare with the reference.
+        pytest.skip(f"{cuda.routing_fence()}: every launch is refused until they implement it")
 
 
-def make_config(sbs=16, **kw):
-    sp = {"sparse_block_size": sbs, "sparse_local_block": 1, "sparse_topk_blocks": 3,
-          "sparse_page_bias": 0.75, "sparse_rope_page_pairs": 2}
+def make_config(sbs=16, *, index_dim=32, **kw):
+    """A layer config for these cases. They were written for an earlier, withdrawn routing rule;
+    its key ``sparse_topk_blocks`` maps to ``dash_topk_blocks`` (K at most 16 now, so the
+    top-300 and dense cases route 16 blocks) and ``sparse_page_bias`` / ``sparse_dense_layers``
+    have no counterpart. The GPU work on the routing stage revisits each case."""
+    sp = {"sparse_block_size": sbs, "sparse_local_block": 1, "sparse_index_dim": index_dim, "dash_topk_blocks": 3,
+          "sparse_rope_page_pairs": 2}
+    if "sparse_topk_blocks" in kw:
+        kw["dash_topk_blocks"] = kw.pop("sparse_topk_blocks")
+    kw.pop("sparse_page_bias", None)
+    if kw.pop("sparse_dense_layers", None):
+        kw["dash_topk_blocks"] = 16
     sp.update(kw)
     return DashConfig.from_dict(sp)
 
@@ -98,8 +111,8 @@ def check(steps, ref_cache, ker_cache, dtype):
     worst = 0.0
     for out, sel, ref, ref_r in steps:
         assert out.dtype == ref.dtype
-        report = compare_outputs(out, ref, P.Routing(sel.cpu(), sel.cpu() >= 0, torch.empty(0)),
-                                 P.Routing(ref_r.selected.cpu(), ref_r.forced.cpu(), ref_r.scores.cpu()),
+        report = compare_outputs(out, ref, P.Routing(sel.cpu()),
+                                 P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()),
                                  dtype=dtype)
         assert report.ok, str(report)
         worst = max(worst, report.max_abs_err)
@@ -122,7 +135,7 @@ def test_kernels_match_reference(dtype, head_dim, heads, kv_heads, kv_multiple):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("variant", ["prompt_length", "dense_layer", "topk_list", "truncate_mod", "local2"])
+@pytest.mark.parametrize("variant", ["prompt_length", "per_layer_lists", "keep_all_16", "truncate_mod", "local2"])
 def test_kernels_config_variants(dtype, seed, variant):
     gen = torch.Generator().manual_seed(seed)
     kw, layer, prompts = {}, 0, [None, None]

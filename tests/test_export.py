@@ -19,6 +19,7 @@ from dash_trt import paged as P
 from dash_trt.config import CONFIG_SECTION, DashConfig
 from dash_trt.ops import CACHE_FIELDS
 from dash_trt.testing import TOLERANCES, fill_garbage, random_config
+from conftest import demo_config
 from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case, permuted_tables, ragged_steps
 
 KV_BLOCK_SIZES = [1, 5, 8, 16]
@@ -84,9 +85,8 @@ def _random_seqs(gen, n, dtype=torch.float32):
 @pytest.mark.parametrize("block_size", KV_BLOCK_SIZES)
 def test_function_equals_paged_operator_on_random_batches(seed, block_size):
     gen = torch.Generator().manual_seed(100 * seed + block_size)
-    layer = seed % 2  # layer 1 is dense
-    cfg = random_config(gen, sparse_block_size=[4, 8][seed % 2], sparse_dense_layers=[1],
-                        sparse_topk_blocks=[[2, 5], 3, 1][seed])
+    layer = seed % 2
+    cfg = random_config(gen, sparse_block_size=[4, 8][seed % 2], dash_topk_blocks=[5, 3, 16][seed])
     steps = run_function_and_paged(_random_seqs(gen, 1 + seed), cfg, layer, block_size, gen)
     assert steps >= 4  # prefill chunks then decode steps
 
@@ -94,17 +94,18 @@ def test_function_equals_paged_operator_on_random_batches(seed, block_size):
 @pytest.mark.parametrize("dtype, index_dtype", [(torch.float16, torch.int32), (torch.float32, torch.int64)])
 def test_function_dtypes(dtype, index_dtype):
     gen = torch.Generator().manual_seed(7)
-    cfg = random_config(gen, sparse_block_size=8, sparse_topk_blocks=2)
+    cfg = random_config(gen, sparse_block_size=8, dash_topk_blocks=2)
     run_function_and_paged(_random_seqs(gen, 2, dtype=dtype), cfg, 0, 8, gen, dtype=dtype, index_dtype=index_dtype)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_function_routing_ties_forced_first_then_lowest_index(block_size):
-    """With iq = 0 every remote block scores exactly 0: the selection is decided by
-    the tie rules alone (forced blocks first, then the lowest block index)."""
+def test_function_routing_ties_go_to_the_lowest_index(block_size):
+    """With iq = 0 every remote block scores exactly 0: the selection is decided by the
+    tie rule alone (the lowest block index, among the page's blocks or among all), and the
+    prior is uniform over the candidates in the top 16."""
     gen = torch.Generator().manual_seed(5)
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": 3,
-                                "sparse_page_bias": 1.5})
+    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": DI,
+                                "dash_topk_blocks": 3})
     seqs = [make_seq(gen, 4, 10, "prompt", 2, None, max_images=9) for _ in range(2)]
     for s in seqs:
         s.x.iq.zero_()
@@ -114,7 +115,7 @@ def test_function_routing_ties_forced_first_then_lowest_index(block_size):
     from dash_trt.reference import dash_attention
 
     few = dash_attention(x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, 0, seqs[0].prompt)
-    wide = DashConfig.from_dict({**cfg.to_dict(), "sparse_topk_blocks": 50})
+    wide = DashConfig.from_dict({**cfg.to_dict(), "dash_topk_blocks": 16})
     all_ = dash_attention(x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, wide, 0, seqs[0].prompt)
     assert not torch.allclose(few, all_)
 
@@ -151,7 +152,11 @@ def test_export_nodes_domain_function_attributes(demo32):
     initializers = {i.name for i in m.graph.initializer}
     for layer, node in enumerate(custom):
         cfg, layer_idx = O.node_config(node)
-        assert cfg == model.config.dash and layer_idx == layer
+        # FLOAT attributes hold float32: 1e-4 comes back as 9.9999997e-05
+        want = model.config.dash.for_layer(layer).to_dict()
+        for key, value in cfg.to_dict().items():
+            assert value == (pytest.approx(want[key], rel=1e-7) if isinstance(value, float) else want[key]), key
+        assert layer_idx == layer
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["plugin_version"] == A.PLUGIN_VERSION.encode()
         # TensorRT >= 10.15 imports the node as a plugin (not as its local function) only when it
@@ -159,7 +164,7 @@ def test_export_nodes_domain_function_attributes(demo32):
         namespace = next(a for a in node.attribute if a.name == "plugin_namespace")
         assert namespace.type == onnx.AttributeProto.STRING and namespace.s == A.PLUGIN_NAMESPACE.encode() == b""
         assert set(attrs) == {a.name for a in A.NODE_ATTRIBUTES}
-        assert node.input[6] == f"model.layers.{layer}.self_attn.head_cls" and node.input[6] in initializers
+        assert node.input[6] == f"model.layers.{layer}.self_attn.dash_router.head_cls" and node.input[6] in initializers
         assert list(node.input[7:13]) == [f"past.{layer}.{f}" for f in CACHE_FIELDS]
         assert list(node.output[1:]) == [f"present.{layer}.{f}" for f in CACHE_FIELDS]
 
@@ -172,9 +177,11 @@ def test_node_attributes_carry_each_config_value_under_its_own_name(tmp_path):
 
     with open(os.path.join(os.path.dirname(__file__), "..", "export", "configs", "demo.json")) as fh:
         config = json.load(fh)
-    config["dash_attention_config"] = {
-        "sparse_block_size": 8, "sparse_local_block": 2, "sparse_topk_blocks": [3, 5], "sparse_dense_layers": [1],
-        "sparse_page_bias": -0.75, "sparse_rope_page_pairs": 2, "sparse_rope_tok_theta": 500.0,
+    config["sparse_attention_config"] = {
+        "sparse_block_size": 8, "sparse_local_block": 2, "sparse_index_dim": 32, "dash_topk_blocks": 7,
+        "dash_sigma": 0.75, "dash_scaling_factor": 99.0, "dash_prior_floor": 0.25,
+        "sparse_attention_freq": [1, 1], "dash_scale_per_layer": [12.5, 6.25], "dash_floor_per_layer": [0.0625, 0.125],
+        "sparse_rope_page_pairs": 2, "sparse_rope_tok_theta": 500.0,
         "sparse_rope_page_theta": 16.0, "sparse_main_rope_tok_freq_mode": "truncate",
         "sparse_rope_tok_freq_mode": None, "sparse_rope_page_mod": 3, "dash_query_chunk": 5,
         "page_token_id": 256, "image_token_id": 257,
@@ -183,20 +190,23 @@ def test_node_attributes_carry_each_config_value_under_its_own_name(tmp_path):
     path = str(tmp_path / "m.onnx")
     E.export_onnx(model, path, kv_block_size=16)
     want = {  # name -> (ONNX type, value as onnx.helper.get_attribute_value returns it)
-        "sparse_block_size": ("INT", 8), "sparse_local_block": ("INT", 2), "sparse_topk_blocks": ("INTS", [3, 5]),
-        "sparse_dense_layers": ("INTS", [1]), "sparse_page_bias": ("FLOAT", -0.75),
+        "sparse_block_size": ("INT", 8), "sparse_local_block": ("INT", 2), "sparse_index_dim": ("INT", 32),
+        "dash_topk_blocks": ("INT", 7), "dash_sigma": ("FLOAT", 0.75),
         "sparse_rope_page_pairs": ("INT", 2), "sparse_rope_tok_theta": ("FLOAT", 500.0),
         "sparse_rope_page_theta": ("FLOAT", 16.0), "sparse_main_rope_tok_freq_mode": ("STRING", b"truncate"),
         "sparse_rope_tok_freq_mode": ("STRING", b""), "sparse_rope_page_mod": ("INT", 3),
         "dash_query_chunk": ("INT", 5), "image_token_id": ("INT", 257), "page_token_id": ("INT", 256),
-        "plugin_version": ("STRING", b"1"), "plugin_namespace": ("STRING", b""),
+        "plugin_version": ("STRING", b"2"), "plugin_namespace": ("STRING", b""),
     }
+    # each node carries its own layer's scale and floor (the lists' entries), under the scalar keys' names
+    per_layer = [{"dash_scaling_factor": ("FLOAT", 12.5), "dash_prior_floor": ("FLOAT", 0.0625)},
+                 {"dash_scaling_factor": ("FLOAT", 6.25), "dash_prior_floor": ("FLOAT", 0.125)}]
     nodes = [n for n in onnx.load(path).graph.node if n.op_type == O.OP_TYPE]
     assert len(nodes) == 2
     for layer, node in enumerate(nodes):
         got = {a.name: (onnx.AttributeProto.AttributeType.Name(a.type), onnx.helper.get_attribute_value(a))
                for a in node.attribute}
-        assert got == {**want, "layer_idx": ("INT", layer)}, layer
+        assert got == {**want, **per_layer[layer], "layer_idx": ("INT", layer)}, layer
 
 
 def test_check_refuses_a_file_without_the_function(demo32, tmp_path):
@@ -266,7 +276,7 @@ def test_ort_catches_a_wrong_model(demo32):
     model, path = demo32
     other = M.demo_model(seed=1)
     with torch.no_grad():
-        other.layers[1].self_attn.head_cls.mul_(-1.0)
+        other.layers[1].self_attn.dash_router.head_cls.mul_(-1.0)
     report = E.verify_onnx(path, other, decode_steps=1)
     assert not report.ok and any("summary" in f for f in report.failures)
 
@@ -362,8 +372,7 @@ def test_cli_mismatch_exits_1_and_writes_nothing(tmp_path, capsys, monkeypatch):
 
 
 def _checkpoints(tmp_path):
-    small = M.random_model({**M.DEMO_CONFIG, "num_hidden_layers": 1,
-                            CONFIG_SECTION: {**M.DEMO_CONFIG[CONFIG_SECTION], "sparse_topk_blocks": 4}})
+    small = M.random_model(demo_config(1))
     paths = {}
     (tmp_path / "corrupt.pt").write_bytes(b"\x80\x02not a checkpoint at all")
     paths["corrupt"] = tmp_path / "corrupt.pt"
@@ -386,8 +395,8 @@ def _checkpoints(tmp_path):
         (lambda p, o: [str(p["good"].parent / "missing.pt"), "--out", o], "checkpoint not found"),
         (lambda p, o: [str(p["corrupt"]), "--out", o], "not a readable PyTorch checkpoint"),
         (lambda p, o: [str(p["module"]), "--out", o], "pickled Python objects.*--unsafe-load"),
-        (lambda p, o: [str(p["nodash"]), "--out", o], "no 'dash_attention_config' section"),
-        (lambda p, o: ["--random-init", str(p["nodash_json"]), "--out", o], "no 'dash_attention_config' section"),
+        (lambda p, o: [str(p["nodash"]), "--out", o], "no 'sparse_attention_config' section"),
+        (lambda p, o: ["--random-init", str(p["nodash_json"]), "--out", o], "no 'sparse_attention_config' section"),
         (lambda p, o: [str(p["good"]), "--out", str(p["good"]) + "/m.onnx"], "cannot write .*is a file, not a folder"),
         (lambda p, o: [str(p["good"]), "--out", str(p["good"].parent / "no" / "m.onnx")], "cannot write .*does not exist"),
         (lambda p, o: [str(p["good"]), "--out", str(p["good"].parent)], "cannot write .*is a directory"),

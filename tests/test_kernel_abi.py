@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(cuda.library_path() is None, reason="kernel libr
 def _params(**kw):
     base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
                 num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
-                sparse_local_block=1, topk=16, dense_layer=0, page_bias=0.0, rope_page_pairs=1,
+                sparse_local_block=1, topk=12, route_scale=128.0, prior_floor=1e-4, sigma=1.0, rope_page_pairs=1,
                 rope_tok_theta=10000.0, rope_page_theta=256.0)
     base.update(kw)
     p = cuda.DashParams(**base)
@@ -47,8 +47,10 @@ def test_workspace_and_selected_width():
     size = ctypes.c_size_t(0)
     assert lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)) == 0
     assert size.value > 0
-    assert lib.dash_max_selected(ctypes.byref(p)) == 4  # min(topk 16, 4 blocks of 64 in 4*64 tokens)
-    assert lib.dash_max_selected(ctypes.byref(_params(dense_layer=1, table_width=10))) == 10
+    assert lib.dash_max_selected(ctypes.byref(p)) == 4  # min(topk 12, 16, 4 blocks of 64 in 4*64 tokens)
+    assert lib.dash_max_selected(ctypes.byref(_params(table_width=10))) == 10
+    assert lib.dash_max_selected(ctypes.byref(_params(table_width=40))) == 12
+    assert lib.dash_max_selected(ctypes.byref(_params(table_width=40, topk=30))) == 16  # K of the top 16
 
 
 @pytest.mark.parametrize(
@@ -60,15 +62,18 @@ def test_workspace_and_selected_width():
         ({"block_size": 96}, 2, "KV block size 96 is not a whole multiple of the sparse block size 64"),
         ({"index_dim": 7}, 2, "unsupported index dim: 7"),
         ({"rope_page_pairs": 32, "index_dim": 64}, 1, "larger than twice sparse_rope_page_pairs"),
-        ({"page_bias": float("nan")}, 1, "page_bias must be finite"),
+        ({"route_scale": float("nan")}, 1, "route_scale must be finite"),
+        ({"prior_floor": 0.0}, 1, "prior_floor must be finite and > 0"),
+        ({"sigma": -1.0}, 1, "sigma must be finite and > 0"),
+        ({"topk": 0}, 1, "topk (dash_topk_blocks) must be >= 1, got 0"),
         ({"rope_tok_theta": 0.0}, 1, "rope_tok_theta and rope_page_theta"),
         ({"dtype": 7}, 2, "unsupported dtype code: 7"),
         ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
         ({"table_width": 100000}, 0, ""),  # 100000 sparse blocks: the fused routing scores them in chunks
         ({"table_width": 1000000}, 2, "context too long for the routing stage: 1000000 sparse blocks per sequence "
-                                      "(table_width * block_size / sparse_block_size); at most 331520 with "
-                                      "sparse_topk_blocks 16"),
-        ({"table_width": 10000, "topk": 20000}, 2, "sparse_topk_blocks 20000 too large for the routing stage"),
+                                      "(table_width * block_size / sparse_block_size); at most 443392 with "
+                                      "dash_topk_blocks 12"),
+        ({"table_width": 10000, "topk": 20000}, 0, ""),  # K is at most 16: the routing stage's size is bounded
         ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),
         ({"tune_block_major_warpgroups": -1}, 1, "tune_block_major_warpgroups must be 0"),
         ({"tune_block_major_ctas": -1}, 1, "tune_block_major_ctas must be 0 (one CTA a work item) or > 0, got -1"),
@@ -169,7 +174,7 @@ def test_planning_needs_no_pointers_running_does():
     lib = cuda._library()
     base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
                 num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
-                sparse_local_block=1, topk=16, dense_layer=0, page_bias=0.0, rope_page_pairs=1,
+                sparse_local_block=1, topk=12, route_scale=128.0, prior_floor=1e-4, sigma=1.0, rope_page_pairs=1,
                 rope_tok_theta=10000.0, rope_page_theta=256.0)
     bare = cuda.DashParams(**base)
     status, plan, text = _plan(bare)
@@ -179,6 +184,21 @@ def test_planning_needs_no_pointers_running_does():
     assert lib.dash_run_plan(ctypes.byref(bare), ctypes.byref(plan), None) == 1
     assert lib.dash_last_error_message().decode() == "a tensor pointer is NULL"
     assert _validate(bare) == (1, "a tensor pointer is NULL")
+
+
+def test_launches_are_refused_while_the_routing_rule_is_withdrawn():
+    """The kernels select by a withdrawn rule: the library says so (dash_routing_rule), refuses
+    every launch with DASH_ERR_UNSUPPORTED before touching the device (no GPU needed to see it),
+    and the binding reports the reason its callers fall back on."""
+    lib = cuda._library()
+    assert cuda.routing_rule() == cuda.ROUTING_WITHDRAWN
+    assert cuda.routing_fence() == cuda.ROUTING_FENCE
+    p = _params()
+    status, plan, text = _plan(p)
+    assert status == 0, text  # planning and workspace sizing still work (the plugin's build checks use them)
+    assert lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), None) == 2
+    assert "withdrawn routing rule" in lib.dash_last_error_message().decode()
+    assert lib.dash_run(ctypes.byref(p), None) == 2
 
 
 def test_check_sizes_asks_the_library_for_every_layer():

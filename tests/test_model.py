@@ -17,11 +17,12 @@ SMALL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 1,
     "head_dim": 16,
-    "index_head_dim": 16,
     "intermediate_size": 96,
     "num_hidden_layers": 3,
-    CONFIG_SECTION: {**M.DEMO_CONFIG[CONFIG_SECTION], "sparse_block_size": 8, "sparse_topk_blocks": [2, 3, 1],
-                     "sparse_dense_layers": [1], "sparse_local_block": 2},
+    CONFIG_SECTION: {**M.DEMO_CONFIG[CONFIG_SECTION], "sparse_block_size": 8, "sparse_index_dim": 16,
+                     "dash_topk_blocks": 2, "sparse_attention_freq": [1, 1, 1],
+                     "dash_scale_per_layer": [16.0, 8.0, 32.0], "dash_floor_per_layer": [1e-4, 1e-3, 1e-2],
+                     "sparse_local_block": 2},
 }
 
 
@@ -39,20 +40,27 @@ def test_config_json_round_trip(tmp_path):
     assert M.load_model_config(path) == cfg
     # the section is what DashConfig reads from a model config
     assert DashConfig.from_model_config(str(path)) == cfg.dash
-    assert cfg.dash.sparse_topk_blocks == (4, 2)
+    assert cfg.dash.dash_topk_blocks == 4 and cfg.dash.dash_scale_per_layer == (32.0, 16.0)
+    assert cfg.index_head_dim == 32 and "index_head_dim" not in d
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda d: d.pop(CONFIG_SECTION), "no 'dash_attention_config' section"),
+        (lambda d: d.pop(CONFIG_SECTION), "no 'sparse_attention_config' section"),
+        (lambda d: d.update(dash_attention_config=d.pop(CONFIG_SECTION)), "'dash_attention_config' section, the "
+                                                                          "withdrawn schema"),
+        (lambda d: d.update(index_head_dim=16), "index_head_dim is 16, but sparse_attention_config.sparse_index_dim "
+                                                "is 32"),
         (lambda d: d.pop("hidden_size"), "missing key.*hidden_size"),
         (lambda d: d.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
         (lambda d: d.update(head_dim=2), "head_dim 2 is too small"),
         (lambda d: d[CONFIG_SECTION].pop("image_token_id"), "must set image_token_id"),
         (lambda d: d[CONFIG_SECTION].update(page_token_id=999), "outside the vocabulary"),
-        (lambda d: d[CONFIG_SECTION].update(sparse_topk_blocks=[1]), "lists 1 layers, the model has 2"),
-        (lambda d: d[CONFIG_SECTION].update(sparse_bogus=1), "unknown DASH config key"),
+        (lambda d: d[CONFIG_SECTION].update(dash_scale_per_layer=[1.0]), "lists 1 DASH layers, the model has 2"),
+        (lambda d: d[CONFIG_SECTION].update(sparse_attention_freq=[1, 0]), "requires DASH in every decoder layer"),
+        (lambda d: d[CONFIG_SECTION].update(sparse_topk_blocks=[1]), "withdrawn routing rule"),
+        (lambda d: d[CONFIG_SECTION].update(dash_stage0="mean"), "requires dash_stage0='head_cls'"),
         (lambda d: d.update(torch_dtype="float64"), "torch_dtype"),
     ],
 )
@@ -75,7 +83,8 @@ def test_tokenizer_and_prompts():
 def test_checkpoint_round_trip(tmp_path, small):
     path = tmp_path / "model.pt"
     M.save_checkpoint(small, path, config_json=True)
-    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_SECTION]["sparse_dense_layers"] == [1]
+    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_SECTION]["dash_scale_per_layer"] == [16.0, 8.0,
+                                                                                                          32.0]
     raw = torch.load(path, weights_only=True)
     assert set(raw) == {"config", "state_dict"}
     loaded = M.load_checkpoint(path)
@@ -122,7 +131,7 @@ def test_checkpoint_bad_files(tmp_path, small):
     cfg = small.config.to_dict()
     del cfg[CONFIG_SECTION]
     torch.save({"config": cfg, "state_dict": small.state_dict()}, tmp_path / "nodash.pt")
-    with pytest.raises(M.ModelConfigError, match="no 'dash_attention_config' section"):
+    with pytest.raises(M.ModelConfigError, match="no 'sparse_attention_config' section"):
         M.load_checkpoint(tmp_path / "nodash.pt")
 
 
@@ -206,4 +215,4 @@ def test_example_configs_in_export_folder_are_valid():
     assert (bench.num_attention_heads, bench.num_key_value_heads, bench.head_dim, bench.index_head_dim) == (
         32, 8, 128, 128)
     d = bench.dash
-    assert (d.sparse_block_size, d.sparse_local_block, d.topk_for(0)) == (64, 1, 16)
+    assert (d.sparse_block_size, d.sparse_local_block, d.routing(0).topk) == (64, 1, 16)

@@ -19,7 +19,7 @@ def _batch(seed, dtype=torch.float32, block_size=8, sbs=4, layer=0):
     """Two sequences: one prefilled in two chunks, one decoding, in a shared cache
     already holding earlier tokens. Returns (op args without attrs, cfg, cache)."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = random_config(gen, sparse_block_size=sbs, sparse_dense_layers=[1])
+    cfg = random_config(gen, sparse_block_size=sbs)
     head_cls = torch.randn(DI, generator=gen).to(dtype)
     seqs = []
     for pages, response in ((3, 0), (2, 4)):
@@ -118,12 +118,17 @@ def test_op_under_torch_compile():
 
 def test_attribute_table_is_generated_from_config():
     names = [a.name for a in A.CONFIG_ATTRIBUTES]
-    assert names == [f.name for f in dataclasses.fields(DashConfig)]
+    assert names == [f.name for f in dataclasses.fields(DashConfig) if f.metadata["attribute"]]
     assert [a.name for a in A.OP_ATTRIBUTES] == names + ["layer_idx"]
     assert [a.name for a in A.NODE_ATTRIBUTES[-2:]] == list(A.PLUGIN_FIELDS) == ["plugin_version", "plugin_namespace"]
-    assert {a.onnx_type for a in A.NODE_ATTRIBUTES} == {"INT", "INTS", "FLOAT", "STRING"}
+    # scalars only: no list attribute (onnx-graphsurgeon cannot type an empty one)
+    assert {a.onnx_type for a in A.NODE_ATTRIBUTES} == {"INT", "FLOAT", "STRING"}
+    # the per-layer lists, the layer map and the fixed flags are resolved or implied, not carried
+    assert not {"dash_scale_per_layer", "dash_floor_per_layer", "sparse_attention_freq", "training_stage"} & set(names)
     by_name = {a.name: a for a in A.OP_ATTRIBUTES}
-    assert by_name["sparse_topk_blocks"].onnx_type == "INTS" and by_name["sparse_topk_blocks"].default == [16]
+    assert by_name["dash_topk_blocks"].onnx_type == "INT" and by_name["dash_topk_blocks"].default == 12
+    assert by_name["dash_scaling_factor"].onnx_type == "FLOAT" and by_name["dash_scaling_factor"].default == 128.0
+    assert by_name["sparse_index_dim"].required
     assert by_name["sparse_block_size"].required and by_name["layer_idx"].required
     assert by_name["sparse_main_rope_tok_freq_mode"].default == ""
     assert by_name["image_token_id"].default == -1
@@ -136,13 +141,17 @@ def test_attribute_table_is_generated_from_config():
 @pytest.mark.parametrize("seed", range(6))
 def test_attributes_round_trip(seed):
     gen = torch.Generator().manual_seed(seed)
-    extra = [{}, {"sparse_topk_blocks": [3, 1, 4]}, {"image_token_id": 7, "page_token_id": 9}][seed % 3]
+    extra = [{}, {"sparse_attention_freq": [0, 1, 1], "dash_scale_per_layer": [3.0, 9.0],
+                  "dash_floor_per_layer": [0.5, 0.01]}, {"image_token_id": 7, "page_token_id": 9}][seed % 3]
     cfg = random_config(gen, **extra)
-    attrs = A.encode(cfg, 2)
-    assert all(isinstance(v, (int, float, str, list)) for v in attrs.values())
-    back, layer = A.decode(attrs)
-    assert layer == 2
-    assert back == cfg
+    layer = 2 if "sparse_attention_freq" in extra else 1
+    attrs = A.encode(cfg, layer)
+    assert all(isinstance(v, (int, float, str)) for v in attrs.values())
+    back, got_layer = A.decode(attrs)
+    assert got_layer == layer
+    assert back == cfg.for_layer(layer) and back.routing(layer) == cfg.routing(layer)
+    if extra.get("dash_scale_per_layer"):
+        assert (attrs["dash_scaling_factor"], attrs["dash_prior_floor"]) == (9.0, 0.01)  # slot 1's entries
 
 
 def test_attribute_errors():
@@ -150,6 +159,9 @@ def test_attribute_errors():
     attrs = A.encode(cfg, 0)
     with pytest.raises(ValueError, match="layer_idx"):
         A.encode(cfg, -1)
+    with pytest.raises(DashConfigError, match="layer 0 is not a DASH layer"):
+        A.encode(DashConfig.from_dict({**cfg.to_dict(), "sparse_attention_freq": [0, 1], "dash_scale_per_layer": None,
+                                       "dash_floor_per_layer": None}), 0)
     with pytest.raises(ValueError, match="sparse_block_size"):
         A.decode({k: v for k, v in attrs.items() if k != "sparse_block_size"})
     with pytest.raises(DashConfigError, match="sparse_local_block"):

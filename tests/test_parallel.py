@@ -36,8 +36,9 @@ def test_a_shard_holds_its_slices_and_reassembles_the_model():
         assert torch.equal(torch.cat([s.state_dict()[name] for s in shards], 0), full[name])
     for name in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
         assert torch.equal(torch.cat([s.state_dict()[name] for s in shards], 1), full[name])
-    for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.self_attn.iq_proj.weight",
-                 "layers.1.self_attn.head_cls", "norm.weight"):
+    for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.self_attn.dash_router.q_proj.weight",
+                 "layers.1.self_attn.dash_router.k_norm.weight", "layers.1.self_attn.dash_router.head_cls",
+                 "norm.weight"):
         assert all(torch.equal(s.state_dict()[name], full[name]) for s in shards)  # replicated
     assert shards[0].config.num_attention_heads == 2 and shards[0].config.num_key_value_heads == 1
     assert shards[0].allocate_cache(4, 16)[0].key.shape[2] == 1  # a cache of its own KV heads only

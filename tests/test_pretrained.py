@@ -149,7 +149,9 @@ def _broken(tmp_path, what: str) -> str:
     elif what in ("wrong config", "wrong shape"):
         cfg = json.load(open(os.path.join(folder, "config.json")))
         if what == "wrong config":
-            cfg["num_hidden_layers"], cfg["dash_attention_config"]["sparse_topk_blocks"] = 3, 4
+            sp = cfg["sparse_attention_config"]
+            cfg["num_hidden_layers"], sp["sparse_attention_freq"] = 3, [1, 1, 1]
+            sp["dash_scale_per_layer"], sp["dash_floor_per_layer"] = sp["dash_scale_per_layer"] * 2, sp["dash_floor_per_layer"] * 2
         else:
             cfg["intermediate_size"] = 200
         json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))

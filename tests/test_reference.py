@@ -5,8 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from conftest import DTYPES, SEEDS
 from dash_trt import reference as R
@@ -63,7 +61,8 @@ def test_page_coordinates_rejects_prompts_without_pages(roles, match):
 
 
 def test_prompt_page_positions_hand_example():
-    sp = {"sparse_block_size": 4, "sparse_local_block": 1, "image_token_id": 7, "page_token_id": 9}
+    sp = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 8, "image_token_id": 7,
+          "page_token_id": 9}
     ids = [3, 9, 7, 7, 3, 9, 7, 3, 3, 9, 3]  # same roles as the hand example above
     rows = R.prompt_page_positions(ids, sp)
     assert rows.shape == (4, len(ids))
@@ -76,13 +75,13 @@ def test_prompt_page_positions_hand_example():
 
 def test_prompt_page_positions_needs_token_ids():
     with pytest.raises(ValueError, match="image_token_id and page_token_id"):
-        R.prompt_page_positions([1, 2], {"sparse_block_size": 4, "sparse_local_block": 1})
+        R.prompt_page_positions([1, 2], {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 8})
 
 
 def test_page_rope_matches_closed_form():
     """Pair i of a vector rotates by tok * theta**(-i/ntok) (token pairs) or by
     page * page_theta**(-j/pairs) (the last `pairs` pairs)."""
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1,
+    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 12,
                                 "sparse_rope_page_pairs": 2, "sparse_rope_page_theta": 16.0})
     dim = 12
     gen = torch.Generator().manual_seed(3)
@@ -109,55 +108,6 @@ def test_page_rope_matches_closed_form():
     assert torch.equal(R.page_rope(x, tok, page, cfg_t, main=False), R.page_rope(x, tok, page, cfg, main=False))
 
 
-# ----------------------------------------------------------------- route_blocks
-def test_route_blocks_orders_forced_then_score_then_index():
-    cfg = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": 3, "sparse_page_bias": 0.5}
-    scores = torch.tensor([[1.0, 3.0, 3.0, -1e9, 2.0, 0.5]])
-    cand = torch.tensor([[False, False, False, True, False, True]])
-    sel, bias, valid = R.route_blocks(scores, cand, cfg, 0)
-    # block 5 is forced (candidate and remote); block 3 is a candidate but not remote.
-    assert sel.tolist() == [[5, 1, 2]]
-    assert bias.tolist() == [[0.5, 0.0, 0.0]]
-    assert valid.tolist() == [[True, True, True]]
-    assert sel.dtype == torch.int64 and bias.dtype == torch.float32
-
-
-def test_route_blocks_dense_layers_and_per_layer_topk():
-    cfg = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": [1, 2, 4],
-           "sparse_dense_layers": [1]}
-    scores = torch.tensor([[0.1, -1e9, 0.3, 0.2]])
-    cand = torch.zeros_like(scores, dtype=torch.bool)
-    assert R.route_blocks(scores, cand, cfg, 0)[0].tolist() == [[2]]
-    sel, _, valid = R.route_blocks(scores, cand, cfg, 1)  # dense: every block, K = N
-    assert sel.tolist() == [[2, 3, 0, 1]] and valid.tolist() == [[True, True, True, False]]
-    assert R.route_blocks(scores, cand, cfg, 2)[0].tolist() == [[2, 3, 0, 1]]  # K = min(4, N)
-    with pytest.raises(DashConfigError, match="no entry for layer 3"):
-        R.route_blocks(scores, cand, cfg, 3)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.integers(1, 6), st.integers(1, 12), st.integers(0, 14), st.booleans(), st.integers(0, 2**31 - 1)
-)
-def test_route_blocks_matches_sorting_definition(nq, n, topk, dense, seed):
-    """Against a per-row sort on the key of docs/spec.md (not forced, -score, index), with many ties."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": topk,
-           "sparse_dense_layers": [0] if dense else [], "sparse_page_bias": 1.5}
-    scores = torch.randint(-2, 3, (nq, n), generator=gen).float()
-    scores[torch.rand(nq, n, generator=gen) < 0.3] = R.NOT_REMOTE
-    cand = torch.rand(nq, n, generator=gen) < 0.4
-    sel, bias, valid = R.route_blocks(scores, cand, cfg, 0)
-    k = n if dense else min(topk, n)
-    assert sel.shape == (nq, k)
-    for i in range(nq):
-        forced = cand[i] & (scores[i] > -1e8)
-        want = sorted(range(n), key=lambda b: (not bool(forced[b]), -float(scores[i, b]), b))[:k]
-        assert sel[i].tolist() == want
-        assert valid[i].tolist() == [bool(scores[i, b] > -1e8) for b in want]
-        assert bias[i].tolist() == [1.5 if bool(forced[b]) else 0.0 for b in want]
-
-
 # ----------------------------------------------------------------- properties
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chunking_never_changes_output(seed):
@@ -170,7 +120,10 @@ def test_chunking_never_changes_output(seed):
         cfg_c = DashConfig.from_dict({**cfg.to_dict(), "dash_query_chunk": chunk})
         got, got_r = _run(x, cfg_c, return_routing=True)
         assert torch.equal(got_r.selected, want_r.selected)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        # A chunk's scores are one matrix product, whose rounding may depend on its rows; the
+        # routing scale and the log prior amplify a 1-ulp score difference to ~1e-6 in the
+        # output, so "never changes" holds to float32's tolerance, not bit for bit.
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -185,25 +138,44 @@ def test_query_suffix_equals_tail_of_full_run(seed, nq):
     torch.testing.assert_close(_run(x, cfg, nq=n), full[-n:], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 3), (4, 1)])
-def test_dense_layer_equals_causal_attention_with_page_rope(seed, heads, kv_heads):
-    """Property 2 (docs/spec.md): bias 0 and a dense layer is causal attention over the whole prefix."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg = random_config(gen, sparse_page_bias=0.0, sparse_dense_layers=[2])
-    x = random_inputs(gen, random_roles(gen, 4, response=10, response_markers=2), heads=heads,
-                      kv_heads=kv_heads)
-    got = _run(x, cfg, layer=2)
+def _causal_with_page_rope(x, cfg, heads, kv_heads, window=None):
+    """Causal attention (float64) over the page-RoPE'd q and k; ``window``: only the last
+    ``window`` positions up to each query."""
     q, k = _rope_all(x, cfg)
     g = heads // kv_heads
-    want = F.scaled_dot_product_attention(
+    s = x.length
+    pos = torch.arange(s)
+    mask = pos[None] <= pos[:, None]
+    if window is not None:
+        mask &= pos[None] > pos[:, None] - window
+    return F.scaled_dot_product_attention(
         q.transpose(0, 1).double(), k.repeat_interleave(g, 1).transpose(0, 1).double(),
-        x.v.repeat_interleave(g, 1).transpose(0, 1).double(), is_causal=True,
+        x.v.repeat_interleave(g, 1).transpose(0, 1).double(), attn_mask=mask,
     ).transpose(0, 1)
-    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
-    # and a sparse layer with few blocks really is different (the check can fail)
-    sparse = _run(x, DashConfig.from_dict({**cfg.to_dict(), "sparse_topk_blocks": 1}), layer=0)
-    assert (sparse.double() - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 3), (4, 1)])
+def test_every_block_kept_with_equal_priors_is_causal_attention(seed, heads, kv_heads):
+    """Property 2 (docs/spec.md): a one-page document of at most 16 blocks, K = 16 and routing
+    scale 0 (every routing value 0, so entmax gives the candidates equal priors and the bias is
+    0): every query reads every remote block (its page's image blocks are all the prompt's
+    blocks; the response has no marker, so it falls back to every remote block), which is
+    causal attention over the whole prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = random_config(gen, sparse_block_size=4, sparse_local_block=1, dash_topk_blocks=16,
+                        dash_scaling_factor=0.0, sparse_attention_freq=[1, 1, 1], dash_scale_per_layer=None,
+                        dash_floor_per_layer=None)
+    roles = torch.tensor([R.ROLE_PAGE] + [R.ROLE_IMAGE] * 39 + [R.ROLE_TEXT] * 20)
+    x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads)
+    got, routing = _run(x, cfg, layer=2, return_routing=True)
+    assert bool((routing.bias.abs() < 1e-6).all())
+    torch.testing.assert_close(got.double(), _causal_with_page_rope(x, cfg, heads, kv_heads), atol=2e-5,
+                               rtol=2e-5)
+    # and a layer keeping one block really is different (the check can fail)
+    sparse = _run(x, DashConfig.from_dict({**cfg.to_dict(), "dash_topk_blocks": 1, "dash_scaling_factor": 128.0}),
+                  layer=0)
+    assert (sparse.double() - _causal_with_page_rope(x, cfg, heads, kv_heads)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -227,8 +199,10 @@ def test_gqa_reads_kv_head_h_div_group(seed):
 def test_prompt_length_limits_remote_reads_and_summaries(seed):
     """Property 4 (docs/spec.md): tokens past prompt_length are read only through the local window."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = random_config(gen, sparse_block_size=4, sparse_local_block=1, sparse_topk_blocks=64)
-    x = random_inputs(gen, random_roles(gen, 3, response=40, response_markers=1))
+    cfg = random_config(gen, sparse_block_size=4, sparse_local_block=1, dash_topk_blocks=16)
+    # No response marker: the last query's page is -1, so it competes over every remote block
+    # (a query on a page reads only that page's image blocks, never generated ones).
+    x = random_inputs(gen, random_roles(gen, 3, response=40, response_markers=0))
     s, local = x.length, cfg.local_window
     prompt = s - 40 + 3  # mid-block, inside the response
     base = _run(x, cfg, prompt_length=prompt, nq=1)
@@ -249,10 +223,10 @@ def test_prompt_length_limits_remote_reads_and_summaries(seed):
     z = random_inputs(gen, x.roles)
     z.q, z.k, z.v, z.iq, z.ik, z.head_cls = x.q, z_k, x.v, x.iq, x.ik, x.head_cls
     assert (_run(z, cfg, prompt_length=prompt, nq=1) - base).abs().max() > 1e-4
-    # prompt_length=0 leaves only the local window: equal to a config with no remote blocks
+    # prompt_length=0 leaves only the local window: causal attention over the window
     only_local = _run(x, cfg, prompt_length=0)
-    no_remote = _run(x, DashConfig.from_dict({**cfg.to_dict(), "sparse_topk_blocks": 0}))
-    torch.testing.assert_close(only_local, no_remote, atol=1e-6, rtol=1e-6)
+    window = _causal_with_page_rope(x, cfg, x.q.shape[1], x.k.shape[1], window=local)
+    torch.testing.assert_close(only_local.double(), window, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -262,7 +236,11 @@ def test_dtypes_output_dtype_and_fp32_softmax(dtype, seed):
     (float32 against itself would compare the reference with itself: its independent check is
     tests/test_oracle.py.)"""
     gen = torch.Generator().manual_seed(seed)
-    cfg = random_config(gen)
+    # A small routing scale: the prior's log amplifies the indexer's rounding in q's dtype
+    # (scores off by ~1e-3 in fp16 move a bias by ~0.1 at the default scale), which is the
+    # model's own sensitivity, not an error; docs/spec.md "Comparing".
+    cfg = random_config(gen, dash_scaling_factor=0.5, dash_scale_per_layer=None, dash_floor_per_layer=None,
+                        sparse_attention_freq=None)
     x32 = random_inputs(gen, random_roles(gen, 3, response=6))
     x = random_inputs(torch.Generator().manual_seed(seed), x32.roles)
     for name in ("q", "k", "v", "iq", "ik", "head_cls"):
@@ -316,11 +294,29 @@ def test_bad_inputs_raise_clear_errors(mutate, match):
 @pytest.mark.parametrize("dim_name", ["D", "Di"])
 def test_head_dim_too_small_for_page_pairs(dim_name):
     gen = torch.Generator().manual_seed(0)
-    cfg = random_config(gen, sparse_rope_page_pairs=4)
+    cfg = random_config(gen, sparse_rope_page_pairs=4, index_dim=16 if dim_name == "D" else 8)
     kw = {"head_dim": 8} if dim_name == "D" else {"index_dim": 8}
     x = random_inputs(gen, random_roles(gen, 2), **kw)
     with pytest.raises(DashConfigError, match=f"{dim_name} 8 is too small"):
         _run(x, cfg)
+
+
+def test_indexer_width_must_be_the_configs_index_dim():
+    gen = torch.Generator().manual_seed(0)
+    cfg = random_config(gen, index_dim=32)
+    x = random_inputs(gen, random_roles(gen, 2), index_dim=16)
+    with pytest.raises(DashConfigError, match="indexer dim Di is 16, the config's sparse_index_dim is 32"):
+        _run(x, cfg)
+
+
+def test_layer_that_is_not_a_dash_layer_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    cfg = random_config(gen, sparse_attention_freq=[1, 0], dash_scale_per_layer=None, dash_floor_per_layer=None)
+    x = random_inputs(gen, random_roles(gen, 2))
+    with pytest.raises(DashConfigError, match="layer 1 is not a DASH layer"):
+        _run(x, cfg, layer=1)
+    with pytest.raises(DashConfigError, match="no entry for layer 2"):
+        _run(x, cfg, layer=2)
 
 
 def test_too_many_queries_and_bad_prompt_length():
@@ -342,15 +338,15 @@ def test_compare_outputs_refuses_a_corrupted_selection_of_a_real_problem():
     last block, another's by a negative id, are two routing mismatches, not near ties, even with
     the outputs equal."""
     gen = torch.Generator().manual_seed(4)
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_topk_blocks": 2,
-                                "sparse_page_bias": 0.5, "sparse_rope_page_pairs": 1})
+    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 16,
+                                "dash_topk_blocks": 2, "sparse_rope_page_pairs": 1})
     x = random_inputs(gen, random_roles(gen, 4, response=6))
     out, routing = _run(x, cfg, return_routing=True)
     assert compare_outputs(out, out.clone(), routing, routing).ok
     sel = routing.selected.clone()
     rows = [i for i in range(sel.shape[0]) if (sel[i] >= 0).sum() == 2]
     assert len(rows) >= 2
-    sel[rows[0], 1] = routing.scores.shape[1]
+    sel[rows[0], 1] = routing.values.shape[1]
     sel[rows[1], 1] = -5
-    report = compare_outputs(out, out.clone(), R.Routing(sel, sel >= 0, torch.empty(0)), routing)
+    report = compare_outputs(out, out.clone(), R.Routing(sel), routing)
     assert not report.ok and report.routing_mismatch == 2 and report.near_ties == 0, str(report)

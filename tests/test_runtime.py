@@ -13,6 +13,7 @@ from dash_trt import ops
 from dash_trt.paged import CacheFullError, DashBatch, KVBlockPool, PageCoordState, flat_cache_tensors, sequence_coords
 from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 from dash_trt.runtime import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
+from conftest import demo_config
 
 from test_ops import _batch
 
@@ -294,9 +295,8 @@ def test_greedy_choice_masks_image_tokens_and_breaks_ties_low():
 
 
 # --------------------------------------------------------------------- GPU
-GPU_CONFIG = dict(M.DEMO_CONFIG, hidden_size=256, head_dim=64, index_head_dim=64, num_attention_heads=8,
-                  num_key_value_heads=2, intermediate_size=512, num_hidden_layers=3)
-GPU_CONFIG[M.CONFIG_SECTION] = dict(M.DEMO_CONFIG[M.CONFIG_SECTION], sparse_topk_blocks=[4, 2, 3])
+GPU_CONFIG = demo_config(3, hidden_size=256, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=512, sparse_attention_config={"sparse_index_dim": 64})
 
 
 def _gpu_model(dtype):

@@ -27,6 +27,7 @@ from dash_trt.triton.repository import (
 
 # dependencies of the package and of its [test] extra: missing is a failure, not a skip
 import onnx  # noqa: E402
+from conftest import demo_config
 from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-config schema)
 from google.protobuf import text_format  # noqa: E402  (protobuf comes with tritonclient[grpc])
 
@@ -216,8 +217,7 @@ def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model, monkeypa
     with pytest.raises(RepositoryError, match="needs --plan, --onnx .* and --plugin"):
         write_repository(tmp_path / "a", model, plan=str(plan), onnx=fake_export(model, tmp_path / "m.onnx"))
     # an ONNX file of another model (3 layers, other vocabulary, KV blocks of 32)
-    other = M.random_model({**M.DEMO_CONFIG, "num_hidden_layers": 3, "vocab_size": 400,
-                            M.CONFIG_SECTION: {**M.DEMO_CONFIG[M.CONFIG_SECTION], "sparse_topk_blocks": 2}})
+    other = M.random_model(demo_config(3, vocab_size=400, sparse_attention_config={"dash_topk_blocks": 2}))
     with pytest.raises(RepositoryError, match="KV blocks of 32 tokens.*caches for 3 layers, the checkpoint has 2.*400 classes"):
         write_repository(tmp_path / "a", model, onnx=fake_export(other, tmp_path / "o.onnx", kv_block_size=32),
                          plan=str(plan), plugin=str(plugin))

@@ -13,6 +13,12 @@
 
 namespace {
 
+// NOTE: the routing stage still selects by the withdrawn rule (own-page blocks first, then by
+// score, every kept block with bias 0): it computes no entmax prior. Until it does, every launch is
+// refused (launch()), so no caller gets another function than the reference's; the Python binding
+// and the TensorRT plugin read dash_routing_rule() to say so up front.
+constexpr int32_t kKernelRouting = DASH_ROUTING_WITHDRAWN;
+
 thread_local std::string g_last_error;
 
 DashStatus fail(DashStatus status, const std::string& message) {
@@ -122,7 +128,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
 DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     std::memset(&plan, 0, sizeof(plan));
     plan.max_blocks = (int)((long)p.table_width * p.block_size / p.sparse_block_size);
-    plan.kmax = p.dense_layer ? plan.max_blocks : (p.topk < plan.max_blocks ? p.topk : plan.max_blocks);
+    plan.kmax = std::min({p.topk, (int32_t)DASH_ROUTE_TOP_M, (int32_t)plan.max_blocks});
     if (plan.kmax < 1) plan.kmax = 1;  // keep rows non-empty; -1 padded
     plan.pieces = plan.kmax + p.sparse_local_block;
     const long units = (long)p.num_tokens * p.num_kv_heads;
@@ -132,7 +138,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
     const int route_warps = dash::route_split_threads() / 32;
-    const size_t topk_slots = (size_t)(p.topk > 0 ? p.topk : 1);
+    const size_t topk_slots = (size_t)std::max(plan.kmax, 1);
     // Split routing: route_split_rows() blocks per CTA, each CTA keeps its best
     // min(topk, route_split_rows()) keys as candidates.
     const int per_cta = dash::route_split_rows();
@@ -193,7 +199,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     }
     // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
     if (plan.route_tile < 1)
-        return fail(DASH_ERR_UNSUPPORTED, "sparse_topk_blocks " + std::to_string(p.topk) +
+        return fail(DASH_ERR_UNSUPPORTED, "dash_topk_blocks " + std::to_string(p.topk) +
                                               " too large for the routing stage's shared memory");
     const size_t split_keys = (kMaxSmem - dash::route_split_stage_bytes()) / 8;  // beside the staged rows
     if (split_smem > kMaxSmem)  // the split routing's candidates: min(topk, per_cta) per CTA of per_cta blocks
@@ -202,7 +208,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
                         std::to_string((split_keys - std::min(split_keys, (route_warps + 1) * topk_slots)) /
                                        std::min<size_t>(topk_slots, per_cta) * per_cta) +
-                        " with sparse_topk_blocks " + std::to_string(p.topk));
+                        " with dash_topk_blocks " + std::to_string(p.topk));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
@@ -267,7 +273,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
         take(w.part_acc, rows * p.head_dim * sizeof(float));
         take(w.part_ml, rows * sizeof(float2));
     }
-    if (plan.route_split && !p.dense_layer) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
+    if (plan.route_split) take(w.route_keys, t * plan.route_cand * sizeof(uint64_t));
     if (plan.block_major) {
         const size_t chunk = (size_t)plan.bm_chunk;
         const size_t elt = 2;  // fp16 / bf16: the block-major path's only dtypes
@@ -317,7 +323,8 @@ DashParams plan_key(const DashParams& p) {
     k.head_dim = p.head_dim, k.index_dim = p.index_dim, k.num_blocks = p.num_blocks, k.block_size = p.block_size;
     k.table_width = p.table_width, k.max_new_tokens = p.max_new_tokens, k.dtype = p.dtype;
     k.sparse_block_size = p.sparse_block_size, k.sparse_local_block = p.sparse_local_block, k.topk = p.topk;
-    k.dense_layer = p.dense_layer, k.page_bias = p.page_bias, k.rope_page_pairs = p.rope_page_pairs;
+    k.route_scale = p.route_scale, k.prior_floor = p.prior_floor, k.sigma = p.sigma;
+    k.rope_page_pairs = p.rope_page_pairs;
     k.rope_tok_theta = p.rope_tok_theta, k.rope_page_theta = p.rope_page_theta, k.main_truncate = p.main_truncate;
     k.index_truncate = p.index_truncate, k.rope_page_mod = p.rope_page_mod;
     k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
@@ -345,7 +352,11 @@ DashStatus check_pointers(const DashParams& p) {
 }
 
 DashStatus launch(const DashParams& p, const dash::Plan& plan, void* stream_ptr) {
-    if (p.num_tokens == 0) return DASH_OK;
+    if (p.num_tokens == 0) return DASH_OK;  // nothing is computed, so no rule is applied
+    if (kKernelRouting != DASH_ROUTING_UNLIMITED_OCR2)
+        return fail(DASH_ERR_UNSUPPORTED,
+                    "routing: these kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
+                    "not Unlimited-OCR-2's (docs/spec.md step 4); run the PyTorch paged operator until they do");
     if (p.workspace == nullptr || p.workspace_size < plan.bytes)
         return fail(DASH_ERR_WORKSPACE, "workspace of " + std::to_string(p.workspace_size) + " bytes, need " +
                                             std::to_string(plan.bytes));
@@ -379,6 +390,8 @@ extern "C" {
 
 int32_t dash_abi_version(void) { return DASH_ABI_VERSION; }
 
+int32_t dash_routing_rule(void) { return kKernelRouting; }
+
 #ifndef DASH_CUDA_ARCHITECTURES
 #define DASH_CUDA_ARCHITECTURES "unknown"
 #endif
@@ -392,7 +405,8 @@ int64_t dash_params_offset(const char* field) {
     DASH_FIELD(num_tokens) DASH_FIELD(num_seqs) DASH_FIELD(num_heads) DASH_FIELD(num_kv_heads)
     DASH_FIELD(head_dim) DASH_FIELD(index_dim) DASH_FIELD(num_blocks) DASH_FIELD(block_size)
     DASH_FIELD(table_width) DASH_FIELD(max_new_tokens) DASH_FIELD(dtype) DASH_FIELD(sparse_block_size)
-    DASH_FIELD(sparse_local_block) DASH_FIELD(topk) DASH_FIELD(dense_layer) DASH_FIELD(page_bias)
+    DASH_FIELD(sparse_local_block) DASH_FIELD(topk) DASH_FIELD(route_scale) DASH_FIELD(prior_floor)
+    DASH_FIELD(sigma)
     DASH_FIELD(rope_page_pairs) DASH_FIELD(rope_tok_theta) DASH_FIELD(rope_page_theta)
     DASH_FIELD(main_truncate) DASH_FIELD(index_truncate) DASH_FIELD(rope_page_mod) DASH_FIELD(q)
     DASH_FIELD(k) DASH_FIELD(v) DASH_FIELD(iq) DASH_FIELD(ik) DASH_FIELD(coords) DASH_FIELD(head_cls)
@@ -436,7 +450,13 @@ static DashStatus validate_sizes(const DashParams* p) {
         p->rope_page_theta > 3.0e38f)
         return fail(DASH_ERR_INVALID_ARGUMENT, "rope_tok_theta and rope_page_theta must be finite and > 0");
     if (p->num_tokens < 0) return fail(DASH_ERR_INVALID_ARGUMENT, "num_tokens must not be negative");
-    if (p->topk < 0) return fail(DASH_ERR_INVALID_ARGUMENT, "topk must not be negative");
+    if (p->topk < 1) return fail(DASH_ERR_INVALID_ARGUMENT, "topk (dash_topk_blocks) must be >= 1, got " +
+                                                        std::to_string(p->topk));
+    auto finite = [](float x) { return x == x && x <= 3.0e38f && x >= -3.0e38f; };
+    if (!finite(p->route_scale)) return fail(DASH_ERR_INVALID_ARGUMENT, "route_scale must be finite");
+    if (!finite(p->prior_floor) || !(p->prior_floor > 0.0f))
+        return fail(DASH_ERR_INVALID_ARGUMENT, "prior_floor must be finite and > 0");
+    if (!finite(p->sigma) || !(p->sigma > 0.0f)) return fail(DASH_ERR_INVALID_ARGUMENT, "sigma must be finite and > 0");
     if (p->rope_page_pairs < 0 || p->rope_page_mod < 0)
         return fail(DASH_ERR_INVALID_ARGUMENT, "rope_page_pairs and rope_page_mod must not be negative");
     if (p->dtype != DASH_FLOAT32 && p->dtype != DASH_FLOAT16 && p->dtype != DASH_BFLOAT16)
@@ -461,8 +481,6 @@ static DashStatus validate_sizes(const DashParams* p) {
         return fail(DASH_ERR_UNSUPPORTED, "KV block size " + std::to_string(p->block_size) +
                                               " is not a whole multiple of the sparse block size " +
                                               std::to_string(p->sparse_block_size));
-    if (!(p->page_bias == p->page_bias) || p->page_bias > 3.0e38f || p->page_bias < -3.0e38f)
-        return fail(DASH_ERR_INVALID_ARGUMENT, "page_bias must be finite");
     if (p->tune_block_major_warpgroups < 0 || p->tune_block_major_warpgroups > 2)
         return fail(DASH_ERR_INVALID_ARGUMENT, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got " +
                                                    std::to_string(p->tune_block_major_warpgroups));

@@ -9,7 +9,7 @@
 // serve its entries with tensor cores, a warp per 16 rows (rows = entries x G heads). Each
 // entry leaves a partial softmax (normalised output in the input dtype, plus max and sum) and a
 // combine kernel merges a token's slots. Tokens are processed in chunks so that the partials
-// fit a fixed workspace. fp16/bf16 only; fp32 and dense layers keep the token-major path.
+// fit a fixed workspace. fp16/bf16 only; fp32 keeps the token-major path.
 //
 // Query-major tiles take the entries that many neighbouring tokens share. Consecutive tokens
 // of one sequence have the same local window blocks, and those of one document page mostly
@@ -235,7 +235,7 @@ __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& pl
     lo = min(max(lo, 0), sbs);
     hi = max(min(hi, sbs - 1), -1);
     return make_int4(tl * p.num_heads, (tl * plan.bm_slots + j) * p.num_heads, (lo & 0xffff) | (hi << 16),
-                     __float_as_int(forced ? p.page_bias : 0.0f));
+                     __float_as_int(forced ? 0.0f : 0.0f));  // no prior bias yet (dash_routing_rule)
 }
 
 // Each block-major entry's record at its block's offset plus the rank count_entry gave it. The
@@ -805,7 +805,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             const uint32_t bit = 1u << (tk % 32);
             if (mask[i * kQmWords + tk / 32] & bit) {  // a selection the tile serves
                 sel_hi = min(tr.sel_last - bstart, sbs - 1);
-                bias = (forced_mask[i * kQmWords + tk / 32] & bit) ? p.page_bias : 0.0f;
+                bias = (forced_mask[i * kQmWords + tk / 32] & bit) ? 0.0f : 0.0f;  // no prior bias yet
             }
         }
         return sel_hi >= 0 || loc_lo <= loc_hi;
@@ -1232,7 +1232,7 @@ size_t query_major_smem(const DashParams& p, bool wg) {
 
 bool block_major_supported(const DashParams& p, size_t smem_limit) {
     const int group = p.num_heads / p.num_kv_heads;
-    if (p.dtype == DASH_FLOAT32 || p.dense_layer || p.sparse_block_size != 64 || 16 % group != 0 || p.topk <= 0)
+    if (p.dtype == DASH_FLOAT32 || p.sparse_block_size != 64 || 16 % group != 0 || p.topk <= 0)
         return false;
     if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
     // Dynamic shared memory (2-byte elements) plus the static per-entry metadata (under 4 KB)

@@ -264,7 +264,7 @@ struct Workspace {
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
     float2* part_ml;      // [T, H, splits] running max and sum of each split
     int32_t* route_count; // [T] split-routing CTAs finished per token (zeroed by dash_run)
-    uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing, not dense layers)
+    uint64_t* route_keys; // [T, route_cand] each CTA's best keys (split routing)
     // Block-major prefill (plan.block_major), per chunk of plan.bm_chunk tokens:
     int32_t* bm_tally;    // [bm_num_keys * kTallyStride] count_entry's counter of each physical sparse
                           // block, one a 128-byte line (kTallyStride)

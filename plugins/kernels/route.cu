@@ -1,6 +1,7 @@
-// Stage 3: score the complete sparse blocks each query may read remotely and pick its top-k,
-// exactly as docs/spec.md's routing: forced (same-page image) blocks first, then score
-// descending, ties to the lower block index. Output rows are fixed-size and padded with -1,
+// Stage 3: score the complete sparse blocks each query may read remotely and pick its top-k by a
+// WITHDRAWN rule: forced (same-page image) blocks first, then score descending, ties to the lower
+// block index, with no entmax prior. docs/spec.md step 4 (Unlimited-OCR-2's rule) replaces it in the
+// GPU work on the routing stage; until then every launch is refused (dash_routing_rule). Output rows are fixed-size and padded with -1,
 // so nothing downstream depends on data read back to the host.
 //
 // Two shapes of launch, chosen by the plan (Plan::route_split):
@@ -232,11 +233,10 @@ __device__ void write_selection(const Plan& plan, const uint64_t* best, int k, i
 
 // Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced,
 // with the whole CTA: every warp takes the k best of its slice, then warp 0 the k best of those.
-// Not for dense layers (they select every block without a top-k).
 __device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
                             int32_t* sel, uint8_t* forced) {
     const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    const int k = min(p.topk, n);
+    const int k = min(plan.kmax, n);
     const int slice = (n + nwarps - 1) / nwarps;
     warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
     __syncthreads();
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     static_assert(kRouteTile == kRouteThreads / 32, "a warp per token of the tile selects");
     const int tile = plan.route_tile, t0 = blockIdx.x * tile, tn = min(tile, p.num_tokens - t0);
     const int di = p.index_dim, di4 = (di + 3) / 4 * 4, chunk = plan.route_chunk;
-    const int topk = max(p.topk, 1), kstride = route_key_stride(chunk, plan.max_blocks, topk);
+    const int topk = plan.kmax, kstride = route_key_stride(chunk, plan.max_blocks, topk);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* iq = reinterpret_cast<float*>(smem_raw);
     float* stage = iq + (size_t)kRouteTile * di4;  // a warp's staged rows each
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
     float* my_stage = stage + (size_t)warp * stage_floats(kTileWarpRows);
-    const int my_n = warp < tn ? s_n[warp] : 0, k = min(p.topk, my_n);
+    const int my_n = warp < tn ? s_n[warp] : 0, k = min(plan.kmax, my_n);
     int count = 0;  // warp's token: keys in its running best
     int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
     uint8_t* forced = ws.forced + (int64_t)(t0 + warp) * plan.kmax;
@@ -422,13 +422,7 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         const int m = min(chunk, my_n - c0);  // the warp's token's keys in this chunk
         uint64_t* kj = keys + (size_t)warp * kstride;
         if (warp < tn && s_seq[warp] >= 0 && m > 0) {
-            if (p.dense_layer) {
-                // Every remote block is selected; the order inside a row does not change the output.
-                for (int i = lane; i < m; i += 32) {
-                    sel[c0 + i] = c0 + i;
-                    forced[c0 + i] = (uint8_t)(kj[i] >> 63);
-                }
-            } else if (k > 0) {
+            if (k > 0) {
                 merge_chunk(kj, m, best + (size_t)warp * topk, count, k);
             }
         }
@@ -438,8 +432,6 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     const int t = t0 + warp;
     if (s_seq[warp] < 0) {
         write_selection(plan, nullptr, 0, sel, forced, lane, 32);
-    } else if (p.dense_layer) {
-        for (int i = my_n + lane; i < plan.kmax; i += 32) sel[i] = -1, forced[i] = 0;
     } else {
         write_selection(plan, best + (size_t)warp * topk, count, sel, forced, lane, 32);
     }
@@ -468,7 +460,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
     const int n = remote_blocks(p, plan, pos, prompt);
     const int ctas = max(1, (n + kSplitRows - 1) / kSplitRows);  // CTAs with blocks (or the one)
-    if (y >= ctas && !p.dense_layer) return;
+    if (y >= ctas) return;
     const int r0 = y * kSplitRows, r1 = min(n, r0 + kSplitRows), di4 = (p.index_dim + 3) / 4 * 4;
     __shared__ __align__(16) uint64_t keys[kSplitRows];
     __shared__ int s_last;
@@ -492,17 +484,6 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     }
     __syncthreads();
     DASH_MARK(g_route_trace, 2);
-    const int b = r0 + tid;
-    const uint64_t key = tid < kSplitRows ? keys[tid] : 0;
-    if (p.dense_layer) {
-        // Every remote block is selected; the order inside a row does not change the output.
-        if (tid < kSplitRows && b < plan.kmax) {
-            sel[b] = b < n ? b : -1;
-            forced[b] = b < n ? (uint8_t)(key >> 63) : 0;
-            if (p.selected_out != nullptr) p.selected_out[(int64_t)t * plan.kmax + b] = sel[b];
-        }
-        return;
-    }
     // Rank of each key among the CTA's: two threads per key (kSplitThreads = 2 * kSplitRows),
     // each counting the larger keys in its half, two keys per 16-byte load.
     static_assert(kSplitThreads == 2 * kSplitRows, "a pair of threads per key");
@@ -517,7 +498,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     rank += __shfl_xor_sync(0xffffffffu, rank, 1);
     if (mine == 0 || tid % 2 != 0) rank = kSplitRows;  // one thread of the pair places the key
     uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw + kSplitStageBytes);  // [ctas * kk], then the best / scratch
-    const int k = min(p.topk, n);
+    const int k = min(plan.kmax, n);
     if (ctas == 1) {  // the token's only CTA: its ranks are final
         if (rank < k) cand[rank] = mine;
         __syncthreads();
@@ -526,7 +507,7 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
         DASH_MARK(g_route_trace, 3);
         return;
     }
-    const int kk = min(p.topk, kSplitRows);  // candidates per CTA
+    const int kk = min(plan.kmax, kSplitRows);  // candidates per CTA
     uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
     if (rank < kk) out[rank] = mine;
     for (int r = max(0, min(kSplitRows, n - r0)) + tid; r < kk; r += nt) out[r] = 0;

@@ -26,9 +26,7 @@ static_assert(sizeof(kSpecs) / sizeof(kSpecs[0]) == static_cast<size_t>(kNbAttri
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-bool isIntegerKind(AttrKind k) {
-    return k == AttrKind::kInt || k == AttrKind::kOptInt || k == AttrKind::kIntOrList || k == AttrKind::kIntList;
-}
+bool isIntegerKind(AttrKind k) { return k == AttrKind::kInt || k == AttrKind::kOptInt; }
 bool isRealKind(AttrKind k) { return k == AttrKind::kFloat || k == AttrKind::kPosFloat; }
 bool isTextKind(AttrKind k) { return k == AttrKind::kMode || k == AttrKind::kVersion; }
 
@@ -84,7 +82,6 @@ DashAttributes::DashAttributes() {
     for (int32_t i = 0; i < kNbAttributes; ++i) {
         AttrSpec const& s = kSpecs[i];
         Value& v = mValues[static_cast<size_t>(i)];
-        if (s.kind == AttrKind::kIntList) continue;  // default: empty list
         if (isIntegerKind(s.kind)) v.ints.assign(1, static_cast<int64_t>(s.defaultNumber));
         if (isRealKind(s.kind)) v.real = static_cast<float>(s.defaultNumber);
         if (isTextKind(s.kind)) v.text = s.defaultText;
@@ -132,7 +129,7 @@ bool DashAttributes::parseField(PluginField const& f, AttrSpec const& s, Value& 
         error = label + " must be integer (INT32 or INT64 field), got a " + typeName(f.type) + " field";
         return false;
     }
-    if ((s.kind == AttrKind::kInt || s.kind == AttrKind::kOptInt) && values.size() != 1) {
+    if (values.size() != 1) {
         error = label + " must be one integer, got " + std::to_string(values.size()) + " values";
         return false;
     }
@@ -186,12 +183,6 @@ bool DashAttributes::validate(std::string& error) const {
         }
         switch (s.kind) {
             case AttrKind::kInt:
-            case AttrKind::kIntOrList:
-            case AttrKind::kIntList:
-                if (s.kind == AttrKind::kIntOrList && v.ints.empty()) {
-                    error = label + " must not be an empty list";
-                    return false;
-                }
                 for (int64_t x : v.ints) {
                     if (x < s.minimum || x > kInt32Max) {
                         error = label + (x < s.minimum ? " must be >= " + std::to_string(s.minimum)
@@ -234,37 +225,16 @@ bool DashAttributes::validate(std::string& error) const {
                 break;
         }
     }
-    std::vector<int64_t> const& topk = ints(AttrId::kSparseTopkBlocks);
-    int64_t const layer = integer(AttrId::kLayerIdx);
-    if (topk.size() > 1 && layer >= static_cast<int64_t>(topk.size())) {
-        error = fieldLabel(kSpecs[index(AttrId::kSparseTopkBlocks)].name) + " has " + std::to_string(topk.size()) +
-                " entries, no entry for layer_idx " + std::to_string(layer);
-        return false;
-    }
     return true;
-}
-
-int32_t DashAttributes::topkForLayer() const noexcept {
-    std::vector<int64_t> const& topk = ints(AttrId::kSparseTopkBlocks);
-    if (topk.empty()) return 0;
-    if (topk.size() == 1) return static_cast<int32_t>(topk[0]);
-    int64_t const layer = integer(AttrId::kLayerIdx);
-    return layer >= 0 && layer < static_cast<int64_t>(topk.size()) ? static_cast<int32_t>(topk[static_cast<size_t>(layer)]) : 0;
-}
-
-bool DashAttributes::denseLayer() const noexcept {
-    int64_t const layer = integer(AttrId::kLayerIdx);
-    for (int64_t x : ints(AttrId::kSparseDenseLayers))
-        if (x == layer) return true;
-    return false;
 }
 
 void DashAttributes::fillConfig(DashParams& p) const noexcept {
     p.sparse_block_size = static_cast<int32_t>(integer(AttrId::kSparseBlockSize));
     p.sparse_local_block = static_cast<int32_t>(integer(AttrId::kSparseLocalBlock));
-    p.topk = topkForLayer();
-    p.dense_layer = denseLayer() ? 1 : 0;
-    p.page_bias = real(AttrId::kSparsePageBias);
+    p.topk = static_cast<int32_t>(integer(AttrId::kDashTopkBlocks));
+    p.route_scale = real(AttrId::kDashScalingFactor);
+    p.prior_floor = real(AttrId::kDashPriorFloor);
+    p.sigma = real(AttrId::kDashSigma);
     p.rope_page_pairs = static_cast<int32_t>(integer(AttrId::kSparseRopePagePairs));
     p.rope_tok_theta = real(AttrId::kSparseRopeTokTheta);
     p.rope_page_theta = real(AttrId::kSparseRopePageTheta);
@@ -283,10 +253,6 @@ std::string DashAttributes::describe() const {
             os << quoted(v.text);
         } else if (isRealKind(s.kind)) {
             os << v.real;
-        } else if (s.kind == AttrKind::kIntOrList || s.kind == AttrKind::kIntList) {
-            os << "[";
-            for (size_t i = 0; i < v.ints.size(); ++i) os << (i ? "," : "") << v.ints[i];
-            os << "]";
         } else {
             os << v.ints[0];
         }
@@ -295,7 +261,6 @@ std::string DashAttributes::describe() const {
 }
 
 PluginFieldCollection const* AttributeFields::build(DashAttributes const& attrs) {
-    static int32_t const kEmpty = 0;  // data of a zero-length list: never read, but not NULL
     mFields.clear();
     for (int32_t a = 0; a < kNbAttributes; ++a) {
         AttrSpec const& s = kSpecs[a];
@@ -310,9 +275,8 @@ PluginFieldCollection const* AttributeFields::build(DashAttributes const& attrs)
             mReals[i] = v.real;
             mFields.emplace_back(s.name, &mReals[i], PluginFieldType::kFLOAT32, 1);
         } else {
-            mInts[i].assign(v.ints.begin(), v.ints.end());  // validated to fit in int32
-            void const* data = mInts[i].empty() ? static_cast<void const*>(&kEmpty) : mInts[i].data();
-            mFields.emplace_back(s.name, data, PluginFieldType::kINT32, static_cast<int32_t>(mInts[i].size()));
+            mInts[i] = static_cast<int32_t>(v.ints[0]);  // validated to fit in int32
+            mFields.emplace_back(s.name, &mInts[i], PluginFieldType::kINT32, 1);
         }
     }
     mCollection.nbFields = static_cast<int32_t>(mFields.size());

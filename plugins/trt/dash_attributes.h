@@ -16,7 +16,7 @@
 namespace dash {
 namespace trt {
 
-enum class AttrKind : int32_t { kInt, kOptInt, kIntOrList, kIntList, kFloat, kPosFloat, kMode, kVersion };
+enum class AttrKind : int32_t { kInt, kOptInt, kFloat, kPosFloat, kMode, kVersion };
 
 enum class AttrId : int32_t {
 #define DASH_ATTR(id, name, kind, required, num, text, minimum, doc) id,
@@ -31,7 +31,7 @@ struct AttrSpec {
     char const* name;
     AttrKind kind;
     bool required;
-    double defaultNumber;     // kInt, kOptInt, kIntOrList (one entry), kFloat, kPosFloat
+    double defaultNumber;     // kInt, kOptInt, kFloat, kPosFloat
     char const* defaultText;  // kMode, kVersion
     int64_t minimum;          // integer kinds (kOptInt: besides -1)
     char const* doc;
@@ -51,7 +51,7 @@ public:
     //! field type or length, or a value that validate() refuses.
     bool parse(nvinfer1::PluginFieldCollection const* fc, std::string& error);
 
-    //! Required attributes present, ranges, modes, the version, and a top-k entry for layer_idx.
+    //! Required attributes present, ranges, modes and the version.
     bool validate(std::string& error) const;
 
     int64_t integer(AttrId id) const noexcept { return mValues[index(id)].ints.empty() ? 0 : mValues[index(id)].ints[0]; }
@@ -59,11 +59,6 @@ public:
     float real(AttrId id) const noexcept { return mValues[index(id)].real; }
     std::string const& text(AttrId id) const noexcept { return mValues[index(id)].text; }
     bool given(AttrId id) const noexcept { return mValues[index(id)].given; }
-
-    //! sparse_topk_blocks for layer_idx (a one-entry list applies to every layer).
-    int32_t topkForLayer() const noexcept;
-    //! layer_idx is listed in sparse_dense_layers.
-    bool denseLayer() const noexcept;
 
     //! Writes the configuration fields of DashParams (sizes and pointers are left alone).
     void fillConfig(DashParams& p) const noexcept;
@@ -96,7 +91,7 @@ public:
     nvinfer1::PluginFieldCollection const* build(DashAttributes const& attrs);
 
 private:
-    std::array<std::vector<int32_t>, kNbAttributes> mInts;
+    std::array<int32_t, kNbAttributes> mInts{};
     std::array<float, kNbAttributes> mReals{};
     std::array<std::string, kNbAttributes> mTexts;
     std::vector<nvinfer1::PluginField> mFields;

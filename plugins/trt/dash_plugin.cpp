@@ -150,7 +150,8 @@ bool checkRanks(std::function<int32_t(int32_t)> const& rankOf, std::string& erro
 }
 
 //! The dimension relations of the I/O table; `dimOf(i, axis)` < 0 means "not known yet".
-bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, int64_t sparseBlockSize, std::string& error) {
+bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, DashAttributes const& attrs, std::string& error) {
+    int64_t const sparseBlockSize = attrs.integer(AttrId::kSparseBlockSize);
     std::array<int64_t, kNbSyms> value;
     std::array<int32_t, kNbSyms> fromInput;
     std::array<int32_t, kNbSyms> fromAxis;
@@ -180,6 +181,14 @@ bool checkShapes(std::function<int64_t(int32_t, int32_t)> const& dimOf, int64_t 
                 return false;
             }
         }
+    }
+    int64_t const indexDim = attrs.integer(AttrId::kSparseIndexDim);
+    if (value[kDi] >= 0 && value[kDi] != indexDim) {
+        dash::trt::Text os;
+        os << kInputs[fromInput[kDi]].name << " dim " << fromAxis[kDi] << " (Di) is " << value[kDi]
+           << ", but attribute sparse_index_dim is " << indexDim;
+        error = os.str();
+        return false;
     }
     if (value[kB] >= 0 && value[kBP1] >= 0 && value[kBP1] != value[kB] + 1) {
         dash::trt::Text os;
@@ -383,7 +392,7 @@ int32_t DashAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nb
             nvinfer1::IDimensionExpr const* e = inputs[i].d[a];
             return e != nullptr && e->isConstant() ? e->getConstantValue() : -1;
         };
-        if (!checkShapes(constant, mAttrs.integer(AttrId::kSparseBlockSize), error))
+        if (!checkShapes(constant, mAttrs, error))
             return fail("getOutputShapes", error);
         outputs[0] = inputs[kQ];
         for (int32_t o = 1; o < kNbOutputs; ++o) outputs[o] = inputs[cacheInputOf(o)];
@@ -416,11 +425,10 @@ int32_t DashAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, 
         if (!checkRanks([&](int32_t i) { return in[i].desc.dims.nbDims; }, error)) return fail("configurePlugin", error);
         auto typeOf = [&](int32_t pos) { return pos < kNbInputs ? in[pos].desc.type : out[pos - kNbInputs].desc.type; };
         if (!checkTypes(typeOf, kNbInputs + kNbOutputs, error)) return fail("configurePlugin", error);
-        int64_t const sbs = mAttrs.integer(AttrId::kSparseBlockSize);
         // Static dims as declared, then the profile's bounds.
-        if (!checkShapes([&](int32_t i, int32_t a) { return in[i].desc.dims.d[a]; }, sbs, error) ||
-            !checkShapes([&](int32_t i, int32_t a) { return in[i].min.d[a]; }, sbs, error) ||
-            !checkShapes([&](int32_t i, int32_t a) { return in[i].max.d[a]; }, sbs, error))
+        if (!checkShapes([&](int32_t i, int32_t a) { return in[i].desc.dims.d[a]; }, mAttrs, error) ||
+            !checkShapes([&](int32_t i, int32_t a) { return in[i].min.d[a]; }, mAttrs, error) ||
+            !checkShapes([&](int32_t i, int32_t a) { return in[i].max.d[a]; }, mAttrs, error))
             return fail("configurePlugin", error);
         // The kernels' own limits (head dims, GQA group, block sizes, context length) at the
         // profile's largest shapes.
@@ -431,6 +439,13 @@ int32_t DashAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, 
         if (status != DASH_OK) return fail("configurePlugin", dashError(status));
         // What getWorkspaceSize will answer for this profile: the bound enqueue checks.
         if (workspaceFor(in, error) == 0) return fail("configurePlugin", error);
+        // Last, so that every other problem of the profile is reported first: kernels that route
+        // by another rule than the function's would compute a different model; the engine build
+        // stops here rather than at the first enqueue (which dash_run_plan refuses too).
+        if (dash_routing_rule() != DASH_ROUTING_UNLIMITED_OCR2)
+            return fail("configurePlugin", "the DASH kernels of this build implement a withdrawn routing rule, not "
+                                           "Unlimited-OCR-2's (entmax prior): the plugin cannot compute the model "
+                                           "yet; run the ONNX function (ONNX Runtime) or the PyTorch operator");
         return 0;
     } catch (std::exception const& e) {
         return fail("configurePlugin", e.what());
@@ -530,7 +545,7 @@ int32_t DashAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t n
         auto typeOf = [&](int32_t pos) { return pos < kNbInputs ? in[pos].type : out[pos - kNbInputs].type; };
         if (!checkTypes(typeOf, kNbInputs + kNbOutputs, error)) return fail("onShapeChange", error);
         auto dimOf = [&](int32_t i, int32_t a) { return in[i].dims.d[a]; };
-        if (!checkShapes(dimOf, mAttrs.integer(AttrId::kSparseBlockSize), error)) return fail("onShapeChange", error);
+        if (!checkShapes(dimOf, mAttrs, error)) return fail("onShapeChange", error);
         Sizes const sizes = sizesOf(dimOf);
         if (!fitsInt32(sizes, error)) return fail("onShapeChange", error);
         if (sizes.T > 0) {
@@ -559,7 +574,7 @@ int32_t DashAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         auto typeOf = [&](int32_t pos) { return pos < kNbInputs ? inputDesc[pos].type : outputDesc[pos - kNbInputs].type; };
         if (!checkTypes(typeOf, kNbInputs + kNbOutputs, error)) return fail("enqueue", error);
         auto dimOf = [&](int32_t i, int32_t a) { return inputDesc[i].dims.d[a]; };
-        if (!checkShapes(dimOf, mAttrs.integer(AttrId::kSparseBlockSize), error)) return fail("enqueue", error);
+        if (!checkShapes(dimOf, mAttrs, error)) return fail("enqueue", error);
         Sizes const sizes = sizesOf(dimOf);
         if (!fitsInt32(sizes, error)) return fail("enqueue", error);
         DataType const qType = inputDesc[kQ].type;

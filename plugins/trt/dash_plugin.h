@@ -25,7 +25,7 @@ namespace dash {
 namespace trt {
 
 constexpr char const* kPluginName = "DashAttention";
-constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginVersion = "2";  // = plugin_version's default (dash_attributes.def)
 
 // ------------------------------------------------------------------------- inputs and outputs
 // The ONNX node's order. Shapes use T new tokens, H/Hkv query/KV heads, D head dim, Di index dim,

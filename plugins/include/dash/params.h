@@ -21,8 +21,19 @@
 extern "C" {
 #endif
 
-/* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan). */
-#define DASH_ABI_VERSION 7
+/* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan; 8: the
+ * routing fields of Unlimited-OCR-2's rule replace dense_layer and page_bias). */
+#define DASH_ABI_VERSION 8
+
+/* Blocks ranked by routing before the entmax prior (dash_trt.config.ROUTE_TOP_M). */
+#define DASH_ROUTE_TOP_M 16
+
+/* Routing rules a kernel library can implement (dash_routing_rule() in dash/dash.h). */
+enum {
+    DASH_ROUTING_WITHDRAWN = 1,      /* dash-trt's earlier rule: own-page blocks first, then by score, no prior */
+    DASH_ROUTING_UNLIMITED_OCR2 = 2  /* the function (docs/spec.md step 4): own-page restriction, top 16,
+                                        entmax-1.5 prior, keep topk, centred log-prior bias */
+};
 
 /* Data type of q/k/v/iq/ik/head_cls, the k/v/index caches and the output (one per call). */
 typedef enum DashDtype { DASH_FLOAT32 = 0, DASH_FLOAT16 = 1, DASH_BFLOAT16 = 2 } DashDtype;
@@ -51,12 +62,13 @@ typedef struct DashParams {
                               and summary stages into the routing and attention launches. */
     int32_t dtype;         /* DashDtype */
 
-    /* ---- configuration (the dash_attention_config keys) ---- */
+    /* ---- configuration (the sparse_attention_config keys, this layer's values) ---- */
     int32_t sparse_block_size;  /* sbs: tokens per sparse block */
     int32_t sparse_local_block; /* sparse blocks in the local window (>= 1) */
-    int32_t topk;               /* sparse_topk_blocks for this layer (already indexed) */
-    int32_t dense_layer;        /* 1: this layer selects every remote block */
-    float page_bias;            /* sparse_page_bias, added to logits of forced blocks */
+    int32_t topk;               /* K: dash_topk_blocks, blocks kept of the top DASH_ROUTE_TOP_M (>= 1) */
+    float route_scale;          /* this layer's routing scale: x = score * route_scale / sqrt(index_dim) */
+    float prior_floor;          /* this layer's floor under the entmax prior before the log (> 0) */
+    float sigma;                /* dash_sigma: divisor of the centred log prior (> 0) */
     int32_t rope_page_pairs;    /* sparse_rope_page_pairs */
     float rope_tok_theta;       /* sparse_rope_tok_theta */
     float rope_page_theta;      /* sparse_rope_page_theta */

@@ -67,8 +67,9 @@ H, HKV, D, DI, SBS, TOPK = 32, 8, 128, 128, 64, 16
 G = H // HKV
 DT = torch.bfloat16
 BLOCKS_PER_PAGE = 16
-CFG = DashConfig.from_dict({"sparse_block_size": SBS, "sparse_local_block": 1, "sparse_index_dim": DI,
-                            "dash_topk_blocks": TOPK})
+CFG = DashConfig.from_dict(
+    {"sparse_block_size": SBS, "sparse_local_block": 1, "sparse_index_dim": DI, "dash_topk_blocks": TOPK}
+)
 SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
@@ -170,8 +171,11 @@ def interleaved(graphs: dict[str, object], rounds: int, reps: int, flush: Flushe
 def sdpa_backends() -> dict[str, object]:
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
 
 
 def peer_graphs(q, k, v, causal, only=None) -> tuple[dict[str, object], dict[str, str]]:
@@ -187,8 +191,10 @@ def peer_graphs(q, k, v, causal, only=None) -> tuple[dict[str, object], dict[str
     many = isinstance(q, list)
     qs, ks, vs = (q, k, v) if many else ([q], [k], [v])
     masks = causal if isinstance(causal, list) else [causal] * len(qs)
-    kwargs = [dict(attn_mask=causal_lower_right(a.shape[-2], b.shape[-2])) if m == "lower_right" else
-              dict(is_causal=bool(m)) for a, b, m in zip(qs, ks, masks)]
+    kwargs = [
+        dict(attn_mask=causal_lower_right(a.shape[-2], b.shape[-2])) if m == "lower_right" else dict(is_causal=bool(m))
+        for a, b, m in zip(qs, ks, masks)
+    ]
     for name, backend in sdpa_backends().items():
         if name not in PEERS:
             skipped[name] = "left out (--peers)"
@@ -196,9 +202,11 @@ def peer_graphs(q, k, v, causal, only=None) -> tuple[dict[str, object], dict[str
         if only is not None and name not in only[0]:
             skipped[name] = only[1]
             continue
+
         def call(backend=backend):
             with sdpa_kernel([backend]):
                 return [F.scaled_dot_product_attention(a, b, c, **kw) for a, b, c, kw in zip(qs, ks, vs, kwargs)]
+
         try:
             call()
             torch.cuda.synchronize()
@@ -265,23 +273,39 @@ def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool, len
     phys_page = torch.empty(nb, dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start:start + n]
-        phys_page[perm[start:start + n].long()] = page_of[:n]
+        tables[i, :n] = perm[start : start + n]
+        phys_page[perm[start : start + n].long()] = page_of[:n]
         start += n
     cache.summary_pages[:, 0, 0] = phys_page
     cache.summary_pages[:, 0, 1] = phys_page
     cache.summary_pages[:, 0, 2] = 1
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    batch = dict(block_tables=tables, seq_lens=seq_lens,
-                 query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
-                 prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"))
-    q, k, v, iq, ik, head_cls = (rnd(gen, nseq, H, D), rnd(gen, nseq, HKV, D), rnd(gen, nseq, HKV, D),
-                                 rnd(gen, nseq, DI), rnd(gen, nseq, DI), rnd(gen, DI))
+    batch = dict(
+        block_tables=tables,
+        seq_lens=seq_lens,
+        query_start_loc=torch.arange(nseq + 1, dtype=torch.int32, device="cuda"),
+        prompt_lens=torch.full((nseq,), -1, dtype=torch.int32, device="cuda"),
+    )
+    q, k, v, iq, ik, head_cls = (
+        rnd(gen, nseq, H, D),
+        rnd(gen, nseq, HKV, D),
+        rnd(gen, nseq, HKV, D),
+        rnd(gen, nseq, DI),
+        rnd(gen, nseq, DI),
+        rnd(gen, DI),
+    )
     # (token, page, image page, query page): a response token (no page of its own) or, with
     # forced blocks, a token of page 0, whose image blocks routing must take first
     query_page = 0 if forced > 0 else -1
-    coords = torch.stack([seq_lens - 1, torch.zeros_like(seq_lens), torch.full_like(seq_lens, -1),
-                          torch.full_like(seq_lens, query_page)], -1).int()
+    coords = torch.stack(
+        [
+            seq_lens - 1,
+            torch.zeros_like(seq_lens),
+            torch.full_like(seq_lens, -1),
+            torch.full_like(seq_lens, query_page),
+        ],
+        -1,
+    ).int()
     return (q, k, v, iq, ik, coords, head_cls), cache, batch, lengths
 
 
@@ -289,8 +313,10 @@ def dash_call(args, cache, batch, max_query_len=1, tuning=None):
     knobs = TUNING if tuning is None else tuning
 
     def call():
-        return dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, validate=False,
-                                               max_query_len=max_query_len, tuning=knobs)
+        return dcuda.paged_dash_attention_cuda(
+            *args, cache, **batch, sp=CFG, layer_idx=0, validate=False, max_query_len=max_query_len, tuning=knobs
+        )
+
     return call
 
 
@@ -321,10 +347,10 @@ def dense_decode_peers(args, cache, batch, lengths):
         return peer_graphs(q, k, v, causal=False)
     ks, vs = [], []
     for i, length in enumerate(lengths):
-        rows = tables[i, :-(-length // SBS)]
+        rows = tables[i, : -(-length // SBS)]
         ks.append(cache.key[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
         vs.append(cache.value[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
-    return peer_graphs([q[i:i + 1] for i in range(nseq)], ks, vs, causal=False)
+    return peer_graphs([q[i : i + 1] for i in range(nseq)], ks, vs, causal=False)
 
 
 def same_sparsity_peers(args, cache, batch, lengths):
@@ -332,8 +358,9 @@ def same_sparsity_peers(args, cache, batch, lengths):
     the local one, gathered once, outside the timing): what a dense kernel takes for the same
     keys, without routing. Peers are named ``same-<backend>``."""
     nseq = len(lengths)
-    _, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1,
-                                             tuning=TUNING, return_selected=True)
+    _, sel = dcuda.paged_dash_attention_cuda(
+        *args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1, tuning=TUNING, return_selected=True
+    )
     local = torch.tensor([(n - 1) // SBS for n in lengths], device="cuda")[:, None]
     blocks = torch.cat([sel.clamp(min=0), local], 1)  # every sequence here has >= 16 remote blocks
     phys = batch["block_tables"].long().gather(1, blocks)
@@ -349,11 +376,17 @@ def against_reference(args, cache, batch, max_query_len: int):
     from dash_trt.testing import compare_outputs
 
     ref_cache = cache.clone()
-    out, sel = dcuda.paged_dash_attention_cuda(*args, cache, **batch, sp=CFG, layer_idx=0,
-                                               max_query_len=max_query_len, tuning=TUNING, return_selected=True)
+    out, sel = dcuda.paged_dash_attention_cuda(
+        *args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=max_query_len, tuning=TUNING, return_selected=True
+    )
     ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch, sp=CFG, layer_idx=0, return_routing=True)
-    report = compare_outputs(out, ref, P.Routing(sel.cpu()),
-                             P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()), dtype=DT)
+    report = compare_outputs(
+        out,
+        ref,
+        P.Routing(sel.cpu()),
+        P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()),
+        dtype=DT,
+    )
     return report, ref_r
 
 
@@ -363,8 +396,9 @@ def check_decode(gen) -> str:
     report, ref_r = against_reference(args, cache, batch, 1)
     chosen = (ref_r.selected >= 0).sum(1).tolist()
     if not report.ok or chosen != [TOPK] * len(chosen):
-        raise SystemExit(f"bench_dash: the real-top-k decode step is wrong or not real top-k ({report}; "
-                         f"selected per token {chosen})")
+        raise SystemExit(
+            f"bench_dash: the real-top-k decode step is wrong or not real top-k ({report}; selected per token {chosen})"
+        )
     return str(report)
 
 
@@ -374,8 +408,9 @@ def summarize(times: dict, dash: str = "dash") -> dict:
     for name, t in times.items():
         out[name] = {kind: stats(vals) for kind, vals in t.items()}
         if name != dash:
-            out[name]["ratio"] = {kind: stats([p / d for p, d in zip(vals, times[dash][kind])])
-                                  for kind, vals in t.items()}
+            out[name]["ratio"] = {
+                kind: stats([p / d for p, d in zip(vals, times[dash][kind])]) for kind, vals in t.items()
+            }
     peers = [n for n in times if n != dash and not n.startswith(("same-", AB_PREFIX))]
     if peers:
         out["peer"] = min(peers, key=lambda n: out[n]["warm"]["median"])
@@ -395,9 +430,20 @@ def decode_case(nseq, ctx, gen, flush, a, *, forced=0, mid_block=False, lengths=
         graphs.update(same)
         skipped.update(same_skipped)
     times = interleaved(graphs, a.rounds, a.reps, flush)
-    row = dict(kind="decode", nseq=nseq, ctx=ctx, lengths=lengths, forced=forced, mid_block=mid_block,
-               label=label, times=times, summary=summarize(times), skipped=skipped, **decode_traffic(lengths),
-               dense_bytes=dense_decode_bytes(lengths))
+    row = dict(
+        kind="decode",
+        nseq=nseq,
+        ctx=ctx,
+        lengths=lengths,
+        forced=forced,
+        mid_block=mid_block,
+        label=label,
+        times=times,
+        summary=summarize(times),
+        skipped=skipped,
+        **decode_traffic(lengths),
+        dense_bytes=dense_decode_bytes(lengths),
+    )
     del graphs
     torch.cuda.empty_cache()
     return row
@@ -408,8 +454,7 @@ def mixed_inputs(ndec: int, ctx: int, chunk: int, gen):
     more sequence of ``ctx`` whose last ``chunk`` tokens are prefilled in the same call (a text
     chunk after a document: real top-k for every token, as vLLM's chunked prefill batches them).
     ``(args, cache, batch, lengths)``; the chunk's sequence is the last."""
-    (_, _, _, _, _, _, head_cls), cache, batch, lengths = decode_inputs(ndec + 1, ctx, gen, forced=0,
-                                                                       mid_block=False)
+    (_, _, _, _, _, _, head_cls), cache, batch, lengths = decode_inputs(ndec + 1, ctx, gen, forced=0, mid_block=False)
     t = ndec + chunk
     q, k, v, iq, ik = rnd(gen, t, H, D), rnd(gen, t, HKV, D), rnd(gen, t, HKV, D), rnd(gen, t, DI), rnd(gen, t, DI)
     pos = torch.cat([torch.full((ndec,), ctx - 1), torch.arange(ctx - chunk, ctx)]).to("cuda")
@@ -436,18 +481,34 @@ def mixed_case(ndec, ctx, chunk, gen, flush, a) -> dict:
     graphs = {"dash": graph_of(dash_call(args, cache, batch, max_query_len=chunk))}
     graphs.update(ab_graphs(lambda t: dash_call(args, cache, batch, max_query_len=chunk, tuning=t)))
     tables = batch["block_tables"].long()
-    kv = [t[tables].reshape(ndec + 1, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
-          for t in (cache.key, cache.value)]
+    kv = [
+        t[tables].reshape(ndec + 1, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous() for t in (cache.key, cache.value)
+    ]
     qd = args[0][:ndec].view(ndec, HKV, G, D)
     qc = args[0][ndec:].transpose(0, 1)[None]
     kc, vc = (t[ndec:].repeat_interleave(G, 1) for t in kv)
-    peers, skipped = peer_graphs([qd, qc], [kv[0][:ndec], kc], [kv[1][:ndec], vc], causal=[False, "lower_right"],
-                                 only=(("flash", "efficient"), "torch dispatches a lower-right "
-                                                                  "causal mask to flash or efficient attention only"))
+    peers, skipped = peer_graphs(
+        [qd, qc],
+        [kv[0][:ndec], kc],
+        [kv[1][:ndec], vc],
+        causal=[False, "lower_right"],
+        only=(
+            ("flash", "efficient"),
+            "torch dispatches a lower-right causal mask to flash or efficient attention only",
+        ),
+    )
     graphs.update(peers)
     times = interleaved(graphs, a.rounds, a.reps, flush)
-    row = dict(kind="mixed", ndec=ndec, ctx=ctx, chunk=chunk, label=f"{ndec} decode + {chunk}-token chunk at "
-               f"{ctx // 1024}k", times=times, summary=summarize(times), skipped=skipped)
+    row = dict(
+        kind="mixed",
+        ndec=ndec,
+        ctx=ctx,
+        chunk=chunk,
+        label=f"{ndec} decode + {chunk}-token chunk at {ctx // 1024}k",
+        times=times,
+        summary=summarize(times),
+        skipped=skipped,
+    )
     del graphs
     torch.cuda.empty_cache()
     return row
@@ -466,22 +527,32 @@ def prefill_step(seq: int, gen, tuning=None, correlated: bool = False):
     roles = torch.zeros(seq, dtype=torch.long)
     for p_ in range(pages):
         roles[p_ * per] = 2
-        roles[p_ * per + 1:(p_ + 1) * per - 4] = 1
+        roles[p_ * per + 1 : (p_ + 1) * per - 4] = 1
     coords = P.sequence_coords(roles).cuda()
-    batch = dict(block_tables=torch.arange(nb, dtype=torch.int32, device="cuda")[None],
-                 seq_lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
-                 query_start_loc=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
-                 prompt_lens=torch.tensor([-1], dtype=torch.int32, device="cuda"))
-    q, k, v, iq, ik, head_cls = (rnd(gen, seq, H, D), rnd(gen, seq, HKV, D), rnd(gen, seq, HKV, D),
-                                 rnd(gen, seq, DI), rnd(gen, seq, DI), rnd(gen, DI))
+    batch = dict(
+        block_tables=torch.arange(nb, dtype=torch.int32, device="cuda")[None],
+        seq_lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
+        prompt_lens=torch.tensor([-1], dtype=torch.int32, device="cuda"),
+    )
+    q, k, v, iq, ik, head_cls = (
+        rnd(gen, seq, H, D),
+        rnd(gen, seq, HKV, D),
+        rnd(gen, seq, HKV, D),
+        rnd(gen, seq, DI),
+        rnd(gen, seq, DI),
+        rnd(gen, DI),
+    )
     if correlated:
         page_of = (torch.arange(seq, device="cuda") // per).clamp(max=pages - 1)
         iq = (rnd(gen, pages, DI).float()[page_of] + 0.1 * iq.float()).to(DT)
 
     def with_knobs(knobs):
         def dash():
-            return dcuda.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG,
-                                                   layer_idx=0, validate=False, tuning=knobs)
+            return dcuda.paged_dash_attention_cuda(
+                q, k, v, iq, ik, coords, head_cls, cache, **batch, sp=CFG, layer_idx=0, validate=False, tuning=knobs
+            )
+
         return dash
 
     return with_knobs(TUNING if tuning is None else tuning), (q, k, v), with_knobs
@@ -500,8 +571,16 @@ def prefill_case(seq, gen, flush, a, tuning=None, label="", correlated=False) ->
     reps = max(2, a.reps // 4)
     times = interleaved(graphs, a.rounds, reps, flush)
     dash_flops, dense_flops = prefill_flops(seq)
-    row = dict(kind="prefill", seq=seq, label=label, times=times, summary=summarize(times), skipped=skipped,
-               flops=dash_flops, dense_flops=dense_flops)
+    row = dict(
+        kind="prefill",
+        seq=seq,
+        label=label,
+        times=times,
+        summary=summarize(times),
+        skipped=skipped,
+        flops=dash_flops,
+        dense_flops=dense_flops,
+    )
     del graphs
     torch.cuda.empty_cache()
     return row
@@ -525,16 +604,25 @@ def copy_gbs() -> float:
 
 def provenance() -> dict:
     props = torch.cuda.get_device_properties(0)
-    info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "commit": os.environ.get("DASH_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
-            "dirty": os.environ.get("DASH_DIRTY") or ("yes" if _git("status", "--porcelain") else "no"),
-            "l2_bytes": getattr(props, "L2_cache_size", None)}
+    info = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "commit": os.environ.get("DASH_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
+        "dirty": os.environ.get("DASH_DIRTY") or ("yes" if _git("status", "--porcelain") else "no"),
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+    }
     try:
-        q = ("driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,power.draw,"
-             "temperature.gpu")
-        line = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip().splitlines()[0]
+        q = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,power.draw,temperature.gpu"
+        line = (
+            subprocess.run(
+                ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
         info.update(dict(zip(q.split(","), [s.strip() for s in line.split(",")])))
     except (OSError, IndexError, subprocess.SubprocessError):
         info["nvidia_smi"] = "not available"
@@ -543,8 +631,9 @@ def provenance() -> dict:
 
 def _git(*args) -> str:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -559,50 +648,84 @@ def ratio_fmt(s: dict) -> str:
 
 
 def print_tables(rows, env, out=sys.stdout) -> None:
-    print(f"\ndevice {env['device']}; torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, driver "
-          f"{env.get('driver_version', '?')}; SM clock {env.get('clocks.sm', '?')} (max {env.get('clocks.max.sm', '?')}), "
-          f"power limit {env.get('power.limit', '?')}; commit {env['commit']} (dirty: {env['dirty']})", file=out)
-    print(f"streaming read {env['read_gbs']:.0f} GB/s, copy (read+write) {env['copy_gbs']:.0f} GB/s, datasheet "
-          f"{SPEC_BANDWIDTH_GBS:.0f} GB/s", file=out)
-    print("\nDecode (ms per step; median over rounds [IQR]; speed-up = dense peer / DASH, median (min-max)):",
-          file=out)
-    print("| case | forced | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | "
-          "speed-up cold | same-sparsity SDPA cold | its time / DASH's (cold) | DASH MB | % of read BW (cold) | "
-          "% of datasheet (cold) |", file=out)
+    print(
+        f"\ndevice {env['device']}; torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, driver "
+        f"{env.get('driver_version', '?')}; SM clock {env.get('clocks.sm', '?')} "
+        f"(max {env.get('clocks.max.sm', '?')}), "
+        f"power limit {env.get('power.limit', '?')}; commit {env['commit']} (dirty: {env['dirty']})",
+        file=out,
+    )
+    print(
+        f"streaming read {env['read_gbs']:.0f} GB/s, copy (read+write) {env['copy_gbs']:.0f} GB/s, datasheet "
+        f"{SPEC_BANDWIDTH_GBS:.0f} GB/s",
+        file=out,
+    )
+    print("\nDecode (ms per step; median over rounds [IQR]; speed-up = dense peer / DASH, median (min-max)):", file=out)
+    print(
+        "| case | forced | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | "
+        "speed-up cold | same-sparsity SDPA cold | its time / DASH's (cold) | DASH MB | % of read BW (cold) | "
+        "% of datasheet (cold) |",
+        file=out,
+    )
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", file=out)
     for r in rows:
         if r["kind"] != "decode":
             continue
         s, peer = r["summary"], r["summary"].get("peer")
-        name = (f"{r['nseq']} x {r['ctx'] // 1024}k" + (" mid-block" if r["mid_block"] else "")) if not r["label"] \
+        name = (
+            (f"{r['nseq']} x {r['ctx'] // 1024}k" + (" mid-block" if r["mid_block"] else ""))
+            if not r["label"]
             else f"{r['nseq']} x {r['label']}"
+        )
         cold_gbs = r["bytes"] / s["dash"]["cold"]["median"] / 1e6
         cells = [name, str(r["forced"]), fmt(s["dash"]["warm"]), fmt(s["dash"]["cold"])]
         if peer:
-            cells += [peer, fmt(s[peer]["warm"]), fmt(s[peer]["cold"]), ratio_fmt(s[peer]["ratio"]["warm"]),
-                      ratio_fmt(s[peer]["ratio"]["cold"])]
+            cells += [
+                peer,
+                fmt(s[peer]["warm"]),
+                fmt(s[peer]["cold"]),
+                ratio_fmt(s[peer]["ratio"]["warm"]),
+                ratio_fmt(s[peer]["ratio"]["cold"]),
+            ]
         else:
             cells += ["-"] * 5
         same = s.get("same")
         cells += [f"{same[5:]} {fmt(s[same]['cold'])}", ratio_fmt(s[same]["ratio"]["cold"])] if same else ["-", "-"]
-        cells += [f"{r['bytes'] / 1e6:.1f}", f"{100 * cold_gbs / env['read_gbs']:.0f}%",
-                  f"{100 * cold_gbs / SPEC_BANDWIDTH_GBS:.0f}%"]
+        cells += [
+            f"{r['bytes'] / 1e6:.1f}",
+            f"{100 * cold_gbs / env['read_gbs']:.0f}%",
+            f"{100 * cold_gbs / SPEC_BANDWIDTH_GBS:.0f}%",
+        ]
         print("| " + " | ".join(cells) + " |", file=out)
     mixed = [r for r in rows if r["kind"] == "mixed"]
     if mixed:
         print("\nMixed prefill + decode in one call (the non-fused path; ms per call):", file=out)
-        print("| case | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | speed-up cold |",
-              file=out)
+        print(
+            "| case | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | speed-up cold |",
+            file=out,
+        )
         print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |", file=out)
         for r in mixed:
             s, peer = r["summary"], r["summary"].get("peer")
             cells = [r["label"], fmt(s["dash"]["warm"]), fmt(s["dash"]["cold"])]
-            cells += ([peer, fmt(s[peer]["warm"]), fmt(s[peer]["cold"]), ratio_fmt(s[peer]["ratio"]["warm"]),
-                       ratio_fmt(s[peer]["ratio"]["cold"])] if peer else ["-"] * 5)
+            cells += (
+                [
+                    peer,
+                    fmt(s[peer]["warm"]),
+                    fmt(s[peer]["cold"]),
+                    ratio_fmt(s[peer]["ratio"]["warm"]),
+                    ratio_fmt(s[peer]["ratio"]["cold"]),
+                ]
+                if peer
+                else ["-"] * 5
+            )
             print("| " + " | ".join(cells) + " |", file=out)
     print("\nPrefill (ms per call; TFLOP/s on DASH's FLOPs, and the peer's on dense causal FLOPs):", file=out)
-    print("| case | DASH warm | DASH cold | dense peer | peer warm | speed-up warm | speed-up cold | DASH TFLOP/s | "
-          "peer TFLOP/s |", file=out)
+    print(
+        "| case | DASH warm | DASH cold | dense peer | peer warm | speed-up warm | speed-up cold | DASH TFLOP/s | "
+        "peer TFLOP/s |",
+        file=out,
+    )
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |", file=out)
     for r in rows:
         if r["kind"] != "prefill":
@@ -610,20 +733,29 @@ def print_tables(rows, env, out=sys.stdout) -> None:
         s, peer = r["summary"], r["summary"]["peer"]
         d = s["dash"]["warm"]["median"]
         p = s[peer]["warm"]["median"]
-        print(f"| 1 x {r['seq'] // 1024}k{r['label']} | {fmt(s['dash']['warm'])} | {fmt(s['dash']['cold'])} | {peer} | "
-              f"{fmt(s[peer]['warm'])} | {ratio_fmt(s[peer]['ratio']['warm'])} | {ratio_fmt(s[peer]['ratio']['cold'])} | "
-              f"{r['flops'] / d / 1e9:.0f} | {r['dense_flops'] / p / 1e9:.0f} |", file=out)
+        print(
+            f"| 1 x {r['seq'] // 1024}k{r['label']} | {fmt(s['dash']['warm'])} | {fmt(s['dash']['cold'])} | {peer} | "
+            f"{fmt(s[peer]['warm'])} | {ratio_fmt(s[peer]['ratio']['warm'])} | {ratio_fmt(s[peer]['ratio']['cold'])} | "
+            f"{r['flops'] / d / 1e9:.0f} | {r['dense_flops'] / p / 1e9:.0f} |",
+            file=out,
+        )
     ab = [(r, n) for r in rows for n in r["summary"] if n.startswith(AB_PREFIX)]
     if ab:
-        print("\nA/B (--ab): each variant in the same rounds as the default knobs; ratio = variant / default, "
-              "median (min-max) over rounds:", file=out)
+        print(
+            "\nA/B (--ab): each variant in the same rounds as the default knobs; ratio = variant / default, "
+            "median (min-max) over rounds:",
+            file=out,
+        )
         print("| case | variant | default cold | variant cold | ratio cold | ratio warm |", file=out)
         print("| --- | --- | ---: | ---: | ---: | ---: |", file=out)
         for r, n in ab:
             s = r["summary"]
             case = r["label"] if r["kind"] == "mixed" else f"1 x {r['seq'] // 1024}k{r['label']}"
-            print(f"| {case} | {n[len(AB_PREFIX):]} | {fmt(s['dash']['cold'])} | {fmt(s[n]['cold'])} | "
-                  f"{ratio_fmt(s[n]['ratio']['cold'])} | {ratio_fmt(s[n]['ratio']['warm'])} |", file=out)
+            print(
+                f"| {case} | {n[len(AB_PREFIX) :]} | {fmt(s['dash']['cold'])} | {fmt(s[n]['cold'])} | "
+                f"{ratio_fmt(s[n]['ratio']['cold'])} | {ratio_fmt(s[n]['ratio']['warm'])} |",
+                file=out,
+            )
     skipped = {(r["kind"], n): why for r in rows for n, why in r["skipped"].items()}
     for (kind, name), why in sorted(skipped.items()):
         print(f"not run: SDPA {name} on {kind}: {why}", file=out)
@@ -638,8 +770,13 @@ def draw(rows, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     by_batch: dict[int, list] = {}
     for r in rows:
-        if r["kind"] == "decode" and r["forced"] == 0 and not r["mid_block"] and not r["label"] \
-                and r["summary"].get("peer"):
+        if (
+            r["kind"] == "decode"
+            and r["forced"] == 0
+            and not r["mid_block"]
+            and not r["label"]
+            and r["summary"].get("peer")
+        ):
             by_batch.setdefault(r["nseq"], []).append(r)
     for nseq, rs in sorted(by_batch.items()):
         rs.sort(key=lambda r: r["ctx"])
@@ -649,8 +786,13 @@ def draw(rows, path: str) -> None:
         hi = [r["summary"][r["summary"]["peer"]]["ratio"]["cold"]["max"] - m for m, r in zip(med, rs)]
         ax1.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=f"batch {nseq}")
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--", label="dense peer")
-    ax1.set(xscale="log", yscale="log", xlabel="context (k tokens)", ylabel="dense peer time / DASH time",
-            title="Decode, real top-k, cold L2")
+    ax1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context (k tokens)",
+        ylabel="dense peer time / DASH time",
+        title="Decode, real top-k, cold L2",
+    )
     ax1.legend(fontsize=8)
     pre = sorted((r for r in rows if r["kind"] == "prefill" and not r["label"]), key=lambda r: r["seq"])
     if pre:
@@ -659,14 +801,21 @@ def draw(rows, path: str) -> None:
         ax2.plot(x, med, marker="o", label="DASH prefill (independent indexer queries)")
         cor = sorted((r for r in rows if r["kind"] == "prefill" and "correlated" in r["label"]), key=lambda r: r["seq"])
         if cor:
-            ax2.plot([r["seq"] // 1024 for r in cor], [r["summary"][r["summary"]["peer"]]["ratio"]["warm"]["median"]
-                                                      for r in cor], marker="s", label="DASH prefill (page-correlated)")
+            ax2.plot(
+                [r["seq"] // 1024 for r in cor],
+                [r["summary"][r["summary"]["peer"]]["ratio"]["warm"]["median"] for r in cor],
+                marker="s",
+                label="DASH prefill (page-correlated)",
+            )
         ax2.axhline(1.0, color="gray", lw=0.8, ls="--", label="dense peer (causal SDPA)")
-        ax2.set(xscale="log", xlabel="prompt (k tokens)", ylabel="dense peer time / DASH time",
-                title="Prefill, one prompt")
+        ax2.set(
+            xscale="log", xlabel="prompt (k tokens)", ylabel="dense peer time / DASH time", title="Prefill, one prompt"
+        )
         ax2.legend(fontsize=8)
-    fig.suptitle("DASH kernels vs the fastest pinned dense SDPA backend (H=32, Hkv=8, D=128, top-16 of 64-token "
-                 "blocks, bf16)", fontsize=9)
+    fig.suptitle(
+        "DASH kernels vs the fastest pinned dense SDPA backend (H=32, Hkv=8, D=128, top-16 of 64-token blocks, bf16)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -681,23 +830,40 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="back-to-back replays per warm timing (%(default)s)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
-    ap.add_argument("--only", default="", metavar="KIND[,KIND]",
-                    help="only these kinds of case: decode, mixed (prefill chunk + decode in one call), prefill")
+    ap.add_argument(
+        "--only",
+        default="",
+        metavar="KIND[,KIND]",
+        help="only these kinds of case: decode, mixed (prefill chunk + decode in one call), prefill",
+    )
     ap.add_argument("--no-sweep", action="store_true", help="only the headline decode cases (32 x 8k/32k/128k)")
     ap.add_argument("--no-same", action="store_true", help="leave out the same-sparsity peer")
     ap.add_argument("--peers", default=",".join(PEERS), help="SDPA backends to time (default %(default)s)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check of the decode step")
-    ap.add_argument("--ab-tiles", action="store_true",
-                    help="each prefill case also without the query-major tiles (tile_share_min=-1)")
-    ap.add_argument("--ab-mma", nargs="?", const="-1", default="", metavar="V[,V]",
-                    help="each prefill case also with warpgroup_mma=V for each V given (alone: -1, the mma.sync "
-                         "tiles; 1: warpgroup block-major tiles only; 2: warpgroup query-major tiles only; "
-                         "differs on sm_90 only)")
+    ap.add_argument(
+        "--ab-tiles",
+        action="store_true",
+        help="each prefill case also without the query-major tiles (tile_share_min=-1)",
+    )
+    ap.add_argument(
+        "--ab-mma",
+        nargs="?",
+        const="-1",
+        default="",
+        metavar="V[,V]",
+        help="each prefill case also with warpgroup_mma=V for each V given (alone: -1, the mma.sync "
+        "tiles; 1: warpgroup block-major tiles only; 2: warpgroup query-major tiles only; "
+        "differs on sm_90 only)",
+    )
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
-    ap.add_argument("--ab", default="", metavar="KNOBS[;KNOBS]",
-                    help="each prefill and mixed case also with these knobs (over --tuning), e.g. "
-                         "'block_major_warpgroups=1;block_major_warpgroups=2', timed in the same rounds as the "
-                         "default: the A/B table gives each variant's time over the default's")
+    ap.add_argument(
+        "--ab",
+        default="",
+        metavar="KNOBS[;KNOBS]",
+        help="each prefill and mixed case also with these knobs (over --tuning), e.g. "
+        "'block_major_warpgroups=1;block_major_warpgroups=2', timed in the same rounds as the "
+        "default: the A/B table gives each variant's time over the default's",
+    )
     a = ap.parse_args()
     try:
         mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
@@ -705,8 +871,9 @@ def main() -> int:
         ap.error(f"--ab-mma: comma-separated integers, got {a.ab_mma!r}")
     try:
         TUNING = dcuda.Tuning.parse(a.tuning) if a.tuning else None
-        AB[:] = [(spec, dcuda.Tuning.parse(f"{a.tuning},{spec}")) for spec in
-                 (x.strip() for x in a.ab.split(";")) if spec]
+        AB[:] = [
+            (spec, dcuda.Tuning.parse(f"{a.tuning},{spec}")) for spec in (x.strip() for x in a.ab.split(";")) if spec
+        ]
     except ValueError as e:
         ap.error(f"--tuning / --ab: {e}")
     kinds = {"prefill"} if a.prefill_only else {"decode", "mixed"} if a.decode_only else {"decode", "mixed", "prefill"}
@@ -743,12 +910,16 @@ def main() -> int:
         if not a.quick:
             # mixed lengths: 32 sequences of 4k-128k (block-completing), one graph of per-sequence
             # dense calls as the peer
-            mixed = sorted(int(x) * SBS for x in torch.randint(4096 // SBS, 131072 // SBS + 1, (32,),
-                                                                 generator=torch.Generator().manual_seed(1)))
+            mixed = sorted(
+                int(x) * SBS
+                for x in torch.randint(
+                    4096 // SBS, 131072 // SBS + 1, (32,), generator=torch.Generator().manual_seed(1)
+                )
+            )
             rows.append(decode_case(32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k"))
             print("decode 32 x mixed done", flush=True)
     if "mixed" in kinds:
-        for ndec, ctx, chunk in ([(3, 8192, 512)] if a.quick else [(31, 32768, 2048), (31, 131072, 2048)]):
+        for ndec, ctx, chunk in [(3, 8192, 512)] if a.quick else [(31, 32768, 2048), (31, 131072, 2048)]:
             rows.append(mixed_case(ndec, ctx, chunk, gen, flush, a))
             print(f"mixed {ndec} decode + {chunk} chunk at {ctx // 1024}k done", flush=True)
     if "decode" in kinds:
@@ -762,18 +933,28 @@ def main() -> int:
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
     if "prefill" in kinds:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
-        mma_label = {-1: " (mma.sync tiles)", 1: " (warpgroup block-major tiles only)",
-                     2: " (warpgroup query-major tiles only)"}
-        for seq in ([4096] if a.quick else [4096, 16384, 65536, 131072]):
+        mma_label = {
+            -1: " (mma.sync tiles)",
+            1: " (warpgroup block-major tiles only)",
+            2: " (warpgroup query-major tiles only)",
+        }
+        for seq in [4096] if a.quick else [4096, 16384, 65536, 131072]:
             rows.append(prefill_case(seq, gen, flush, a))
             print(f"prefill {seq // 1024}k done", flush=True)
             if a.ab_tiles:
                 rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
             for v in mma_ab:
-                rows.append(prefill_case(seq, gen, flush, a, tuning=dataclasses.replace(TUNING or dcuda.Tuning(),
-                                                                                      warpgroup_mma=v),
-                                         label=mma_label.get(v, f" (warpgroup_mma={v})")))
-        for seq in ([] if a.quick else [16384, 65536]):
+                rows.append(
+                    prefill_case(
+                        seq,
+                        gen,
+                        flush,
+                        a,
+                        tuning=dataclasses.replace(TUNING or dcuda.Tuning(), warpgroup_mma=v),
+                        label=mma_label.get(v, f" (warpgroup_mma={v})"),
+                    )
+                )
+        for seq in [] if a.quick else [16384, 65536]:
             rows.append(prefill_case(seq, gen, flush, a, label=" page-correlated indexer", correlated=True))
             print(f"prefill {seq // 1024}k page-correlated done", flush=True)
     print_tables(rows, env)

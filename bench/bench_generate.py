@@ -113,10 +113,20 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock, prefix_c
     max_new = new_tokens + -(-b * length // chunk) + 2
     reserve = length + max_new - 1
     blocks = b * -(-reserve // KV_BLOCK) + 1
-    engine = GenerationEngine(model, EngineConfig(
-        num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk, max_num_seqs=b,
-        max_model_len=reserve, default_max_new_tokens=max_new, max_new_tokens_limit=max_new,
-        prefix_caching=prefix_caching))
+    engine = GenerationEngine(
+        model,
+        EngineConfig(
+            num_blocks=blocks,
+            kv_block_size=KV_BLOCK,
+            prefill_chunk=chunk,
+            max_batch_tokens=chunk,
+            max_num_seqs=b,
+            max_model_len=reserve,
+            default_max_new_tokens=max_new,
+            max_new_tokens_limit=max_new,
+            prefix_caching=prefix_caching,
+        ),
+    )
     engine.warmup()  # the op's first call, the decode graphs' capture
     # ... and one prefill step of a whole chunk (cuBLAS' first calls at that size), so the
     # figures are the steady state; the dense peer warms up the same way.
@@ -142,31 +152,52 @@ def run_dash(model, prompts, new_tokens: int, chunk: int, clock: Clock, prefix_c
     st = rt._static[rt._bucket(b)] if rt.cuda_graphs else None
     gpu = clock.gpu_ms(st.graph.replay) if st is not None else float("nan")
     step_ms = statistics.median(decode_walls) * 1e3 if decode_walls else float("nan")
-    out = {"ttft_mean_s": statistics.mean(ttft), "ttft_last_s": max(ttft), "decode_ms": step_ms,
-           "decode_ms_min": min(decode_walls) * 1e3 if decode_walls else float("nan"),
-           "decode_tok_s": b / step_ms * 1e3, "graph_gpu_ms": gpu, "wall_over_gpu": step_ms / gpu,
-           "decode_steps": len(decode_walls), "other_steps": other_steps, "total_s": total,
-           "tokens": [r.result(0) for r in reqs], "pool_blocks": blocks}
+    out = {
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_last_s": max(ttft),
+        "decode_ms": step_ms,
+        "decode_ms_min": min(decode_walls) * 1e3 if decode_walls else float("nan"),
+        "decode_tok_s": b / step_ms * 1e3,
+        "graph_gpu_ms": gpu,
+        "wall_over_gpu": step_ms / gpu,
+        "decode_steps": len(decode_walls),
+        "other_steps": other_steps,
+        "total_s": total,
+        "tokens": [r.result(0) for r in reqs],
+        "pool_blocks": blocks,
+    }
     del engine, rt, st
     return out
 
 
-def run_prefix(model, length: int, questions: int, new_tokens: int, chunk: int, clock: Clock,
-               prefix_caching: bool) -> dict:
+def run_prefix(
+    model, length: int, questions: int, new_tokens: int, chunk: int, clock: Clock, prefix_caching: bool
+) -> dict:
     """One document of ``length`` tokens asked ``questions`` questions through the engine: the
     first question alone (the document read once), then the others submitted together. Times
     to first token and the total, with the prefix cache on or off."""
     cfg = model.config
     base = document(length, cfg, "")[:-1]  # the pages (the question follows)
-    prompts = [base + M.tokenize(f" Question {i}: what is the total on page {i % 7 + 1}?", cfg)
-               for i in range(questions)]
+    prompts = [
+        base + M.tokenize(f" Question {i}: what is the total on page {i % 7 + 1}?", cfg) for i in range(questions)
+    ]
     longest = max(map(len, prompts))
     reserve = longest + new_tokens - 1
     blocks = questions * -(-reserve // KV_BLOCK) + 1
-    engine = GenerationEngine(model, EngineConfig(
-        num_blocks=blocks, kv_block_size=KV_BLOCK, prefill_chunk=chunk, max_batch_tokens=chunk,
-        max_num_seqs=questions, max_model_len=reserve, default_max_new_tokens=new_tokens,
-        max_new_tokens_limit=new_tokens, prefix_caching=prefix_caching))
+    engine = GenerationEngine(
+        model,
+        EngineConfig(
+            num_blocks=blocks,
+            kv_block_size=KV_BLOCK,
+            prefill_chunk=chunk,
+            max_batch_tokens=chunk,
+            max_num_seqs=questions,
+            max_model_len=reserve,
+            default_max_new_tokens=new_tokens,
+            max_new_tokens_limit=new_tokens,
+            prefix_caching=prefix_caching,
+        ),
+    )
     engine.warmup()
     engine.generate([document(min(chunk, length), cfg, "Warm-up?")], 1, stop_at_eos=False)
     engine.runtime.pool.clear_cache()  # the warm-up's blocks are not the document's
@@ -179,12 +210,18 @@ def run_prefix(model, length: int, questions: int, new_tokens: int, chunk: int, 
     engine.run_until_idle()
     total = clock.now() - t0
     stats = engine.stats()
-    out = {"ttft_first_s": first.t_first_token - t0, "first_total_s": t1 - t0,
-           "ttft_rest_mean_s": statistics.mean(r.t_first_token - t1 for r in rest),
-           "ttft_rest_max_s": max(r.t_first_token - t1 for r in rest), "total_s": total,
-           "rest_total_s": total - (t1 - t0), "prompt_tokens_computed": stats["prompt_tokens_computed"],
-           "prompt_tokens_cached": stats["prompt_tokens_cached"], "prompt_tokens": sum(map(len, prompts)),
-           "tokens": [first.result(0)] + [r.result(0) for r in rest]}
+    out = {
+        "ttft_first_s": first.t_first_token - t0,
+        "first_total_s": t1 - t0,
+        "ttft_rest_mean_s": statistics.mean(r.t_first_token - t1 for r in rest),
+        "ttft_rest_max_s": max(r.t_first_token - t1 for r in rest),
+        "total_s": total,
+        "rest_total_s": total - (t1 - t0),
+        "prompt_tokens_computed": stats["prompt_tokens_computed"],
+        "prompt_tokens_cached": stats["prompt_tokens_cached"],
+        "prompt_tokens": sum(map(len, prompts)),
+        "tokens": [first.result(0)] + [r.result(0) for r in rest],
+    }
     del engine
     return out
 
@@ -226,12 +263,14 @@ class DensePeer:
         tok, page = coords[:, 0].long(), coords[:, 1].long()
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
+
             def attend(q, k, v, i=i):
                 self.k[i][row, :, :s] = k.transpose(0, 1)
                 self.v[i][row, :, :s] = v.transpose(0, 1)
                 kk = k.transpose(0, 1).repeat_interleave(self.group, 0)[None]
                 vv = v.transpose(0, 1).repeat_interleave(self.group, 0)[None]
                 return self._sdpa(q.transpose(0, 1)[None], kk, vv, True)[0].transpose(0, 1)
+
             x = self._layer(layer, x, tok, page, attend)
         return self.model.logits(x, torch.tensor([s - 1], device=x.device))
 
@@ -242,11 +281,13 @@ class DensePeer:
         hkv, d = self.cfg.num_key_value_heads, self.cfg.head_dim
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
+
             def attend(q, k, v, i=i):
                 self.k[i][:, :, pos] = k
                 self.v[i][:, :, pos] = v
                 qg = q.view(b, hkv, self.group, d)  # the G query heads of a KV head as G rows
-                return self._sdpa(qg, self.k[i][:, :, :pos + 1], self.v[i][:, :, :pos + 1], False)
+                return self._sdpa(qg, self.k[i][:, :, : pos + 1], self.v[i][:, :, : pos + 1], False)
+
             x = self._layer(layer, x, tok, page, attend)
         logits = self.model.logits(x, torch.arange(b, device=x.device))
         return logits.argmax(-1)
@@ -308,8 +349,14 @@ def run_dense(model, prompts, new_tokens: int, clock: Clock, backend) -> dict:
         gpu = clock.gpu_ms(graphs[0].replay) if cuda else float("nan")
     step_ms = statistics.median(walls) * 1e3
     del peer, graphs
-    return {"ttft_mean_s": statistics.mean(ttft), "ttft_last_s": max(ttft), "decode_ms": step_ms,
-            "decode_tok_s": b / step_ms * 1e3, "graph_gpu_ms": gpu, "decode_steps": len(walls)}
+    return {
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_last_s": max(ttft),
+        "decode_ms": step_ms,
+        "decode_tok_s": b / step_ms * 1e3,
+        "graph_gpu_ms": gpu,
+        "decode_steps": len(walls),
+    }
 
 
 GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
@@ -321,8 +368,9 @@ def profile_prefill(model, length: int) -> list[tuple[str, float]]:
     kernel: the projections' and MLP's GEMMs, the DASH attention kernels, the rest."""
     from dash_trt.runtime import PagedRuntime
 
-    rt = PagedRuntime(model, -(-length // KV_BLOCK) + 2, KV_BLOCK, max_model_len=length, max_num_seqs=1,
-                      cuda_graphs=False)
+    rt = PagedRuntime(
+        model, -(-length // KV_BLOCK) + 2, KV_BLOCK, max_model_len=length, max_num_seqs=1, cuda_graphs=False
+    )
     warm = document(1024, model.config)
     rt.add("warm", warm, len(warm))
     rt.step([("warm", len(warm))])
@@ -333,15 +381,24 @@ def profile_prefill(model, length: int) -> list[tuple[str, float]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         rt.step([(0, len(prompt))])
         torch.cuda.synchronize()
-    kinds = {"GEMM (projections, MLP, lm_head)": 0.0, "DASH attention kernels": 0.0, "other (norms, elementwise, copies)": 0.0}
+    kinds = {
+        "GEMM (projections, MLP, lm_head)": 0.0,
+        "DASH attention kernels": 0.0,
+        "other (norms, elementwise, copies)": 0.0,
+    }
     names = list(kinds)
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         ms = (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time) / 1e3
         low = ev.name.lower()
-        key = names[0] if any(k in low for k in GEMM_NAMES) else names[1] if any(k in low for k in DASH_NAMES) \
+        key = (
+            names[0]
+            if any(k in low for k in GEMM_NAMES)
+            else names[1]
+            if any(k in low for k in DASH_NAMES)
             else names[2]
+        )
         kinds[key] += ms
     return list(kinds.items())
 
@@ -358,15 +415,22 @@ def _plot(results: list[dict], path: str) -> str | None:
     xs = range(len(results))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     w = 0.38
-    for ax, key, title in ((a1, "decode_tok_s", "decode tokens/s (higher is better)"),
-                           (a2, "ttft_last_s", "time to first token of the batch, s (lower is better)")):
+    for ax, key, title in (
+        (a1, "decode_tok_s", "decode tokens/s (higher is better)"),
+        (a2, "ttft_last_s", "time to first token of the batch, s (lower is better)"),
+    ):
         d = [r["dash"][key] for r in results]
         n = [r["dense"][key] for r in results]
         ax.bar([x - w / 2 for x in xs], d, w, label="DASH (serving runtime)")
         ax.bar([x + w / 2 for x in xs], n, w, label="dense SDPA (flash)")
         for x, dv, nv in zip(xs, d, n):
-            ax.annotate(f"{dv / nv:.2f}x" if key == "decode_tok_s" else f"{nv / dv:.2f}x",
-                        (x - w / 2, dv), ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{dv / nv:.2f}x" if key == "decode_tok_s" else f"{nv / dv:.2f}x",
+                (x - w / 2, dv),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
         ax.set_xticks(list(xs), labels)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
@@ -386,11 +450,19 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 1024 (cases 4x4096 and 2x8192 unless given)")
     ap.add_argument("--no-dense", action="store_true")
-    ap.add_argument("--profile-prefill", type=int, metavar="TOKENS",
-                    help="only profile one serving prefill step of TOKENS tokens: GPU time by kind of kernel")
-    ap.add_argument("--prefix-questions", type=int, metavar="N",
-                    help="only the prefix-cache case: N questions over one document of --prefix-length tokens, "
-                         "with and without the cache")
+    ap.add_argument(
+        "--profile-prefill",
+        type=int,
+        metavar="TOKENS",
+        help="only profile one serving prefill step of TOKENS tokens: GPU time by kind of kernel",
+    )
+    ap.add_argument(
+        "--prefix-questions",
+        type=int,
+        metavar="N",
+        help="only the prefix-cache case: N questions over one document of --prefix-length tokens, "
+        "with and without the cache",
+    )
     ap.add_argument("--prefix-length", type=int, default=65536)
     ap.add_argument("--json")
     ap.add_argument("--png")
@@ -413,8 +485,10 @@ def main() -> int:
         backend = SDPBackend.FLASH_ATTENTION
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     commit = os.environ.get("DASH_COMMIT", "unknown")
-    title = (f"{name}, torch {torch.__version__}, {a.layers if not a.quick else 2} layers, {a.dtype}, "
-             f"{a.new_tokens} new tokens, commit {commit}")
+    title = (
+        f"{name}, torch {torch.__version__}, {a.layers if not a.quick else 2} layers, {a.dtype}, "
+        f"{a.new_tokens} new tokens, commit {commit}"
+    )
     print(f"# bench_generate: {title}; dense peer SDPA backend: {backend}", flush=True)
     if a.profile_prefill:
         rows = profile_prefill(model, a.profile_prefill)
@@ -427,63 +501,92 @@ def main() -> int:
     if a.prefix_questions:
         runs = {}
         for caching in (True, False):
-            runs[caching] = run_prefix(model, a.prefix_length, a.prefix_questions, a.new_tokens,
-                                       min(a.prefill_chunk, a.prefix_length), clock, caching)
+            runs[caching] = run_prefix(
+                model,
+                a.prefix_length,
+                a.prefix_questions,
+                a.new_tokens,
+                min(a.prefill_chunk, a.prefix_length),
+                clock,
+                caching,
+            )
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         on, off = runs[True], runs[False]
         same = on.pop("tokens") == off.pop("tokens")
-        print(f"\n{a.prefix_questions} questions over one {a.prefix_length}-token document ({a.new_tokens} new "
-              f"tokens each): the first alone, then the other {a.prefix_questions - 1} together; same tokens with "
-              f"and without the cache: {'yes' if same else 'NO'}\n")
-        print("| prefix cache | TTFT first (s) | TTFT others mean (s) | TTFT others max (s) | others total (s) | "
-              "total (s) | prompt tokens computed | cached |")
+        print(
+            f"\n{a.prefix_questions} questions over one {a.prefix_length}-token document ({a.new_tokens} new "
+            f"tokens each): the first alone, then the other {a.prefix_questions - 1} together; same tokens with "
+            f"and without the cache: {'yes' if same else 'NO'}\n"
+        )
+        print(
+            "| prefix cache | TTFT first (s) | TTFT others mean (s) | TTFT others max (s) | others total (s) | "
+            "total (s) | prompt tokens computed | cached |"
+        )
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for label, r in (("on", on), ("off", off)):
-            print(f"| {label} | {r['ttft_first_s']:.3f} | {r['ttft_rest_mean_s']:.3f} | {r['ttft_rest_max_s']:.3f} | "
-                  f"{r['rest_total_s']:.2f} | {r['total_s']:.2f} | {r['prompt_tokens_computed']} | "
-                  f"{r['prompt_tokens_cached']} |")
-        print(f"\nspeed-up with the cache: TTFT of the others {off['ttft_rest_mean_s'] / on['ttft_rest_mean_s']:.1f}x "
-              f"(mean), {off['ttft_rest_max_s'] / on['ttft_rest_max_s']:.1f}x (max); total {off['total_s'] / on['total_s']:.1f}x")
+            print(
+                f"| {label} | {r['ttft_first_s']:.3f} | {r['ttft_rest_mean_s']:.3f} | {r['ttft_rest_max_s']:.3f} | "
+                f"{r['rest_total_s']:.2f} | {r['total_s']:.2f} | {r['prompt_tokens_computed']} | "
+                f"{r['prompt_tokens_cached']} |"
+            )
+        print(
+            f"\nspeed-up with the cache: TTFT of the others {off['ttft_rest_mean_s'] / on['ttft_rest_mean_s']:.1f}x "
+            f"(mean), {off['ttft_rest_max_s'] / on['ttft_rest_max_s']:.1f}x (max); "
+            f"total {off['total_s'] / on['total_s']:.1f}x"
+        )
         if a.json:
             with open(a.json, "w", encoding="utf-8") as fh:
-                json.dump({"title": title, "commit": commit, "prefix": {"on": on, "off": off, "same_tokens": same}},
-                          fh, indent=1)
+                json.dump(
+                    {"title": title, "commit": commit, "prefix": {"on": on, "off": off, "same_tokens": same}},
+                    fh,
+                    indent=1,
+                )
         return 0 if same else 1
     results = []
     for b, length in cases:
         cfg = model.config
-        prompts = [document(length, cfg, f"Question {i}: what is the total on page {i % 7 + 1}?")
-                   for i in range(b)]
+        prompts = [document(length, cfg, f"Question {i}: what is the total on page {i % 7 + 1}?") for i in range(b)]
         print(f"## {b} x {length}", flush=True)
         dash = run_dash(model, prompts, a.new_tokens, min(a.prefill_chunk, length), clock)
-        print(f"  dash : ttft {dash['ttft_last_s']:.2f} s (mean {dash['ttft_mean_s']:.2f}), decode "
-              f"{dash['decode_ms']:.3f} ms/step (graph GPU {dash['graph_gpu_ms']:.3f} ms, x{dash['wall_over_gpu']:.2f})",
-              flush=True)
+        print(
+            f"  dash : ttft {dash['ttft_last_s']:.2f} s (mean {dash['ttft_mean_s']:.2f}), decode "
+            f"{dash['decode_ms']:.3f} ms/step (graph GPU {dash['graph_gpu_ms']:.3f} ms, x{dash['wall_over_gpu']:.2f})",
+            flush=True,
+        )
         dense = None
         if not a.no_dense:
             torch.cuda.empty_cache() if dev.type == "cuda" else None
             dense = run_dense(model, prompts, a.new_tokens, clock, backend)
-            print(f"  dense: ttft {dense['ttft_last_s']:.2f} s (mean {dense['ttft_mean_s']:.2f}), decode "
-                  f"{dense['decode_ms']:.3f} ms/step (graph GPU {dense['graph_gpu_ms']:.3f} ms)", flush=True)
+            print(
+                f"  dense: ttft {dense['ttft_last_s']:.2f} s (mean {dense['ttft_mean_s']:.2f}), decode "
+                f"{dense['decode_ms']:.3f} ms/step (graph GPU {dense['graph_gpu_ms']:.3f} ms)",
+                flush=True,
+            )
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         dash.pop("tokens")
         results.append({"batch": b, "length": length, "dash": dash, "dense": dense, "title": title})
     print()
-    print("| case | path | TTFT batch (s) | TTFT mean (s) | decode ms/step | decode tokens/s | captured step GPU ms |"
-          " wall / GPU | decode speed-up | TTFT speed-up |")
+    print(
+        "| case | path | TTFT batch (s) | TTFT mean (s) | decode ms/step | decode tokens/s | captured step GPU ms |"
+        " wall / GPU | decode speed-up | TTFT speed-up |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         d, n = r["dash"], r["dense"]
         case = f"{r['batch']} x {r['length'] // 1024}k"
         up = f"{d['decode_tok_s'] / n['decode_tok_s']:.2f}x" if n else "-"
         tt = f"{n['ttft_last_s'] / d['ttft_last_s']:.2f}x" if n else "-"
-        print(f"| {case} | DASH serving | {d['ttft_last_s']:.2f} | {d['ttft_mean_s']:.2f} | {d['decode_ms']:.3f} | "
-              f"{d['decode_tok_s']:.0f} | {d['graph_gpu_ms']:.3f} | {d['wall_over_gpu']:.2f} | {up} | {tt} |")
+        print(
+            f"| {case} | DASH serving | {d['ttft_last_s']:.2f} | {d['ttft_mean_s']:.2f} | {d['decode_ms']:.3f} | "
+            f"{d['decode_tok_s']:.0f} | {d['graph_gpu_ms']:.3f} | {d['wall_over_gpu']:.2f} | {up} | {tt} |"
+        )
         if n:
-            print(f"| {case} | dense SDPA | {n['ttft_last_s']:.2f} | {n['ttft_mean_s']:.2f} | {n['decode_ms']:.3f} | "
-                  f"{n['decode_tok_s']:.0f} | {n['graph_gpu_ms']:.3f} | - | | |")
+            print(
+                f"| {case} | dense SDPA | {n['ttft_last_s']:.2f} | {n['ttft_mean_s']:.2f} | {n['decode_ms']:.3f} | "
+                f"{n['decode_tok_s']:.0f} | {n['graph_gpu_ms']:.3f} | - | | |"
+            )
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:
             json.dump({"title": title, "commit": commit, "results": results}, fh, indent=1)

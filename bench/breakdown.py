@@ -8,6 +8,7 @@ whose tokens of a page select largely the same blocks). Prints each kernel's tot
 routing stages' share (summaries, scoring, top-k), which the performance issue bounds at 15%.
 Not a test: nothing here asserts a time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def report(title: str, rows: list[tuple[str, float]]) -> None:
     for name, ms in rows:
         print(f"| {name} | {ms:.4f} | {100 * ms / total:.1f}% |")
     route = sum(ms for name, ms in rows if any(k in name.lower() for k in ROUTING))
-    print(f"\nrouting stages (summaries, scoring, top-k; on decode-only calls the routing launch also "
-          f"writes the token): {route:.4f} ms = {100 * route / total:.1f}%")
+    print(
+        f"\nrouting stages (summaries, scoring, top-k; on decode-only calls the routing launch also "
+        f"writes the token): {route:.4f} ms = {100 * route / total:.1f}%"
+    )
 
 
 def main() -> int:
@@ -56,8 +59,11 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--forced", type=int, default=0, help="forced blocks of the decode token's page (0: real top-k)")
-    ap.add_argument("--correlated", action="store_true",
-                    help="prefill: a page's tokens share one indexer query plus noise (bench_dash's page-correlated case)")
+    ap.add_argument(
+        "--correlated",
+        action="store_true",
+        help="prefill: a page's tokens share one indexer query plus noise (bench_dash's page-correlated case)",
+    )
     ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
     a = ap.parse_args()
     B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
@@ -75,8 +81,10 @@ def main() -> int:
         if which == "decode":
             for mid in (False, True):
                 fn, _ = B.decode_step(32, a.ctx, gen, mid_block=mid, forced=a.forced)
-                report(f"decode 32 x {a.ctx // 1024}k" + (" mid-block" if mid else "") + f", {a.forced} forced",
-                       profile(fn))
+                report(
+                    f"decode 32 x {a.ctx // 1024}k" + (" mid-block" if mid else "") + f", {a.forced} forced",
+                    profile(fn),
+                )
                 del fn
         else:
             fn, *_ = B.prefill_step(a.seq, gen, correlated=a.correlated)

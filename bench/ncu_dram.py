@@ -24,6 +24,7 @@ bench_dash.py prints it) also the time those bytes take at that rate, the call's
 every byte streamed like a read. Nsight Compute empties the caches before each kernel, so a
 kernel's reads of what the one before it left in L2 count as DRAM reads here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,10 @@ def total(kernels, metric: str) -> float:
 
 def kernels_table(kernels, read_gbs: float | None) -> str:
     shown = [m for m in COLUMNS if any(m in k[2] for k in kernels)]
-    out = ["| kernel | " + " | ".join(COLUMNS[m][0] for m in shown) + " |",
-           "| --- | " + " | ".join("---:" for _ in shown) + " |"]
+    out = [
+        "| kernel | " + " | ".join(COLUMNS[m][0] for m in shown) + " |",
+        "| --- | " + " | ".join("---:" for _ in shown) + " |",
+    ]
     for kid, name, metrics in kernels:
         cells = [COLUMNS[m][2].format(metrics[m] * COLUMNS[m][1]) if m in metrics else "" for m in shown]
         out.append(f"| {kid}: {name} | " + " | ".join(cells) + " |")
@@ -85,11 +88,14 @@ def kernels_table(kernels, read_gbs: float | None) -> str:
     line = f"{len(kernels)} kernel launches"
     if any("gpu__time_duration.sum" in k[2] for k in kernels):
         line += f", {total(kernels, 'gpu__time_duration.sum') / 1e3:.1f} us"
-    line += (f"; DRAM read {read / 1e9:.3f} GB, written {write / 1e9:.3f} GB, {(read + write) / 1e9:.3f} GB in all"
-             + (f" ({write / (read + write):.0%} writes)" if read + write > 0 else ""))
+    line += f"; DRAM read {read / 1e9:.3f} GB, written {write / 1e9:.3f} GB, {(read + write) / 1e9:.3f} GB in all" + (
+        f" ({write / (read + write):.0%} writes)" if read + write > 0 else ""
+    )
     out.append(line)
     if read_gbs:
-        out.append(f"at {read_gbs:.0f} GB/s (every byte as fast as a streaming read): {(read + write) / read_gbs / 1e6:.3f} ms")
+        out.append(
+            f"at {read_gbs:.0f} GB/s (every byte as fast as a streaming read): {(read + write) / read_gbs / 1e6:.3f} ms"
+        )
     return "\n".join(out)
 
 
@@ -98,7 +104,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("csv", help="ncu --csv output")
     ap.add_argument("nseq", nargs="?", type=int, default=32, help="decode: sequences (%(default)s)")
     ap.add_argument("ctx", nargs="?", type=int, default=32768, help="decode: context (%(default)s)")
-    ap.add_argument("--kernels", action="store_true", help="the per-kernel table and totals instead of the decode count")
+    ap.add_argument(
+        "--kernels", action="store_true", help="the per-kernel table and totals instead of the decode count"
+    )
     ap.add_argument("--read-gbs", type=float, default=None, help="with --kernels: a streaming-read rate in GB/s")
     a = ap.parse_args(argv)
     if a.read_gbs is not None and not a.read_gbs > 0:
@@ -121,10 +129,12 @@ def main(argv: list[str]) -> int:
 
     want = B.decode_traffic([a.ctx] * a.nseq)
     read, write = total(kernels, "dram__bytes_read.sum"), total(kernels, "dram__bytes_write.sum")
-    print(f"{len(kernels)} DASH kernel launches: DRAM read {read / 1e6:.1f} MB, written {write / 1e6:.1f} MB; "
-          f"the benchmark counts {want['bytes'] / 1e6:.1f} MB (K/V {want['kv_bytes'] / 1e6:.1f}, routing "
-          f"{want['route_bytes'] / 1e6:.1f}, inputs/outputs {want['io_bytes'] / 1e6:.1f}); measured / counted "
-          f"{(read + write) / want['bytes']:.2f}")
+    print(
+        f"{len(kernels)} DASH kernel launches: DRAM read {read / 1e6:.1f} MB, written {write / 1e6:.1f} MB; "
+        f"the benchmark counts {want['bytes'] / 1e6:.1f} MB (K/V {want['kv_bytes'] / 1e6:.1f}, routing "
+        f"{want['route_bytes'] / 1e6:.1f}, inputs/outputs {want['io_bytes'] / 1e6:.1f}); measured / counted "
+        f"{(read + write) / want['bytes']:.2f}"
+    )
     for kid, name, _ in kernels:
         print(f"  {kid}: {name}")
     return 0

@@ -5,6 +5,7 @@
 Nsight Compute's source page lists every instruction with its sampled stall reasons; this
 prints the N instructions with the most samples and, for each, its three largest reasons, then
 (where the page has the column) the warp instructions executed: in all, and by opcode."""
+
 import csv
 import sys
 
@@ -25,13 +26,20 @@ def main(path, n=30):
         print("no 'Warp Stall Sampling' column; header:", rows[0][:12] if rows else "empty file")
         return 1
     for k, s in enumerate(starts):
-        header, body = rows[s], rows[s + 1:starts[k + 1] if k + 1 < len(starts) else len(rows)]
+        header, body = rows[s], rows[s + 1 : starts[k + 1] if k + 1 < len(starts) else len(rows)]
         if s > 0 and len(rows[s - 1]) <= 2:
             print("##", " ".join(rows[s - 1]))
         col = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
         src = next((i for i, c in enumerate(header) if c.strip() == "Source"), 1)
-        reasons = [i for i, c in enumerate(header) if c.startswith("stall_") or "Stall" in c and i != col
-                   and "Not-issued" not in c and "Warp Stall Sampling" not in c]
+        reasons = [
+            i
+            for i, c in enumerate(header)
+            if c.startswith("stall_")
+            or "Stall" in c
+            and i != col
+            and "Not-issued" not in c
+            and "Warp Stall Sampling" not in c
+        ]
         body = [r for r in body if len(r) == len(header)]
         total = sum(number(r[col]) for r in body) or 1.0
         print(f"kernel {k}: {len(body)} instructions, {total:.0f} samples")
@@ -50,8 +58,12 @@ def main(path, n=30):
                 per_op[op] = per_op.get(op, 0.0) + number(r[ex])
             done = sum(per_op.values()) or 1.0
             print(f"kernel {k}: {done:.4g} warp instructions executed; by opcode:")
-            print("  " + ", ".join(f"{op} {100 * v / done:.1f}%" for op, v in
-                                  sorted(per_op.items(), key=lambda kv: -kv[1])[:16]))
+            print(
+                "  "
+                + ", ".join(
+                    f"{op} {100 * v / done:.1f}%" for op, v in sorted(per_op.items(), key=lambda kv: -kv[1])[:16]
+                )
+            )
     return 0
 
 

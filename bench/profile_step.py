@@ -1,6 +1,7 @@
 """One decode step (32 sequences, 32k context unless given; real top-k routing) or one prefill
 (8k tokens unless given), eagerly, for profilers (ncu / nsys):
 profile_step.py [decode [CONTEXT] | prefill [TOKENS]]."""
+
 import os
 import sys
 

@@ -9,6 +9,7 @@ from the first routing CTA's start (global timer); phase lengths inside a CTA co
 clock, converted with the clock rate measured over the same CTAs. Not a test: nothing here
 asserts a time, and the marks themselves cost a few instructions per CTA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,30 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_dash as B  # noqa: E402
+
 from dash_trt import cuda as dcuda  # noqa: E402
 
 SLOTS = 8  # marks per CTA (plugins/kernels/common.cuh: kTraceSlots); the clocks follow them
-ROUTE_MARKS = ("entry", "token found, iq rotated", "rows scored", "candidates counted / own selection",
-               "merged selection", "writer: token_seq", "writer: done", "exit")
-ATTEND_MARKS = ("entry", "first-round reads landed", "pieces in shared memory", "queries and angles landed",
-                "queries rotated, K/V stored", "first units issued", "loop done", "exit")
+ROUTE_MARKS = (
+    "entry",
+    "token found, iq rotated",
+    "rows scored",
+    "candidates counted / own selection",
+    "merged selection",
+    "writer: token_seq",
+    "writer: done",
+    "exit",
+)
+ATTEND_MARKS = (
+    "entry",
+    "first-round reads landed",
+    "pieces in shared memory",
+    "queries and angles landed",
+    "queries rotated, K/V stored",
+    "first units issued",
+    "loop done",
+    "exit",
+)
 
 
 def read(lib, kernel: int) -> list[list[int]]:
@@ -38,7 +56,7 @@ def read(lib, kernel: int) -> list[list[int]]:
     if status != 0 or lib.dash_debug_trace(kernel, buf, ctypes.byref(count)) != 0:
         raise RuntimeError(f"dash_debug_trace({kernel}) failed: {lib.dash_last_error_message().decode()}")
     row = 2 * SLOTS
-    return [list(buf[c * row:(c + 1) * row]) for c in range(count.value // row)]
+    return [list(buf[c * row : (c + 1) * row]) for c in range(count.value // row)]
 
 
 def q(xs: list[float]) -> str:
@@ -85,8 +103,10 @@ def report(title: str, route: list[list[int]], attend: list[list[int]]) -> None:
     route_end = max(max(x for x in r[:SLOTS] if x) for r in route)
     att_start = min(a[0] for a in attend)
     att_end = max(max(x for x in a[:SLOTS] if x) for a in attend)
-    print(f"\nrouting: first start 0, last mark {us(route_end):.2f} us; attention: first start "
-          f"{us(att_start):.2f} us (gap {(att_start - route_end) / 1e3:+.2f} us), last mark {us(att_end):.2f} us")
+    print(
+        f"\nrouting: first start 0, last mark {us(route_end):.2f} us; attention: first start "
+        f"{us(att_start):.2f} us (gap {(att_start - route_end) / 1e3:+.2f} us), last mark {us(att_end):.2f} us"
+    )
 
 
 def main() -> int:

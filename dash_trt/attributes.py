@@ -139,8 +139,14 @@ CONFIG_ATTRIBUTES: tuple[Attribute, ...] = _config_attributes()
 
 #: Attributes of one call that are not configuration.
 CALL_ATTRIBUTES: tuple[Attribute, ...] = (
-    Attribute("layer_idx", "INT", None, "index of the decoder layer (its routing values are already "
-              "resolved into the node's attributes; kept to name the layer)", "call"),
+    Attribute(
+        "layer_idx",
+        "INT",
+        None,
+        "index of the decoder layer (its routing values are already "
+        "resolved into the node's attributes; kept to name the layer)",
+        "call",
+    ),
 )
 
 #: What the torch custom op takes as scalar arguments.
@@ -148,11 +154,17 @@ OP_ATTRIBUTES: tuple[Attribute, ...] = CONFIG_ATTRIBUTES + CALL_ATTRIBUTES
 
 #: What the ONNX node carries: the op's attributes plus the contract's version and namespace.
 NODE_ATTRIBUTES: tuple[Attribute, ...] = OP_ATTRIBUTES + (
-    Attribute("plugin_version", "STRING", PLUGIN_VERSION,
-              "version of the DashAttention node/plugin contract", "version"),
-    Attribute("plugin_namespace", "STRING", PLUGIN_NAMESPACE,
-              "namespace of the TensorRT plugin creator; marks the node as a plugin node for TensorRT's "
-              "ONNX parser (>= 10.15 otherwise imports the model-local function)", "version"),
+    Attribute(
+        "plugin_version", "STRING", PLUGIN_VERSION, "version of the DashAttention node/plugin contract", "version"
+    ),
+    Attribute(
+        "plugin_namespace",
+        "STRING",
+        PLUGIN_NAMESPACE,
+        "namespace of the TensorRT plugin creator; marks the node as a plugin node for TensorRT's "
+        "ONNX parser (>= 10.15 otherwise imports the model-local function)",
+        "version",
+    ),
 )
 
 

@@ -29,8 +29,14 @@ DEMO_CONFIG = {
 
 
 def run_demo(
-    *, seed: int = 0, sequences: int = 3, pages: int = 6, kv_block_size: int = 32,
-    dtype: torch.dtype = torch.float32, device: str = "cpu", decode_steps: int = 24,
+    *,
+    seed: int = 0,
+    sequences: int = 3,
+    pages: int = 6,
+    kv_block_size: int = 32,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    decode_steps: int = 24,
     stream=None,
 ) -> bool:
     """Random prompts -> paged operator (chunked prefill + decode, sequences
@@ -43,19 +49,31 @@ def run_demo(
     seqs = []
     for _ in range(sequences):
         roles = random_roles(gen, pages, max_images=64, response=decode_steps, response_markers=2)
-        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                          index_dim=index_dim, dtype=dtype, head_cls=head_cls)
+        x = random_inputs(
+            gen,
+            roles,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            index_dim=index_dim,
+            dtype=dtype,
+            head_cls=head_cls,
+        )
         seqs.append((x, sequence_coords(roles)))
     total = sum(x.length for x, _ in seqs)
     num_blocks = sum(-(-x.length // kv_block_size) for x, _ in seqs) + 4
-    print(f"DASH demo: {sequences} sequences, {total} tokens, H={heads} Hkv={kv_heads} D={head_dim} "
-          f"Di={index_dim}, {dtype}, {device}", file=stream)
+    print(
+        f"DASH demo: {sequences} sequences, {total} tokens, H={heads} Hkv={kv_heads} D={head_dim} "
+        f"Di={index_dim}, {dtype}, {device}",
+        file=stream,
+    )
     print(f"config: {cfg.to_dict()}", file=stream)
     print(f"paged cache: {num_blocks} KV blocks of {kv_block_size} tokens", file=stream)
 
     pool = KVBlockPool(num_blocks, kv_block_size)
-    cache = DashKVCache.allocate(num_blocks, kv_block_size, kv_heads, head_dim, index_dim,
-                                 cfg.sparse_block_size, dtype=dtype, device=device)
+    cache = DashKVCache.allocate(
+        num_blocks, kv_block_size, kv_heads, head_dim, index_dim, cfg.sparse_block_size, dtype=dtype, device=device
+    )
     # Each sequence: prompt in chunks of up to 96 tokens, then one token per step.
     plans = []
     for i, (x, _) in enumerate(seqs):
@@ -72,18 +90,27 @@ def run_demo(
         batch = pool.schedule(batch_plan, device=device)
         rows = [(i, done[i], done[i] + n) for i, n in batch_plan]
 
-        def cat(t):
+        def cat(t, rows=rows):
             return torch.cat([t(i)[a:b] for i, a, b in rows]).to(device)
 
         out, routing = paged_dash_attention(
-            cat(lambda i: seqs[i][0].q), cat(lambda i: seqs[i][0].k), cat(lambda i: seqs[i][0].v),
-            cat(lambda i: seqs[i][0].iq), cat(lambda i: seqs[i][0].ik), cat(lambda i: seqs[i][1]),
-            head_cls.to(device), cache, **batch.kwargs(), sp=cfg, layer_idx=0, return_routing=True,
+            cat(lambda i: seqs[i][0].q),
+            cat(lambda i: seqs[i][0].k),
+            cat(lambda i: seqs[i][0].v),
+            cat(lambda i: seqs[i][0].iq),
+            cat(lambda i: seqs[i][0].ik),
+            cat(lambda i: seqs[i][1]),
+            head_cls.to(device),
+            cache,
+            **batch.kwargs(),
+            sp=cfg,
+            layer_idx=0,
+            return_routing=True,
         )
         qsl = batch.query_start_loc.tolist()
-        for j, (i, a, b) in enumerate(rows):
-            outs[i].append(out[qsl[j]:qsl[j + 1]].cpu())
-            routes[i].append(routing.selected[qsl[j]:qsl[j + 1]].cpu())
+        for j, (i, _, b) in enumerate(rows):
+            outs[i].append(out[qsl[j] : qsl[j + 1]].cpu())
+            routes[i].append(routing.selected[qsl[j] : qsl[j + 1]].cpu())
             done[i] = b
         step += 1
         kinds = ", ".join(f"seq{i}:{'prefill' if n > 1 else 'decode'} {n}" for i, n in batch_plan)
@@ -94,15 +121,19 @@ def run_demo(
     paged_s = time.perf_counter() - t0
     ok = True
     for i, (x, _) in enumerate(seqs):
-        want, want_r = dash_attention(x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, 0,
-                                      x.length - decode_steps, return_routing=True)
+        want, want_r = dash_attention(
+            x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, 0, x.length - decode_steps, return_routing=True
+        )
         width = max(r.shape[1] for r in routes[i])
         sel = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in routes[i]])
         report = compare_outputs(torch.cat(outs[i]), want, Routing(sel), want_r)
         ok &= report.ok
         print(f"sequence {i}: {report} -> {'OK' if report.ok else 'MISMATCH'}", file=stream)
-    print(f"paged operator: {step} steps in {paged_s:.2f} s; free KV blocks after the run: "
-          f"{pool.num_free_blocks} of {num_blocks}", file=stream)
+    print(
+        f"paged operator: {step} steps in {paged_s:.2f} s; free KV blocks after the run: "
+        f"{pool.num_free_blocks} of {num_blocks}",
+        file=stream,
+    )
     for i in range(sequences):
         pool.free(i)
     assert pool.num_free_blocks == num_blocks
@@ -114,9 +145,10 @@ def run_demo(
 def demo_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dash-demo",
-        epilog="Exit codes: 0 the paged operator matches the reference, 1 a mismatch, 2 bad arguments, " + EXIT_CODES_NOTE,
+        epilog="Exit codes: 0 the paged operator matches the reference, 1 a mismatch, 2 bad arguments, "
+        + EXIT_CODES_NOTE,
         description="Run the paged DASH operator on random prompts (chunked prefill and decode "
-                    "in mixed batches) and check it against the PyTorch reference.",
+        "in mixed batches) and check it against the PyTorch reference.",
     )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--seed", type=int, default=0)
@@ -138,8 +170,15 @@ def demo_main(argv: list[str] | None = None) -> int:
         p.error(f"--device {a.device}: only cpu and cuda are supported")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {a.device}: no CUDA device is visible to torch")
-    ok = run_demo(seed=a.seed, sequences=a.sequences, pages=a.pages, kv_block_size=a.kv_block_size,
-                  dtype=DTYPES[a.dtype], device=a.device, decode_steps=a.decode_steps)
+    ok = run_demo(
+        seed=a.seed,
+        sequences=a.sequences,
+        pages=a.pages,
+        kv_block_size=a.kv_block_size,
+        dtype=DTYPES[a.dtype],
+        device=a.device,
+        decode_steps=a.decode_steps,
+    )
     return 0 if ok else 1
 
 

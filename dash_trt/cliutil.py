@@ -25,8 +25,10 @@ EXIT_INTERRUPTED = 130
 #: the environment variable that asks every command for tracebacks
 VERBOSE_ENV = "DASH_TRT_VERBOSE"
 #: the sentence each command's ``--help`` carries after its own exit codes
-EXIT_CODES_NOTE = (f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback), "
-                   f"{EXIT_INTERRUPTED} Ctrl-C.")
+EXIT_CODES_NOTE = (
+    f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback), "
+    f"{EXIT_INTERRUPTED} Ctrl-C."
+)
 VERBOSE_HELP = "print the traceback of an unexpected error (also DASH_TRT_VERBOSE=1)"
 
 

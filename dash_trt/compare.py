@@ -71,8 +71,7 @@ def _runner_base():
 class TorchRunner(_runner_base()):  # type: ignore[misc]
     """A polygraphy runner over :class:`DashForCausalLM` (feeds and outputs by ONNX name)."""
 
-    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str],
-                 name: str):
+    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str], name: str):
         super().__init__(name=name)
         self.model = model
         self.input_names = list(input_names)
@@ -103,8 +102,7 @@ class InPlaceTorchRunner(TorchRunner):
     copies each step's ``past.*`` feed into them, lets the step write them in place and
     returns them as ``present.*``."""
 
-    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str],
-                 name: str):
+    def __init__(self, model: DashModel, input_names: Sequence[str], output_names: Sequence[str], name: str):
         super().__init__(model, input_names, output_names, name)
         self.n_meta = len(model.input_names())
         self.caches = None
@@ -115,20 +113,23 @@ class InPlaceTorchRunner(TorchRunner):
 
         device = self.model.device
         names = self.input_names
-        meta = [_to_torch(feed_dict[n]).to(device) for n in names[:self.n_meta]]
-        past = [_to_torch(feed_dict[n]) for n in names[self.n_meta:]]
+        meta = [_to_torch(feed_dict[n]).to(device) for n in names[: self.n_meta]]
+        past = [_to_torch(feed_dict[n]) for n in names[self.n_meta :]]
         mine = flat_cache_tensors(self.caches) if self.caches is not None else []
         if [(t.shape, t.dtype) for t in mine] == [(t.shape, t.dtype) for t in past]:
             for dst, src in zip(mine, past):
                 dst.copy_(src)
         else:  # first step, or the feed's pool changed: caches of the feed's own shapes
             n, sbs = len(CACHE_FIELDS), self.model.config.dash.sparse_block_size
-            self.caches = [DashKVCache(*(t.to(device).clone() for t in past[n * i:n * (i + 1)]), sparse_block_size=sbs)
-                           for i in range(len(past) // n)]
+            self.caches = [
+                DashKVCache(*(t.to(device).clone() for t in past[n * i : n * (i + 1)]), sparse_block_size=sbs)
+                for i in range(len(past) // n)
+            ]
         ids, coords, tables, lens, qsl, prompts, rows, *images = meta
         counts = np.diff(feed_dict[names[4]])
-        batch = DashBatch(tables.int(), lens.int(), qsl.int(), prompts.int(),
-                          max_query_len=int(counts.max()) if counts.size else 1)
+        batch = DashBatch(
+            tables.int(), lens.int(), qsl.int(), prompts.int(), max_query_len=int(counts.max()) if counts.size else 1
+        )
         with torch.no_grad():
             logits = self.model.forward_paged(ids, coords, batch, self.caches, rows, *images)
         out = [logits, *flat_cache_tensors(self.caches)]
@@ -145,8 +146,14 @@ class CompareReport:
     skipped: dict = field(default_factory=dict)  #: runner -> why it did not run
 
     def to_json(self) -> dict:
-        return {"runners": self.runners, "reference": self.runners[0], "steps": self.steps,
-                "passed": self.passed, "outputs": self.stats, "skipped": self.skipped}
+        return {
+            "runners": self.runners,
+            "reference": self.runners[0],
+            "steps": self.steps,
+            "passed": self.passed,
+            "outputs": self.stats,
+            "skipped": self.skipped,
+        }
 
 
 def _onnx_io(path: str):
@@ -211,8 +218,9 @@ def _tensorrt_runner(engine: str, plugin: str | None):
         import tensorrt as trt
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
     except ImportError:
-        raise CompareError("TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to compare "
-                           "an engine") from None
+        raise CompareError(
+            "TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to compare an engine"
+        ) from None
     if plugin is None:
         from .cuda import plugin_path
 
@@ -235,10 +243,22 @@ def default_prompts(model: DashModel, seed: int) -> list[list[int]]:
     return check_prompts(model, seed)[0]
 
 
-def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plugin: str | None = None,
-            use_cuda: bool = True, seed: int = 0, decode_steps: int = 3, prefill_chunk: int | None = 40,
-            atol: float | None = None, rtol: float | None = None, save_inputs: str | None = None,
-            save_outputs: str | None = None, log=print) -> CompareReport:
+def compare(
+    onnx_path: str,
+    model: DashModel,
+    *,
+    engine: str | None = None,
+    plugin: str | None = None,
+    use_cuda: bool = True,
+    seed: int = 0,
+    decode_steps: int = 3,
+    prefill_chunk: int | None = 40,
+    atol: float | None = None,
+    rtol: float | None = None,
+    save_inputs: str | None = None,
+    save_outputs: str | None = None,
+    log=print,
+) -> CompareReport:
     """Run every available backend next to the reference and compare with polygraphy."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
 
@@ -273,6 +293,7 @@ def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plug
     for r in runners:
         r.activate()
     try:
+
         def forward(inputs: dict, caches: list):
             # Every runner scores every new token (a stronger check than the sampled rows);
             # generation gets back the rows it asked for.
@@ -294,13 +315,23 @@ def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plug
                 if r is reference:
                     out = res
             report.steps += 1
-            log(f"  step {report.steps}: {inputs['input_ids'].shape[0]} new tokens in "
-                f"{inputs['seq_lens'].shape[0]} sequences through {len(runners)} runners")
+            log(
+                f"  step {report.steps}: {inputs['input_ids'].shape[0]} new tokens in "
+                f"{inputs['seq_lens'].shape[0]} sequences through {len(runners)} runners"
+            )
             return _to_torch(out[out_names[0]])[wanted.cpu()], [_to_torch(out[n]) for n in out_names[1:]]
 
         prompts, features = check_prompts(model, seed)
-        generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
-                 stop_at_eos=False, forward=forward, image_features=features)
+        generate(
+            model,
+            prompts,
+            decode_steps,
+            prefill_chunk=prefill_chunk,
+            kv_block_size=kv_block_size,
+            stop_at_eos=False,
+            forward=forward,
+            image_features=features,
+        )
     finally:
         for r in runners:
             r.deactivate()
@@ -310,8 +341,8 @@ def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plug
         run_results.append((r.name, results[r.name]))
     with np.errstate(divide="ignore", invalid="ignore"):  # relative errors of integer caches at 0
         accuracy = Comparator.compare_accuracy(
-            run_results, comparisons=[(0, i) for i in range(1, len(runners))],
-            compare_func=_simple_compare(atol, rtol))
+            run_results, comparisons=[(0, i) for i in range(1, len(runners))], compare_func=_simple_compare(atol, rtol)
+        )
     report.passed = bool(accuracy)
     for r in runners[1:]:
         per = {}
@@ -329,8 +360,12 @@ def compare(onnx_path: str, model: DashModel, *, engine: str | None = None, plug
                 ok &= bool(np.all(err <= atol + rtol * np.abs(want)))
             flat = np.concatenate([e.ravel() for e in errs]) if errs else np.zeros(1)
             rel = np.concatenate([e.ravel() for e in rels]) if rels else np.zeros(1)
-            per[name] = {"max_abs": float(flat.max()), "mean_abs": float(flat.mean()),
-                         "max_rel": float(rel.max()), "passed": ok}
+            per[name] = {
+                "max_abs": float(flat.max()),
+                "mean_abs": float(flat.mean()),
+                "max_rel": float(rel.max()),
+                "passed": ok,
+            }
         report.stats[r.name] = per
     if save_inputs:
         from polygraphy.json import save_json
@@ -359,16 +394,23 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-compare",
         epilog="Exit codes: 0 every backend matches the reference, 1 a mismatch, 2 bad input (files, "
-               "checkpoint, a graph that is not this checkpoint's, an unavailable backend), " + EXIT_CODES_NOTE,
+        "checkpoint, a graph that is not this checkpoint's, an unavailable backend), " + EXIT_CODES_NOTE,
         description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
-                    "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.")
+        "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.",
+    )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("onnx", help="a model exported by dash-export")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="the checkpoint the file was exported from (model.pt or a Hugging Face folder)")
+    src.add_argument(
+        "--checkpoint", help="the checkpoint the file was exported from (model.pt or a Hugging Face folder)"
+    )
     src.add_argument("--demo", action="store_true", help="the built-in demo model (as dash-export --demo)")
-    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
-                   help="the checkpoint's model class (as dash-export --model; default: its config's architecture)")
+    p.add_argument(
+        "--model",
+        metavar="MODULE:CLASS",
+        dest="model_class",
+        help="the checkpoint's model class (as dash-export --model; default: its config's architecture)",
+    )
     p.add_argument("--seed", type=int, default=0, help="demo model seed (dash-export --seed) and prompt seed")
     p.add_argument("--engine", help="a TensorRT engine built by dash-build")
     p.add_argument("--plugin", help="libdash_trt_plugin.so (with --engine; default: the one in this installation)")
@@ -381,7 +423,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save-inputs", help="polygraphy JSON of the reference's per-step feeds")
     p.add_argument("--save-outputs", help="polygraphy RunResults JSON of the reference's outputs")
     p.add_argument("--unsafe-load", action="store_true", help="allow unpickling arbitrary objects in --checkpoint")
-    p.add_argument("--verbose", action="store_true", help="polygraphy's per-output, per-step comparison log, and the traceback of an unexpected error")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="polygraphy's per-output, per-step comparison log, and the traceback of an unexpected error",
+    )
     return p
 
 
@@ -411,9 +457,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CompareError(f"{a.engine}: no such file")
         check_model_matches(a.onnx, model)
         print(f"dash-compare: {a.onnx} against the PyTorch reference")
-        report = compare(a.onnx, model, engine=a.engine, plugin=a.plugin, use_cuda=not a.no_cuda, seed=a.seed,
-                         decode_steps=a.decode_steps, prefill_chunk=a.prefill_chunk, atol=a.atol, rtol=a.rtol,
-                         save_inputs=a.save_inputs, save_outputs=a.save_outputs)
+        report = compare(
+            a.onnx,
+            model,
+            engine=a.engine,
+            plugin=a.plugin,
+            use_cuda=not a.no_cuda,
+            seed=a.seed,
+            decode_steps=a.decode_steps,
+            prefill_chunk=a.prefill_chunk,
+            atol=a.atol,
+            rtol=a.rtol,
+            save_inputs=a.save_inputs,
+            save_outputs=a.save_outputs,
+        )
     except CompareError as exc:
         print(f"dash-compare: error: {exc}", file=sys.stderr)
         return 2
@@ -422,8 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for runner, per in report.stats.items():
         worst = max(per.items(), key=lambda kv: kv[1]["max_abs"])
         bad = [n for n, s in per.items() if not s["passed"]]
-        print(f"  {runner} vs pytorch: {len(per)} outputs x {report.steps} steps, worst {worst[0]} "
-              f"max |err| {worst[1]['max_abs']:.3e}" + (f"; MISMATCH in {', '.join(bad[:6])}" if bad else ""))
+        print(
+            f"  {runner} vs pytorch: {len(per)} outputs x {report.steps} steps, worst {worst[0]} "
+            f"max |err| {worst[1]['max_abs']:.3e}" + (f"; MISMATCH in {', '.join(bad[:6])}" if bad else "")
+        )
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:
             json.dump(report.to_json(), fh, indent=1)

@@ -118,34 +118,40 @@ class DashConfig:
 
     sparse_block_size: int = _key("tokens per sparse block (indexer and routing unit)", minimum=1)
     sparse_local_block: int = _key("sparse blocks in the local window", minimum=1)
-    sparse_index_dim: int = _key("indexer dim Di (the router's q/k width; equal to the head dim in "
-                                 "Unlimited-OCR-2)", minimum=2)
+    sparse_index_dim: int = _key(
+        "indexer dim Di (the router's q/k width; equal to the head dim in Unlimited-OCR-2)", minimum=2
+    )
     dash_topk_blocks: int = _key("K: blocks each query keeps of its top 16", default=12, minimum=1)
     dash_sigma: float = _key("divisor of each kept block's centred log prior", default=1.0, kind="pos_float")
     dash_scaling_factor: float = _key(
         "routing scale: x = score * scale / sqrt(sparse_index_dim) (a node carries its layer's value)",
-        default=128.0, kind="float")
+        default=128.0,
+        kind="float",
+    )
     dash_prior_floor: float = _key(
-        "floor under the entmax prior before the log (a node carries its layer's value)",
-        default=1e-4, kind="pos_float")
+        "floor under the entmax prior before the log (a node carries its layer's value)", default=1e-4, kind="pos_float"
+    )
     dash_scale_per_layer: tuple[float, ...] | None = _key(
-        "routing scale of each DASH layer (by slot), instead of dash_scaling_factor", default=None,
-        kind="float_list", attribute=False)
+        "routing scale of each DASH layer (by slot), instead of dash_scaling_factor",
+        default=None,
+        kind="float_list",
+        attribute=False,
+    )
     dash_floor_per_layer: tuple[float, ...] | None = _key(
-        "prior floor of each DASH layer (by slot), instead of dash_prior_floor", default=None,
-        kind="pos_float_list", attribute=False)
+        "prior floor of each DASH layer (by slot), instead of dash_prior_floor",
+        default=None,
+        kind="pos_float_list",
+        attribute=False,
+    )
     sparse_attention_freq: tuple[int, ...] | None = _key(
-        "per decoder layer, 1 for a DASH layer (unset: every layer); a layer's slot counts the 1s "
-        "before it", default=None, kind="freq", attribute=False)
-    sparse_rope_page_pairs: int = _key(
-        "RoPE frequency pairs given to the page coordinate", default=1, minimum=0
+        "per decoder layer, 1 for a DASH layer (unset: every layer); a layer's slot counts the 1s before it",
+        default=None,
+        kind="freq",
+        attribute=False,
     )
-    sparse_rope_tok_theta: float = _key(
-        "RoPE base for the token coordinate", default=10000.0, kind="pos_float"
-    )
-    sparse_rope_page_theta: float = _key(
-        "RoPE base for the page coordinate", default=256.0, kind="pos_float"
-    )
+    sparse_rope_page_pairs: int = _key("RoPE frequency pairs given to the page coordinate", default=1, minimum=0)
+    sparse_rope_tok_theta: float = _key("RoPE base for the token coordinate", default=10000.0, kind="pos_float")
+    sparse_rope_page_theta: float = _key("RoPE base for the page coordinate", default=256.0, kind="pos_float")
     sparse_main_rope_tok_freq_mode: str | None = _key(
         'token frequency mode for q/k: "truncate" or default', default=None, kind="mode"
     )
@@ -153,9 +159,7 @@ class DashConfig:
         'token frequency mode for iq/ik: "truncate" or default', default=None, kind="mode"
     )
     sparse_rope_page_mod: int = _key("page coordinate modulo (0 = off)", default=0, minimum=0)
-    dash_query_chunk: int = _key(
-        "queries per chunk in the PyTorch paths (memory bound only)", default=2048, minimum=1
-    )
+    dash_query_chunk: int = _key("queries per chunk in the PyTorch paths (memory bound only)", default=2048, minimum=1)
     image_token_id: int | None = _key(
         "token id of image tokens (needed by prompt_page_positions)", default=None, kind="opt_int"
     )
@@ -173,8 +177,9 @@ class DashConfig:
     image_bucket_constraint: bool = _key("fixed true", default=True, kind="flag", attribute=False)
     dash_image_only: bool = _key("fixed true", default=True, kind="flag", attribute=False)
     #: Keys of the section that nothing reads (kept for to_dict, not compared).
-    ignored_keys: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False,
-                                            metadata={"kind": "ignored", "attribute": False})
+    ignored_keys: Mapping[str, Any] = field(
+        default_factory=dict, compare=False, hash=False, repr=False, metadata={"kind": "ignored", "attribute": False}
+    )
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -196,18 +201,22 @@ class DashConfig:
         if isinstance(sp, DashConfig):
             return sp
         if not isinstance(sp, Mapping):
-            raise DashConfigError(
-                f"DASH config must be a mapping of keys to values, got {type(sp).__name__}"
-            )
+            raise DashConfigError(f"DASH config must be a mapping of keys to values, got {type(sp).__name__}")
         old = [k for k in WITHDRAWN_KEYS if k in sp]
         if old:
             raise DashConfigError(
-                "; ".join(f"'{k}' belongs to a withdrawn routing rule (not a key of Unlimited-OCR-2): "
-                          f"use {WITHDRAWN_KEYS[k]}" for k in old) + " (docs/spec.md)")
+                "; ".join(
+                    f"'{k}' belongs to a withdrawn routing rule (not a key of Unlimited-OCR-2): use {WITHDRAWN_KEYS[k]}"
+                    for k in old
+                )
+                + " (docs/spec.md)"
+            )
         unknown = {k: sp[k] for k in sorted(sp, key=str) if k not in cls.keys()}
         if unknown:
-            msg = (f"DASH config key(s) not used by dash-trt, nor by vLLM's DASH layer: "
-                   f"{', '.join(map(str, unknown))}; they are kept but ignored")
+            msg = (
+                f"DASH config key(s) not used by dash-trt, nor by vLLM's DASH layer: "
+                f"{', '.join(map(str, unknown))}; they are kept but ignored"
+            )
             if strict:
                 raise DashConfigError(msg)
             warnings.warn(msg, stacklevel=2)
@@ -218,9 +227,7 @@ class DashConfig:
         return cls(**values, ignored_keys=unknown)
 
     @classmethod
-    def from_model_config(
-        cls, config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False
-    ) -> DashConfig:
+    def from_model_config(cls, config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> DashConfig:
         """Build from a model's ``config.json`` (path or parsed dict), section
         ``sparse_attention_config``."""
         source = "model config"
@@ -294,8 +301,9 @@ class DashConfig:
             if not values:
                 return float(fallback)
             if slot >= len(values):
-                raise DashConfigError(f"{name} lists {len(values)} DASH layers, no entry for layer {layer_idx} "
-                                      f"(slot {slot})")
+                raise DashConfigError(
+                    f"{name} lists {len(values)} DASH layers, no entry for layer {layer_idx} (slot {slot})"
+                )
             return float(values[slot])
 
         return LayerRouting(
@@ -311,17 +319,25 @@ class DashConfig:
         ``dash_prior_floor``. ``for_layer(i).routing(any)`` equals ``routing(i)``: what an
         exported node carries."""
         r = self.routing(layer_idx)
-        return dataclasses.replace(self, dash_scaling_factor=r.scale, dash_prior_floor=r.floor,
-                                   dash_scale_per_layer=None, dash_floor_per_layer=None,
-                                   sparse_attention_freq=None, ignored_keys={})
+        return dataclasses.replace(
+            self,
+            dash_scaling_factor=r.scale,
+            dash_prior_floor=r.floor,
+            dash_scale_per_layer=None,
+            dash_floor_per_layer=None,
+            sparse_attention_freq=None,
+            ignored_keys={},
+        )
 
     def check_layers(self, num_layers: int) -> None:
         """A model of ``num_layers`` decoder layers, each with DASH attention: the layer map
         covers every layer with a 1 (vLLM's rule) and the per-layer lists have an entry for each."""
         freq = self.sparse_attention_freq
         if freq is not None and list(map(bool, freq)) != [True] * num_layers:
-            raise DashConfigError(f"Unlimited-OCR-2 requires DASH in every decoder layer: sparse_attention_freq "
-                                  f"must be [1] * {num_layers}, got {list(freq)}")
+            raise DashConfigError(
+                f"Unlimited-OCR-2 requires DASH in every decoder layer: sparse_attention_freq "
+                f"must be [1] * {num_layers}, got {list(freq)}"
+            )
         for name in ("dash_scale_per_layer", "dash_floor_per_layer"):
             values = getattr(self, name)
             if values and len(values) < num_layers:
@@ -348,10 +364,12 @@ class DashConfig:
 def missing_section_message(config: Mapping[str, Any], source: str) -> str:
     """Why ``config`` has no usable DASH section (the old section name gets its own line)."""
     if OLD_CONFIG_SECTION in config:
-        return (f"{source} has a '{OLD_CONFIG_SECTION}' section, the withdrawn schema of earlier dash-trt "
-                f"releases: rename it '{CONFIG_SECTION}' (Unlimited-OCR-2's), add sparse_index_dim, and replace "
-                f"sparse_topk_blocks by dash_topk_blocks (sparse_dense_layers and sparse_page_bias are gone; "
-                f"docs/spec.md)")
+        return (
+            f"{source} has a '{OLD_CONFIG_SECTION}' section, the withdrawn schema of earlier dash-trt "
+            f"releases: rename it '{CONFIG_SECTION}' (Unlimited-OCR-2's), add sparse_index_dim, and replace "
+            f"sparse_topk_blocks by dash_topk_blocks (sparse_dense_layers and sparse_page_bias are gone; "
+            f"docs/spec.md)"
+        )
     return f"{source} has no '{CONFIG_SECTION}' section"
 
 

@@ -47,11 +47,16 @@ ABI_VERSION = 8
 #: Routing rules a kernel library reports (``DASH_ROUTING_*``, plugins/include/dash/params.h).
 ROUTING_WITHDRAWN, ROUTING_UNLIMITED_OCR2 = 1, 2
 #: Why the kernels are not used while they route by another rule than the function's.
-ROUTING_FENCE = ("the DASH kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
-                 "not Unlimited-OCR-2's")
+ROUTING_FENCE = (
+    "the DASH kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
+    "not Unlimited-OCR-2's"
+)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
-DATA_ERRORS = {1: "a block-table entry is outside the cache", 2: "seq_lens/query_start_loc are inconsistent or exceed the block table"}
+DATA_ERRORS = {
+    1: "a block-table entry is outside the cache",
+    2: "seq_lens/query_start_loc are inconsistent or exceed the block table",
+}
 
 
 class DashKernelsNotFound(RuntimeError):
@@ -67,29 +72,60 @@ class DashParams(ctypes.Structure):
     field against the library's ``dash_params_offset`` when it is loaded."""
 
     _fields_ = [
-        ("num_tokens", ctypes.c_int32), ("num_seqs", ctypes.c_int32), ("num_heads", ctypes.c_int32),
-        ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("index_dim", ctypes.c_int32),
-        ("num_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32), ("table_width", ctypes.c_int32),
-        ("max_new_tokens", ctypes.c_int32), ("dtype", ctypes.c_int32),
-        ("sparse_block_size", ctypes.c_int32), ("sparse_local_block", ctypes.c_int32),
-        ("topk", ctypes.c_int32), ("route_scale", ctypes.c_float), ("prior_floor", ctypes.c_float),
+        ("num_tokens", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("index_dim", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("table_width", ctypes.c_int32),
+        ("max_new_tokens", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("sparse_block_size", ctypes.c_int32),
+        ("sparse_local_block", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("route_scale", ctypes.c_float),
+        ("prior_floor", ctypes.c_float),
         ("sigma", ctypes.c_float),
-        ("rope_page_pairs", ctypes.c_int32), ("rope_tok_theta", ctypes.c_float),
-        ("rope_page_theta", ctypes.c_float), ("main_truncate", ctypes.c_int32),
-        ("index_truncate", ctypes.c_int32), ("rope_page_mod", ctypes.c_int32),
-        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("iq", ctypes.c_void_p),
-        ("ik", ctypes.c_void_p), ("coords", ctypes.c_void_p), ("head_cls", ctypes.c_void_p),
-        ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
-        ("query_start_loc", ctypes.c_void_p), ("prompt_lens", ctypes.c_void_p),
-        ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("index_key_cache", ctypes.c_void_p),
-        ("image_page_cache", ctypes.c_void_p), ("summary_cache", ctypes.c_void_p),
-        ("summary_pages_cache", ctypes.c_void_p), ("out", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
-        ("workspace_size", ctypes.c_size_t), ("selected_out", ctypes.c_void_p),
-        ("tune_block_major_min_tokens", ctypes.c_int32), ("tune_block_major_chunk", ctypes.c_int32),
-        ("tune_attend_ctas", ctypes.c_int32), ("tune_fused_front", ctypes.c_int32),
-        ("tune_front_writer", ctypes.c_int32), ("tune_tile_share_min", ctypes.c_int32),
-        ("tune_warpgroup_mma", ctypes.c_int32), ("tune_block_major_warpgroups", ctypes.c_int32),
-        ("tune_block_major_ctas", ctypes.c_int32), ("tune_tile_overlap", ctypes.c_int32),
+        ("rope_page_pairs", ctypes.c_int32),
+        ("rope_tok_theta", ctypes.c_float),
+        ("rope_page_theta", ctypes.c_float),
+        ("main_truncate", ctypes.c_int32),
+        ("index_truncate", ctypes.c_int32),
+        ("rope_page_mod", ctypes.c_int32),
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("iq", ctypes.c_void_p),
+        ("ik", ctypes.c_void_p),
+        ("coords", ctypes.c_void_p),
+        ("head_cls", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("query_start_loc", ctypes.c_void_p),
+        ("prompt_lens", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("index_key_cache", ctypes.c_void_p),
+        ("image_page_cache", ctypes.c_void_p),
+        ("summary_cache", ctypes.c_void_p),
+        ("summary_pages_cache", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
+        ("selected_out", ctypes.c_void_p),
+        ("tune_block_major_min_tokens", ctypes.c_int32),
+        ("tune_block_major_chunk", ctypes.c_int32),
+        ("tune_attend_ctas", ctypes.c_int32),
+        ("tune_fused_front", ctypes.c_int32),
+        ("tune_front_writer", ctypes.c_int32),
+        ("tune_tile_share_min", ctypes.c_int32),
+        ("tune_warpgroup_mma", ctypes.c_int32),
+        ("tune_block_major_warpgroups", ctypes.c_int32),
+        ("tune_block_major_ctas", ctypes.c_int32),
+        ("tune_tile_overlap", ctypes.c_int32),
     ]
 
 
@@ -218,7 +254,9 @@ def _library() -> ctypes.CDLL:
     if lib.dash_abi_version() != ABI_VERSION:
         raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
     if lib.dash_params_size() != ctypes.sizeof(DashParams):
-        raise DashKernelError(f"{path}: DashParams is {lib.dash_params_size()} bytes, binding has {ctypes.sizeof(DashParams)}")
+        raise DashKernelError(
+            f"{path}: DashParams is {lib.dash_params_size()} bytes, binding has {ctypes.sizeof(DashParams)}"
+        )
     for name, _ in DashParams._fields_:
         want = getattr(DashParams, name).offset
         got = lib.dash_params_offset(name.encode())
@@ -331,28 +369,62 @@ def _config_fields(cfg, layer_idx: int) -> dict:
     """The configuration fields of DashParams for one layer (its routing values resolved)."""
     r = cfg.routing(layer_idx)
     return dict(
-        sparse_block_size=cfg.sparse_block_size, sparse_local_block=cfg.sparse_local_block,
-        topk=r.topk, route_scale=r.scale, prior_floor=r.floor, sigma=r.sigma,
+        sparse_block_size=cfg.sparse_block_size,
+        sparse_local_block=cfg.sparse_local_block,
+        topk=r.topk,
+        route_scale=r.scale,
+        prior_floor=r.floor,
+        sigma=r.sigma,
         rope_page_pairs=cfg.sparse_rope_page_pairs,
-        rope_tok_theta=float(cfg.sparse_rope_tok_theta), rope_page_theta=float(cfg.sparse_rope_page_theta),
+        rope_tok_theta=float(cfg.sparse_rope_tok_theta),
+        rope_page_theta=float(cfg.sparse_rope_page_theta),
         main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
         index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
-        rope_page_mod=cfg.sparse_rope_page_mod)
+        rope_page_mod=cfg.sparse_rope_page_mod,
+    )
 
 
-def check_sizes(num_heads: int, num_kv_heads: int, head_dim: int, index_dim: int, num_blocks: int,
-                block_size: int, table_width: int, sp: SpLike, dtype: torch.dtype, num_layers: int) -> None:
+def check_sizes(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    index_dim: int,
+    num_blocks: int,
+    block_size: int,
+    table_width: int,
+    sp: SpLike,
+    dtype: torch.dtype,
+    num_layers: int,
+) -> None:
     """Ask the kernel library whether it runs these sizes for every layer (no device work):
     raises :class:`DashKernelError` with its message (e.g. a block table too wide for the
     routing stage) so a runtime fails when it is built, not at its first step."""
     cfg = as_config(sp)
     lib = _library()
     for layer in range(num_layers):
-        p = _shape_params((0, 1, num_heads, num_kv_heads, head_dim, index_dim, num_blocks, block_size, table_width,
-                           0, _DTYPE_CODES[dtype]), _config_fields_cached(cfg, layer), _DEFAULT_TUNING)
+        p = _shape_params(
+            (
+                0,
+                1,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                index_dim,
+                num_blocks,
+                block_size,
+                table_width,
+                0,
+                _DTYPE_CODES[dtype],
+            ),
+            _config_fields_cached(cfg, layer),
+            _DEFAULT_TUNING,
+        )
         size = ctypes.c_size_t(0)
-        _check(lib, lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)),
-               f"layer {layer}: {table_width} blocks of {block_size} tokens per sequence")
+        _check(
+            lib,
+            lib.dash_workspace_size(ctypes.byref(p), ctypes.byref(size)),
+            f"layer {layer}: {table_width} blocks of {block_size} tokens per sequence",
+        )
 
 
 def paged_dash_attention_cuda(
@@ -400,8 +472,9 @@ def paged_dash_attention_cuda(
     if fence is not None:  # the library refuses the launch too; say why before any work
         raise DashKernelError(f"DASH_ERR_UNSUPPORTED: {fence}")
     if validate:
-        _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                            query_start_loc, prompt_lens, cfg)
+        _check_paged_inputs(
+            q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc, prompt_lens, cfg
+        )
     else:
         check_shape("q", q, (None, None, None), FLOAT_DTYPES)
         check_shape("k", k, (q.shape[0], None, q.shape[2]), (q.dtype,))
@@ -412,7 +485,11 @@ def paged_dash_attention_cuda(
         if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
             raise ValueError(f"max_query_len must be a positive int or None, got {max_query_len!r}")
         if validate:
-            most = int(torch.diff(query_start_loc.detach().to("cpu", torch.int64)).max()) if len(query_start_loc) > 1 else 0
+            most = (
+                int(torch.diff(query_start_loc.detach().to("cpu", torch.int64)).max())
+                if len(query_start_loc) > 1
+                else 0
+            )
             if most > max_query_len:
                 raise ValueError(f"max_query_len={max_query_len}, but a sequence has {most} new tokens")
     device = q.device
@@ -420,7 +497,9 @@ def paged_dash_attention_cuda(
     hkv, di = k.shape[1], iq.shape[1]
     nb, bsz = cache.key.shape[:2]
     i32 = lambda x: x.to(device=device, dtype=torch.int32).contiguous()  # noqa: E731
-    coords32, tables32, lens32, qsl32, prompts32 = map(i32, (coords, block_tables, seq_lens, query_start_loc, prompt_lens))
+    coords32, tables32, lens32, qsl32, prompts32 = map(
+        i32, (coords, block_tables, seq_lens, query_start_loc, prompt_lens)
+    )
     q, k, v, iq, ik = (x.contiguous() for x in (q, k, v, iq, ik))
     head_cls = head_cls.to(device=device, dtype=q.dtype).contiguous()
     for name, tensor in cache.tensors().items():
@@ -428,9 +507,25 @@ def paged_dash_attention_cuda(
             raise ValueError(f"cache.{name} must be contiguous (it is written in place)")
     out = torch.empty_like(q)
     tune = tuning if tuning is not None else _DEFAULT_TUNING
-    p, plan, size = _planned(lib, (t, tables32.shape[0], h, hkv, d, di, nb, bsz, tables32.shape[1],
-                                   t if max_query_len is None else min(t, max_query_len), _DTYPE_CODES[q.dtype]),
-                             cfg, layer_idx, tune)
+    p, plan, size = _planned(
+        lib,
+        (
+            t,
+            tables32.shape[0],
+            h,
+            hkv,
+            d,
+            di,
+            nb,
+            bsz,
+            tables32.shape[1],
+            t if max_query_len is None else min(t, max_query_len),
+            _DTYPE_CODES[q.dtype],
+        ),
+        cfg,
+        layer_idx,
+        tune,
+    )
     p.q, p.k, p.v, p.iq, p.ik, p.coords = _ptr(q), _ptr(k), _ptr(v), _ptr(iq), _ptr(ik), _ptr(coords32)
     p.head_cls, p.block_tables, p.seq_lens = _ptr(head_cls), _ptr(tables32), _ptr(lens32)
     p.query_start_loc, p.prompt_lens = _ptr(qsl32), _ptr(prompts32)
@@ -448,8 +543,11 @@ def paged_dash_attention_cuda(
     _check(lib, lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), ctypes.c_void_p(stream)), "dash_run_plan")
     if (validate if check_errors is None else check_errors) and t:
         mask = ctypes.c_int32(0)
-        _check(lib, lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
-               "dash_read_data_errors")
+        _check(
+            lib,
+            lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
+            "dash_read_data_errors",
+        )
         if mask.value:
             bad = [msg for bit, msg in DATA_ERRORS.items() if mask.value & bit]
             raise DashKernelError("kernels skipped bad metadata: " + "; ".join(bad))
@@ -467,9 +565,21 @@ def _shape_params(sizes: tuple, config: tuple, tune: Tuning) -> DashParams:
     """DashParams with every size, configuration (:func:`_config_fields_cached`) and tuning
     field set, no pointers."""
     t, b, h, hkv, d, di, nb, bsz, w, most, dtype = sizes
-    return DashParams(num_tokens=t, num_seqs=b, num_heads=h, num_kv_heads=hkv, head_dim=d, index_dim=di,
-                      num_blocks=nb, block_size=bsz, table_width=w, max_new_tokens=most, dtype=dtype,
-                      **dict(config), **tune.params())
+    return DashParams(
+        num_tokens=t,
+        num_seqs=b,
+        num_heads=h,
+        num_kv_heads=hkv,
+        head_dim=d,
+        index_dim=di,
+        num_blocks=nb,
+        block_size=bsz,
+        table_width=w,
+        max_new_tokens=most,
+        dtype=dtype,
+        **dict(config),
+        **tune.params(),
+    )
 
 
 def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
@@ -504,8 +614,9 @@ def _warn_fallback(exc: Exception) -> None:
         _warned_fallback = True
 
 
-def supports(head_dim: int, index_dim: int, kv_block_size: int, sparse_block_size: int,
-             dtype: torch.dtype) -> str | None:
+def supports(
+    head_dim: int, index_dim: int, kv_block_size: int, sparse_block_size: int, dtype: torch.dtype
+) -> str | None:
     """None if the kernels run these sizes (so the in-place op never falls back to the PyTorch
     operator, and a step can be captured in a CUDA graph), else the reason."""
     if not available():
@@ -517,55 +628,159 @@ def supports(head_dim: int, index_dim: int, kv_block_size: int, sparse_block_siz
     if index_dim % 2 or index_dim > 512:
         return f"unsupported index dim: {index_dim} (even, at most 512)"
     if kv_block_size % sparse_block_size:
-        return (f"KV block size {kv_block_size} is not a whole multiple of the sparse block size "
-                f"{sparse_block_size}")
+        return f"KV block size {kv_block_size} is not a whole multiple of the sparse block size {sparse_block_size}"
     if dtype not in _DTYPE_CODES:
         return f"unsupported dtype {dtype}"
     return None
 
 
-def op_impl_inplace(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary, summary_pages,
-                    block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx, max_query_len):
+def op_impl_inplace(
+    q,
+    k,
+    v,
+    iq,
+    ik,
+    coords,
+    head_cls,
+    key,
+    value,
+    index_key,
+    image_page,
+    summary,
+    summary_pages,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    prompt_lens,
+    cfg,
+    layer_idx,
+    max_query_len,
+):
     """The CUDA implementation of the in-place op ``dash_trt::paged_attention_`` (see
     :func:`dash_trt.ops.register_cuda_impl`): the kernels write the caches where they are,
     with no host validation and no sync (the runtime's metadata is built by its own pool),
     so the call can be captured in a CUDA graph. Sizes the kernels do not support run the
     PyTorch paged operator in place instead (which does synchronise), with a warning the
     first time."""
-    cache = DashKVCache(key, value, index_key, image_page, summary, summary_pages,
-                        sparse_block_size=cfg.sparse_block_size)
+    cache = DashKVCache(
+        key, value, index_key, image_page, summary, summary_pages, sparse_block_size=cfg.sparse_block_size
+    )
     try:
-        return paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                                         query_start_loc, prompt_lens, cfg, layer_idx, validate=False,
-                                         check_errors=False, max_query_len=int(max_query_len))
+        return paged_dash_attention_cuda(
+            q,
+            k,
+            v,
+            iq,
+            ik,
+            coords,
+            head_cls,
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            prompt_lens,
+            cfg,
+            layer_idx,
+            validate=False,
+            check_errors=False,
+            max_query_len=int(max_query_len),
+        )
     except DashKernelError as exc:
         if "DASH_ERR_UNSUPPORTED" not in str(exc):
             raise
         _warn_fallback(exc)
         from .paged import paged_dash_attention
 
-        return paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                                    query_start_loc, prompt_lens, cfg, layer_idx)
+        return paged_dash_attention(
+            q,
+            k,
+            v,
+            iq,
+            ik,
+            coords,
+            head_cls,
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            prompt_lens,
+            cfg,
+            layer_idx,
+        )
 
 
-def op_impl(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary, summary_pages,
-            block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx):
+def op_impl(
+    q,
+    k,
+    v,
+    iq,
+    ik,
+    coords,
+    head_cls,
+    key,
+    value,
+    index_key,
+    image_page,
+    summary,
+    summary_pages,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    prompt_lens,
+    cfg,
+    layer_idx,
+):
     """The CUDA implementation of the functional torch op ``dash_trt::paged_attention``
     (see :func:`dash_trt.ops.register_cuda_impl`): the kernels write into clones of the
     caches, which are returned. Sizes the kernels do not support (a KV block that is not a
     whole multiple of the sparse block, a head dim outside :func:`supported_head_dims`) run
     the PyTorch paged operator instead, with a warning the first time."""
-    cache = DashKVCache(key.clone(), value.clone(), index_key.clone(), image_page.clone(), summary.clone(),
-                        summary_pages.clone(), sparse_block_size=cfg.sparse_block_size)
+    cache = DashKVCache(
+        key.clone(),
+        value.clone(),
+        index_key.clone(),
+        image_page.clone(),
+        summary.clone(),
+        summary_pages.clone(),
+        sparse_block_size=cfg.sparse_block_size,
+    )
     try:
-        out = paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                                        query_start_loc, prompt_lens, cfg, layer_idx)
+        out = paged_dash_attention_cuda(
+            q,
+            k,
+            v,
+            iq,
+            ik,
+            coords,
+            head_cls,
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            prompt_lens,
+            cfg,
+            layer_idx,
+        )
     except DashKernelError as exc:
         if "DASH_ERR_UNSUPPORTED" not in str(exc):
             raise
         _warn_fallback(exc)
         from .paged import paged_dash_attention
 
-        out = paged_dash_attention(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                                   query_start_loc, prompt_lens, cfg, layer_idx)
+        out = paged_dash_attention(
+            q,
+            k,
+            v,
+            iq,
+            ik,
+            coords,
+            head_cls,
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            prompt_lens,
+            cfg,
+            layer_idx,
+        )
     return (out, cache.key, cache.value, cache.index_key, cache.image_page, cache.summary, cache.summary_pages)

@@ -140,9 +140,11 @@ class Progress:
         if self.enabled:
             print(head + " ...", file=self.stream, end="" if tty else "\n", flush=True)
         if tty:
+
             def tick() -> None:
                 while not stop.wait(0.5):
                     print(f"\r{head} ... {time.perf_counter() - t0:5.1f} s", file=self.stream, end="", flush=True)
+
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
         ok = False
@@ -205,15 +207,24 @@ def _dynamic_shapes(model: DashModel):
     }
     # forward(*inputs, *caches): torch.export sees the caches as one varargs tuple
     # forward(*MODEL_INPUTS, *rest): torch.export sees the rest (image inputs, caches) as one tuple
-    rest = [per_input[n] for n in model.input_names()[len(MODEL_INPUTS):]]
+    rest = [per_input[n] for n in model.input_names()[len(MODEL_INPUTS) :]]
     return (*(per_input[n] for n in MODEL_INPUTS), (*rest, *({0: blocks} for _ in model.cache_names("past"))))
 
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """The exporter logs and warns a lot about things that are fine here."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript",
-                                                "torch.fx.experimental.symbolic_shapes", "torch._dynamo")]
+    loggers = [
+        logging.getLogger(n)
+        for n in (
+            "torch.onnx",
+            "torch.export",
+            "torch._export",
+            "onnxscript",
+            "torch.fx.experimental.symbolic_shapes",
+            "torch._dynamo",
+        )
+    ]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
@@ -234,8 +245,10 @@ def exporter_available() -> str | None:
 
     params = inspect.signature(torch.onnx.export).parameters
     if "dynamo" not in params or "custom_translation_table" not in params:
-        return (f"torch {torch.__version__} has no dynamo ONNX exporter with custom_translation_table; "
-                f"dash-export needs a newer torch (developed and tested with torch 2.13)")
+        return (
+            f"torch {torch.__version__} has no dynamo ONNX exporter with custom_translation_table; "
+            f"dash-export needs a newer torch (developed and tested with torch 2.13)"
+        )
     return None
 
 
@@ -274,8 +287,9 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.state_dict().values())
 
 
-def export_onnx(model: DashModel, path: str | os.PathLike, *, kv_block_size: int = 16,
-                external_data: bool | None = None) -> str:
+def export_onnx(
+    model: DashModel, path: str | os.PathLike, *, kv_block_size: int = 16, external_data: bool | None = None
+) -> str:
     """Export ``model`` to ``path`` (written non-atomically; :func:`main` wraps this).
     ``external_data`` None decides by size (weights over ~1.8 GB go to ``path.data``).
     Returns the path."""
@@ -288,8 +302,9 @@ def export_onnx(model: DashModel, path: str | os.PathLike, *, kv_block_size: int
     return path
 
 
-def graph_mismatches(inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, Sequence[int]],
-                     model: DashModel, kv_block_size: int) -> list[str]:
+def graph_mismatches(
+    inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, Sequence[int]], model: DashModel, kv_block_size: int
+) -> list[str]:
     """Where an exported graph's interface (input / output name -> dims, -1 where dynamic)
     differs from what ``model`` exports with KV blocks of ``kv_block_size``: missing or
     unexpected inputs, each cache's fixed dims (KV heads, head dim, indexer dim, block size),
@@ -298,8 +313,9 @@ def graph_mismatches(inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, 
     want = [*model.input_names(), *model.cache_names("past")]
     have_layers = len({n.split(".")[1] for n in inputs if n.startswith("past.") and n.count(".") == 2})
     if have_layers != model.config.num_hidden_layers:
-        problems.append(f"the graph has caches for {have_layers} layers, the checkpoint has "
-                        f"{model.config.num_hidden_layers}")
+        problems.append(
+            f"the graph has caches for {have_layers} layers, the checkpoint has {model.config.num_hidden_layers}"
+        )
     missing = [n for n in want if n not in inputs]
     extra = [n for n in inputs if n not in want]
     if missing and have_layers == model.config.num_hidden_layers:
@@ -315,8 +331,10 @@ def graph_mismatches(inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, 
             exp = list(tensor.shape[1:])
             got = list(dims[1:])
             if len(got) != len(exp) or any(g not in (-1, e) for g, e in zip(got, exp)):
-                problems.append(f"past.{layer}.{fname} is [NB, {', '.join(map(str, got))}] in the graph, "
-                                f"[NB, {', '.join(map(str, exp))}] for the checkpoint")
+                problems.append(
+                    f"past.{layer}.{fname} is [NB, {', '.join(map(str, got))}] in the graph, "
+                    f"[NB, {', '.join(map(str, exp))}] for the checkpoint"
+                )
                 break  # one line per layer is enough
     logits = outputs.get("logits")
     if logits is not None and logits and logits[-1] not in (-1, model.config.vocab_size):
@@ -335,8 +353,10 @@ def check_onnx(path: str | os.PathLike) -> None:
     model = onnx.load(path, load_external_data=False)
     nodes = [n for n in model.graph.node if n.domain == onnx_ops.DOMAIN]
     if not nodes or any(n.op_type != onnx_ops.OP_TYPE for n in nodes):
-        raise ExportError(f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found "
-                          f"{sorted({(n.domain, n.op_type) for n in nodes})}")
+        raise ExportError(
+            f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found "
+            f"{sorted({(n.domain, n.op_type) for n in nodes})}"
+        )
     if not any(f.domain == onnx_ops.DOMAIN and f.name == onnx_ops.OP_TYPE for f in model.functions):
         raise ExportError(f"the model has no local function {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE}")
 
@@ -357,8 +377,10 @@ class VerifyReport:
 
     def summary(self) -> str:
         caches = ", ".join(f"{k} {v:.2e}" for k, v in self.max_cache_err.items())
-        return (f"{self.steps} steps, {self.tokens} tokens: max |logits err| {self.max_logit_err:.3e}; "
-                f"max cache err: {caches}")
+        return (
+            f"{self.steps} steps, {self.tokens} tokens: max |logits err| {self.max_logit_err:.3e}; "
+            f"max cache err: {caches}"
+        )
 
 
 def _ort_session(path: str):
@@ -381,11 +403,19 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def verify_onnx(path: str | os.PathLike, model: DashModel, *, kv_block_size: int = 16, seed: int = 0,
-                prompts: Sequence[Sequence[int]] | None = None, decode_steps: int = 3,
-                prefill_chunk: int | None = 40, num_blocks: int | None = None,
-                progress: Progress | None = None,
-                image_features: Sequence[torch.Tensor | None] | None = None) -> VerifyReport:
+def verify_onnx(
+    path: str | os.PathLike,
+    model: DashModel,
+    *,
+    kv_block_size: int = 16,
+    seed: int = 0,
+    prompts: Sequence[Sequence[int]] | None = None,
+    decode_steps: int = 3,
+    prefill_chunk: int | None = 40,
+    num_blocks: int | None = None,
+    progress: Progress | None = None,
+    image_features: Sequence[torch.Tensor | None] | None = None,
+) -> VerifyReport:
     """Run the ONNX file in ONNX Runtime next to PyTorch on the same steps (chunked
     prefill and decode of random document prompts, caches threaded through each
     runtime separately) and compare the logits and every cache tensor."""
@@ -426,8 +456,10 @@ def verify_onnx(path: str | os.PathLike, model: DashModel, *, kv_block_size: int
             got_c = _to_torch(a)
             kind = name.split(".")[-1]
             if got_c.shape != want.shape or got_c.dtype != want.dtype:
-                report.failures.append(f"step {report.steps}: {name} is {got_c.dtype}{list(got_c.shape)}, "
-                                       f"expected {want.dtype}{list(want.shape)}")
+                report.failures.append(
+                    f"step {report.steps}: {name} is {got_c.dtype}{list(got_c.shape)}, "
+                    f"expected {want.dtype}{list(want.shape)}"
+                )
                 continue
             if want.dtype.is_floating_point:
                 e = float((got_c.float() - want.float()).abs().max()) if want.numel() else 0.0
@@ -440,12 +472,22 @@ def verify_onnx(path: str | os.PathLike, model: DashModel, *, kv_block_size: int
                 report.failures.append(f"step {report.steps}: {name} differs by up to {e:.3e}")
         ort_caches = res[1:]
         if progress is not None:
-            progress.note(f"step {report.steps}: {t} new tokens in {b} sequences, max |logits err| "
-                          f"{float(err.max()):.2e}")
+            progress.note(
+                f"step {report.steps}: {t} new tokens in {b} sequences, max |logits err| {float(err.max()):.2e}"
+            )
         return out[0][wanted], out[1:]
 
-    generate(model, prompts, decode_steps, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
-             num_blocks=num_blocks, stop_at_eos=False, forward=forward, image_features=image_features)
+    generate(
+        model,
+        prompts,
+        decode_steps,
+        prefill_chunk=prefill_chunk,
+        kv_block_size=kv_block_size,
+        num_blocks=num_blocks,
+        stop_at_eos=False,
+        forward=forward,
+        image_features=image_features,
+    )
     return report
 
 
@@ -454,51 +496,81 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-export",
         description="Export a DASH attention model checkpoint (model.pt, or a Hugging Face folder of "
-                    "config.json and safetensors) to ONNX: one "
-                    "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
-                    "the file with onnx.checker and against PyTorch in ONNX Runtime.",
+        "config.json and safetensors) to ONNX: one "
+        "dash_trt.DashAttention node per layer plus its ONNX-function fallback, then check "
+        "the file with onnx.checker and against PyTorch in ONNX Runtime.",
         epilog="Exit codes: 0 ok, 1 ONNX Runtime does not reproduce PyTorch, 2 bad input, "
-               "3 export failed, 130 / 143 interrupted (Ctrl-C / SIGTERM; nothing written), "
-               f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback). "
-               "See export/README.md.",
+        "3 export failed, 130 / 143 interrupted (Ctrl-C / SIGTERM; nothing written), "
+        f"{EXIT_INTERNAL} an unexpected internal error (one line; --verbose prints its traceback). "
+        "See export/README.md.",
     )
     p.add_argument("--version", action="version", version=_version_line())
     src = p.add_mutually_exclusive_group()
-    src.add_argument("checkpoint", nargs="?",
-                     help="model.pt ({'config': config.json dict, 'state_dict': ...}), a Hugging Face folder "
-                          "(config.json + model.safetensors, or shards and model.safetensors.index.json; "
-                          "'model.' parameter prefixes and tied embeddings without lm_head.weight are read), "
-                          "or a .safetensors file with its config.json beside it")
+    src.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="model.pt ({'config': config.json dict, 'state_dict': ...}), a Hugging Face folder "
+        "(config.json + model.safetensors, or shards and model.safetensors.index.json; "
+        "'model.' parameter prefixes and tied embeddings without lm_head.weight are read), "
+        "or a .safetensors file with its config.json beside it",
+    )
     src.add_argument("--demo", action="store_true", help="export the built-in random demo model")
-    src.add_argument("--random-init", metavar="CONFIG_JSON",
-                     help="export a model of this config.json with random weights (for engine builds and "
-                          "benchmarks, see export/configs)")
+    src.add_argument(
+        "--random-init",
+        metavar="CONFIG_JSON",
+        help="export a model of this config.json with random weights (for engine builds and "
+        "benchmarks, see export/configs)",
+    )
     p.add_argument("--out", "-o", required=True, help="output .onnx path")
-    p.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
-                   help="the model class, a dash_trt.modeling.DashModel subclass: package.module:Class or "
-                        "path/to/file.py:Class (default: the config's architectures[0], DashForCausalLM or one "
-                        "registered under the 'dash_trt.models' entry points; see docs/models.md)")
-    p.add_argument("--config", metavar="CONFIG_JSON",
-                   help="config.json to use instead of the checkpoint's own (for a bare state dict)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="export dtype (default: the checkpoint's; float32 for --demo)")
+    p.add_argument(
+        "--model",
+        metavar="MODULE:CLASS",
+        dest="model_class",
+        help="the model class, a dash_trt.modeling.DashModel subclass: package.module:Class or "
+        "path/to/file.py:Class (default: the config's architectures[0], DashForCausalLM or one "
+        "registered under the 'dash_trt.models' entry points; see docs/models.md)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="CONFIG_JSON",
+        help="config.json to use instead of the checkpoint's own (for a bare state dict)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="export dtype (default: the checkpoint's; float32 for --demo)",
+    )
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block (fixed in the graph)")
-    p.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
-                   help="weights in OUT.data beside the model (auto: when over ~1.8 GB)")
-    p.add_argument("--unsafe-load", action="store_true",
-                   help="allow unpickling arbitrary Python objects from the checkpoint (runs code from the "
-                        "file: only for files you trust)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the ONNX Runtime comparison (the checker still runs)")
+    p.add_argument(
+        "--external-data",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="weights in OUT.data beside the model (auto: when over ~1.8 GB)",
+    )
+    p.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow unpickling arbitrary Python objects from the checkpoint (runs code from the "
+        "file: only for files you trust)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime comparison (the checker still runs)")
     p.add_argument("--decode-steps", type=int, default=3, help="decode steps of the ONNX Runtime check")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and check prompts")
-    p.add_argument("--save-checkpoint", metavar="MODEL_PT",
-                   help="also write the exported model's weights as model.pt (with --demo / --random-init)")
-    p.add_argument("--save-pretrained", metavar="DIR",
-                   help="also write them as a Hugging Face folder: config.json + model.safetensors")
+    p.add_argument(
+        "--save-checkpoint",
+        metavar="MODEL_PT",
+        help="also write the exported model's weights as model.pt (with --demo / --random-init)",
+    )
+    p.add_argument(
+        "--save-pretrained",
+        metavar="DIR",
+        help="also write them as a Hugging Face folder: config.json + model.safetensors",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
-    p.add_argument("--verbose", action="store_true", help="the traceback of a failed export or check, and of an "
-                   "unexpected error")
+    p.add_argument(
+        "--verbose", action="store_true", help="the traceback of a failed export or check, and of an unexpected error"
+    )
     return p
 
 
@@ -530,8 +602,7 @@ def _load(a) -> DashModel:
 
 
 @cli_main("dash-export")
-def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
-         stderr: TextIO | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """``dash-export``: results on stdout, progress and errors on stderr."""
     parser = _parser()
     a = parser.parse_args(argv)
@@ -583,16 +654,21 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
     if exporter_available():
         return fail(EXIT_EXPORT_FAILED, exporter_available())
     if not a.no_verify and importlib.util.find_spec("onnxruntime") is None:
-        return fail(EXIT_BAD_INPUT, f"{onnx_ops.ORT_MISSING}; it runs the exported file against PyTorch (or pass "
-                                    f"--no-verify to export with onnx.checker only)")
+        return fail(
+            EXIT_BAD_INPUT,
+            f"{onnx_ops.ORT_MISSING}; it runs the exported file against PyTorch (or pass "
+            f"--no-verify to export with onnx.checker only)",
+        )
     try:
         out = _check_output_path(a.out)
         with progress.step("loading the model"):
             model = _load(a)
         c = model.config
-        progress.note(f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
-                      f"{c.num_key_value_heads} x {c.head_dim}, indexer {c.index_head_dim}, {model.dtype}, "
-                      f"KV blocks of {a.kv_block_size}")
+        progress.note(
+            f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
+            f"{c.num_key_value_heads} x {c.head_dim}, indexer {c.index_head_dim}, {model.dtype}, "
+            f"KV blocks of {a.kv_block_size}"
+        )
         if a.save_checkpoint:
             save_checkpoint(model, a.save_checkpoint)
         if a.save_pretrained:
@@ -624,14 +700,18 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
                 try:
                     report, checked = _verify_with_fallback(tmp, model, a, progress)
                 except Exception as exc:
-                    return fail(EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: "
-                                                    f"{type(exc).__name__}: {_short(exc)}")
+                    return fail(
+                        EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: {type(exc).__name__}: {_short(exc)}"
+                    )
             print(f"ONNX Runtime vs PyTorch ({checked}): {report.summary()}", file=out_stream, flush=True)
             if not report.ok:
                 for f in report.failures[:10]:
                     print(f"  {f}", file=out_stream, flush=True)
-                return fail(EXIT_MISMATCH, f"the ONNX model does not reproduce PyTorch (tolerance "
-                                           f"{VERIFY_TOLERANCES[model.dtype]}); {out} was not written")
+                return fail(
+                    EXIT_MISMATCH,
+                    f"the ONNX model does not reproduce PyTorch (tolerance "
+                    f"{VERIFY_TOLERANCES[model.dtype]}); {out} was not written",
+                )
         with progress.step(f"writing {out}"):
             data = tmp + ".data"
             has_data = os.path.exists(data)
@@ -639,17 +719,32 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
                 os.replace(data, out + ".data")
             os.replace(tmp, out)  # the commit point: the .onnx appears complete or not at all
             if not has_data and os.path.exists(out + ".data"):  # an earlier export's weights: the new
-                os.unlink(out + ".data")                        # file does not read them
-                print(f"removed {base}.data of an earlier export (the weights are inside {base} now)",
-                      file=err, flush=True)
+                os.unlink(out + ".data")  # file does not read them
+                print(
+                    f"removed {base}.data of an earlier export (the weights are inside {base} now)",
+                    file=err,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     nodes = _count_dash_nodes(out)
-    print(f"wrote {out} ({_size(out, has_data)}; {nodes} {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes"
-          + (f", weights in {base}.data" if has_data else "") + ")", file=out_stream, flush=True)
-    print("RESULT: " + ("exported; the checker and ONNX Runtime agree with PyTorch" if not a.no_verify
-                        else "exported; the checker passed (ONNX Runtime check skipped)"),
-          file=out_stream, flush=True)
+    print(
+        f"wrote {out} ({_size(out, has_data)}; {nodes} {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes"
+        + (f", weights in {base}.data" if has_data else "")
+        + ")",
+        file=out_stream,
+        flush=True,
+    )
+    print(
+        "RESULT: "
+        + (
+            "exported; the checker and ONNX Runtime agree with PyTorch"
+            if not a.no_verify
+            else "exported; the checker passed (ONNX Runtime check skipped)"
+        ),
+        file=out_stream,
+        flush=True,
+    )
     return EXIT_OK
 
 
@@ -664,8 +759,10 @@ def _verify_with_fallback(path: str, model: DashModel, a, progress: Progress):
     except Exception as exc:
         if model.dtype != torch.bfloat16 or "NOT_IMPLEMENTED" not in str(exc):
             raise
-    progress.note("ONNX Runtime's CPU provider has no bfloat16 kernels: checking a float32 export of the same "
-                  "weights instead (the bfloat16 file passed onnx.checker)")
+    progress.note(
+        "ONNX Runtime's CPU provider has no bfloat16 kernels: checking a float32 export of the same "
+        "weights instead (the bfloat16 file passed onnx.checker)"
+    )
     f32 = copy.deepcopy(model).float()
     f32_path = os.path.join(os.path.dirname(path), "float32-check.onnx")
     export_onnx(f32, f32_path, kv_block_size=a.kv_block_size, external_data=None)

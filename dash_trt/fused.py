@@ -76,8 +76,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, x2.stride(0), y.stride(0), float(eps), BLOCK=block,
-                               num_warps=8 if block >= 2048 else 4)
+        kernel[(x2.shape[0],)](
+            x2,
+            weight.contiguous(),
+            y,
+            n,
+            x2.stride(0),
+            y.stride(0),
+            float(eps),
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )
     return y.view(x.shape)
 
 

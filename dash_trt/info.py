@@ -46,8 +46,9 @@ def _kernels() -> dict[str, Any]:
     path = cuda.library_path()
     out: dict[str, Any] = {"expected_abi": cuda.ABI_VERSION, "path": str(path) if path else None}
     if path is None:
-        out["status"] = "not found (the package was installed without a CUDA compiler; the PyTorch paged operator " \
-                        "runs instead)"
+        out["status"] = (
+            "not found (the package was installed without a CUDA compiler; the PyTorch paged operator runs instead)"
+        )
         return out
     try:
         out["abi"] = int(cuda._library().dash_abi_version())
@@ -57,8 +58,10 @@ def _kernels() -> dict[str, Any]:
         out["routing"] = "unlimited-ocr-2" if cuda.routing_fence() is None else "withdrawn"
         out["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
-        out["status"] = (f"cannot be loaded ({type(exc).__name__}: {exc}); a library of another dash-trt version? "
-                         f"reinstall the package, or point DASH_TRT_LIBRARY at a current build")
+        out["status"] = (
+            f"cannot be loaded ({type(exc).__name__}: {exc}); a library of another dash-trt version? "
+            f"reinstall the package, or point DASH_TRT_LIBRARY at a current build"
+        )
     return out
 
 
@@ -70,9 +73,16 @@ def _gpu() -> dict[str, Any]:
     devices = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": p.name, "capability": f"sm_{p.major}{p.minor}", "major": p.major,
-                        "minor": p.minor,
-                        "memory_gib": round(p.total_memory / 2**30, 1)})
+        devices.append(
+            {
+                "index": i,
+                "name": p.name,
+                "capability": f"sm_{p.major}{p.minor}",
+                "major": p.major,
+                "minor": p.minor,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+            }
+        )
     return {"available": True, "devices": devices}
 
 
@@ -95,18 +105,25 @@ def _tensorrt() -> dict[str, Any]:
     elif os.environ.get("DASH_TRT_PLUGIN"):
         out["plugin_note"] = f"DASH_TRT_PLUGIN={os.environ['DASH_TRT_PLUGIN']} is not a file"
     else:
-        out["plugin_note"] = ("not in this installation (a wheel built with TensorRT headers carries it; or build it "
-                              "with cmake -DDASH_BUILD_TRT_PLUGIN=ON and set DASH_TRT_PLUGIN)")
+        out["plugin_note"] = (
+            "not in this installation (a wheel built with TensorRT headers carries it; or build it "
+            "with cmake -DDASH_BUILD_TRT_PLUGIN=ON and set DASH_TRT_PLUGIN)"
+        )
     return out
 
 
 def _onnxruntime() -> dict[str, Any]:
-    dists = sorted(d for d in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
-                   if _dist_version(d))
+    dists = sorted(
+        d
+        for d in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+        if _dist_version(d)
+    )
     out: dict[str, Any] = {"distributions": {d: _dist_version(d) for d in dists}}
     if len(dists) > 1:
-        out["warning"] = (f"{' and '.join(dists)} are both installed: they write the same onnxruntime module, and the "
-                          f"one installed last wins")
+        out["warning"] = (
+            f"{' and '.join(dists)} are both installed: they write the same onnxruntime module, and the "
+            f"one installed last wins"
+        )
     if importlib.util.find_spec("onnxruntime") is None:
         out["status"] = "not installed"
         return out
@@ -143,12 +160,17 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
     print(f"torch {info['torch']['version']} (CUDA {info['torch']['cuda'] or 'none'})", file=out)
     if k.get("status") == "ok":
         archs = ", ".join(k["architectures"]) if k.get("architectures") else "architectures not reported"
-        print(f"kernel library: {k['path']} (ABI {k['abi']}; {archs}; head dims {', '.join(map(str, k['head_dims']))})",
-              file=out)
+        print(
+            f"kernel library: {k['path']} (ABI {k['abi']}; {archs}; head dims {', '.join(map(str, k['head_dims']))})",
+            file=out,
+        )
         if k.get("routing") == "withdrawn":
-            print("WARNING: the kernels route by a withdrawn rule, not Unlimited-OCR-2's: they refuse every launch, "
-                  "CUDA tensors run the PyTorch paged operator and the TensorRT plugin builds no engine "
-                  "(docs/spec.md, 'Which paths compute it')", file=out)
+            print(
+                "WARNING: the kernels route by a withdrawn rule, not Unlimited-OCR-2's: they refuse every launch, "
+                "CUDA tensors run the PyTorch paged operator and the TensorRT plugin builds no engine "
+                "(docs/spec.md, 'Which paths compute it')",
+                file=out,
+            )
     else:
         print(f"kernel library: {k['status']}" + (f" [{k['path']}]" if k.get("path") else ""), file=out)
     if g["available"]:
@@ -159,15 +181,24 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
 
             for d in g["devices"]:
                 if not runs_on((d["major"], d["minor"]), k["architectures"]):
-                    print(f"WARNING: the kernel library has no code for GPU {d['index']} ({d['capability']}): "
-                          f"built for {', '.join(k['architectures'])}", file=out)
+                    print(
+                        f"WARNING: the kernel library has no code for GPU {d['index']} ({d['capability']}): "
+                        f"built for {', '.join(k['architectures'])}",
+                        file=out,
+                    )
         if k.get("status") != "ok":
-            print("WARNING: a GPU is visible but the DASH kernels are not: CUDA tensors run the PyTorch paged "
-                  "operator, far slower (reinstall with nvcc on PATH)", file=out)
+            print(
+                "WARNING: a GPU is visible but the DASH kernels are not: CUDA tensors run the PyTorch paged "
+                "operator, far slower (reinstall with nvcc on PATH)",
+                file=out,
+            )
     else:
         print("GPU: none visible to torch", file=out)
-    print(f"TensorRT: {t['python_package'] or 'not installed'}; plugin library: {t['plugin_library'] or t['plugin_note']}",
-          file=out)
+    print(
+        f"TensorRT: {t['python_package'] or 'not installed'}; "
+        f"plugin library: {t['plugin_library'] or t['plugin_note']}",
+        file=out,
+    )
     dists = ", ".join(f"{d} {v}" for d, v in o["distributions"].items()) or "no distribution"
     line = f"ONNX Runtime: {dists}"
     if o.get("status") == "ok":
@@ -177,17 +208,26 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
     print(line, file=out)
     if o.get("warning"):
         print(f"WARNING: {o['warning']}", file=out)
-    print(f"onnx {info['onnx'] or 'not installed'}; tritonclient {info['triton']['tritonclient'] or 'not installed'}, "
-          f"nvidia-pytriton {info['triton']['nvidia-pytriton'] or 'not installed'}", file=out)
+    print(
+        f"onnx {info['onnx'] or 'not installed'}; tritonclient {info['triton']['tritonclient'] or 'not installed'}, "
+        f"nvidia-pytriton {info['triton']['nvidia-pytriton'] or 'not installed'}",
+        file=out,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dash-trt", description="What this dash-trt installation has.",
-                                epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE)
+    p = argparse.ArgumentParser(
+        prog="dash-trt",
+        description="What this dash-trt installation has.",
+        epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE,
+    )
     p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("info", help="the package, kernel library, GPU, TensorRT, ONNX Runtime and torch found",
-                       epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE)
+    i = sub.add_parser(
+        "info",
+        help="the package, kernel library, GPU, TensorRT, ONNX Runtime and torch found",
+        epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE,
+    )
     i.add_argument("--json", action="store_true", help="one JSON object")
     i.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p

@@ -131,13 +131,27 @@ class DashModelConfig:
     #: Every other key of the config.json (a user's model reads its own keys here).
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
-    _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "intermediate_size")
+    _REQUIRED = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+    )
 
     #: Upper bounds of the sizes (far above any real decoder; a typo such as 10**9 layers must
     #: be an error, not an allocation that runs until memory is gone).
-    _LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
-               "num_key_value_heads": 1024, "head_dim": 1024, "intermediate_size": 1 << 18}
+    _LIMITS = {
+        "vocab_size": 1 << 24,
+        "hidden_size": 1 << 16,
+        "num_hidden_layers": 1024,
+        "num_attention_heads": 1024,
+        "num_key_value_heads": 1024,
+        "head_dim": 1024,
+        "intermediate_size": 1 << 18,
+    }
 
     def __post_init__(self) -> None:
         for name in self._REQUIRED:
@@ -145,25 +159,30 @@ class DashModelConfig:
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ModelConfigError(f"model config key '{name}' must be a positive integer, got {val!r}")
             if val > self._LIMITS[name]:
-                raise ModelConfigError(f"model config key '{name}' is {val}, more than the supported "
-                                       f"{self._LIMITS[name]}")
+                raise ModelConfigError(
+                    f"model config key '{name}' is {val}, more than the supported {self._LIMITS[name]}"
+                )
         if not isinstance(self.tie_word_embeddings, bool):
             raise ModelConfigError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         eos = self.eos_token_id
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
-            raise ModelConfigError(f"eos_token_id must be a token id in 0..{self.vocab_size - 1} (or null), "
-                                   f"got {eos!r}")
+            raise ModelConfigError(
+                f"eos_token_id must be a token id in 0..{self.vocab_size - 1} (or null), got {eos!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
-                and self.rms_norm_eps > 0):
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not (
+            isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0
+        ):
             raise ModelConfigError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         ifd = self.image_feature_dim
         if ifd is not None and (isinstance(ifd, bool) or not isinstance(ifd, int) or not 0 < ifd <= 1 << 16):
-            raise ModelConfigError(f"image_feature_dim must be a positive integer up to {1 << 16} (or null), "
-                                   f"got {ifd!r}")
+            raise ModelConfigError(
+                f"image_feature_dim must be a positive integer up to {1 << 16} (or null), got {ifd!r}"
+            )
         if not isinstance(self.extra, Mapping):
             raise ModelConfigError(f"extra must be a mapping of config keys, got {type(self.extra).__name__}")
         if self.torch_dtype not in DTYPES:
@@ -175,8 +194,9 @@ class DashModelConfig:
         except DashConfigError as exc:
             raise ModelConfigError(str(exc)) from None
         if self.index_head_dim > self._LIMITS["head_dim"]:
-            raise ModelConfigError(f"sparse_index_dim is {self.index_head_dim}, more than the supported "
-                                   f"{self._LIMITS['head_dim']}")
+            raise ModelConfigError(
+                f"sparse_index_dim is {self.index_head_dim}, more than the supported {self._LIMITS['head_dim']}"
+            )
         for name in ("image_token_id", "page_token_id"):
             tid = getattr(self.dash, name)
             if tid is None:
@@ -221,7 +241,9 @@ class DashModelConfig:
         out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE} if builtin else {}
         out.update(self.extra)
         for f in dataclasses.fields(self):
-            if f.name not in ("dash", "extra") and not (f.name == "image_feature_dim" and self.image_feature_dim is None):
+            if f.name not in ("dash", "extra") and not (
+                f.name == "image_feature_dim" and self.image_feature_dim is None
+            ):
                 out[f.name] = getattr(self, f.name)
         out[CONFIG_SECTION] = self.dash.to_dict()
         return out
@@ -231,10 +253,15 @@ class DashModelConfig:
         if not isinstance(config, Mapping):
             raise ModelConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
         if CONFIG_SECTION not in config:
-            raise ModelConfigError(missing_section_message(config, source) + (
-                "" if "dash_attention_config" in config else
-                ": it does not describe a DASH attention model (add the section with the sparse_* keys, "
-                "see export/README.md)"))
+            raise ModelConfigError(
+                missing_section_message(config, source)
+                + (
+                    ""
+                    if "dash_attention_config" in config
+                    else ": it does not describe a DASH attention model (add the section with the sparse_* keys, "
+                    "see export/README.md)"
+                )
+            )
         try:
             dash = DashConfig.from_model_config(config)
         except DashConfigError as exc:
@@ -243,12 +270,15 @@ class DashModelConfig:
         if missing:
             raise ModelConfigError(f"{source} is missing key(s): {', '.join(missing)}")
         if "index_head_dim" in config and config["index_head_dim"] != dash.sparse_index_dim:
-            raise ModelConfigError(f"{source}: index_head_dim is {config['index_head_dim']!r}, but "
-                                   f"{CONFIG_SECTION}.sparse_index_dim is {dash.sparse_index_dim} (the indexer's "
-                                   f"width is that key; leave index_head_dim out)")
+            raise ModelConfigError(
+                f"{source}: index_head_dim is {config['index_head_dim']!r}, but "
+                f"{CONFIG_SECTION}.sparse_index_dim is {dash.sparse_index_dim} (the indexer's "
+                f"width is that key; leave index_head_dim out)"
+            )
         values = {k: config[k] for k in cls._FIELDS if k in config}
-        extra = {k: v for k, v in config.items()
-                 if k not in cls._FIELDS and k not in (CONFIG_SECTION, "index_head_dim")}
+        extra = {
+            k: v for k, v in config.items() if k not in cls._FIELDS and k not in (CONFIG_SECTION, "index_head_dim")
+        }
         return cls(dash=dash, extra=extra, **values)
 
     def replace(self, **changes) -> DashModelConfig:
@@ -325,7 +355,7 @@ def tokenize(text: str, config: DashModelConfig) -> list[int]:
     ids: list[int] = []
     pos = 0
     for m in _SPECIAL.finditer(text):
-        ids += list(text[pos:m.start()].encode("utf-8"))
+        ids += list(text[pos : m.start()].encode("utf-8"))
         if m.group(0) == "<PAGE>":
             ids.append(config.page_token_id)
         else:
@@ -350,8 +380,9 @@ def detokenize(ids: Sequence[int], config: DashModelConfig) -> str:
     return "".join(out)
 
 
-def document_prompt(image_tokens_per_page: Sequence[int], question: str, config: DashModelConfig,
-                    preamble: str = "") -> list[int]:
+def document_prompt(
+    image_tokens_per_page: Sequence[int], question: str, config: DashModelConfig, preamble: str = ""
+) -> list[int]:
     """``preamble <PAGE><image>... <PAGE><image>... question``."""
     pages = "".join(f"<PAGE><image*{n}>" for n in image_tokens_per_page)
     return tokenize(preamble + pages + question, config)
@@ -367,8 +398,10 @@ def check_prompts(model: DashModel, seed: int = 0) -> tuple[list[list[int]], lis
     def pages(n):
         return [int(x) for x in torch.randint(8, 48, (n,), generator=gen)]
 
-    prompts = [document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
-               document_prompt(pages(2), "Title?", cfg)]
+    prompts = [
+        document_prompt(pages(3), "Summarise page 2.", cfg, preamble="Doc: "),
+        document_prompt(pages(2), "Title?", cfg),
+    ]
     if not model.takes_image_features:
         return prompts, None
     n_img = sum(t == cfg.image_token_id for t in prompts[0])
@@ -401,8 +434,10 @@ def image_feature_rows(ids: Sequence[int], config: DashModelConfig, num_features
         else:
             rows.append(-1)
     if n != num_features:
-        raise ValueError(f"the prompt has {n} image tokens and {num_features} image feature rows: give one row "
-                         f"per <image> token, in order")
+        raise ValueError(
+            f"the prompt has {n} image tokens and {num_features} image feature rows: give one row "
+            f"per <image> token, in order"
+        )
     return rows
 
 
@@ -435,7 +470,8 @@ def resolve_model_class(spec: str | type | None = None, config: DashModelConfig 
             raise ModelContractError(
                 f"the config names the architecture {arch!r}, which is neither {ARCHITECTURE} nor registered under "
                 f"the '{MODEL_ENTRY_POINTS}' entry points: pass the class (dash-export --model module:Class or "
-                f"path/to/file.py:Class)")
+                f"path/to/file.py:Class)"
+            )
         cls = found[0].load()
     if not (isinstance(cls, type) and issubclass(cls, DashModel)):
         raise ModelContractError(f"{spec or cls!r} is not a dash_trt.modeling.DashModel subclass (see docs/models.md)")
@@ -469,7 +505,9 @@ def _import_class(spec: str) -> type:
     except ImportError as exc:
         raise ModelContractError(f"--model {spec!r}: cannot import {module_name}: {exc}") from None
     except Exception as exc:  # the user's module raised while importing
-        raise ModelContractError(f"--model {spec!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+        raise ModelContractError(
+            f"--model {spec!r}: importing {module_name} failed: {type(exc).__name__}: {exc}"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -615,8 +653,9 @@ def _init_weights(model: DashModel, gen: torch.Generator) -> None:
     embedding tables and other vectors N(0, 1), biases N(0, 0.1), matrices N(0, 1/fan_in); the
     weights of norms applied as ``1 + weight`` (``zero_centered``, the DASH router's) N(0, 0.1)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    norm_modules = [m for n, m in model.named_modules()
-                    if "norm" in type(m).__name__.lower() or "norm" in n.split(".")[-1]]
+    norm_modules = [
+        m for n, m in model.named_modules() if "norm" in type(m).__name__.lower() or "norm" in n.split(".")[-1]
+    ]
     norms = {id(p): getattr(m, "zero_centered", False) for m in norm_modules for p in m.parameters(recurse=False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -631,9 +670,14 @@ def _init_weights(model: DashModel, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, **kw))
 
 
-def random_model(config: DashModelConfig | Mapping[str, Any], *, seed: int = 0,
-                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 model_class: str | type | None = None) -> DashModel:
+def random_model(
+    config: DashModelConfig | Mapping[str, Any],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    model_class: str | type | None = None,
+) -> DashModel:
     """A model of ``config`` with random weights (for demos, tests and benchmarks); its class
     from ``model_class`` or the config (:func:`resolve_model_class`). ``device`` builds and
     fills it there (a GPU's generator: other numbers than the CPU's, and seconds instead of
@@ -671,8 +715,10 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
 def saved_config(model: DashModel) -> dict[str, Any]:
     """The config.json of ``model`` as saved: its dtype and its class's name as the architecture."""
     c = model.config
-    return c.replace(torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype),
-                     extra={**c.extra, "architectures": [type(model).__name__]}).to_dict()
+    return c.replace(
+        torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype),
+        extra={**c.extra, "architectures": [type(model).__name__]},
+    ).to_dict()
 
 
 def save_checkpoint(model: DashModel, path: str | os.PathLike, *, config_json: bool = False) -> None:
@@ -704,9 +750,13 @@ def save_pretrained(model: DashModel, folder: str | os.PathLike, *, max_shard_by
         raise CheckpointError(str(exc)) from None
 
 
-def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
-                    config: DashModelConfig | Mapping[str, Any] | None = None,
-                    model_class: str | type | None = None) -> DashModel:
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    allow_pickle: bool = False,
+    config: DashModelConfig | Mapping[str, Any] | None = None,
+    model_class: str | type | None = None,
+) -> DashModel:
     """Read a checkpoint: a ``model.pt``; a Hugging Face folder (``config.json`` with
     ``model.safetensors`` or sharded safetensors and their index, :mod:`dash_trt.pretrained`;
     or with a ``model.pt``); or one ``.safetensors`` file with the ``config.json`` beside it.
@@ -739,8 +789,10 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
             if config is None:
                 beside = os.path.join(os.path.dirname(os.path.abspath(path)), HF.CONFIG_FILE)
                 if not os.path.isfile(beside):
-                    raise CheckpointError(f"{path}: a safetensors file holds no config; put the model's "
-                                          f"{HF.CONFIG_FILE} beside it or pass it (dash-export --config)")
+                    raise CheckpointError(
+                        f"{path}: a safetensors file holds no config; put the model's "
+                        f"{HF.CONFIG_FILE} beside it or pass it (dash-export --config)"
+                    )
                 config = load_model_config(beside)
             return _from_state(path, HF.read_safetensors(path), config, model_class)
     except HF.PretrainedError as exc:
@@ -755,23 +807,30 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
             raise CheckpointError(
                 f"{path} is unsafe: unpickling it would call {blocked.group(1)} (module {blocked.group(2)}), which "
                 f"runs code on this machine; a checkpoint holds tensors, so the file is malicious or broken. It was "
-                f"not loaded; do not load it with --unsafe-load (allow_pickle=True), which would make that call") from None
+                f"not loaded; do not load it with --unsafe-load (allow_pickle=True), which would make that call"
+            ) from None
         found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(exc))
         if found:
             raise CheckpointError(
-                f"{path} holds pickled Python objects ({found.group(1)}; for example a whole nn.Module), which the safe "
+                f"{path} holds pickled Python objects ({found.group(1)}; for example a whole nn.Module), "
+                f"which the safe "
                 f"loader (torch.load(weights_only=True)) refuses. Save it as "
                 f"{{'config': ..., 'state_dict': ...}} (dash_trt.model.save_checkpoint), or, only if you "
                 f"trust the file, pass --unsafe-load (allow_pickle=True): unpickling can run arbitrary "
-                f"code.") from None
+                f"code."
+            ) from None
         # Not torch's advice to drop weights_only (that would unpickle untrusted code, and
         # does not mend a damaged file): the unpickler's own reason.
         why = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", str(exc), re.S)
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
-                              f"{' '.join(why.group(1).split()) if why else _first_line(exc)}") from None
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
+            f"{' '.join(why.group(1).split()) if why else _first_line(exc)}"
+        ) from None
     except Exception as exc:  # zip errors, EOF, bad magic number, ...
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
-                              f"{type(exc).__name__}: {_first_line(exc)}") from None
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint (corrupt or truncated?): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from None
 
     if isinstance(obj, DashModel):  # only reachable with allow_pickle
         model = obj
@@ -781,8 +840,7 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     if isinstance(obj, nn.Module):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a DashModel (docs/models.md)")
     if not isinstance(obj, Mapping):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}; expected a dict with 'config' and "
-                              f"'state_dict'")
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}; expected a dict with 'config' and 'state_dict'")
     if "state_dict" in obj:
         state, ckpt_config = obj["state_dict"], obj.get("config")
     elif all(isinstance(v, torch.Tensor) for v in obj.values()) and obj:
@@ -791,8 +849,7 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
         raise CheckpointError(f"{path} has no 'state_dict' entry (keys: {sorted(map(str, obj))[:8]})")
     if config is None:
         if ckpt_config is None:
-            raise CheckpointError(f"{path} has no 'config' entry; pass the model's config.json "
-                                  f"(dash-export --config)")
+            raise CheckpointError(f"{path} has no 'config' entry; pass the model's config.json (dash-export --config)")
         config = ckpt_config
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")
@@ -808,11 +865,16 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config, model_clas
 
     if not isinstance(config, DashModelConfig):
         config = DashModelConfig.from_dict(config, source=f"config of {path}")
-    nonfinite = [k for k, v in state.items()
-                 if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    nonfinite = [
+        k
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
     if nonfinite:
-        raise CheckpointError(f"{path}: {len(nonfinite)} weight tensor(s) hold NaN or inf values "
-                              f"({_few(nonfinite, 3)}); the model would compute NaN logits")
+        raise CheckpointError(
+            f"{path}: {len(nonfinite)} weight tensor(s) hold NaN or inf values "
+            f"({_few(nonfinite, 3)}); the model would compute NaN logits"
+        )
     try:
         model = build_model(config, model_class)
     except ModelContractError as exc:
@@ -822,8 +884,11 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config, model_clas
         state = HF.match_names(state, set(expected), type(model).checkpoint_prefix)
     except HF.PretrainedError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    wrong = [f"{k} is {list(v.shape)} in the checkpoint, {list(expected[k].shape)} in the model"
-             for k, v in state.items() if k in expected and isinstance(v, torch.Tensor) and v.shape != expected[k].shape]
+    wrong = [
+        f"{k} is {list(v.shape)} in the checkpoint, {list(expected[k].shape)} in the model"
+        for k, v in state.items()
+        if k in expected and isinstance(v, torch.Tensor) and v.shape != expected[k].shape
+    ]
     if wrong:
         raise CheckpointError(f"{path}: weights do not match the config: {_few(wrong, 3)}")
     result = model.load_state_dict(state, strict=False)
@@ -836,7 +901,8 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config, model_clas
     if missing or result.unexpected_keys:
         raise CheckpointError(
             f"{path}: weights do not match the config: missing {_few(missing)}, "
-            f"unexpected {_few(result.unexpected_keys)}")
+            f"unexpected {_few(result.unexpected_keys)}"
+        )
     dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     return model.to(dtypes.pop() if len(dtypes) == 1 else config.dtype).eval()
 
@@ -894,10 +960,20 @@ def _greedy(logits: torch.Tensor, config: DashModelConfig) -> int:
     return int(greedy_tokens(logits[None], config.image_token_id)[0])
 
 
-def generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             prefill_chunk: int | None = None, kv_block_size: int = 16, num_blocks: int | None = None,
-             stop_at_eos: bool = True, forward: ForwardFn | None = None, cuda_graphs: bool | None = None,
-             keep_logits: bool = True, image_features: Sequence[torch.Tensor | None] | None = None) -> Generation:
+def generate(
+    model: DashModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    prefill_chunk: int | None = None,
+    kv_block_size: int = 16,
+    num_blocks: int | None = None,
+    stop_at_eos: bool = True,
+    forward: ForwardFn | None = None,
+    cuda_graphs: bool | None = None,
+    keep_logits: bool = True,
+    image_features: Sequence[torch.Tensor | None] | None = None,
+) -> Generation:
     """Greedy generation over the paged cache, on the serving runtime
     (:class:`dash_trt.runtime.PagedRuntime`: caches written in place, logits only for the
     tokens chosen, decode steps replayed from CUDA graphs on the kernels).
@@ -923,8 +999,15 @@ def generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens:
     reserve = [len(p) + max(max_new_tokens, 1) - 1 for p in prompts]
     if num_blocks is None:
         num_blocks = sum(-(-r // kv_block_size) for r in reserve) + 1
-    runtime = PagedRuntime(model, num_blocks, kv_block_size, forward=forward, max_model_len=max(reserve),
-                           max_num_seqs=len(prompts), cuda_graphs=cuda_graphs)
+    runtime = PagedRuntime(
+        model,
+        num_blocks,
+        kv_block_size,
+        forward=forward,
+        max_model_len=max(reserve),
+        max_num_seqs=len(prompts),
+        cuda_graphs=cuda_graphs,
+    )
     n = len(prompts)
     feats = list(image_features) if image_features is not None else [None] * n
     if len(feats) != n:
@@ -959,9 +1042,14 @@ def generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens:
     return result
 
 
-def reference_generate(model: DashModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                       stop_at_eos: bool = True,
-                       image_features: Sequence[torch.Tensor | None] | None = None) -> Generation:
+def reference_generate(
+    model: DashModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    stop_at_eos: bool = True,
+    image_features: Sequence[torch.Tensor | None] | None = None,
+) -> Generation:
     """Step-by-step reference for :func:`generate`: every token re-runs the whole
     sequence through the dense reference attention, no cache."""
     cfg = model.config

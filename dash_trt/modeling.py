@@ -40,8 +40,17 @@ from .config import DashConfig
 from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
 from .paged import DashBatch, DashKVCache
 
-__all__ = ["DashAttention", "DashContext", "DashModel", "DashRouter", "RouterNorm", "ModelContractError",
-           "merge_image_features", "MODEL_INPUTS", "IMAGE_INPUTS"]
+__all__ = [
+    "DashAttention",
+    "DashContext",
+    "DashModel",
+    "DashRouter",
+    "RouterNorm",
+    "ModelContractError",
+    "merge_image_features",
+    "MODEL_INPUTS",
+    "IMAGE_INPUTS",
+]
 
 EXPORT, PAGED, REFERENCE = "export", "paged", "reference"
 
@@ -49,14 +58,12 @@ EXPORT, PAGED, REFERENCE = "export", "paged", "reference"
 #: ``logits_indices`` [N] int64 are the rows of the new tokens to score (vLLM's logits
 #: indices: the last token of each sequence that samples), so no runtime materialises
 #: [T, vocab] logits for prefill chunks; ``torch.arange(T)`` scores every token.
-MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens",
-                "logits_indices")
+MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens", "logits_indices")
 #: The inputs that follow MODEL_INPUTS in a model that takes image features (config
 #: ``image_feature_dim``): ``image_features`` [M, image_feature_dim] (model dtype), and
 #: ``image_feature_index`` [T] int64, for each new token its row of ``image_features`` or -1
 #: (embedded from the token table).
 IMAGE_INPUTS = ("image_features", "image_feature_index")
-
 
 
 class ModelContractError(ValueError):
@@ -71,9 +78,18 @@ class DashContext:
     Modes: ``export`` (caches in, updated caches collected in :attr:`new_caches`), ``paged``
     (caches written in place), ``reference`` (whole sequence, no cache)."""
 
-    def __init__(self, mode: str, num_layers: int, *, coords: torch.Tensor | None = None,
-                 meta: Sequence[torch.Tensor] = (), caches: Sequence[Any] = (), batch: DashBatch | None = None,
-                 roles: torch.Tensor | None = None, prompt_length: int | None = None):
+    def __init__(
+        self,
+        mode: str,
+        num_layers: int,
+        *,
+        coords: torch.Tensor | None = None,
+        meta: Sequence[torch.Tensor] = (),
+        caches: Sequence[Any] = (),
+        batch: DashBatch | None = None,
+        roles: torch.Tensor | None = None,
+        prompt_length: int | None = None,
+    ):
         self.mode = mode
         self.num_layers = int(num_layers)
         self.coords = coords
@@ -86,14 +102,27 @@ class DashContext:
         self.called = [False] * self.num_layers
 
     @classmethod
-    def export(cls, coords, block_tables, seq_lens, query_start_loc, prompt_lens,
-               flat_caches: Sequence[torch.Tensor], num_layers: int) -> DashContext:
+    def export(
+        cls,
+        coords,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        prompt_lens,
+        flat_caches: Sequence[torch.Tensor],
+        num_layers: int,
+    ) -> DashContext:
         n = len(CACHE_FIELDS)
         if len(flat_caches) != n * num_layers:
             raise ValueError(f"expected {n * num_layers} cache tensors ({n} per layer), got {len(flat_caches)}")
-        per_layer = [tuple(flat_caches[n * i:n * (i + 1)]) for i in range(num_layers)]
-        return cls(EXPORT, num_layers, coords=coords, meta=(block_tables, seq_lens, query_start_loc, prompt_lens),
-                   caches=per_layer)
+        per_layer = [tuple(flat_caches[n * i : n * (i + 1)]) for i in range(num_layers)]
+        return cls(
+            EXPORT,
+            num_layers,
+            coords=coords,
+            meta=(block_tables, seq_lens, query_start_loc, prompt_lens),
+            caches=per_layer,
+        )
 
     @classmethod
     def paged(cls, coords, batch: DashBatch, caches: Sequence[DashKVCache]) -> DashContext:
@@ -106,20 +135,26 @@ class DashContext:
     def attend(self, module: DashAttention, q, k, v, iq, ik, head_cls) -> torch.Tensor:
         i = module.layer_idx
         if not 0 <= i < self.num_layers:
-            raise ModelContractError(f"DashAttention layer_idx {i} is outside 0..{self.num_layers - 1} (the "
-                                     f"config's num_hidden_layers is {self.num_layers})")
+            raise ModelContractError(
+                f"DashAttention layer_idx {i} is outside 0..{self.num_layers - 1} (the "
+                f"config's num_hidden_layers is {self.num_layers})"
+            )
         if self.called[i]:
-            raise ModelContractError(f"DashAttention layer {i} was called twice in one pass: each layer index "
-                                     f"must belong to one module, called once")
+            raise ModelContractError(
+                f"DashAttention layer {i} was called twice in one pass: each layer index "
+                f"must belong to one module, called once"
+            )
         self.called[i] = True
         if self.mode == EXPORT:
-            out, new = paged_attention(q, k, v, iq, ik, self.coords, head_cls, self.caches[i], *self.meta,
-                                       module.dash, i)
+            out, new = paged_attention(
+                q, k, v, iq, ik, self.coords, head_cls, self.caches[i], *self.meta, module.dash, i
+            )
             self.new_caches[i] = new
             return out
         if self.mode == PAGED:
-            return paged_attention_inplace(q, k, v, iq, ik, self.coords, head_cls, self.caches[i], self.batch,
-                                           module.dash, i, module.attrs())
+            return paged_attention_inplace(
+                q, k, v, iq, ik, self.coords, head_cls, self.caches[i], self.batch, module.dash, i, module.attrs()
+            )
         from .reference import dash_attention
 
         return dash_attention(q, k, v, iq, ik, self.roles, head_cls, module.dash, i, self.prompt_length)
@@ -127,8 +162,10 @@ class DashContext:
     def check_complete(self) -> None:
         missing = [i for i, c in enumerate(self.called) if not c]
         if missing:
-            raise ModelContractError(f"the forward pass never called DashAttention layer(s) {missing[:8]}: the "
-                                     f"model must call every layer's DashAttention module once")
+            raise ModelContractError(
+                f"the forward pass never called DashAttention layer(s) {missing[:8]}: the "
+                f"model must call every layer's DashAttention module once"
+            )
 
 
 class RouterNorm(nn.Module):
@@ -189,8 +226,16 @@ class DashAttention(nn.Module):
     or a :class:`~dash_trt.config.DashConfig` with the sizes given explicitly.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, num_heads: int | None = None,
-                 num_kv_heads: int | None = None, head_dim: int | None = None, index_head_dim: int | None = None):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        index_head_dim: int | None = None,
+    ):
         super().__init__()
         model_config = None if isinstance(config, DashConfig) else config
         self.dash: DashConfig = config if model_config is None else model_config.dash
@@ -208,8 +253,10 @@ class DashAttention(nn.Module):
         self.head_dim = size(head_dim, "head_dim")
         self.index_head_dim = size(index_head_dim, "index_head_dim")
         if self.num_heads % self.num_kv_heads:
-            raise ModelContractError(f"DashAttention layer {layer_idx}: {self.num_heads} heads are not a multiple "
-                                     f"of {self.num_kv_heads} KV heads")
+            raise ModelContractError(
+                f"DashAttention layer {layer_idx}: {self.num_heads} heads are not a multiple "
+                f"of {self.num_kv_heads} KV heads"
+            )
         self._attrs: dict | None = None
 
     def attrs(self) -> dict:
@@ -220,21 +267,32 @@ class DashAttention(nn.Module):
 
     def forward(self, q, k, v, iq, ik, head_cls, dash: DashContext) -> torch.Tensor:
         if not isinstance(dash, DashContext):
-            raise ModelContractError(f"DashAttention layer {self.layer_idx} needs the DashContext the tools pass "
-                                     f"to the model's forward, got {type(dash).__name__}")
+            raise ModelContractError(
+                f"DashAttention layer {self.layer_idx} needs the DashContext the tools pass "
+                f"to the model's forward, got {type(dash).__name__}"
+            )
         t = q.shape[0]
-        want = {"q": (q, (t, self.num_heads, self.head_dim)), "k": (k, (t, self.num_kv_heads, self.head_dim)),
-                "v": (v, (t, self.num_kv_heads, self.head_dim)), "iq": (iq, (t, self.index_head_dim)),
-                "ik": (ik, (t, self.index_head_dim)), "head_cls": (head_cls, (self.index_head_dim,))}
+        want = {
+            "q": (q, (t, self.num_heads, self.head_dim)),
+            "k": (k, (t, self.num_kv_heads, self.head_dim)),
+            "v": (v, (t, self.num_kv_heads, self.head_dim)),
+            "iq": (iq, (t, self.index_head_dim)),
+            "ik": (ik, (t, self.index_head_dim)),
+            "head_cls": (head_cls, (self.index_head_dim,)),
+        }
         for name, (x, shape) in want.items():
             if x.dim() != len(shape) or any(isinstance(a, int) and a != b for a, b in zip(x.shape, shape)):
-                raise ModelContractError(f"DashAttention layer {self.layer_idx}: {name} is {list(x.shape)}, "
-                                         f"expected {list(shape)} (T, heads, head_dim as configured)")
+                raise ModelContractError(
+                    f"DashAttention layer {self.layer_idx}: {name} is {list(x.shape)}, "
+                    f"expected {list(shape)} (T, heads, head_dim as configured)"
+                )
         return dash.attend(self, q, k, v, iq, ik, head_cls)
 
     def extra_repr(self) -> str:
-        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, index_head_dim={self.index_head_dim}")
+        return (
+            f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, index_head_dim={self.index_head_dim}"
+        )
 
 
 def merge_image_features(embeds: torch.Tensor, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -272,9 +330,11 @@ class DashModel(nn.Module):
         """Image features [M, image_feature_dim] as decoder inputs [M, hidden_size]. The default
         passes features of the hidden size through (a vision encoder that already projects)."""
         if features.shape[-1] != self.config.hidden_size:
-            raise ModelContractError(f"{type(self).__name__} takes image features of {self.config.hidden_size} "
-                                     f"values (hidden_size), got {features.shape[-1]}; implement "
-                                     f"embed_image_features to project them")
+            raise ModelContractError(
+                f"{type(self).__name__} takes image features of {self.config.hidden_size} "
+                f"values (hidden_size), got {features.shape[-1]}; implement "
+                f"embed_image_features to project them"
+            )
         return features
 
     # --------------------------------------------------------------- toolkit
@@ -302,7 +362,8 @@ class DashModel(nn.Module):
         if idx != list(range(n)):
             raise ModelContractError(
                 f"{type(self).__name__} has DashAttention modules with layer indices {idx[:12]}, the config's "
-                f"num_hidden_layers is {n}: expected exactly one module for each of 0..{n - 1}")
+                f"num_hidden_layers is {n}: expected exactly one module for each of 0..{n - 1}"
+            )
         c = self.config
         for m in found:
             got = (m.num_heads, m.num_kv_heads, m.head_dim, m.index_head_dim)
@@ -310,15 +371,20 @@ class DashModel(nn.Module):
             if got != want:
                 raise ModelContractError(
                     f"DashAttention layer {m.layer_idx} has heads, kv_heads, head_dim, index_head_dim {got}; the "
-                    f"config says {want} (the caches and kernels are sized from the config)")
+                    f"config says {want} (the caches and kernels are sized from the config)"
+                )
         return sorted(found, key=lambda m: m.layer_idx)
 
     def cache_names(self, prefix: str) -> list[str]:
         """Flat names of the cache tensors (``{prefix}.{layer}.{field}``)."""
         return [f"{prefix}.{i}.{f}" for i in range(self.config.num_hidden_layers) for f in CACHE_FIELDS]
 
-    def input_embeddings(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None,
-                         image_feature_index: torch.Tensor | None = None) -> torch.Tensor:
+    def input_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        image_features: torch.Tensor | None = None,
+        image_feature_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token embeddings, with image features put at the rows ``image_feature_index`` names."""
         x = self.embed_input_ids(input_ids)
         if image_features is not None and image_feature_index is not None:
@@ -326,16 +392,18 @@ class DashModel(nn.Module):
             x = merge_image_features(x, feats, image_feature_index)
         return x
 
-    def export_forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens,
-                       logits_indices, *rest):
+    def export_forward(
+        self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices, *rest
+    ):
         """The exported graph's function: ``(logits [N, vocab] float32, *new caches)``. ``rest``
         is the caches, preceded by ``image_features, image_feature_index`` when the model takes
         image features (:attr:`takes_image_features`)."""
         feats = index = None
         if self.takes_image_features:
             feats, index, *rest = rest
-        ctx = DashContext.export(coords, block_tables, seq_lens, query_start_loc, prompt_lens, rest,
-                                 self.config.num_hidden_layers)
+        ctx = DashContext.export(
+            coords, block_tables, seq_lens, query_start_loc, prompt_lens, rest, self.config.num_hidden_layers
+        )
         hidden = self(self.input_embeddings(input_ids, feats, index), ctx)
         ctx.check_complete()
         return (self.logits(hidden, logits_indices), *[t for c in ctx.new_caches for t in c])
@@ -344,10 +412,16 @@ class DashModel(nn.Module):
         """Float32 logits of the rows ``logits_indices`` of the last hidden states."""
         return self.compute_logits(torch.index_select(hidden, 0, logits_indices)).float()
 
-    def forward_paged(self, input_ids: torch.Tensor, coords: torch.Tensor, batch: DashBatch,
-                      caches: Sequence[DashKVCache], logits_indices: torch.Tensor,
-                      image_features: torch.Tensor | None = None,
-                      image_feature_index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        coords: torch.Tensor,
+        batch: DashBatch,
+        caches: Sequence[DashKVCache],
+        logits_indices: torch.Tensor,
+        image_features: torch.Tensor | None = None,
+        image_feature_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The forward pass with every layer's cache written in place (the serving form of
         :meth:`export_forward`): the same ``batch`` for every layer, no copy of the pool, no
         host synchronisation on the CUDA kernels. Returns the logits [N, vocab] (float32)."""
@@ -357,8 +431,12 @@ class DashModel(nn.Module):
         hidden = self(self.input_embeddings(input_ids, image_features, image_feature_index), ctx)
         return self.logits(hidden, logits_indices)
 
-    def reference_logits(self, ids: Sequence[int] | torch.Tensor, prompt_length: int | None = None,
-                         image_features: torch.Tensor | None = None) -> torch.Tensor:
+    def reference_logits(
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        prompt_length: int | None = None,
+        image_features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [S, vocab] of a whole sequence without a cache (dense reference attention,
         :func:`dash_trt.reference.dash_attention`); ``image_features`` [M, F] go to the
         sequence's image tokens in order (all of them, or none)."""
@@ -368,22 +446,33 @@ class DashModel(nn.Module):
         roles = token_roles(ids.cpu(), self.config).to(self.device)
         index = None
         if image_features is not None:
-            index = torch.as_tensor(image_feature_rows(ids.cpu().tolist(), self.config, len(image_features)),
-                                    device=self.device)
+            index = torch.as_tensor(
+                image_feature_rows(ids.cpu().tolist(), self.config, len(image_features)), device=self.device
+            )
             image_features = image_features.to(self.device)
         ctx = DashContext.reference(roles, prompt_length, self.config.num_hidden_layers)
         hidden = self(self.input_embeddings(ids, image_features, index), ctx)
         ctx.check_complete()
         return self.compute_logits(hidden).float()
 
-    def allocate_cache(self, num_blocks: int, kv_block_size: int,
-                       device: str | torch.device | None = None) -> list[DashKVCache]:
+    def allocate_cache(
+        self, num_blocks: int, kv_block_size: int, device: str | torch.device | None = None
+    ) -> list[DashKVCache]:
         """One :class:`DashKVCache` per layer (on the model's device unless ``device``)."""
         c = self.config
-        return [DashKVCache.allocate(num_blocks, kv_block_size, c.num_key_value_heads, c.head_dim,
-                                     c.index_head_dim, c.dash.sparse_block_size, dtype=self.dtype,
-                                     device=self.device if device is None else device)
-                for _ in range(c.num_hidden_layers)]
+        return [
+            DashKVCache.allocate(
+                num_blocks,
+                kv_block_size,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.index_head_dim,
+                c.dash.sparse_block_size,
+                dtype=self.dtype,
+                device=self.device if device is None else device,
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
 
 
 class ExportGraph(nn.Module):
@@ -394,7 +483,7 @@ class ExportGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices,
-                *rest):
-        return self.model.export_forward(input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens,
-                                         logits_indices, *rest)
+    def forward(self, input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices, *rest):
+        return self.model.export_forward(
+            input_ids, coords, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices, *rest
+        )

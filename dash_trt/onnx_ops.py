@@ -75,8 +75,8 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from . import attributes as A
-from .ops import OUTPUTS, TENSOR_INPUTS, paged_attention_op
 from .config import ROUTE_TOP_M
+from .ops import OUTPUTS, TENSOR_INPUTS, paged_attention_op
 from .reference import NOT_CANDIDATE, NOT_REMOTE, SCORE_CLAMP
 
 __all__ = [
@@ -105,15 +105,31 @@ _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _INDEX_TYPES = ["tensor(int32)", "tensor(int64)"]
 #: type constraint of each input / output (see ``docs/api.md`` for the layouts)
 _INPUT_TYPES = {
-    "q": "T", "k": "T", "v": "T", "iq": "T", "ik": "T", "coords": "I", "head_cls": "TC",
-    "key_cache": "T", "value_cache": "T", "index_key_cache": "T",
-    "image_page_cache": "tensor(int32)", "summary_cache": "tensor(float)",
+    "q": "T",
+    "k": "T",
+    "v": "T",
+    "iq": "T",
+    "ik": "T",
+    "coords": "I",
+    "head_cls": "TC",
+    "key_cache": "T",
+    "value_cache": "T",
+    "index_key_cache": "T",
+    "image_page_cache": "tensor(int32)",
+    "summary_cache": "tensor(float)",
     "summary_pages_cache": "tensor(int32)",
-    "block_tables": "I", "seq_lens": "I", "query_start_loc": "I", "prompt_lens": "I",
+    "block_tables": "I",
+    "seq_lens": "I",
+    "query_start_loc": "I",
+    "prompt_lens": "I",
 }
 _OUTPUT_TYPES = {
-    "out": "T", "key_cache_out": "T", "value_cache_out": "T", "index_key_cache_out": "T",
-    "image_page_cache_out": "tensor(int32)", "summary_cache_out": "tensor(float)",
+    "out": "T",
+    "key_cache_out": "T",
+    "value_cache_out": "T",
+    "index_key_cache_out": "T",
+    "image_page_cache_out": "tensor(int32)",
+    "summary_cache_out": "tensor(float)",
     "summary_pages_cache_out": "tensor(int32)",
 }
 _ATTR_TYPE = {
@@ -138,7 +154,7 @@ def register_schema() -> None:
         DOMAIN,
         DOMAIN_VERSION,
         doc="DASH attention over a paged KV cache (block-sparse, page-aware RoPE); "
-            "returns the output and the updated caches. See dash_trt.onnx_ops.",
+        "returns the output and the updated caches. See dash_trt.onnx_ops.",
         inputs=[S.FormalParameter(n, _INPUT_TYPES[n]) for n in TENSOR_INPUTS],
         outputs=[S.FormalParameter(n, _OUTPUT_TYPES[n]) for n in OUTPUTS],
         type_constraints=[
@@ -146,10 +162,7 @@ def register_schema() -> None:
             ("TC", _FLOAT_TYPES, "head_cls"),
             ("I", _INDEX_TYPES, "coordinates and batch metadata"),
         ],
-        attributes=[
-            S.Attribute(a.name, _ATTR_TYPE[a.onnx_type], a.doc, required=True)
-            for a in A.NODE_ATTRIBUTES
-        ],
+        attributes=[S.Attribute(a.name, _ATTR_TYPE[a.onnx_type], a.doc, required=True) for a in A.NODE_ATTRIBUTES],
     )
     onnx.defs.register_schema(schema)
 
@@ -157,9 +170,8 @@ def register_schema() -> None:
 # ----------------------------------------------------------------------- translation
 def _translate(*inputs, **attrs):
     """Translation for ``custom_translation_table``: the bare custom node."""
-    import onnxscript
-
     import onnx_ir as ir
+    import onnxscript
 
     opset = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
     node_attrs = {a.name: attrs[a.name] for a in A.OP_ATTRIBUTES}
@@ -199,16 +211,19 @@ class _Builder:
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, hint: str | None = None, **attrs):
         names = [self.fresh(hint or op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), names,
-                                           name=self.fresh(self._prefix), **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=self.fresh(self._prefix), **attrs))
         return names[0] if outputs == 1 else names
 
     # constants
     def const(self, value, dtype=np.int64, hint: str = "c") -> str:
         arr = np.asarray(value, dtype=dtype)
-        return self.op("Constant", value=helper.make_tensor(
-            self.fresh(hint), helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape, arr.flatten().tolist()
-        ), hint=hint)
+        return self.op(
+            "Constant",
+            value=helper.make_tensor(
+                self.fresh(hint), helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape, arr.flatten().tolist()
+            ),
+            hint=hint,
+        )
 
     def i(self, v) -> str:
         return self.const(v, np.int64)
@@ -220,8 +235,9 @@ class _Builder:
         """The node attribute ``name`` as a tensor (int64 / float32 scalar, int64 [n],
         or a string scalar)."""
         a = next(x for x in A.NODE_ATTRIBUTES if x.name == name)
-        field = {"INT": "value_int", "INTS": "value_ints", "FLOAT": "value_float",
-                 "STRING": "value_string"}[a.onnx_type]
+        field = {"INT": "value_int", "INTS": "value_ints", "FLOAT": "value_float", "STRING": "value_string"}[
+            a.onnx_type
+        ]
         node = helper.make_node("Constant", [], [self.fresh(name)], name=self.fresh(self._prefix))
         node.attribute.append(helper.make_attribute_ref(field, _ATTR_TYPE[a.onnx_type]))
         node.attribute[-1].ref_attr_name = name
@@ -229,8 +245,9 @@ class _Builder:
         return node.output[0]
 
     def string(self, v: str) -> str:
-        return self.op("Constant", value=helper.make_tensor(self.fresh("s"), TensorProto.STRING, [], [v.encode()]),
-                       hint="s")
+        return self.op(
+            "Constant", value=helper.make_tensor(self.fresh("s"), TensorProto.STRING, [], [v.encode()]), hint="s"
+        )
 
     # shapes
     def dim(self, x: str, axis: int) -> str:
@@ -283,15 +300,16 @@ def _rope(g: _Builder, x: str, rank: int, tok_f: str, page_f: str, mode_attr: st
     ntok = g.op("Sub", half, pairs)
     truncate = g.op("Equal", g.attr(mode_attr), g.string("truncate"))
     # NOTE: float32 frequencies as in the reference: theta ** (i / n), then 1 / that.
-    denom = g.op("Where", truncate, g.op("Div", g.cast(dim, TensorProto.FLOAT), g.f(2.0)),
-                 g.cast(ntok, TensorProto.FLOAT))
+    denom = g.op(
+        "Where", truncate, g.op("Div", g.cast(dim, TensorProto.FLOAT), g.f(2.0)), g.cast(ntok, TensorProto.FLOAT)
+    )
     exponent = g.op("Div", g.cast(g.arange(g.scalar(ntok)), TensorProto.FLOAT), denom)
     inv_tok = g.op("Div", g.f(1.0), g.op("Pow", g.attr("sparse_rope_tok_theta"), exponent))
-    page_exp = g.op("Div", g.cast(g.arange(g.scalar(pairs)), TensorProto.FLOAT),
-                    g.cast(pairs, TensorProto.FLOAT))
+    page_exp = g.op("Div", g.cast(g.arange(g.scalar(pairs)), TensorProto.FLOAT), g.cast(pairs, TensorProto.FLOAT))
     inv_page = g.op("Div", g.f(1.0), g.op("Pow", g.attr("sparse_rope_page_theta"), page_exp))
-    angles = g.cat(g.op("Mul", g.unsq(tok_f, 1), g.unsq(inv_tok, 0)),
-                   g.op("Mul", g.unsq(page_f, 1), g.unsq(inv_page, 0)), axis=1)
+    angles = g.cat(
+        g.op("Mul", g.unsq(tok_f, 1), g.unsq(inv_tok, 0)), g.op("Mul", g.unsq(page_f, 1), g.unsq(inv_page, 0)), axis=1
+    )
     phase = g.cat(angles, angles, axis=1)  # [T, dim]
     cos = g.op("CastLike", g.op("Cos", phase), x)
     sin = g.op("CastLike", g.op("Sin", phase), x)
@@ -309,8 +327,7 @@ def _block_summaries(g: _Builder, keys: str, real: str, head_cls_f: str, inv_sqr
     non-negative numbers: ONNX Runtime before 1.32 returns the input unreduced for a negative
     axis over a tensor with a zero-size dimension (seen with 1.18-1.31).
     """
-    logits = g.op("Mul", g.op("ReduceSum", g.op("Mul", keys, head_cls_f), g.i([2]), keepdims=0),
-                  inv_sqrt_di)
+    logits = g.op("Mul", g.op("ReduceSum", g.op("Mul", keys, head_cls_f), g.i([2]), keepdims=0), inv_sqrt_di)
     logits = g.op("Clip", logits, g.f(-SCORE_CLAMP), g.f(SCORE_CLAMP))
     lowest = g.f(float(np.finfo(np.float32).min))
     row_max = g.op("ReduceMax", g.op("Where", real, logits, lowest), g.i([1]), keepdims=1)
@@ -332,8 +349,25 @@ def _inv_sqrt(g: _Builder, dim: str) -> str:
 def dash_attention_function() -> onnx.FunctionProto:
     """The model-local function ``dash_trt.DashAttention`` (standard ONNX ops only)."""
     g = _Builder()
-    (q, k, v, iq, ik, coords, head_cls, key_c, value_c, ikey_c, img_c, summ_c, spages_c,
-     tables, seq_lens, qsl, prompt_lens) = TENSOR_INPUTS
+    (
+        q,
+        k,
+        v,
+        iq,
+        ik,
+        coords,
+        head_cls,
+        key_c,
+        value_c,
+        ikey_c,
+        img_c,
+        summ_c,
+        spages_c,
+        tables,
+        seq_lens,
+        qsl,
+        prompt_lens,
+    ) = TENSOR_INPUTS
     I64, F32, I32 = TensorProto.INT64, TensorProto.FLOAT, TensorProto.INT32
 
     # ---- sizes and attributes
@@ -359,8 +393,9 @@ def dash_attention_function() -> onnx.FunctionProto:
     prompts = g.cast(prompt_lens, I64)
     ends = g.op("Slice", starts, g.i([1]), g.i([np.iinfo(np.int64).max]))  # [B]
     t_idx = g.arange(g.scalar(t_len))  # [T]
-    seq = g.op("ReduceSum", g.cast(g.op("LessOrEqual", g.unsq(ends, 0), g.unsq(t_idx, 1)), I64),
-               g.i([1]), keepdims=0)  # [T]
+    seq = g.op(
+        "ReduceSum", g.cast(g.op("LessOrEqual", g.unsq(ends, 0), g.unsq(t_idx, 1)), I64), g.i([1]), keepdims=0
+    )  # [T]
     len_t = g.op("Gather", lens, seq)
     pos = g.op("Sub", len_t, g.op("Sub", g.op("Gather", ends, seq), t_idx))
     prompt_t = g.op("Gather", prompts, seq)
@@ -368,8 +403,9 @@ def dash_attention_function() -> onnx.FunctionProto:
 
     def slots(tab: str, p: str) -> str:
         """Flat cache slot of positions ``p`` [n, m] through block-table rows ``tab`` [n, W]."""
-        return g.op("Add", g.op("Mul", g.op("GatherElements", tab, g.op("Div", p, bsz_s), axis=1), bsz_s),
-                    g.op("Mod", p, bsz_s))
+        return g.op(
+            "Add", g.op("Mul", g.op("GatherElements", tab, g.op("Div", p, bsz_s), axis=1), bsz_s), g.op("Mod", p, bsz_s)
+        )
 
     slot = g.sq(slots(table_t, g.unsq(pos, 1)), 1)  # [T]
     slot_idx = g.unsq(slot, 1)  # [T, 1]
@@ -439,24 +475,25 @@ def dash_attention_function() -> onnx.FunctionProto:
     tab_col = g.op("Min", g.op("Div", j_first, bsz_s), g.op("Sub", g.scalar(width), g.i(1)))
     phys_bj = g.op("Max", g.op("Gather", table, tab_col, axis=1), g.i(0))  # [B, N'] (-1 pad -> 0)
     sub_j = g.op("Div", g.op("Mod", j_first, bsz_s), sbs)  # [N']
-    loc_bj = g.cat(g.unsq(phys_bj, 2),
-                   g.unsq(g.op("Expand", g.unsq(sub_j, 0), g.op("Shape", phys_bj)), 2), axis=2)
+    loc_bj = g.cat(g.unsq(phys_bj, 2), g.unsq(g.op("Expand", g.unsq(sub_j, 0), g.op("Shape", phys_bj)), 2), axis=2)
     summ_bj = g.op("GatherND", summ_new, loc_bj)  # [B, N', Di]
     pages_bj = g.cast(g.op("GatherND", spages_new, loc_bj), I64)  # [B, N', 3]
     q_rot = _rope(g, q, 3, tok_f, page_f, "sparse_main_rope_tok_freq_mode")
     iq_rot = g.nan_to_num(g.cast(_rope(g, iq, 2, tok_f, page_f, "sparse_rope_tok_freq_mode"), F32), head_cls_f)
     n_seq = g.dim(lens, 0)
     flat_summ = g.op("Reshape", summ_bj, g.cat(g.i([-1]), idx_dim))  # [B*N', Di]
-    scores_all = g.op("Reshape", g.op("MatMul", iq_rot, g.op("Transpose", flat_summ, perm=[1, 0])),
-                      g.cat(t_len, n_seq, n_cols))  # [T, B, N']
+    scores_all = g.op(
+        "Reshape", g.op("MatMul", iq_rot, g.op("Transpose", flat_summ, perm=[1, 0])), g.cat(t_len, n_seq, n_cols)
+    )  # [T, B, N']
     own = g.op("Expand", g.unsq(seq, 1, 2), g.cat(t_len, g.i([1]), n_cols))
     scores = g.sq(g.op("GatherElements", scores_all, own, axis=1), 1)  # [T, N']
     scores = g.op("Clip", g.op("Mul", scores, inv_sqrt_di), g.f(-SCORE_CLAMP), g.f(SCORE_CLAMP))
     blk_t = g.op("Div", pos, sbs)
     remote = g.op("LessOrEqual", g.unsq(j, 0), g.unsq(g.op("Sub", blk_t, lblk), 1))
     prompt_col = g.unsq(prompt_t, 1)
-    remote = g.op("And", remote, g.op("Or", g.op("Less", prompt_col, g.i(0)),
-                                      g.op("Less", g.unsq(j_first, 0), prompt_col)))
+    remote = g.op(
+        "And", remote, g.op("Or", g.op("Less", prompt_col, g.i(0)), g.op("Less", g.unsq(j_first, 0), prompt_col))
+    )
     # NOTE: -1e9 marks "not remote", as in the reference.
     scores = g.op("Where", remote, scores, g.f(NOT_REMOTE))
     pages_t = g.op("Gather", pages_bj, seq)  # [T, N', 3]
@@ -464,8 +501,11 @@ def dash_attention_function() -> onnx.FunctionProto:
     p_hi = g.op("Gather", pages_t, g.i(1), axis=2)
     p_dense = g.op("Gather", pages_t, g.i(2), axis=2)
     qp = g.unsq(q_page, 1)
-    inside = g.op("And", g.op("And", g.op("GreaterOrEqual", qp, g.i(0)), g.op("LessOrEqual", p_lo, qp)),
-                  g.op("LessOrEqual", qp, p_hi))
+    inside = g.op(
+        "And",
+        g.op("And", g.op("GreaterOrEqual", qp, g.i(0)), g.op("LessOrEqual", p_lo, qp)),
+        g.op("LessOrEqual", qp, p_hi),
+    )
     sure = g.op("Or", g.op("Or", g.op("Greater", p_dense, g.i(0)), g.op("Equal", qp, p_lo)), g.op("Equal", qp, p_hi))
     cand = g.op("And", inside, sure)
     # a page strictly inside a block's page range may have no image token there: look
@@ -476,8 +516,13 @@ def dash_attention_function() -> onnx.FunctionProto:
     u_b = g.op("Gather", u_idx, g.i(1), axis=1)
     u_pos = g.op("Add", g.unsq(g.op("Mul", u_b, sbs), 1), g.unsq(g.arange(sbs), 0))  # [U, sbs]
     u_img = g.cast(g.op("Gather", img_flat, slots(g.op("Gather", table_t, u_t), u_pos)), I64)
-    u_hit = g.op("Greater", g.op("ReduceMax", g.cast(g.op("Equal", u_img, g.unsq(g.op("Gather", q_page, u_t), 1)), I64),
-                                 g.i([1]), keepdims=0), g.i(0))
+    u_hit = g.op(
+        "Greater",
+        g.op(
+            "ReduceMax", g.cast(g.op("Equal", u_img, g.unsq(g.op("Gather", q_page, u_t), 1)), I64), g.i([1]), keepdims=0
+        ),
+        g.i(0),
+    )
     cand = g.op("ScatterND", cand, u_idx, u_hit)
 
     # ---- 4: route (Unlimited-OCR-2: own-page restriction, top 16 by routing value, entmax-1.5
@@ -487,8 +532,14 @@ def dash_attention_function() -> onnx.FunctionProto:
     # (ONNX Runtime has no boolean Where)
     restrict = g.op("Or", g.op("And", any_own, own), g.op("And", g.op("Not", any_own), remote))  # [T, N']
     # NOTE: scale / sqrt(Di) in double, rounded once to float32, as the reference's Python float
-    factor = g.cast(g.op("Div", g.cast(g.attr("dash_scaling_factor"), TensorProto.DOUBLE),
-                         g.op("Sqrt", g.cast(idx_dim, TensorProto.DOUBLE))), F32)
+    factor = g.cast(
+        g.op(
+            "Div",
+            g.cast(g.attr("dash_scaling_factor"), TensorProto.DOUBLE),
+            g.op("Sqrt", g.cast(idx_dim, TensorProto.DOUBLE)),
+        ),
+        F32,
+    )
     not_cand = g.f(NOT_CANDIDATE)
     x = g.op("Where", restrict, g.op("Mul", scores, factor), not_cand)
     x = g.op("Where", g.op("Or", g.op("IsNaN", x), g.op("IsInf", x)), not_cand, x)
@@ -505,8 +556,11 @@ def dash_attention_function() -> onnx.FunctionProto:
     rho = g.unsq(g.cast(g.op("Add", rank, g.i(1)), F32), 0)  # [1, kk]
     mean = g.op("Div", g.op("CumSum", z, g.i(1)), rho)
     mean_sq = g.op("Div", g.op("CumSum", g.op("Mul", z, z), g.i(1)), rho)
-    gap = g.op("Max", g.op("Div", g.op("Sub", g.f(1.0), g.op("Mul", rho, g.op("Sub", mean_sq, g.op("Mul", mean, mean)))),
-                           rho), g.f(0.0))
+    gap = g.op(
+        "Max",
+        g.op("Div", g.op("Sub", g.f(1.0), g.op("Mul", rho, g.op("Sub", mean_sq, g.op("Mul", mean, mean)))), rho),
+        g.f(0.0),
+    )
     tau = g.op("Sub", mean, g.op("Sqrt", gap))
     support = g.op("ReduceSum", g.cast(g.op("And", g.op("LessOrEqual", tau, z), in_m), I64), g.i([1]), keepdims=1)
     thr = g.op("GatherElements", tau, g.op("Sub", g.op("Max", support, g.i(1)), g.i(1)), axis=1)  # [T, 1]
@@ -527,8 +581,9 @@ def dash_attention_function() -> onnx.FunctionProto:
     # ---- 5: attend selected blocks + local window (float32 softmax, GQA)
     neg_inf = g.f(-np.inf)
     offs = g.arange(sbs)
-    r_pos = g.op("Reshape", g.op("Add", g.unsq(g.op("Mul", selected, sbs), 2), g.unsq(offs, 0, 1)),
-                 g.cat(t_len, g.i([-1])))  # [T, K*sbs]
+    r_pos = g.op(
+        "Reshape", g.op("Add", g.unsq(g.op("Mul", selected, sbs), 2), g.unsq(offs, 0, 1)), g.cat(t_len, g.i([-1]))
+    )  # [T, K*sbs]
     sel_shape3 = g.cat(t_len, k_take, g.unsq(sbs, 0))
     flat2 = g.cat(t_len, g.i([-1]))
     r_bias = g.op("Reshape", g.op("Expand", g.unsq(bias, 2), sel_shape3), flat2)
@@ -588,35 +643,61 @@ def make_node(inputs: list[str], outputs: list[str], attrs: dict, name: str = "d
     return node
 
 
-_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-               np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int64): TensorProto.INT64}
+_NP_TO_ONNX = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.int64): TensorProto.INT64,
+}
 
 
-def single_node_model(attrs: dict, dtype: int = TensorProto.FLOAT, index_dtype: int = TensorProto.INT32,
-                      ranks: dict[str, int] | None = None) -> onnx.ModelProto:
+def single_node_model(
+    attrs: dict,
+    dtype: int = TensorProto.FLOAT,
+    index_dtype: int = TensorProto.INT32,
+    ranks: dict[str, int] | None = None,
+) -> onnx.ModelProto:
     """A model holding one ``DashAttention`` node and its function, every dim dynamic
     (for testing the function against the paged operator)."""
     register_schema()
-    rank = {"q": 3, "k": 3, "v": 3, "iq": 2, "ik": 2, "coords": 2, "head_cls": 1, "key_cache": 4,
-            "value_cache": 4, "index_key_cache": 3, "image_page_cache": 2, "summary_cache": 3,
-            "summary_pages_cache": 3, "block_tables": 2, "seq_lens": 1, "query_start_loc": 1,
-            "prompt_lens": 1}
-    types = {"image_page_cache": TensorProto.INT32, "summary_cache": TensorProto.FLOAT,
-             "summary_pages_cache": TensorProto.INT32}
+    rank = {
+        "q": 3,
+        "k": 3,
+        "v": 3,
+        "iq": 2,
+        "ik": 2,
+        "coords": 2,
+        "head_cls": 1,
+        "key_cache": 4,
+        "value_cache": 4,
+        "index_key_cache": 3,
+        "image_page_cache": 2,
+        "summary_cache": 3,
+        "summary_pages_cache": 3,
+        "block_tables": 2,
+        "seq_lens": 1,
+        "query_start_loc": 1,
+        "prompt_lens": 1,
+    }
+    types = {
+        "image_page_cache": TensorProto.INT32,
+        "summary_cache": TensorProto.FLOAT,
+        "summary_pages_cache": TensorProto.INT32,
+    }
     for n in ("coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens"):
         types[n] = index_dtype
 
     def vi(name: str, base: str) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, types.get(base, dtype),
-                                             [f"{base}_{d}" for d in range(rank[base])])
+        return helper.make_tensor_value_info(name, types.get(base, dtype), [f"{base}_{d}" for d in range(rank[base])])
 
     inputs = [vi(n, n) for n in TENSOR_INPUTS]
     outputs = [vi("out", "q")] + [vi(o, o[: -len("_out")]) for o in OUTPUTS[1:]]
-    graph = helper.make_graph([make_node(list(TENSOR_INPUTS), list(OUTPUTS), attrs)], "dash_attention",
-                              inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
-                              functions=[dash_attention_function()])
+    graph = helper.make_graph([make_node(list(TENSOR_INPUTS), list(OUTPUTS), attrs)], "dash_attention", inputs, outputs)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+        functions=[dash_attention_function()],
+    )
     model.ir_version = 10
     return model
 
@@ -624,8 +705,10 @@ def single_node_model(attrs: dict, dtype: int = TensorProto.FLOAT, index_dtype: 
 #: What to do when ONNX Runtime is missing: dash-trt depends on neither distribution, so that a
 #: GPU machine's onnxruntime-gpu is never overwritten by the CPU package (both write the same
 #: ``onnxruntime`` module).
-ORT_MISSING = ("ONNX Runtime is not installed: pip install 'dash-trt[ort]' (the CPU distribution, onnxruntime) "
-               "or 'dash-trt[ort-gpu]' (onnxruntime-gpu), never both")
+ORT_MISSING = (
+    "ONNX Runtime is not installed: pip install 'dash-trt[ort]' (the CPU distribution, onnxruntime) "
+    "or 'dash-trt[ort-gpu]' (onnxruntime-gpu), never both"
+)
 
 
 class OnnxRuntimeMissing(ImportError):
@@ -660,4 +743,3 @@ def run_function_ort(model: onnx.ModelProto) -> Callable:
     sess = ort.InferenceSession(model.SerializeToString(), ort_session_options(), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     return lambda *arrays: sess.run(None, dict(zip(names, arrays)))
-

@@ -73,17 +73,31 @@ CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_p
 
 #: Tensor inputs of the op (and of the ONNX node), in order.
 TENSOR_INPUTS = (
-    "q", "k", "v", "iq", "ik", "coords", "head_cls",
+    "q",
+    "k",
+    "v",
+    "iq",
+    "ik",
+    "coords",
+    "head_cls",
     *(f"{f}_cache" for f in CACHE_FIELDS),
-    "block_tables", "seq_lens", "query_start_loc", "prompt_lens",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "prompt_lens",
 )
 
 #: Outputs of the op (and of the ONNX node), in order.
 OUTPUTS = ("out", *(f"{f}_cache_out" for f in CACHE_FIELDS))
 
 _SCHEMA = (
-    "(" + ", ".join(f"Tensor {n}" for n in TENSOR_INPUTS) + ", *, " + A.torch_schema_args() + ") -> ("
-    + ", ".join("Tensor" for _ in OUTPUTS) + ")"
+    "("
+    + ", ".join(f"Tensor {n}" for n in TENSOR_INPUTS)
+    + ", *, "
+    + A.torch_schema_args()
+    + ") -> ("
+    + ", ".join("Tensor" for _ in OUTPUTS)
+    + ")"
 )
 
 torch.library.define(QUALNAME, _SCHEMA)
@@ -93,10 +107,14 @@ INPLACE_NAME = OP_NAME + "_"
 INPLACE_QUALNAME = f"{OP_NAMESPACE}::{INPLACE_NAME}"
 _ALIASES = "abcdef"
 _INPLACE_SCHEMA = (
-    "(" + ", ".join(
+    "("
+    + ", ".join(
         f"Tensor({_ALIASES[TENSOR_INPUTS.index(n) - 7]}!) {n}" if n.endswith("_cache") else f"Tensor {n}"
-        for n in TENSOR_INPUTS)
-    + ", *, int max_query_len, " + A.torch_schema_args() + ") -> Tensor"
+        for n in TENSOR_INPUTS
+    )
+    + ", *, int max_query_len, "
+    + A.torch_schema_args()
+    + ") -> Tensor"
 )
 torch.library.define(INPLACE_QUALNAME, _INPLACE_SCHEMA)
 
@@ -108,8 +126,9 @@ _cuda_impl: Callable[..., tuple[torch.Tensor, ...]] | None = None
 _cuda_inplace_impl: Callable[..., torch.Tensor] | None = None
 
 
-def register_cuda_impl(fn: Callable[..., tuple[torch.Tensor, ...]] | None,
-                       inplace: Callable[..., torch.Tensor] | None = None) -> None:
+def register_cuda_impl(
+    fn: Callable[..., tuple[torch.Tensor, ...]] | None, inplace: Callable[..., torch.Tensor] | None = None
+) -> None:
     """Plug the CUDA kernels into the op (``None`` restores the PyTorch fallback).
 
     ``fn(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary,
@@ -239,11 +258,21 @@ def paged_attention(
     """
     tensors = tuple(getattr(cache, f) for f in CACHE_FIELDS) if isinstance(cache, DashKVCache) else tuple(cache)
     if len(tensors) != len(CACHE_FIELDS):
-        raise ValueError(f"cache must hold {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), "
-                         f"got {len(tensors)}")
+        raise ValueError(f"cache must hold {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), got {len(tensors)}")
     res = paged_attention_op()(
-        q, k, v, iq, ik, coords, head_cls, *tensors, block_tables, seq_lens, query_start_loc,
-        prompt_lens, **A.encode(sp, layer_idx),
+        q,
+        k,
+        v,
+        iq,
+        ik,
+        coords,
+        head_cls,
+        *tensors,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        prompt_lens,
+        **A.encode(sp, layer_idx),
     )
     return res[0], tuple(res[1:])
 
@@ -275,8 +304,17 @@ def paged_attention_inplace(
     """
     most = batch.max_query_len if batch.max_query_len is not None else q.shape[0]
     return paged_attention_inplace_op()(
-        q, k, v, iq, ik, coords, head_cls, *(getattr(cache, f) for f in CACHE_FIELDS), *batch.tensors(),
-        max_query_len=int(most), **(attrs if attrs is not None else A.encode(sp, layer_idx)),
+        q,
+        k,
+        v,
+        iq,
+        ik,
+        coords,
+        head_cls,
+        *(getattr(cache, f) for f in CACHE_FIELDS),
+        *batch.tensors(),
+        max_query_len=int(most),
+        **(attrs if attrs is not None else A.encode(sp, layer_idx)),
     )
 
 
@@ -292,7 +330,8 @@ def _register_kernels_if_built() -> None:
         _kernels_missing = (
             f"DASH CUDA kernels not found ({_cuda.LIBRARY_NAME} is not in this installation): CUDA tensors run "
             "the PyTorch paged operator, many times slower and not graph-capturable. Install a dash-trt wheel, "
-            "or reinstall from source with nvcc on PATH; 'dash-trt info' shows what was found")
+            "or reinstall from source with nvcc on PATH; 'dash-trt info' shows what was found"
+        )
 
 
 _register_kernels_if_built()

@@ -124,8 +124,16 @@ class PageCoordState:
 
     __slots__ = ("_i", "_cum", "_pages", "_counts", "_prev_page", "_run_start", "_last_marker")
 
-    def __init__(self, i: int, cum: int, num_pages: int, prompt_counts: list[int], prev_page: int,
-                 run_start: int, last_marker: int):
+    def __init__(
+        self,
+        i: int,
+        cum: int,
+        num_pages: int,
+        prompt_counts: list[int],
+        prev_page: int,
+        run_start: int,
+        last_marker: int,
+    ):
         self._i, self._cum, self._pages, self._counts = i, cum, num_pages, prompt_counts
         self._prev_page, self._run_start, self._last_marker = prev_page, run_start, last_marker
 
@@ -152,8 +160,10 @@ class PageCoordState:
         """Coordinates (tok, page, image_page, query_page) of the next token, whose role is
         text (0) or ``<PAGE>`` (2); advances the state."""
         if role == ROLE_IMAGE:
-            raise ValueError("an image token after the prompt: its position would move the prompt/response "
-                             "boundary of the whole sequence (generated tokens are never image tokens)")
+            raise ValueError(
+                "an image token after the prompt: its position would move the prompt/response "
+                "boundary of the whole sequence (generated tokens are never image tokens)"
+            )
         i = self._i
         if role == ROLE_PAGE:
             self._cum += 1
@@ -194,9 +204,12 @@ class DashKVCache:
         device: str | torch.device = "cpu",
     ) -> DashKVCache:
         for name, val in (
-            ("num_blocks", num_blocks), ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-            ("index_dim", index_dim), ("sparse_block_size", sparse_block_size),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("index_dim", index_dim),
+            ("sparse_block_size", sparse_block_size),
         ):
             if int(val) <= 0:
                 raise ValueError(f"{name} must be positive, got {val}")
@@ -225,8 +238,9 @@ class DashKVCache:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sparse_block_size"}
 
     def clone(self) -> DashKVCache:
-        return DashKVCache(**{k: v.clone() for k, v in self.tensors().items()},
-                           sparse_block_size=self.sparse_block_size)
+        return DashKVCache(
+            **{k: v.clone() for k, v in self.tensors().items()}, sparse_block_size=self.sparse_block_size
+        )
 
     def validate(self) -> None:
         """Check the six tensors agree with each other (shapes, dtypes, device)."""
@@ -278,10 +292,10 @@ class BatchHost:
     """Host (numpy) copies of a :class:`DashBatch`'s metadata: what the host needs during a
     step (row ranges, lengths) without reading the device."""
 
-    block_tables: np.ndarray     #: [B, W] int32
-    seq_lens: np.ndarray         #: [B] int32
+    block_tables: np.ndarray  #: [B, W] int32
+    seq_lens: np.ndarray  #: [B] int32
     query_start_loc: np.ndarray  #: [B+1] int32
-    prompt_lens: np.ndarray      #: [B] int32
+    prompt_lens: np.ndarray  #: [B] int32
 
 
 @dataclass
@@ -314,12 +328,14 @@ class DashBatch:
         return self.seq_lens.shape[0]
 
     def to(self, device) -> DashBatch:
-        return DashBatch(**{k: v.to(device) for k, v in self.kwargs().items()}, max_query_len=self.max_query_len,
-                         host=self.host)
+        return DashBatch(
+            **{k: v.to(device) for k, v in self.kwargs().items()}, max_query_len=self.max_query_len, host=self.host
+        )
 
     @classmethod
-    def from_host(cls, host: BatchHost, device: str | torch.device = "cpu",
-                  max_query_len: int | None = None) -> DashBatch:
+    def from_host(
+        cls, host: BatchHost, device: str | torch.device = "cpu", max_query_len: int | None = None
+    ) -> DashBatch:
         """Device tensors of ``host`` in one host-to-device copy (one packed int32 buffer)."""
         arrays = [np.ascontiguousarray(getattr(host, f), dtype=np.int32) for f in BATCH_FIELDS]
         packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
@@ -327,7 +343,7 @@ class DashBatch:
             packed = packed.to(device)
         views, off = [], 0
         for a in arrays:
-            views.append(packed[off:off + a.size].view(a.shape))
+            views.append(packed[off : off + a.size].view(a.shape))
             off += a.size
         return cls(*views, max_query_len=max_query_len, host=host)
 
@@ -401,8 +417,13 @@ class KVBlockPool:
                 freed.append(b)
 
     # -- sequences
-    def add(self, seq_id: object, prompt_length: int | None = None, reserve_tokens: int = 0,
-            cached_blocks: Sequence[int] = ()) -> None:
+    def add(
+        self,
+        seq_id: object,
+        prompt_length: int | None = None,
+        reserve_tokens: int = 0,
+        cached_blocks: Sequence[int] = (),
+    ) -> None:
         """Register ``seq_id``; with ``reserve_tokens`` > 0 its blocks for that many tokens
         are allocated now (:class:`CacheFullError`, nothing registered, if they do not fit).
         ``cached_blocks`` (from :meth:`match`) start its table: their tokens count as in the
@@ -419,8 +440,9 @@ class KVBlockPool:
         want = max(0, -(-int(reserve_tokens) // self.block_size) - len(cached))
         available = len(self._free) + len(self._lru) - sum(1 for b in cached if self._ref[b] == 0)
         if want > available:
-            raise CacheFullError(f"sequence {seq_id!r} needs {want} KV blocks, only {available} of "
-                                 f"{self.num_blocks} are free")
+            raise CacheFullError(
+                f"sequence {seq_id!r} needs {want} KV blocks, only {available} of {self.num_blocks} are free"
+            )
         for b in cached:
             if self._ref[b] == 0:
                 del self._lru[b]
@@ -430,7 +452,7 @@ class KVBlockPool:
                 self._lru.pop(b, None)
             self._ref[b] += 1
         row = np.empty(max(len(cached) + want, 4), dtype=np.int32)
-        row[:len(cached)] = cached
+        row[: len(cached)] = cached
         for j in range(want):
             row[len(cached) + j] = self._take()
         n = len(cached) + want
@@ -573,13 +595,17 @@ class KVBlockPool:
             table[i, :c] = self._rows[sid][:c]
         qsl = np.zeros(len(ids) + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
-        return BatchHost(block_tables=table,
-                         seq_lens=np.array([self._lens[s] for s in ids], dtype=np.int32),
-                         query_start_loc=qsl,
-                         prompt_lens=np.array([self._prompt[s] for s in ids], dtype=np.int32))
+        return BatchHost(
+            block_tables=table,
+            seq_lens=np.array([self._lens[s] for s in ids], dtype=np.int32),
+            query_start_loc=qsl,
+            prompt_lens=np.array([self._prompt[s] for s in ids], dtype=np.int32),
+        )
 
     def schedule(
-        self, step: Sequence[tuple[object, int]], device: str | torch.device = "cpu",
+        self,
+        step: Sequence[tuple[object, int]],
+        device: str | torch.device = "cpu",
         table_width: int | None = None,
     ) -> DashBatch:
         """:meth:`schedule_host`, with the metadata on ``device`` (one copy) and
@@ -594,8 +620,9 @@ class KVBlockPool:
         return seq_id
 
 
-def slot_mapping(block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def slot_mapping(
+    block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Flat cache slot (``block * block_size + offset``) of each (sequence, position)."""
     blocks = block_tables[seq_idx, positions // block_size].long()
     return blocks * block_size + positions % block_size
@@ -633,8 +660,19 @@ def paged_dash_attention(
     """
     cfg = as_config(sp)
     starts, lens, prompts = _check_paged_inputs(
-        q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc,
-        prompt_lens, cfg,
+        q,
+        k,
+        v,
+        iq,
+        ik,
+        coords,
+        head_cls,
+        cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        prompt_lens,
+        cfg,
     )
     bsz, sbs = cache.block_size, cfg.sparse_block_size
     device = q.device
@@ -656,9 +694,7 @@ def paged_dash_attention(
     cache.image_page.view(-1)[slots] = coords[:, COORD_IMAGE_PAGE].to(torch.int32)
 
     q_rot = page_rope(q, tok, page, cfg, main=True)
-    iq_rot = torch.nan_to_num(
-        page_rope(iq, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
-    )
+    iq_rot = torch.nan_to_num(page_rope(iq, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0)
     output = torch.empty_like(q)
     parts = []
     k_width_all = 0
@@ -678,9 +714,8 @@ def paged_dash_attention(
         chunk = query_chunk_size(cfg, k_width * sbs + cfg.local_window, q.shape[1], k.shape[1], q.shape[2])
 
         def gather_kv(idx: torch.Tensor, table=table) -> tuple[torch.Tensor, torch.Tensor]:
-            flat = (table[idx // bsz] * bsz + idx % bsz)
-            return (cache.key.view(-1, *cache.key.shape[2:])[flat],
-                    cache.value.view(-1, *cache.value.shape[2:])[flat])
+            flat = table[idx // bsz] * bsz + idx % bsz
+            return (cache.key.view(-1, *cache.key.shape[2:])[flat], cache.value.view(-1, *cache.value.shape[2:])[flat])
 
         for c0 in range(0, n_new, chunk):
             c1 = min(c0 + chunk, n_new)
@@ -696,8 +731,11 @@ def paged_dash_attention(
             if return_routing:
                 parts.append(_record_routing(scores, selected, bias, valid, values, n_max))
     if return_routing:
-        routing = _stack_routing(parts, k_width_all) if parts else Routing(
-            torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0))
+        routing = (
+            _stack_routing(parts, k_width_all)
+            if parts
+            else Routing(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0))
+        )
         return output, routing
     return output
 
@@ -777,8 +815,9 @@ def _candidates(cache, table, pages, qp, sbs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- validation
-def _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens,
-                        query_start_loc, prompt_lens, cfg: DashConfig):
+def _check_paged_inputs(
+    q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc, prompt_lens, cfg: DashConfig
+):
     """Check every input once; return (starts, lens, prompts) as Python lists."""
     check_shape("q", q, (None, None, None), FLOAT_DTYPES)
     t, _, d = q.shape
@@ -796,8 +835,7 @@ def _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, 
     cache.validate()
     if cache.sparse_block_size != cfg.sparse_block_size:
         raise ValueError(
-            f"cache was laid out for sparse blocks of {cache.sparse_block_size}, "
-            f"config says {cfg.sparse_block_size}"
+            f"cache was laid out for sparse blocks of {cache.sparse_block_size}, config says {cfg.sparse_block_size}"
         )
     nb, bsz, chkv, cd = cache.key.shape
     if (chkv, cd) != (hkv, d):
@@ -817,9 +855,7 @@ def _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, 
     lens = [int(x) for x in seq_lens.tolist()]
     prompts = [None if int(p) == -1 else int(p) for p in prompt_lens.tolist()]
     if qsl[0] != 0 or qsl[-1] != t or any(a > b_ for a, b_ in zip(qsl, qsl[1:])):
-        raise ValueError(
-            f"query_start_loc must rise from 0 to the number of new tokens ({t}), got {qsl}"
-        )
+        raise ValueError(f"query_start_loc must rise from 0 to the number of new tokens ({t}), got {qsl}")
     for s in range(b):
         n_new = qsl[s + 1] - qsl[s]
         if n_new > lens[s]:
@@ -835,9 +871,7 @@ def _check_paged_inputs(q, k, v, iq, ik, coords, head_cls, cache, block_tables, 
         bad = (used < 0) | (used >= nb)
         if bool(bad.any()):
             j = int(bad.nonzero()[0])
-            raise ValueError(
-                f"block_tables[{s}, {j}] = {int(used[j])} is outside the cache (0..{nb - 1})"
-            )
+            raise ValueError(f"block_tables[{s}, {j}] = {int(used[j])} is outside the cache (0..{nb - 1})")
     if t:
         seq_idx = torch.repeat_interleave(torch.arange(b), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
         pos = _new_positions(qsl, lens, "cpu")

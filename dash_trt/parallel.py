@@ -36,8 +36,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["TensorParallelError", "ShardSizes", "shard_sizes", "RowParallelLinear", "shard_model",
-           "init_from_env", "NVLS_OFF"]
+__all__ = [
+    "TensorParallelError",
+    "ShardSizes",
+    "shard_sizes",
+    "RowParallelLinear",
+    "shard_model",
+    "init_from_env",
+    "NVLS_OFF",
+]
 
 #: Environment every multi-GPU launcher sets: NVLink multicast (NVLS, symmetric-memory
 #: multicast) can take a shared host's GPUs out of service, so it stays off.
@@ -69,8 +76,9 @@ def shard_sizes(config, rank: int, world: int) -> ShardSizes:
     for name, n in (("num_attention_heads", h), ("num_key_value_heads", hkv), ("intermediate_size", inter)):
         if n % world:
             raise TensorParallelError(f"{name} ({n}) is not divisible by the tensor-parallel size {world}")
-    return ShardSizes(h // world, hkv // world, inter // world, rank * h // world, rank * hkv // world,
-                      rank * inter // world)
+    return ShardSizes(
+        h // world, hkv // world, inter // world, rank * h // world, rank * hkv // world, rank * inter // world
+    )
 
 
 class RowParallelLinear(nn.Module):
@@ -102,22 +110,30 @@ def shard_model(model, rank: int, world: int, group=None):
     if world == 1:
         return model
     if type(model) is not DashForCausalLM:
-        raise TensorParallelError(f"tensor parallelism splits the built-in DashForCausalLM, not "
-                                  f"{type(model).__name__} (a model of your own splits its own projections)")
+        raise TensorParallelError(
+            f"tensor parallelism splits the built-in DashForCausalLM, not "
+            f"{type(model).__name__} (a model of your own splits its own projections)"
+        )
     cfg = model.config
     s = shard_sizes(cfg, rank, world)
     d = cfg.head_dim
-    local_cfg = dataclasses.replace(cfg, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                                    intermediate_size=s.intermediate)
+    local_cfg = dataclasses.replace(
+        cfg, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate
+    )
     with torch.device("meta"):
         shard = DashForCausalLM(local_cfg)
     shard = shard.to_empty(device=model.device).to(model.dtype)
     # The split of each projection's weight [out, in], by the module that owns it: (dim, start, size);
     # every other tensor is replicated.
-    split = {"q_proj": (0, s.head0 * d, s.heads * d), "k_proj": (0, s.kv_head0 * d, s.kv_heads * d),
-             "v_proj": (0, s.kv_head0 * d, s.kv_heads * d), "o_proj": (1, s.head0 * d, s.heads * d),
-             "gate_proj": (0, s.inter0, s.intermediate), "up_proj": (0, s.inter0, s.intermediate),
-             "down_proj": (1, s.inter0, s.intermediate)}
+    split = {
+        "q_proj": (0, s.head0 * d, s.heads * d),
+        "k_proj": (0, s.kv_head0 * d, s.kv_heads * d),
+        "v_proj": (0, s.kv_head0 * d, s.kv_heads * d),
+        "o_proj": (1, s.head0 * d, s.heads * d),
+        "gate_proj": (0, s.inter0, s.intermediate),
+        "up_proj": (0, s.inter0, s.intermediate),
+        "down_proj": (1, s.inter0, s.intermediate),
+    }
     local = {}
     for name, w in model.state_dict().items():
         parts = name.split(".")
@@ -151,6 +167,5 @@ def init_from_env(backend: str | None = None) -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"),
-                                device_id=device if cuda else None)
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size(), device

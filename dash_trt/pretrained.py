@@ -30,8 +30,16 @@ HF_PREFIX = "model."
 LM_HEAD = "lm_head.weight"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
-__all__ = ["save_pretrained", "read_folder", "read_safetensors", "to_local_names", "is_pretrained_folder",
-           "CONFIG_FILE", "WEIGHTS_FILE", "INDEX_FILE"]
+__all__ = [
+    "save_pretrained",
+    "read_folder",
+    "read_safetensors",
+    "to_local_names",
+    "is_pretrained_folder",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "INDEX_FILE",
+]
 
 
 class PretrainedError(RuntimeError):
@@ -42,25 +50,30 @@ def _safetensors():
     try:
         import safetensors.torch as st
     except ImportError:  # a declared dependency; only a broken install lacks it
-        raise PretrainedError("reading or writing safetensors needs the 'safetensors' package "
-                              "(pip install safetensors)") from None
+        raise PretrainedError(
+            "reading or writing safetensors needs the 'safetensors' package (pip install safetensors)"
+        ) from None
     return st
 
 
 def is_pretrained_folder(path: str) -> bool:
     """A folder with a config.json and weights this module reads."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
-        os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS_FILE, INDEX_FILE))
+    return (
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, CONFIG_FILE))
+        and any(os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS_FILE, INDEX_FILE))
+    )
 
 
 def to_local_names(state: Mapping[str, torch.Tensor], prefix: str = HF_PREFIX) -> dict[str, torch.Tensor]:
     """Hugging Face names (``prefix``, ``model.``) to the module's; names without it are kept."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        local = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        local = name[len(prefix) :] if prefix and name.startswith(prefix) else name
         if local in out:
-            raise PretrainedError(f"parameter {local!r} is present twice (as {name!r} and without the "
-                                  f"'{prefix}' prefix)")
+            raise PretrainedError(
+                f"parameter {local!r} is present twice (as {name!r} and without the '{prefix}' prefix)"
+            )
         out[local] = tensor
     return out
 
@@ -120,15 +133,19 @@ def read_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             want = {k for k, v in weight_map.items() if v == shard}
             if set(tensors) != want:
                 missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
-                raise PretrainedError(f"{shard} does not hold what {INDEX_FILE} maps to it (missing "
-                                      f"{missing[:4]}, unexpected {extra[:4]})")
+                raise PretrainedError(
+                    f"{shard} does not hold what {INDEX_FILE} maps to it (missing "
+                    f"{missing[:4]}, unexpected {extra[:4]})"
+                )
             state.update(tensors)
     elif os.path.isfile(single):
         state = read_safetensors(single)
     else:
         there = sorted(os.listdir(folder))[:8]
-        raise PretrainedError(f"checkpoint folder {folder} has no {WEIGHTS_FILE} or {INDEX_FILE} (it holds: "
-                              f"{', '.join(there) or 'nothing'})")
+        raise PretrainedError(
+            f"checkpoint folder {folder} has no {WEIGHTS_FILE} or {INDEX_FILE} (it holds: "
+            f"{', '.join(there) or 'nothing'})"
+        )
     return state, config
 
 
@@ -178,8 +195,10 @@ def save_pretrained(model, folder: str | os.PathLike, *, max_shard_bytes: int | 
         _atomic_write(os.path.join(folder, fname), lambda tmp, part=part: st.save_file(part, tmp, metadata=meta))
         written.append(fname)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": {k: fname for fname, part in zip(names, shards) for k in part}}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {k: fname for fname, part in zip(names, shards) for k in part},
+        }
         _atomic_write(os.path.join(folder, INDEX_FILE), lambda tmp: _dump(index, tmp))
         written.append(INDEX_FILE)
     _atomic_write(os.path.join(folder, CONFIG_FILE), lambda tmp: _dump(config, tmp))

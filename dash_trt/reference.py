@@ -101,8 +101,10 @@ def page_coordinates(
     early = image & (cum == 0)
     if bool(early.any()):
         first = int(torch.nonzero(early)[0])
-        raise ValueError(f"image token at position {first} comes before the first <PAGE> marker: every image token "
-                         f"must belong to a document page (<PAGE> followed by its image tokens)")
+        raise ValueError(
+            f"image token at position {first} comes before the first <PAGE> marker: every image token "
+            f"must belong to a document page (<PAGE> followed by its image tokens)"
+        )
     num_pages = cum[last_image]
     prefill = ar <= last_image
     raw_page = torch.where(prefill, cum, cum - num_pages).clamp(min=0)
@@ -121,9 +123,7 @@ def page_coordinates(
     return tok, page, image_page, query_page
 
 
-def page_rope(
-    x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor, sp: SpLike, *, main: bool
-) -> torch.Tensor:
+def page_rope(x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor, sp: SpLike, *, main: bool) -> torch.Tensor:
     """Non-interleaved RoPE whose last ``sparse_rope_page_pairs`` frequency pairs
     rotate by the page coordinate and the others by the token coordinate.
 
@@ -140,9 +140,7 @@ def page_rope(
     exponent = torch.arange(ntok, device=x.device).float()
     exponent = exponent / (dim / 2 if mode == "truncate" else ntok)
     inv_tok = 1.0 / (float(cfg.sparse_rope_tok_theta) ** exponent)
-    inv_page = 1.0 / (
-        float(cfg.sparse_rope_page_theta) ** (torch.arange(pairs, device=x.device).float() / pairs)
-    )
+    inv_page = 1.0 / (float(cfg.sparse_rope_page_theta) ** (torch.arange(pairs, device=x.device).float() / pairs))
     if cfg.sparse_rope_page_mod > 0:
         page = page % cfg.sparse_rope_page_mod
     angles = torch.cat((tok.float()[:, None] * inv_tok, page.float()[:, None] * inv_page), -1)
@@ -177,9 +175,7 @@ def prompt_page_positions(input_tokens: list[int], sp: SpLike) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ routing
-def block_summaries(
-    index_keys: torch.Tensor, real: torch.Tensor, head_cls: torch.Tensor
-) -> torch.Tensor:
+def block_summaries(index_keys: torch.Tensor, real: torch.Tensor, head_cls: torch.Tensor) -> torch.Tensor:
     """Summaries of sparse blocks: the ``head_cls``-softmax-weighted mean of their
     (RoPE'd, float32, finite) index keys.
 
@@ -196,9 +192,7 @@ def block_summaries(
     row_max = logits.masked_fill(~real, torch.finfo(logits.dtype).min).amax(-1, keepdim=True)
     exp = (logits - row_max).exp() * real
     weights = exp / exp.sum(-1, keepdim=True).clamp(min=1e-6)
-    return torch.nan_to_num(
-        (weights[:, :, None] * index_keys).sum(1), nan=0.0, posinf=0.0, neginf=0.0
-    )
+    return torch.nan_to_num((weights[:, :, None] * index_keys).sum(1), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def routing_scores(
@@ -265,8 +259,7 @@ def _route(scores: torch.Tensor, candidate: torch.Tensor, cfg: DashConfig, layer
     """:func:`route_blocks`, also returning the routing values x [Q, N]."""
     if scores.ndim != 2 or candidate.shape != scores.shape:
         raise ValueError(
-            f"scores and candidate must both be [Q, N], got {tuple(scores.shape)} "
-            f"and {tuple(candidate.shape)}"
+            f"scores and candidate must both be [Q, N], got {tuple(scores.shape)} and {tuple(candidate.shape)}"
         )
     r = cfg.routing(layer_idx)
     remote = scores > REMOTE_THRESHOLD
@@ -440,9 +433,7 @@ def dash_attention(
     iq = torch.nan_to_num(
         page_rope(iq, tok[-nq:], page[-nq:], cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
     )
-    ik = torch.nan_to_num(
-        page_rope(ik, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0
-    )
+    ik = torch.nan_to_num(page_rope(ik, tok, page, cfg, main=False).float(), nan=0.0, posinf=0.0, neginf=0.0)
     padded = nblk * bs
     kk = F.pad(ik, (0, 0, 0, padded - length)).view(nblk, bs, dim)
     token_ids = torch.arange(padded, device=q.device).view(nblk, bs)
@@ -469,8 +460,15 @@ def dash_attention(
             iq[start:end], summary, pos, candidate, cfg, layer_idx, prompt_length
         )
         out = sparse_attend(
-            q[start:end], pos, selected, bias, valid,
-            lambda idx: (k[idx], v[idx]), length, prompt_length, cfg,
+            q[start:end],
+            pos,
+            selected,
+            bias,
+            valid,
+            lambda idx: (k[idx], v[idx]),
+            length,
+            prompt_length,
+            cfg,
         )
         output[start:end] = out.to(q.dtype)
         if return_routing:
@@ -506,9 +504,7 @@ def check_heads(cfg: DashConfig, q: torch.Tensor, k: torch.Tensor, iq: torch.Ten
     """Head counts and head dims shared by the reference and the paged operator."""
     nh, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or nh % hkv:
-        raise ValueError(
-            f"query heads ({nh}) must be a multiple of KV heads ({hkv}) for grouped-query attention"
-        )
+        raise ValueError(f"query heads ({nh}) must be a multiple of KV heads ({hkv}) for grouped-query attention")
     cfg.check_head_dim(q.shape[-1], "head dim D")
     cfg.check_index_dim(iq.shape[-1], "indexer dim Di")
 

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .model import ForwardFn, token_role  # ForwardFn: forward(inputs, caches) -> (logits [N, V], new caches)
 from .paged import (
     BatchHost,
     CacheFullError,
@@ -58,7 +59,6 @@ from .paged import (
     flat_cache_tensors,
 )
 from .sampling import Sampler, SamplingParams
-from .model import ForwardFn, token_role  # ForwardFn: forward(inputs, caches) -> (logits [N, V], new caches)
 
 __all__ = [
     "GRAPH_BATCH_SIZES",
@@ -84,7 +84,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_MAX_MODEL_LEN = 131072
 
 
-
 class RuntimeConfigError(ValueError):
     """A runtime size is unusable (pool, max_model_len, batch sizes)."""
 
@@ -93,8 +92,9 @@ class PoolTooSmallError(RuntimeConfigError):
     """The model, its activations and the KV pool do not fit the device memory allowed."""
 
 
-def prefix_block_hashes(prompt: Sequence[int], image_token_id: int, block_size: int,
-                        image_features: torch.Tensor | None = None) -> list[bytes]:
+def prefix_block_hashes(
+    prompt: Sequence[int], image_token_id: int, block_size: int, image_features: torch.Tensor | None = None
+) -> list[bytes]:
     """Prefix-cache hashes of a prompt's cacheable KV blocks, chained (each covers its block
     and everything before it). Cacheable: whole blocks of tokens at or before the prompt's
     last image token, whose page coordinates, and so every cache field, depend on no later
@@ -113,10 +113,10 @@ def prefix_block_hashes(prompt: Sequence[int], image_token_id: int, block_size: 
     out, h = [], b"dash-trt prefix v1 %d" % block_size
     for i in range(n):
         d = hashlib.blake2b(h, digest_size=16)
-        chunk = ids[i * block_size:(i + 1) * block_size]
+        chunk = ids[i * block_size : (i + 1) * block_size]
         d.update(chunk.tobytes())
         if feats is not None:
-            sel = rows[i * block_size:(i + 1) * block_size][chunk == image_token_id]
+            sel = rows[i * block_size : (i + 1) * block_size][chunk == image_token_id]
             if sel.size:
                 d.update(feats[sel].tobytes())
         h = d.digest()
@@ -141,8 +141,9 @@ def pool_block_bytes(model, kv_block_size: int) -> int:
     return sum(t.numel() * t.element_size() for t in flat_cache_tensors(caches))
 
 
-def blocks_for_memory(model, kv_block_size: int, memory_fraction: float, *, activation_bytes: int,
-                      device: torch.device | None = None) -> int:
+def blocks_for_memory(
+    model, kv_block_size: int, memory_fraction: float, *, activation_bytes: int, device: torch.device | None = None
+) -> int:
     """KV blocks that fit in ``memory_fraction`` of the device's memory next to what is
     already allocated (the model's weights) and ``activation_bytes`` (a step's peak
     activations). Raises :class:`PoolTooSmallError` if not even one block fits."""
@@ -160,7 +161,8 @@ def blocks_for_memory(model, kv_block_size: int, memory_fraction: float, *, acti
             f"{total * memory_fraction / 2**30:.1f} GiB; the model and what else is on the device take "
             f"{used / 2**30:.1f} GiB and a step's activations about {activation_bytes / 2**30:.1f} GiB "
             f"(one KV block of {kv_block_size} tokens in all layers is {per / 2**20:.2f} MiB). Raise "
-            f"gpu_memory_fraction, lower max_batch_tokens, or use a smaller model or dtype")
+            f"gpu_memory_fraction, lower max_batch_tokens, or use a smaller model or dtype"
+        )
     return int(blocks)
 
 
@@ -193,8 +195,13 @@ def size_pool_for_memory(model, kv_block_size: int, memory_fraction: float, max_
     cache_bytes = sum(t.numel() * t.element_size() for t in probe.tensors())
     del probe
     torch.cuda.empty_cache()
-    return blocks_for_memory(model, kv_block_size, memory_fraction,
-                             activation_bytes=peak - cache_bytes + MEMORY_HEADROOM_BYTES, device=device)
+    return blocks_for_memory(
+        model,
+        kv_block_size,
+        memory_fraction,
+        activation_bytes=peak - cache_bytes + MEMORY_HEADROOM_BYTES,
+        device=device,
+    )
 
 
 @dataclass
@@ -224,7 +231,7 @@ class SequenceState:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 @dataclass
@@ -266,11 +273,22 @@ class PagedRuntime:
     the model on the runtime's caches in place (:class:`dash_trt.trt_runtime.TensorRTBackend`).
     """
 
-    def __init__(self, model, num_blocks: int, kv_block_size: int, *, forward: ForwardFn | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, backend: Any = None,
-                 decode_padding: bool | None = None, device: str | torch.device | None = None,
-                 prefix_caching: bool = False):
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        kv_block_size: int,
+        *,
+        forward: ForwardFn | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] | None = None,
+        backend: Any = None,
+        decode_padding: bool | None = None,
+        device: str | torch.device | None = None,
+        prefix_caching: bool = False,
+    ):
         from . import cuda as dcuda
 
         self.model = model
@@ -279,12 +297,15 @@ class PagedRuntime:
         #: such as TensorRT runs the model; its weights may then stay on the CPU).
         self.device = torch.device(device) if device is not None else model.device
         if device is not None and backend is None and forward is None and self.device != model.device:
-            raise RuntimeConfigError(f"the model is on {model.device}, device={self.device}: only a backend "
-                                     f"(forward=, backend=) may run elsewhere")
+            raise RuntimeConfigError(
+                f"the model is on {model.device}, device={self.device}: only a backend "
+                f"(forward=, backend=) may run elsewhere"
+            )
         self.kv_block_size = int(kv_block_size)
         if int(num_blocks) < 1 or self.kv_block_size < 1:
-            raise RuntimeConfigError(f"num_blocks and kv_block_size must be positive, got {num_blocks}, "
-                                     f"{kv_block_size}")
+            raise RuntimeConfigError(
+                f"num_blocks and kv_block_size must be positive, got {num_blocks}, {kv_block_size}"
+            )
         if max_num_seqs < 1:
             raise RuntimeConfigError(f"max_num_seqs must be positive, got {max_num_seqs}")
         self.pool = KVBlockPool(int(num_blocks), self.kv_block_size)
@@ -302,8 +323,9 @@ class PagedRuntime:
         elif forward is not None or backend is not None:
             reason = "another backend runs the model"
         else:
-            reason = dcuda.supports(c.head_dim, c.index_head_dim, self.kv_block_size, c.dash.sparse_block_size,
-                                    model.dtype)
+            reason = dcuda.supports(
+                c.head_dim, c.index_head_dim, self.kv_block_size, c.dash.sparse_block_size, model.dtype
+            )
         #: None when every step runs the CUDA kernels (fixed table width, padding, graphs), else why not.
         self.kernels_reason = reason
         self.kernels = reason is None
@@ -327,12 +349,22 @@ class PagedRuntime:
         # one-token-deep sequence at slot j of them (every idle row writes its own slot).
         self._scratch = self.pool.num_blocks
         scratch = -(-self.graph_batch_sizes[-1] // self.kv_block_size) if self.decode_padding else 0
-        self.caches: list[DashKVCache] = model.allocate_cache(self.pool.num_blocks + scratch, self.kv_block_size,
-                                                             device=self.device)
+        self.caches: list[DashKVCache] = model.allocate_cache(
+            self.pool.num_blocks + scratch, self.kv_block_size, device=self.device
+        )
         if self.kernels:
-            dcuda.check_sizes(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.index_head_dim,
-                              self.pool.num_blocks + scratch, self.kv_block_size, self.table_width, c.dash,
-                              model.dtype, c.num_hidden_layers)
+            dcuda.check_sizes(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.index_head_dim,
+                self.pool.num_blocks + scratch,
+                self.kv_block_size,
+                self.table_width,
+                c.dash,
+                model.dtype,
+                c.num_hidden_layers,
+            )
         self.cuda_graphs = self.kernels and self.decode_padding and (cuda_graphs is None or bool(cuda_graphs))
         self._static: dict[int, _Static] = {}
         self._last_decode: tuple | None = None  # (bucket, sequence ids) of the last decode step
@@ -350,11 +382,18 @@ class PagedRuntime:
         """Replace the cache tensors (a functional backend's ``present.*``)."""
         assign_flat_cache_tensors(self.caches, tensors)
 
-    def add(self, seq_id: object, prompt: Sequence[int], reserve_tokens: int, *,
-            coords: tuple[PageCoordState, torch.Tensor] | None = None,
-            sampling: SamplingParams | None = None,
-            image_features: torch.Tensor | None = None, block_hashes: Sequence[bytes] | None = None,
-            cached_blocks: Sequence[int] | None = None) -> SequenceState:
+    def add(
+        self,
+        seq_id: object,
+        prompt: Sequence[int],
+        reserve_tokens: int,
+        *,
+        coords: tuple[PageCoordState, torch.Tensor] | None = None,
+        sampling: SamplingParams | None = None,
+        image_features: torch.Tensor | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        cached_blocks: Sequence[int] | None = None,
+    ) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
         ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
@@ -380,22 +419,39 @@ class PagedRuntime:
         feats = rows = None
         if image_features is not None:
             feats, rows = self._image_inputs(prompt, image_features)
-        state, prompt_coords = coords if coords is not None else PageCoordState.from_prompt(
-            token_roles(prompt, self.config))
+        state, prompt_coords = (
+            coords if coords is not None else PageCoordState.from_prompt(token_roles(prompt, self.config))
+        )
         hashes, cached = None, []
         if self.prefix_caching:
-            hashes = list(block_hashes) if block_hashes is not None else prefix_block_hashes(
-                prompt, self.config.image_token_id, self.kv_block_size, image_features)
+            hashes = (
+                list(block_hashes)
+                if block_hashes is not None
+                else prefix_block_hashes(prompt, self.config.image_token_id, self.kv_block_size, image_features)
+            )
             cached = list(cached_blocks) if cached_blocks is not None else self.pool.match(hashes)
             if len(cached) > len(hashes):
                 raise ValueError(f"{len(cached)} cached blocks for {len(hashes)} cacheable ones")
         self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens, cached_blocks=cached)
         buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
         buf[: len(prompt)] = prompt_coords.numpy()
-        sampler = Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
-        seq = SequenceState(seq_id, prompt, len(prompt), buf, state, np.array(prompt, dtype=np.int64),
-                            reserved=int(reserve_tokens), sampler=sampler, image_features=feats, image_rows=rows,
-                            block_hashes=hashes, registered=len(cached))
+        sampler = (
+            Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
+        )
+        seq = SequenceState(
+            seq_id,
+            prompt,
+            len(prompt),
+            buf,
+            state,
+            np.array(prompt, dtype=np.int64),
+            reserved=int(reserve_tokens),
+            sampler=sampler,
+            image_features=feats,
+            image_rows=rows,
+            block_hashes=hashes,
+            registered=len(cached),
+        )
         seq.fed = seq.cached_tokens = len(cached) * self.kv_block_size
         self.prompt_tokens_cached += seq.cached_tokens
         self._seqs[seq_id] = seq
@@ -407,8 +463,10 @@ class PagedRuntime:
 
         dim = self.config.image_feature_dim
         if dim is None:
-            raise ValueError("this model takes no image features (its config sets no image_feature_dim): "
-                             "image tokens are embedded from the token table")
+            raise ValueError(
+                "this model takes no image features (its config sets no image_feature_dim): "
+                "image tokens are embedded from the token table"
+            )
         features = torch.as_tensor(features)
         if features.dim() != 2 or features.shape[1] != dim:
             raise ValueError(f"image features must be [image tokens, {dim}], got {list(features.shape)}")
@@ -460,8 +518,12 @@ class PagedRuntime:
         graph = False
         # A sequence still reading image features goes through the eager body (the decode
         # graphs embed token ids only).
-        every_row = (self.decode_padding and decode and len(plan) <= self.graph_batch_sizes[-1]
-                     and not any(s.image_rows is not None and s.fed < s.prompt_len for s in seqs))
+        every_row = (
+            self.decode_padding
+            and decode
+            and len(plan) <= self.graph_batch_sizes[-1]
+            and not any(s.image_rows is not None and s.fed < s.prompt_len for s in seqs)
+        )
         if every_row:  # the padded decode body (graph or eager) scores every row
             tokens, logits, graph = self._decode(seqs)
         else:
@@ -500,16 +562,29 @@ class PagedRuntime:
         host = self.pool.schedule_host(plan, table_width=self.table_width)
         qsl = host.query_start_loc
         rows = [int(qsl[j + 1]) - 1 for j, sample in enumerate(samples) if sample] or [int(qsl[-1]) - 1]
-        ids = np.concatenate([s.prompt_ids[s.fed:s.fed + n] if s.fed + n <= s.prompt_len
-                              else np.asarray(s.tokens[s.fed:s.fed + n], dtype=np.int64) for s, (_, n) in zip(seqs, plan)])
-        coords = np.concatenate([s.coords[s.fed:s.fed + n] for s, (_, n) in zip(seqs, plan)])
+        ids = np.concatenate(
+            [
+                s.prompt_ids[s.fed : s.fed + n]
+                if s.fed + n <= s.prompt_len
+                else np.asarray(s.tokens[s.fed : s.fed + n], dtype=np.int64)
+                for s, (_, n) in zip(seqs, plan)
+            ]
+        )
+        coords = np.concatenate([s.coords[s.fed : s.fed + n] for s, (_, n) in zip(seqs, plan)])
         most = max(n for _, n in plan)
         images = self._step_images(seqs, plan) if self.config.image_feature_dim is not None else None
         if self._forward is not None:
             return self._functional(ids, coords, host, rows, most, images)
         if self._backend is not None:
-            logits = self._backend.run(ids, coords, host, np.asarray(rows, dtype=np.int64), most, self,
-                                       **({"images": images} if images is not None else {}))
+            logits = self._backend.run(
+                ids,
+                coords,
+                host,
+                np.asarray(rows, dtype=np.int64),
+                most,
+                self,
+                **({"images": images} if images is not None else {}),
+            )
             return greedy_tokens(logits, self.config.image_token_id), logits
         dev = self.device
         packed = np.concatenate([ids.astype(np.int32), coords.ravel(), np.asarray(rows, dtype=np.int32)])
@@ -518,12 +593,13 @@ class PagedRuntime:
             packed_t = packed_t.pin_memory().to(dev, non_blocking=True)
         t = ids.shape[0]
         ids_t = packed_t[:t]
-        coords_t = packed_t[t:t + 4 * t].view(t, 4)
-        rows_t = packed_t[5 * t:]
+        coords_t = packed_t[t : t + 4 * t].view(t, 4)
+        rows_t = packed_t[5 * t :]
         batch = DashBatch.from_host(host, dev, max_query_len=most)
         with torch.no_grad():
-            logits = self.model.forward_paged(ids_t, coords_t, batch, self.caches, rows_t,
-                                              *(images if images is not None else ()))
+            logits = self.model.forward_paged(
+                ids_t, coords_t, batch, self.caches, rows_t, *(images if images is not None else ())
+            )
             tokens = greedy_tokens(logits, self.config.image_token_id)
         return tokens, logits
 
@@ -534,16 +610,19 @@ class PagedRuntime:
         for s, (_, n) in zip(seqs, plan):
             rows = np.full(n, -1, dtype=np.int64)
             if s.image_rows is not None and s.fed < s.prompt_len:
-                r = s.image_rows[s.fed:min(s.fed + n, s.prompt_len)]
+                r = s.image_rows[s.fed : min(s.fed + n, s.prompt_len)]
                 used = r[r >= 0]
                 if used.size:
                     lo, hi = int(used[0]), int(used[-1]) + 1  # a chunk's rows are consecutive
                     parts.append(s.image_features[lo:hi])
-                    rows[:r.size] = np.where(r >= 0, r - lo + off, -1)
+                    rows[: r.size] = np.where(r >= 0, r - lo + off, -1)
                     off += hi - lo
             index.append(rows)
-        feats = (torch.cat(parts) if parts else
-                 torch.zeros(0, self.config.image_feature_dim, dtype=self.model.dtype, device=self.device))
+        feats = (
+            torch.cat(parts)
+            if parts
+            else torch.zeros(0, self.config.image_feature_dim, dtype=self.model.dtype, device=self.device)
+        )
         return feats, torch.from_numpy(np.concatenate(index)).to(self.device)
 
     def _functional(self, ids, coords, host: BatchHost, rows, most, images=None):
@@ -551,8 +630,12 @@ class PagedRuntime:
 
         dev = self.device
         batch = DashBatch.from_host(host, dev, max_query_len=most)
-        values = [torch.from_numpy(ids).to(dev), torch.from_numpy(np.ascontiguousarray(coords)).to(dev),
-                  *batch.tensors(), torch.tensor(rows, dtype=torch.long, device=dev)]
+        values = [
+            torch.from_numpy(ids).to(dev),
+            torch.from_numpy(np.ascontiguousarray(coords)).to(dev),
+            *batch.tensors(),
+            torch.tensor(rows, dtype=torch.long, device=dev),
+        ]
         inputs = dict(zip(MODEL_INPUTS, values))
         if images is not None:
             inputs.update(zip(IMAGE_INPUTS, images))
@@ -569,8 +652,15 @@ class PagedRuntime:
         if st is not None:
             return st
         w = self.table_width
-        layout = (("ids", (size,)), ("coords", (size, 4)), ("block_tables", (size, w)), ("seq_lens", (size,)),
-                  ("query_start_loc", (size + 1,)), ("prompt_lens", (size,)), ("logits_indices", (size,)))
+        layout = (
+            ("ids", (size,)),
+            ("coords", (size, 4)),
+            ("block_tables", (size, w)),
+            ("seq_lens", (size,)),
+            ("query_start_loc", (size + 1,)),
+            ("prompt_lens", (size,)),
+            ("logits_indices", (size,)),
+        )
         total = sum(int(np.prod(shape)) for _, shape in layout)
         pinned = self.device.type == "cuda"
         host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)
@@ -578,8 +668,8 @@ class PagedRuntime:
         hv, dv, off = {}, {}, 0
         for name, shape in layout:
             n = int(np.prod(shape))
-            hv[name] = host.numpy()[off:off + n].reshape(shape)
-            dv[name] = device[off:off + n].view(shape)
+            hv[name] = host.numpy()[off : off + n].reshape(shape)
+            dv[name] = device[off : off + n].view(shape)
             off += n
         # Constant rows: one token per sequence, every row scored; idle rows on the scratch block.
         hv["query_start_loc"][:] = np.arange(size + 1, dtype=np.int32)
@@ -668,4 +758,3 @@ class PagedRuntime:
         else:
             self._run_static(st)
         return st.tokens[:b], st.logits[:b], st.graph is not None
-

@@ -21,7 +21,7 @@ __all__ = ["SamplingParams", "Sampler", "SamplingError"]
 
 #: The largest seed a request may carry (torch generators take 64-bit seeds; JSON and
 #: Triton's INT64 carry signed ones).
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 
 
 class SamplingError(ValueError):

@@ -99,8 +99,11 @@ def random_config(gen: torch.Generator, *, index_dim: int = 16, **overrides) -> 
         "dash_query_chunk": pick([1, 5, 2048]),
     }
     if pick([False, True]):  # per-layer lists (layers 0 and 1, both DASH layers)
-        sp.update(sparse_attention_freq=[1, 1], dash_scale_per_layer=[pick([8.0, 64.0]), pick([2.0, 128.0])],
-                  dash_floor_per_layer=[pick([1e-4, 1e-3]), pick([1e-2, 1e-5])])
+        sp.update(
+            sparse_attention_freq=[1, 1],
+            dash_scale_per_layer=[pick([8.0, 64.0]), pick([2.0, 128.0])],
+            dash_floor_per_layer=[pick([1e-4, 1e-3]), pick([1e-2, 1e-5])],
+        )
     sp.update(overrides)
     return DashConfig.from_dict(sp)
 
@@ -158,7 +161,6 @@ def random_inputs(
 #: whose selections differ from the reference on more tokens than that is wrong, however close
 #: each swap's scores are.
 MAX_NEAR_TIE_SHARE = 0.05
-
 
 
 @dataclass
@@ -267,8 +269,11 @@ def compare_outputs(
                 ties += 1
                 compared[i] = False
             else:
-                problem(i, f"selected {sorted(a - b)} instead of {sorted(b - a)} (routing values "
-                           f"{[round(float(values[x]), 5) for x in sorted(diff)]}, K-th {boundary:.5f})")
+                problem(
+                    i,
+                    f"selected {sorted(a - b)} instead of {sorted(b - a)} (routing values "
+                    f"{[round(float(values[x]), 5) for x in sorted(diff)]}, K-th {boundary:.5f})",
+                )
     err = (out.float().cpu() - ref.float().cpu()).abs()
     limit = atol + rtol * ref.float().cpu().abs()
     bad_rows = ((err > limit).flatten(1).any(1) & compared).nonzero().flatten().tolist()
@@ -299,8 +304,17 @@ def random_sequences(
     for _ in range(n):
         npages = int(torch.randint(pages[0], pages[1] + 1, (1,), generator=gen))
         roles = random_roles(gen, npages, max_images=max_images, response=response, response_markers=2)
-        x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
-                          dtype=dtype, device=device, head_cls=head_cls.to(device))
+        x = random_inputs(
+            gen,
+            roles,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            index_dim=index_dim,
+            dtype=dtype,
+            device=device,
+            head_cls=head_cls.to(device),
+        )
         seqs.append((x, sequence_coords(roles).to(device)))
     return seqs
 
@@ -319,11 +333,26 @@ def prefill_then_decode(gen: torch.Generator, seqs, response: int) -> list[list[
 #: Configuration variants the kernel and plugin tests share:
 #: name -> (sparse_attention_config overrides, layer index).
 CONFIG_VARIANTS: dict[str, tuple[dict, int]] = {
-    "per_layer_lists": ({"sparse_attention_freq": [0, 1, 1], "dash_scale_per_layer": [16.0, 64.0],
-                         "dash_floor_per_layer": [1e-3, 1e-2], "dash_topk_blocks": 5, "dash_sigma": 0.5}, 2),
+    "per_layer_lists": (
+        {
+            "sparse_attention_freq": [0, 1, 1],
+            "dash_scale_per_layer": [16.0, 64.0],
+            "dash_floor_per_layer": [1e-3, 1e-2],
+            "dash_topk_blocks": 5,
+            "dash_sigma": 0.5,
+        },
+        2,
+    ),
     "keep_all_16": ({"dash_topk_blocks": 20, "dash_scaling_factor": 8.0}, 1),
-    "truncate_mod": ({"sparse_main_rope_tok_freq_mode": "truncate", "sparse_rope_tok_freq_mode": "truncate",
-                      "sparse_rope_page_mod": 3, "sparse_rope_page_pairs": 1}, 0),
+    "truncate_mod": (
+        {
+            "sparse_main_rope_tok_freq_mode": "truncate",
+            "sparse_rope_tok_freq_mode": "truncate",
+            "sparse_rope_page_mod": 3,
+            "sparse_rope_page_pairs": 1,
+        },
+        0,
+    ),
 }
 
 

@@ -46,8 +46,10 @@ class TensorRTBackend:
         try:
             import tensorrt as trt
         except ImportError:
-            raise TensorRTNotFound("TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to run a "
-                                   "plan; the PyTorch runtime (no backend) needs no TensorRT") from None
+            raise TensorRTNotFound(
+                "TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to run a "
+                "plan; the PyTorch runtime (no backend) needs no TensorRT"
+            ) from None
         from .build import load_plugin_library
 
         self.trt = trt
@@ -61,8 +63,10 @@ class TensorRTBackend:
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:
-            raise TensorRTBackendError(f"{engine_path}: TensorRT could not deserialize the engine (built by another "
-                                       f"TensorRT version, or without the DashAttention plugin loaded?)")
+            raise TensorRTBackendError(
+                f"{engine_path}: TensorRT could not deserialize the engine (built by another "
+                f"TensorRT version, or without the DashAttention plugin loaded?)"
+            )
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         mode = trt.TensorIOMode.INPUT
@@ -85,13 +89,23 @@ class TensorRTBackend:
         missing = [n for n in (*MODEL_INPUTS, *past) if n not in self.inputs]
         missing += [n for n in ("logits", *present) if n not in self.outputs]
         if missing:
-            raise TensorRTBackendError(f"the engine does not match the model ({layers} layers): it has no "
-                                       f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''} (build it from "
-                                       f"this model's export with dash-build)")
+            raise TensorRTBackendError(
+                f"the engine does not match the model ({layers} layers): it has no "
+                f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''} (build it from "
+                f"this model's export with dash-build)"
+            )
         self._checked = True
 
-    def run(self, ids: np.ndarray, coords: np.ndarray, host, rows: np.ndarray, most: int, runtime,
-            images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        ids: np.ndarray,
+        coords: np.ndarray,
+        host,
+        rows: np.ndarray,
+        most: int,
+        runtime,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One step: bind every tensor (caches in place) and execute; returns the logits [N, V].
         ``images``: the step's ``(image_features, image_feature_index)`` for an engine of a model
         that takes image features."""
@@ -103,7 +117,8 @@ class TensorRTBackend:
         values = {
             "input_ids": torch.from_numpy(np.ascontiguousarray(ids)),
             "coords": torch.from_numpy(np.ascontiguousarray(coords)),
-            "block_tables": torch.from_numpy(host.block_tables), "seq_lens": torch.from_numpy(host.seq_lens),
+            "block_tables": torch.from_numpy(host.block_tables),
+            "seq_lens": torch.from_numpy(host.seq_lens),
             "query_start_loc": torch.from_numpy(host.query_start_loc),
             "prompt_lens": torch.from_numpy(host.prompt_lens),
             "logits_indices": torch.from_numpy(np.ascontiguousarray(rows)),
@@ -112,8 +127,10 @@ class TensorRTBackend:
         if images is not None:
             missing = [n for n in IMAGE_INPUTS if n not in self.inputs]
             if missing:
-                raise TensorRTBackendError(f"the engine has no {', '.join(missing)} input: it was built from an export "
-                                           f"of a model without image features")
+                raise TensorRTBackendError(
+                    f"the engine has no {', '.join(missing)} input: it was built from an export "
+                    f"of a model without image features"
+                )
             values.update(zip(IMAGE_INPUTS, images))
             names += IMAGE_INPUTS
         keep = {}
@@ -132,8 +149,10 @@ class TensorRTBackend:
             for f in CACHE_FIELDS:
                 t = getattr(cache, f)
                 if not ctx.set_input_shape(f"past.{i}.{f}", tuple(t.shape)):
-                    raise TensorRTBackendError(f"the engine's profile does not allow past.{i}.{f} of shape "
-                                               f"{tuple(t.shape)} (a pool of {t.shape[0]} blocks)")
+                    raise TensorRTBackendError(
+                        f"the engine's profile does not allow past.{i}.{f} of shape "
+                        f"{tuple(t.shape)} (a pool of {t.shape[0]} blocks)"
+                    )
                 # The cache is updated in place: present.* is the past.* buffer.
                 ctx.set_tensor_address(f"past.{i}.{f}", t.data_ptr())
                 ctx.set_tensor_address(f"present.{i}.{f}", t.data_ptr())

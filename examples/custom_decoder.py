@@ -34,9 +34,15 @@ class Block(nn.Module):
         t = x.shape[0]
         y = self.ln_1(x)
         q, k, v = self.qkv(y).split([self.heads * self.dim, self.kv_heads * self.dim, self.kv_heads * self.dim], -1)
-        out = self.attn(q.reshape(t, self.heads, self.dim), k.reshape(t, self.kv_heads, self.dim),
-                        v.reshape(t, self.kv_heads, self.dim), self.index_q(y), self.index_k(y),
-                        self.index_weight, dash)
+        out = self.attn(
+            q.reshape(t, self.heads, self.dim),
+            k.reshape(t, self.kv_heads, self.dim),
+            v.reshape(t, self.kv_heads, self.dim),
+            self.index_q(y),
+            self.index_k(y),
+            self.index_weight,
+            dash,
+        )
         x = x + self.proj(out.reshape(t, -1))
         return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x)), approximate="tanh"))
 

@@ -66,8 +66,9 @@ def main(argv=None) -> int:
     got = M.generate(shard, prompts, a.new_tokens, cuda_graphs=graphs, keep_logits=False, kv_block_size=kv).tokens
     print(f"rank {rank}/{world} on {device}: {got}", flush=True)
     if a.check and rank == 0:
-        want = M.generate(model.to(device), prompts, a.new_tokens, cuda_graphs=graphs, keep_logits=False,
-                          kv_block_size=kv).tokens
+        want = M.generate(
+            model.to(device), prompts, a.new_tokens, cuda_graphs=graphs, keep_logits=False, kv_block_size=kv
+        ).tokens
         same = got == want
         print(f"TP={world} tokens {'equal' if same else 'DIFFER FROM'} the unsharded model's", flush=True)
         if not same:

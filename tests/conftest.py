@@ -17,8 +17,9 @@ try:
     from hypothesis import settings as _hypothesis_settings
 
     _hypothesis_settings.register_profile("dash", derandomize=True, print_blob=True)
-    _hypothesis_settings.register_profile("explore", derandomize=False, print_blob=True,
-                                          max_examples=4 * _hypothesis_settings.default.max_examples)
+    _hypothesis_settings.register_profile(
+        "explore", derandomize=False, print_blob=True, max_examples=4 * _hypothesis_settings.default.max_examples
+    )
     _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dash"))
 except ImportError:  # hypothesis is a test dependency; the modules that use it import it themselves
     pass
@@ -28,8 +29,10 @@ def require_kernels(library_path) -> None:
     """With ``DASH_REQUIRE_KERNELS=1`` (set by ``.ci/run``, which builds the kernel library), a
     missing library fails the test module instead of skipping it."""
     if library_path is None and os.environ.get("DASH_REQUIRE_KERNELS") == "1":
-        raise RuntimeError("DASH_REQUIRE_KERNELS=1 but libdash_trt_kernels.so is not found: build it (pip install . "
-                           "with nvcc) or set DASH_TRT_LIBRARY")
+        raise RuntimeError(
+            "DASH_REQUIRE_KERNELS=1 but libdash_trt_kernels.so is not found: build it (pip install . "
+            "with nvcc) or set DASH_TRT_LIBRARY"
+        )
 
 
 def _has_cuda() -> bool:

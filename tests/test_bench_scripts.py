@@ -65,12 +65,15 @@ def test_bench_dash_refuses_a_malformed_ab_mma_list_before_it_needs_a_gpu(value,
     assert f"--ab-mma: comma-separated integers, got {value!r}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--ab", "block_major_warpgroups=1;warpgroups=2", "--tuning / --ab: unknown tuning knob 'warpgroups'"),
-    ("--ab", "block_major_warpgroups=one", "--tuning / --ab: invalid literal for int()"),
-    ("--tuning", "chunk=5", "--tuning / --ab: unknown tuning knob 'chunk'"),
-    ("--only", "mixed,decodes", "--only: choose from decode, mixed, prefill, got 'mixed,decodes'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--ab", "block_major_warpgroups=1;warpgroups=2", "--tuning / --ab: unknown tuning knob 'warpgroups'"),
+        ("--ab", "block_major_warpgroups=one", "--tuning / --ab: invalid literal for int()"),
+        ("--tuning", "chunk=5", "--tuning / --ab: unknown tuning knob 'chunk'"),
+        ("--only", "mixed,decodes", "--only: choose from decode, mixed, prefill, got 'mixed,decodes'"),
+    ],
+)
 def test_bench_dash_refuses_unknown_knobs_before_it_needs_a_gpu(flag, value, message, monkeypatch, capsys):
     """``--tuning`` and each ``--ab`` variant name dash_trt.cuda.Tuning knobs, ``--only`` kinds of
     case; an unknown name or a value that is not an integer is an argument error at once (exit
@@ -85,7 +88,7 @@ def test_bench_dash_refuses_unknown_knobs_before_it_needs_a_gpu(flag, value, mes
     assert message in capsys.readouterr().err
 
 
-NCU_CSV = '''==PROF== Connected to process 1 (python3)
+NCU_CSV = """==PROF== Connected to process 1 (python3)
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
 "0","1","python3","h","void unnamed>::write_kernel<__nv_bfloat16>(DashParams, Workspace)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","75,800,000"
 "0","1","python3","h","void unnamed>::write_kernel<__nv_bfloat16>(DashParams, Workspace)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","66,100,000"
@@ -94,7 +97,7 @@ NCU_CSV = '''==PROF== Connected to process 1 (python3)
 "7","1","python3","h","void unnamed>::block_attend_kernel<__nv_bfloat16, 128, 2>(DashParams, Plan, Workspace, int)","1","7","(256, 1, 1)","(20488, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","1,770,300,000"
 "7","1","python3","h","void unnamed>::block_attend_kernel<__nv_bfloat16, 128, 2>(DashParams, Plan, Workspace, int)","1","7","(256, 1, 1)","(20488, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","930,600"
 ==PROF== Disconnected from process 1
-'''
+"""
 
 
 def test_ncu_dram_tables_every_kernel_and_sums_the_call(tmp_path, capsys):

@@ -56,8 +56,10 @@ def test_without_tensorrt_a_message_and_exit_code_2(files, no_tensorrt, capsys):
 def test_console_script_without_tensorrt(files):
     """The installed entry point, in a fresh interpreter: no traceback, exit code 2."""
     model, plugin, out = files
-    code = ("import sys; sys.modules['tensorrt'] = None; from dash_trt.build import main; "
-            f"sys.exit(main([{str(model)!r}, '--plugin', {str(plugin)!r}, '--out', {str(out)!r}]))")
+    code = (
+        "import sys; sys.modules['tensorrt'] = None; from dash_trt.build import main; "
+        f"sys.exit(main([{str(model)!r}, '--plugin', {str(plugin)!r}, '--out', {str(out)!r}]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "TensorRT not found" in r.stderr and "Traceback" not in r.stderr
@@ -201,8 +203,14 @@ def test_trtexec_command():
     assert "--minShapes=input_ids:1,coords:1x4,block_tables:1x1 " in flat
     assert "--optShapes=input_ids:64,coords:64x4,block_tables:8x63 " in flat
     assert "--maxShapes=input_ids:4096,coords:4096x4,block_tables:32x63 " in flat
-    for flag in ("--stronglyTyped", "--preview=+aliasedPluginIO1003", "--timingCacheFile=t.cache",
-                 "--memPoolSize=workspace:4096M", "--skipInference", "--saveEngine=m.plan"):
+    for flag in (
+        "--stronglyTyped",
+        "--preview=+aliasedPluginIO1003",
+        "--timingCacheFile=t.cache",
+        "--memPoolSize=workspace:4096M",
+        "--skipInference",
+        "--saveEngine=m.plan",
+    ):
         assert flag in flat
     weak = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, strongly_typed=False, fp16=True, aliasing=False)
     assert "--fp16" in weak and "--stronglyTyped" not in weak and "--preview" not in weak
@@ -218,10 +226,12 @@ def test_trtexec_command_follows_the_tensorrt_version():
     assert "--stronglyTyped" not in v11 and "--preview=+aliasedPluginIO1003" in v11
     with pytest.raises(ValueError, match="trtexec 11.1 has no --fp16/--bf16"):
         B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(11, 1), fp16=True, strongly_typed=False)
-    assert "--enablePluginOverride" in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(10, 15),
-                                                           plugin_override=True)
-    assert "--enablePluginOverride" not in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(10, 8),
-                                                               plugin_override=True)
+    assert "--enablePluginOverride" in B.trtexec_command(
+        "m.onnx", "l.so", "p", shapes, trt_version=(10, 15), plugin_override=True
+    )
+    assert "--enablePluginOverride" not in B.trtexec_command(
+        "m.onnx", "l.so", "p", shapes, trt_version=(10, 8), plugin_override=True
+    )
     assert "--enablePluginOverride" not in B.trtexec_command("m.onnx", "l.so", "p", shapes, trt_version=(11, 1))
     hostile = B.trtexec_command("my model $(rm -rf x).onnx", "lib;ls.so", "out plan", shapes)
     flat = hostile.replace(" \\\n    ", " ")
@@ -230,13 +240,23 @@ def test_trtexec_command_follows_the_tensorrt_version():
 
 
 def test_engine_summary():
-    info = {"Layers": [
-        {"Name": "/layers.0/attn/DashAttention", "LayerType": "PluginV3", "Inputs": [{"Name": "q"}],
-         "Outputs": [{"Name": "out"}]},
-        {"Name": "copy of past.0.key", "LayerType": "Reformat", "Inputs": [{"Name": "past.0.key"}],
-         "Outputs": [{"Name": "past.0.key copy"}]},
-        {"Name": "matmul", "LayerType": "Myelin"},
-    ]}
+    info = {
+        "Layers": [
+            {
+                "Name": "/layers.0/attn/DashAttention",
+                "LayerType": "PluginV3",
+                "Inputs": [{"Name": "q"}],
+                "Outputs": [{"Name": "out"}],
+            },
+            {
+                "Name": "copy of past.0.key",
+                "LayerType": "Reformat",
+                "Inputs": [{"Name": "past.0.key"}],
+                "Outputs": [{"Name": "past.0.key copy"}],
+            },
+            {"Name": "matmul", "LayerType": "Myelin"},
+        ]
+    }
     lines = B.summarize_engine(json.dumps(info))
     assert lines[0] == "3 layers: 1 PluginV3, 1 Reformat, 1 Myelin"
     assert "DashAttention plugin layers: 1" in lines
@@ -254,38 +274,70 @@ def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
     def vi(name, elem, dims):
         return helper.make_tensor_value_info(name, elem, dims)
 
-    inputs = [vi("input_ids", TensorProto.INT64, ["num_tokens"]),
-              vi("coords", TensorProto.INT32, ["num_tokens", 4]),
-              vi("block_tables", TensorProto.INT32, ["num_seqs", "block_table_width"]),
-              vi("query_start_loc", TensorProto.INT32, ["num_seqs + 1"]),
-              vi("past.0.key", TensorProto.FLOAT16, ["num_kv_blocks", kv_block, 2, 64])]
+    inputs = [
+        vi("input_ids", TensorProto.INT64, ["num_tokens"]),
+        vi("coords", TensorProto.INT32, ["num_tokens", 4]),
+        vi("block_tables", TensorProto.INT32, ["num_seqs", "block_table_width"]),
+        vi("query_start_loc", TensorProto.INT32, ["num_seqs + 1"]),
+        vi("past.0.key", TensorProto.FLOAT16, ["num_kv_blocks", kv_block, 2, 64]),
+    ]
     outputs = [vi("ids_out", TensorProto.INT64, ["num_tokens"])]
     nodes = [helper.make_node("Identity", ["input_ids"], ["ids_out"])]
     if node:
-        nodes.append(helper.make_node("DashAttention", ["coords"], ["unused"], domain="dash_trt",
-                                      sparse_block_size=32, sparse_local_block=1, sparse_index_dim=64,
-                                      dash_topk_blocks=4, layer_idx=0, sparse_main_rope_tok_freq_mode="",
-                                      plugin_version="2",
-                                      **({} if node == "no-namespace" else {"plugin_namespace": ""})))
+        nodes.append(
+            helper.make_node(
+                "DashAttention",
+                ["coords"],
+                ["unused"],
+                domain="dash_trt",
+                sparse_block_size=32,
+                sparse_local_block=1,
+                sparse_index_dim=64,
+                dash_topk_blocks=4,
+                layer_idx=0,
+                sparse_main_rope_tok_freq_mode="",
+                plugin_version="2",
+                **({} if node == "no-namespace" else {"plugin_namespace": ""}),
+            )
+        )
     graph = helper.make_graph(nodes, "tiny", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("dash_trt", 1)])
     if metadata:
-        helper.set_model_props(model, {"sparse_attention_config": json.dumps(
-            {"sparse_block_size": 16, "sparse_local_block": 1, "sparse_index_dim": 64})})
+        helper.set_model_props(
+            model,
+            {
+                "sparse_attention_config": json.dumps(
+                    {"sparse_block_size": 16, "sparse_local_block": 1, "sparse_index_dim": 64}
+                )
+            },
+        )
     onnx.save(model, str(path))
     return path
 
 
 def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt):
     model = _tiny_onnx(tmp_path / "tiny.onnx")
-    code = B.main([str(model), "--plugin", "build/libdash_trt_plugin.so", "--print-trtexec", "--out", "t.plan",
-                   "--max-tokens", "1,32,512", "--max-seqs", "4", "--max-context", "256"])
+    code = B.main(
+        [
+            str(model),
+            "--plugin",
+            "build/libdash_trt_plugin.so",
+            "--print-trtexec",
+            "--out",
+            "t.plan",
+            "--max-tokens",
+            "1,32,512",
+            "--max-seqs",
+            "4",
+            "--max-context",
+            "256",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     flat = out.replace(" \\\n    ", " ")
     assert "--dynamicPlugins=build/libdash_trt_plugin.so" in flat
-    assert ("--maxShapes=input_ids:512,coords:512x4,block_tables:4x16,query_start_loc:5,"
-            "past.0.key:64x16x2x64 ") in flat
+    assert ("--maxShapes=input_ids:512,coords:512x4,block_tables:4x16,query_start_loc:5,past.0.key:64x16x2x64 ") in flat
     assert "--saveEngine=t.plan" in flat
 
 
@@ -332,6 +384,7 @@ def test_real_tensorrt_refuses_a_missing_plugin(files):
 def test_loading_the_plugin_is_checked():
     """dash-build and dash-compare both use load_plugin_library: a library TensorRT cannot load,
     or one that registers no DashAttention creator, is an error with a message."""
+
     class Registry:
         def __init__(self, handle, creator):
             self.handle, self.creator = handle, creator
@@ -353,8 +406,10 @@ def test_loading_the_plugin_is_checked():
 def test_image_feature_inputs_get_a_profile_from_zero_rows_to_one_per_token():
     """A model that takes image features (docs/models.md) exports two more inputs; their
     dims have roles, so no --shape is needed and a step without features (0 rows) fits."""
-    inputs = EXPORT_INPUTS + [InputSpec("image_features", (-1, 40), ("num_image_features", None)),
-                              InputSpec("image_feature_index", (-1,), ("num_tokens",))]
+    inputs = EXPORT_INPUTS + [
+        InputSpec("image_features", (-1, 40), ("num_image_features", None)),
+        InputSpec("image_feature_index", (-1,), ("num_tokens",)),
+    ]
     limits = B.derive_limits(inputs, tokens=Limit(1, 128, 4096))
     shapes = B.profile_shapes(inputs, limits)
     assert shapes["image_features"] == ((0, 40), (128, 40), (4096, 40))

@@ -3,7 +3,6 @@
 import io
 
 import pytest
-
 import torch
 
 from dash_trt import cli
@@ -51,29 +50,45 @@ def test_demo_rejects_bad_arguments(capsys):
 def test_model_load_errors_from_a_triton_log():
     from dash_trt.triton.server import model_load_errors
 
-    log = ('I1201 14:03:22.303905 20811 model_lifecycle.cc:777] "loading: dash:1"\n'
-           'E1201 14:03:22.599982 20811 model_lifecycle.cc:642] "failed to load \'dash\' version 1: Internal: '
-           'CheckpointError: /r/dash/1/model.pt is not a readable PyTorch checkpoint"\n'
-           'E1201 14:03:22.599982 20811 model_lifecycle.cc:642] "failed to load \'dash\' version 1: again"\n'
-           '| dash        | 1       | UNAVAILABLE: Internal: CheckpointError: ... |\n')
-    assert model_load_errors(log) == ["model 'dash' version 1 failed to load: Internal: CheckpointError: "
-                                      "/r/dash/1/model.pt is not a readable PyTorch checkpoint"]
+    log = (
+        'I1201 14:03:22.303905 20811 model_lifecycle.cc:777] "loading: dash:1"\n'
+        "E1201 14:03:22.599982 20811 model_lifecycle.cc:642] \"failed to load 'dash' version 1: Internal: "
+        'CheckpointError: /r/dash/1/model.pt is not a readable PyTorch checkpoint"\n'
+        "E1201 14:03:22.599982 20811 model_lifecycle.cc:642] \"failed to load 'dash' version 1: again\"\n"
+        "| dash        | 1       | UNAVAILABLE: Internal: CheckpointError: ... |\n"
+    )
+    assert model_load_errors(log) == [
+        "model 'dash' version 1 failed to load: Internal: CheckpointError: "
+        "/r/dash/1/model.pt is not a readable PyTorch checkpoint"
+    ]
     assert model_load_errors("no errors here") == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli", "write"],
-    ["dash_trt.triton.cli", "serve"], ["dash_trt.triton.cli", "openai"], ["dash_trt.triton.cli", "probe"],
-    ["dash_trt.triton.client"], ["dash_trt.info"],
-    ["dash_trt.triton.loadtest"], ["dash_trt.cli"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["dash_trt.export"],
+        ["dash_trt.compare"],
+        ["dash_trt.build"],
+        ["dash_trt.triton.cli", "write"],
+        ["dash_trt.triton.cli", "serve"],
+        ["dash_trt.triton.cli", "openai"],
+        ["dash_trt.triton.cli", "probe"],
+        ["dash_trt.triton.client"],
+        ["dash_trt.info"],
+        ["dash_trt.triton.loadtest"],
+        ["dash_trt.cli"],
+    ],
+)
 def test_every_command_line_builds_its_parser_and_prints_help(argv):
     """An option defined twice (argparse raises at parser construction) breaks a whole command."""
     import subprocess
     import sys
 
-    code = ("import runpy, sys; sys.argv = ['x', *sys.argv[1:], '--help']; "
-            f"runpy.run_module({argv[0]!r}, run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.argv = ['x', *sys.argv[1:], '--help']; "
+        f"runpy.run_module({argv[0]!r}, run_name='__main__')"
+    )
     res = subprocess.run([sys.executable, "-c", code, *argv[1:]], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout and "Traceback" not in res.stderr
@@ -84,8 +99,12 @@ def test_load_test_reports_a_bad_checkpoint_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "dash_trt.triton.loadtest", "--checkpoint", str(tmp_path / "none.pt"),
-                          "--no-check"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "dash_trt.triton.loadtest", "--checkpoint", str(tmp_path / "none.pt"), "--no-check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [f"loadtest: error: checkpoint not found: {tmp_path / 'none.pt'}"]
 
@@ -98,13 +117,21 @@ def test_openai_endpoint_without_a_triton_server_says_so_in_one_line():
     with socket.socket() as s:  # a port nothing listens on: bound here, never accepting
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "dash_trt.triton.cli", "openai", "--url", f"127.0.0.1:{port}",
-                              "--port", "9999"], capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "dash_trt.triton.cli", "openai", "--url", f"127.0.0.1:{port}", "--port", "9999"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dash-triton openai: error: ") and "refused" in lines[0], lines
-    res = subprocess.run([sys.executable, "-m", "dash_trt.triton.cli", "openai", "--port", "70000"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "dash_trt.triton.cli", "openai", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and res.stderr.strip() == "dash-triton openai: error: --port must be 1..65535, got 70000"
 
 
@@ -118,8 +145,9 @@ def _commands():
 
 
 @pytest.mark.parametrize("name,target", _commands())
-def test_an_unexpected_error_is_one_line_and_exit_70_with_the_traceback_under_verbose(name, target, monkeypatch,
-                                                                                    capsys):
+def test_an_unexpected_error_is_one_line_and_exit_70_with_the_traceback_under_verbose(
+    name, target, monkeypatch, capsys
+):
     """A bug (here planted in argparse, which every command calls first) is neither a traceback
     on the user's terminal nor exit 1 (a mismatch): one line naming the error, exit 70; with
     --verbose, the traceback before it; Ctrl-C one line, exit 130."""
@@ -139,8 +167,10 @@ def test_an_unexpected_error_is_one_line_and_exit_70_with_the_traceback_under_ve
     assert main(["anything"]) == EXIT_INTERNAL
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.strip().splitlines() == [f"{name}: internal error: RuntimeError: planted bug on two lines (rerun with "
-                                        f"--verbose for the traceback, and please report it)"]
+    assert err.strip().splitlines() == [
+        f"{name}: internal error: RuntimeError: planted bug on two lines (rerun with "
+        f"--verbose for the traceback, and please report it)"
+    ]
     assert main(["anything", "--verbose"]) == EXIT_INTERNAL
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last)") and "in planted" in err
@@ -166,18 +196,28 @@ def test_probe_without_a_server_or_with_a_bad_timeout_says_so_in_one_line():
         out, err = io.StringIO(), io.StringIO()
         assert main(["probe", "--url", f"127.0.0.1:{port}", "--timeout", "5"], stdout=out, stderr=err) == 3
     lines = err.getvalue().strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"dash-triton probe: error: no Triton server at 127.0.0.1:{port}: "
-                                                   "StatusCode.UNAVAILABLE"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"dash-triton probe: error: no Triton server at 127.0.0.1:{port}: StatusCode.UNAVAILABLE"
+    ), lines
     assert out.getvalue() == ""
     err = io.StringIO()
     assert main(["probe", "--timeout", "0"], stdout=io.StringIO(), stderr=err) == 2
     assert err.getvalue().strip() == "dash-triton probe: error: --timeout must be > 0, got 0"
 
 
-@pytest.mark.parametrize("argv", [
-    ["dash_trt.export"], ["dash_trt.compare"], ["dash_trt.build"], ["dash_trt.triton.cli"], ["dash_trt.triton.client"],
-    ["dash_trt.triton.loadtest"], ["dash_trt.cli"], ["dash_trt.info"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["dash_trt.export"],
+        ["dash_trt.compare"],
+        ["dash_trt.build"],
+        ["dash_trt.triton.cli"],
+        ["dash_trt.triton.client"],
+        ["dash_trt.triton.loadtest"],
+        ["dash_trt.cli"],
+        ["dash_trt.info"],
+    ],
+)
 def test_every_command_prints_the_same_version_line(argv):
     """--version: the package's version with the kernel ABI and plugin versions it expects, the
     same line from every command, and the version the installed metadata carries."""
@@ -189,8 +229,7 @@ def test_every_command_prints_the_same_version_line(argv):
     from dash_trt.attributes import PLUGIN_VERSION
     from dash_trt.cuda import ABI_VERSION
 
-    code = ("import runpy, sys; sys.argv = ['x', '--version']; "
-            f"runpy.run_module({argv[0]!r}, run_name='__main__')")
+    code = f"import runpy, sys; sys.argv = ['x', '--version']; runpy.run_module({argv[0]!r}, run_name='__main__')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == f"dash-trt {dash_trt.__version__} (kernel ABI {ABI_VERSION}, plugin {PLUGIN_VERSION})"

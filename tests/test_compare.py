@@ -7,12 +7,12 @@ import re
 import numpy as np
 import onnx
 import pytest
+from conftest import demo_config
 from onnx import numpy_helper
 
 from dash_trt import compare as C
 from dash_trt import export as E
 from dash_trt import model as M
-from conftest import demo_config
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,19 @@ def demo_onnx(tmp_path_factory):
 
 def test_onnxrt_matches_the_reference(demo_onnx, tmp_path, capsys):
     report, ins, outs = tmp_path / "r.json", tmp_path / "in.json", tmp_path / "ref.json"
-    rc = C.main([demo_onnx, "--demo", "--no-cuda", "--json", str(report), "--save-inputs", str(ins),
-                 "--save-outputs", str(outs)])
+    rc = C.main(
+        [
+            demo_onnx,
+            "--demo",
+            "--no-cuda",
+            "--json",
+            str(report),
+            "--save-inputs",
+            str(ins),
+            "--save-outputs",
+            str(outs),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "RESULT: all backends match the reference" in text
@@ -49,8 +60,9 @@ def test_onnxrt_matches_the_reference(demo_onnx, tmp_path, capsys):
 
 def test_corrupted_weights_fail_loudly(demo_onnx, tmp_path, capsys):
     m = onnx.load(demo_onnx)
-    biggest = max((i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT),
-                  key=lambda i: np.prod(i.dims))
+    biggest = max(
+        (i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT), key=lambda i: np.prod(i.dims)
+    )
     arr = numpy_helper.to_array(biggest).copy()
     arr += 0.05
     biggest.CopyFrom(numpy_helper.from_array(arr, biggest.name))
@@ -69,11 +81,14 @@ def test_a_different_model_is_a_mismatch(demo_onnx, capsys):
     assert "MISMATCH" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case, match", [
-    ("truncated", "not a readable ONNX model|cannot load"),
-    ("missing", "no such file"),
-    ("engine", "no such file|TensorRT not found"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("truncated", "not a readable ONNX model|cannot load"),
+        ("missing", "no such file"),
+        ("engine", "no such file|TensorRT not found"),
+    ],
+)
 def test_bad_input_is_exit_code_2(demo_onnx, tmp_path, capsys, case, match):
     import re
 
@@ -93,6 +108,7 @@ def test_bad_input_is_exit_code_2(demo_onnx, tmp_path, capsys, case, match):
 def test_engine_without_tensorrt_is_a_clear_error(demo_onnx, tmp_path, capsys):
     try:
         import tensorrt  # noqa: F401
+
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
@@ -126,17 +142,28 @@ def test_in_place_runner_gives_the_functional_runners_outputs(demo_onnx):
 
     # the second generation starts from fresh caches of the same shapes (copied in), the third has another pool
     for num_blocks in (None, None, 40):
-        M.generate(model, C.default_prompts(model, 0), 3, prefill_chunk=40, kv_block_size=kv_block_size,
-                   num_blocks=num_blocks, stop_at_eos=False, forward=forward)
+        M.generate(
+            model,
+            C.default_prompts(model, 0),
+            3,
+            prefill_chunk=40,
+            kv_block_size=kv_block_size,
+            num_blocks=num_blocks,
+            stop_at_eos=False,
+            forward=forward,
+        )
     assert len(steps) >= 8 and max(steps) > 2
     assert inplace.caches[0].key.shape[0] == 40 and inplace.caches[0].key.dtype == torch.float32
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"num_hidden_layers": 3}, "the graph has caches for 2 layers, the checkpoint has 3"),
-    ({"head_dim": 16}, r"past.0.key is \[NB, 16, 2, 32\] in the graph, \[NB, 16, 2, 16\] for the checkpoint"),
-    ({"vocab_size": 300}, "logits of 320 classes, the checkpoint's vocab_size is 300"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_hidden_layers": 3}, "the graph has caches for 2 layers, the checkpoint has 3"),
+        ({"head_dim": 16}, r"past.0.key is \[NB, 16, 2, 32\] in the graph, \[NB, 16, 2, 16\] for the checkpoint"),
+        ({"vocab_size": 300}, "logits of 320 classes, the checkpoint's vocab_size is 300"),
+    ],
+)
 def test_a_checkpoint_of_another_model_is_named_in_one_line(demo_onnx, tmp_path, capsys, change, match):
     """dash-compare with the checkpoint of a different model: exit 2 and one line saying how
     it differs from the graph (no KeyError or ONNX Runtime shape error from inside a run)."""

@@ -1,4 +1,5 @@
 """The comparison rule of docs/spec.md (dash_trt.testing.compare_outputs) on hand-made routings."""
+
 import torch
 
 from dash_trt.reference import NOT_CANDIDATE, Routing
@@ -13,8 +14,9 @@ def _ref(sel, values):
 
 def _case(ref_sel, got_sel, values):
     out = torch.zeros(1, 1, 4)
-    return compare_outputs(out, out.clone(), Routing(torch.tensor([got_sel])), _ref(ref_sel, values),
-                           dtype=torch.float32)
+    return compare_outputs(
+        out, out.clone(), Routing(torch.tensor([got_sel])), _ref(ref_sel, values), dtype=torch.float32
+    )
 
 
 def test_swap_at_the_kth_rank_is_a_near_tie_only_when_values_are_close():
@@ -36,8 +38,13 @@ def test_a_near_tie_at_the_16th_rank_excuses_the_output_only():
         report = compare_outputs(out, ref, Routing(torch.tensor([[0, 1]])), _ref([0, 1], values), dtype=torch.float32)
         assert (report.near_ties, report.ok) == ((1, True) if tie else (0, False)), str(report)
     # a 17th value of a block the token may not select is no tie
-    report = compare_outputs(out, ref, Routing(torch.tensor([[0, 1]])),
-                             _ref([0, 1], [20.0 - i for i in range(15)] + [NC, NC, NC]), dtype=torch.float32)
+    report = compare_outputs(
+        out,
+        ref,
+        Routing(torch.tensor([[0, 1]])),
+        _ref([0, 1], [20.0 - i for i in range(15)] + [NC, NC, NC]),
+        dtype=torch.float32,
+    )
     assert report.near_ties == 0 and not report.ok
 
 
@@ -76,8 +83,9 @@ def test_near_ties_are_bounded_to_a_share_of_the_tokens():
         sel = torch.tensor([[0, 2]] * swapped + [[0, 1]] * (t - swapped))
         report = compare_outputs(out, out.clone(), Routing(sel), want, dtype=torch.float32)
         assert (report.near_ties, report.routing_mismatch, report.ok) == (swapped, 0, ok), str(report)
-    one = compare_outputs(out[:1], out[:1].clone(), Routing(torch.tensor([[0, 2]])),
-                          Routing(want.selected[:1], want.bias[:1], values[:1]))
+    one = compare_outputs(
+        out[:1], out[:1].clone(), Routing(torch.tensor([[0, 2]])), Routing(want.selected[:1], want.bias[:1], values[:1])
+    )
     assert one.ok and one.near_ties == 1  # a single token may always be one near tie
 
 

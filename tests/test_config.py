@@ -5,9 +5,7 @@ import math
 
 import pytest
 
-from dash_trt.config import CONFIG_SECTION, DashConfig, DashConfigError
-
-from dash_trt.config import REQUIRED_FLAGS
+from dash_trt.config import CONFIG_SECTION, REQUIRED_FLAGS, DashConfig, DashConfigError
 
 BASE = {"sparse_block_size": 64, "sparse_local_block": 1, "sparse_index_dim": 128}
 
@@ -34,9 +32,18 @@ def test_defaults_follow_the_spec_table():
 
 
 def test_round_trip_through_json_and_model_config(tmp_path):
-    sp = {**BASE, "dash_topk_blocks": 8, "sparse_attention_freq": [1, 0, 1], "dash_scale_per_layer": [64, 32.0],
-          "dash_floor_per_layer": [1e-3, 1e-2], "dash_sigma": 0.5, "sparse_main_rope_tok_freq_mode": "truncate",
-          "image_token_id": 5, "page_token_id": 6, **REQUIRED_FLAGS}
+    sp = {
+        **BASE,
+        "dash_topk_blocks": 8,
+        "sparse_attention_freq": [1, 0, 1],
+        "dash_scale_per_layer": [64, 32.0],
+        "dash_floor_per_layer": [1e-3, 1e-2],
+        "dash_sigma": 0.5,
+        "sparse_main_rope_tok_freq_mode": "truncate",
+        "image_token_id": 5,
+        "page_token_id": 6,
+        **REQUIRED_FLAGS,
+    }
     cfg = DashConfig.from_dict(sp)
     assert cfg.slot(2) == 1 and cfg.routing(2) == (8, 0.5, 32.0, 1e-2) and cfg.num_dash_layers == 2
     path = tmp_path / "config.json"
@@ -137,15 +144,18 @@ def test_model_config_errors(tmp_path):
         DashConfig.from_model_config(no_section)
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"dash_attention_config": {"sparse_block_size": 4, "sparse_local_block": 1}}))
-    with pytest.raises(DashConfigError, match="'dash_attention_config' section, the withdrawn schema .* rename it "
-                                              "'sparse_attention_config'"):
+    with pytest.raises(
+        DashConfigError,
+        match="'dash_attention_config' section, the withdrawn schema .* rename it 'sparse_attention_config'",
+    ):
         DashConfig.from_model_config(old)
     with pytest.raises(DashConfigError, match="must be a mapping"):
         DashConfig.from_dict([("sparse_block_size", 4)])
 
 
-@pytest.mark.parametrize("dim, pairs, ok", [(4, 1, True), (4, 2, False), (6, 2, True), (7, 1, False),
-                                            (128, 63, True), (128, 64, False)])
+@pytest.mark.parametrize(
+    "dim, pairs, ok", [(4, 1, True), (4, 2, False), (6, 2, True), (7, 1, False), (128, 63, True), (128, 64, False)]
+)
 def test_head_dim_check(dim, pairs, ok):
     cfg = DashConfig.from_dict({**BASE, "sparse_rope_page_pairs": pairs})
     if ok:
@@ -187,13 +197,16 @@ def test_docs_spec_lists_every_config_key_with_its_default():
     assert all(rows[k] == "required" for k in DashConfig.required_keys())
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false"),
-    ({"eos_token_id": "x"}, "eos_token_id must be a token id"),
-    ({"eos_token_id": 10 ** 9}, "eos_token_id must be a token id"),
-    ({"num_hidden_layers": 10 ** 9}, "'num_hidden_layers' is 1000000000, more than the supported 1024"),
-    ({"vocab_size": 1 << 30}, "more than the supported"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false"),
+        ({"eos_token_id": "x"}, "eos_token_id must be a token id"),
+        ({"eos_token_id": 10**9}, "eos_token_id must be a token id"),
+        ({"num_hidden_layers": 10**9}, "'num_hidden_layers' is 1000000000, more than the supported 1024"),
+        ({"vocab_size": 1 << 30}, "more than the supported"),
+    ],
+)
 def test_model_config_values_are_checked(change, match):
     from dash_trt import model as M
 
@@ -201,11 +214,14 @@ def test_model_config_values_are_checked(change, match):
         M.DashModelConfig.from_dict({**M.DEMO_CONFIG, **change})
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"num_blocks": 10 ** 9}, "'num_blocks' is 1000000000, more than the supported"),
-    ({"kv_block_size": 1 << 20}, "'kv_block_size'"),
-    ({"max_model_len": 1 << 30}, "'max_model_len' must be an integer in"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_blocks": 10**9}, "'num_blocks' is 1000000000, more than the supported"),
+        ({"kv_block_size": 1 << 20}, "'kv_block_size'"),
+        ({"max_model_len": 1 << 30}, "'max_model_len' must be an integer in"),
+    ],
+)
 def test_engine_config_sizes_are_bounded(change, match):
     from dash_trt.triton.engine import EngineConfig, EngineConfigError
 

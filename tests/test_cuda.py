@@ -7,16 +7,23 @@ cache, and compares per-token outputs, the selected blocks and the final cache c
 
 import pytest
 import torch
-
 from conftest import DTYPES, require_kernels
+
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
-from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
-                              prefill_then_decode, random_sequences)
+from dash_trt.testing import (
+    CONFIG_VARIANTS,
+    assert_caches_match,
+    compare_outputs,
+    fill_garbage,
+    prefill_then_decode,
+    random_sequences,
+)
 
 pytestmark = pytest.mark.gpu
 
 from dash_trt import cuda  # noqa: E402
+
 require_kernels(cuda.library_path())
 
 HEAD_DIMS = [64, 128]
@@ -44,8 +51,13 @@ def make_config(sbs=16, *, index_dim=32, **kw):
     its key ``sparse_topk_blocks`` maps to ``dash_topk_blocks`` (K at most 16 now, so the
     top-300 and dense cases route 16 blocks) and ``sparse_page_bias`` / ``sparse_dense_layers``
     have no counterpart. The GPU work on the routing stage revisits each case."""
-    sp = {"sparse_block_size": sbs, "sparse_local_block": 1, "sparse_index_dim": index_dim, "dash_topk_blocks": 3,
-          "sparse_rope_page_pairs": 2}
+    sp = {
+        "sparse_block_size": sbs,
+        "sparse_local_block": 1,
+        "sparse_index_dim": index_dim,
+        "dash_topk_blocks": 3,
+        "sparse_rope_page_pairs": 2,
+    }
     if "sparse_topk_blocks" in kw:
         kw["dash_topk_blocks"] = kw.pop("sparse_topk_blocks")
     kw.pop("sparse_page_bias", None)
@@ -62,8 +74,9 @@ def build_sequences(gen, n, **kw):
 schedule = prefill_then_decode
 
 
-def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None, exact_max_query=True,
-             tuning=None):
+def run_both(
+    cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table_width=None, exact_max_query=True, tuning=None
+):
     """Run the same steps through the reference and the kernels; return per-step results.
 
     ``exact_max_query``: tell the kernels each step's largest per-sequence token count, as a
@@ -91,18 +104,33 @@ def run_both(cfg, layer, seqs, plans, block_size, prompt_lens, gen, dtype, table
         batch = pool.schedule(step, device="cuda", table_width=table_width)
         rows = [(i, done[i], done[i] + n) for i, n in step]
 
-        def cat(attr):
+        def cat(attr, rows=rows):
             return torch.cat([getattr(seqs[i][0], attr)[a:b] for i, a, b in rows])
 
-        args = (cat("q"), cat("k"), cat("v"), cat("iq"), cat("ik"),
-                torch.cat([seqs[i][1][a:b] for i, a, b in rows]), seqs[0][0].head_cls)
-        ref, ref_r = P.paged_dash_attention(*args, ref_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
-                                            return_routing=True)
-        out, sel = cuda.paged_dash_attention_cuda(*args, ker_cache, **batch.kwargs(), sp=cfg, layer_idx=layer,
-                                                  return_selected=True, tuning=tuning,
-                                                  max_query_len=max(n for _, n in step) if exact_max_query else None)
+        args = (
+            cat("q"),
+            cat("k"),
+            cat("v"),
+            cat("iq"),
+            cat("ik"),
+            torch.cat([seqs[i][1][a:b] for i, a, b in rows]),
+            seqs[0][0].head_cls,
+        )
+        ref, ref_r = P.paged_dash_attention(
+            *args, ref_cache, **batch.kwargs(), sp=cfg, layer_idx=layer, return_routing=True
+        )
+        out, sel = cuda.paged_dash_attention_cuda(
+            *args,
+            ker_cache,
+            **batch.kwargs(),
+            sp=cfg,
+            layer_idx=layer,
+            return_selected=True,
+            tuning=tuning,
+            max_query_len=max(n for _, n in step) if exact_max_query else None,
+        )
         steps.append((out, sel, ref, ref_r))
-        for i, a, b in rows:
+        for i, _, b in rows:
             done[i] = b
     return steps, ref_cache, ker_cache
 
@@ -111,9 +139,13 @@ def check(steps, ref_cache, ker_cache, dtype):
     worst = 0.0
     for out, sel, ref, ref_r in steps:
         assert out.dtype == ref.dtype
-        report = compare_outputs(out, ref, P.Routing(sel.cpu()),
-                                 P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()),
-                                 dtype=dtype)
+        report = compare_outputs(
+            out,
+            ref,
+            P.Routing(sel.cpu()),
+            P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()),
+            dtype=dtype,
+        )
         assert report.ok, str(report)
         worst = max(worst, report.max_abs_err)
     assert_caches_match(ker_cache, ref_cache, dtype)  # the cache is part of the contract
@@ -159,12 +191,23 @@ def test_long_sequences_and_split_k(exact_max_query):
     gen = torch.Generator().manual_seed(9)
     cfg = make_config(64, sparse_topk_blocks=16, sparse_page_bias=0.5)
     dtype = torch.bfloat16
-    seqs = build_sequences(gen, 2, heads=32, kv_heads=8, head_dim=128, index_dim=128, dtype=dtype,
-                           pages=(10, 14), max_images=200, response=8)
+    seqs = build_sequences(
+        gen,
+        2,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        index_dim=128,
+        dtype=dtype,
+        pages=(10, 14),
+        max_images=200,
+        response=8,
+    )
     assert min(x.length for x, _ in seqs) > 1000
     plans = schedule(gen, seqs, 8)
-    steps, rc, kc = run_both(cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype,
-                             exact_max_query=exact_max_query)
+    steps, rc, kc = run_both(
+        cfg, 0, seqs, plans, 64, [seqs[0][0].length - 8, None], gen, dtype, exact_max_query=exact_max_query
+    )
     check(steps, rc, kc, dtype)
 
 
@@ -193,8 +236,9 @@ def test_split_routing_merges_many_ctas(topk, writer):
     gen = torch.Generator().manual_seed(21)
     cfg = make_config(4, sparse_topk_blocks=topk)
     dtype = torch.bfloat16
-    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=64, dtype=dtype,
-                           pages=(30, 30), max_images=300, response=4)
+    seqs = build_sequences(
+        gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=64, dtype=dtype, pages=(30, 30), max_images=300, response=4
+    )
     assert sorted(x.length // 4 for x, _ in seqs) == [1013, 1324]  # remote blocks: > 3 and > 5 CTAs' worth
     plans = schedule(gen, seqs, 4)
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], gen, dtype, tuning=tuning)
@@ -202,9 +246,18 @@ def test_split_routing_merges_many_ctas(topk, writer):
     check(steps, rc, kc, dtype)
 
 
-@pytest.mark.parametrize("case, index_dim", [("short", 128), ("chunks-top6", 128), ("chunks-top40", 128),
-                                             ("chunks-top300", 128), ("chunks-dense", 128), ("chunks-top6", 10),
-                                             ("chunks-top6", 200)])
+@pytest.mark.parametrize(
+    "case, index_dim",
+    [
+        ("short", 128),
+        ("chunks-top6", 128),
+        ("chunks-top40", 128),
+        ("chunks-top300", 128),
+        ("chunks-dense", 128),
+        ("chunks-top6", 10),
+        ("chunks-top6", 200),
+    ],
+)
 def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
     """The same 300 tokens routed as one call (fused routing: T >= 264) and as calls of 200 and
     100 (split routing: fewer tokens, a table wider than 256 blocks) select exactly the same
@@ -220,19 +273,33 @@ def test_fused_and_split_routing_select_the_same_blocks(case, index_dim):
         sbs, table, pages, images, kw = 16, 320, (10, 10), 200, {"sparse_topk_blocks": 6}
     else:
         sbs, table, pages, images = 4, 1400, (30, 30), 300
-        kw = {"sparse_topk_blocks": int(case.removeprefix("chunks-top"))} if "top" in case else \
-            {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}
+        kw = (
+            {"sparse_topk_blocks": int(case.removeprefix("chunks-top"))}
+            if "top" in case
+            else {"sparse_dense_layers": [1], "sparse_page_bias": 0.0}
+        )
         layer = 1 if case == "chunks-dense" else 0
     cfg = make_config(sbs, **kw)
     dtype = torch.bfloat16
-    seqs = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=64, index_dim=index_dim, dtype=dtype,
-                           pages=pages, max_images=images, response=300)
+    seqs = build_sequences(
+        gen,
+        1,
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        index_dim=index_dim,
+        dtype=dtype,
+        pages=pages,
+        max_images=images,
+        response=300,
+    )
     prompt = seqs[0][0].length - 300
     assert (prompt // sbs > 1000) == (case != "short")
     runs = []
     for plan in ([prompt, 300], [prompt, 200, 100]):
-        steps, rc, kc = run_both(cfg, layer, seqs, [plan], 16, [None], torch.Generator().manual_seed(7), dtype,
-                                 table_width=table)
+        steps, rc, kc = run_both(
+            cfg, layer, seqs, [plan], 16, [None], torch.Generator().manual_seed(7), dtype, table_width=table
+        )
         check(steps, rc, kc, dtype)
         runs.append(torch.cat([sel for _, sel, _, _ in steps[1:]]))
     assert runs[0].shape[0] == 300 and bool((runs[0] >= 0).any())
@@ -250,8 +317,18 @@ def test_fused_and_split_routing_agree_on_ties_and_extreme_summaries(inputs):
     gen = torch.Generator().manual_seed(11)
     cfg = make_config(4, sparse_topk_blocks=6)
     dtype = torch.bfloat16
-    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=64, index_dim=128, dtype=dtype,
-                           pages=(30, 30), max_images=300, response=300)
+    seqs = build_sequences(
+        gen,
+        2,
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        index_dim=128,
+        dtype=dtype,
+        pages=(30, 30),
+        max_images=300,
+        response=300,
+    )
     for x, _ in seqs:
         if inputs == "zero-queries":
             x.iq.zero_()
@@ -261,8 +338,9 @@ def test_fused_and_split_routing_agree_on_ties_and_extreme_summaries(inputs):
     assert min(prompts) // 4 > 900  # blocks: more than one chunk of the fused routing
     runs = []
     for plans in ([[prompts[0], 300], [prompts[1] + 295, 5]], [[prompts[0], 200, 100], [prompts[1] + 295, 5]]):
-        steps, rc, kc = run_both(cfg, 0, seqs, plans, 16, [None, None], torch.Generator().manual_seed(7), dtype,
-                                 table_width=1500)
+        steps, rc, kc = run_both(
+            cfg, 0, seqs, plans, 16, [None, None], torch.Generator().manual_seed(7), dtype, table_width=1500
+        )
         if inputs == "random":
             check(steps, rc, kc, dtype)
         rows = [[] for _ in plans]  # each sequence's selections after its first step, in order
@@ -270,7 +348,7 @@ def test_fused_and_split_routing_agree_on_ties_and_extreme_summaries(inputs):
             at = 0
             for i, plan in enumerate(plans):
                 if s < len(plan):
-                    rows[i].append(sel[at:at + plan[s]])
+                    rows[i].append(sel[at : at + plan[s]])
                     at += plan[s]
         runs.append(torch.cat([torch.cat(r) for r in rows]))
     assert runs[0].shape[0] == 305 and bool((runs[0] >= 0).any())
@@ -306,21 +384,28 @@ def test_cuda_graph_replay_matches_eager():
     batch = pool.schedule([(0, n0), (1, n1)], device="cuda")
     cat = lambda a, b, s0, s1: torch.cat([a[s0], b[s1]])  # noqa: E731
     args = [cat(getattr(x0, n), getattr(x1, n), slice(0, n0), slice(0, n1)) for n in ("q", "k", "v", "iq", "ik")]
-    cuda.paged_dash_attention_cuda(*args, cat(c0, c1, slice(0, n0), slice(0, n1)), x0.head_cls, cache,
-                                   **batch.kwargs(), sp=cfg, layer_idx=0)
+    cuda.paged_dash_attention_cuda(
+        *args, cat(c0, c1, slice(0, n0), slice(0, n1)), x0.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0
+    )
     # One mixed decode step for both sequences, captured once and replayed.
     batch = pool.schedule([(0, 1), (1, 1)], device="cuda")
-    dargs = [cat(getattr(x0, n), getattr(x1, n), slice(n0, n0 + 1), slice(n1, n1 + 1))
-             for n in ("q", "k", "v", "iq", "ik")]
+    dargs = [
+        cat(getattr(x0, n), getattr(x1, n), slice(n0, n0 + 1), slice(n1, n1 + 1)) for n in ("q", "k", "v", "iq", "ik")
+    ]
     dcoords = cat(c0, c1, slice(n0, n0 + 1), slice(n1, n1 + 1))
     eager_cache = cache.clone()
-    eager = cuda.paged_dash_attention_cuda(*dargs, dcoords, x0.head_cls, eager_cache, **batch.kwargs(), sp=cfg,
-                                           layer_idx=0)
+    eager = cuda.paged_dash_attention_cuda(
+        *dargs, dcoords, x0.head_cls, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0
+    )
     static = batch.to("cuda")
     graph_cache = cache.clone()
-    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
-        *dargs, dcoords, x0.head_cls, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False),
-        cache.clone(), graph_cache)
+    graph, captured = capture(
+        lambda c: cuda.paged_dash_attention_cuda(
+            *dargs, dcoords, x0.head_cls, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False
+        ),
+        cache.clone(),
+        graph_cache,
+    )
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
@@ -331,32 +416,49 @@ def test_cuda_graph_replay_matches_eager():
 def _small_call(**change):
     gen = torch.Generator().manual_seed(0)
     cfg = make_config(16)
-    (x, coords), = build_sequences(gen, 1, heads=4, kv_heads=2, head_dim=64, index_dim=32, dtype=torch.float16,
-                                   response=0)
+    ((x, coords),) = build_sequences(
+        gen, 1, heads=4, kv_heads=2, head_dim=64, index_dim=32, dtype=torch.float16, response=0
+    )
     cache = P.DashKVCache.allocate(16, 32, 2, 64, 32, 16, torch.float16, "cuda")
     pool = P.KVBlockPool(16, 32)
     pool.add(0)
     batch = pool.schedule([(0, x.length)], device="cuda")
-    args = dict(q=x.q, k=x.k, v=x.v, iq=x.iq, ik=x.ik, coords=coords, head_cls=x.head_cls, cache=cache,
-                **batch.kwargs(), sp=cfg, layer_idx=0)
+    args = dict(
+        q=x.q,
+        k=x.k,
+        v=x.v,
+        iq=x.iq,
+        ik=x.ik,
+        coords=coords,
+        head_cls=x.head_cls,
+        cache=cache,
+        **batch.kwargs(),
+        sp=cfg,
+        layer_idx=0,
+    )
     args.update({k: (v(args) if callable(v) else v) for k, v in change.items()})
     return cuda.paged_dash_attention_cuda(**args)
 
 
 def test_unsupported_sizes_are_refused_clearly():
     with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 96"):
-        _small_call(q=lambda a: torch.randn(a["q"].shape[0], 4, 96, device="cuda", dtype=torch.float16),
-                    k=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
-                    v=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
-                    cache=P.DashKVCache.allocate(16, 32, 2, 96, 32, 16, torch.float16, "cuda"))
+        _small_call(
+            q=lambda a: torch.randn(a["q"].shape[0], 4, 96, device="cuda", dtype=torch.float16),
+            k=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
+            v=lambda a: torch.randn(a["q"].shape[0], 2, 96, device="cuda", dtype=torch.float16),
+            cache=P.DashKVCache.allocate(16, 32, 2, 96, 32, 16, torch.float16, "cuda"),
+        )
     with pytest.raises(cuda.DashKernelError, match="not a whole multiple of the sparse block size"):
-        _small_call(cache=P.DashKVCache.allocate(16, 24, 2, 64, 32, 16, torch.float16, "cuda"),
-                    block_tables=lambda a: torch.arange(16, dtype=torch.int32, device="cuda")[None])
+        _small_call(
+            cache=P.DashKVCache.allocate(16, 24, 2, 64, 32, 16, torch.float16, "cuda"),
+            block_tables=lambda a: torch.arange(16, dtype=torch.int32, device="cuda")[None],
+        )
 
 
 def test_bad_block_table_is_flagged_not_read():
     """With host validation off (as under graph capture), a table entry outside the cache is
     skipped by the kernels and reported through the data-error flag."""
+
     def bad_table(a):
         t = a["block_tables"].clone()
         t[0, 0] = 10_000
@@ -370,7 +472,7 @@ def test_bad_block_table_is_flagged_not_read():
 
 def _garbage_int32(gen, shape, small):
     """Random int32: a mix of in-range-looking values (0..small), negatives and extremes."""
-    x = torch.randint(-(2 ** 31), 2 ** 31 - 1, shape, generator=gen, dtype=torch.int64)
+    x = torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64)
     near = torch.randint(-3, small + 3, shape, generator=gen, dtype=torch.int64)
     pick = torch.randint(0, 3, shape, generator=gen)
     return torch.where(pick == 0, x, near).to(torch.int32)
@@ -384,8 +486,12 @@ def test_arbitrary_metadata_is_never_read_out_of_bounds(case, seed):
     then skip the bad accesses (and flag them), never read or write out of bounds:
     scripts/gpu_check.sh runs this under compute-sanitizer memcheck."""
     gen = torch.Generator().manual_seed(100 + seed)
-    t, b, w, most = {"decode": (24, 24, 40, 1), "mixed": (300, 6, 40, 300), "prefill": (700, 2, 30, 700),
-                     "block-major": (1100, 3, 24, 1100)}[case]
+    t, b, w, most = {
+        "decode": (24, 24, 40, 1),
+        "mixed": (300, 6, 40, 300),
+        "prefill": (700, 2, 30, 700),
+        "block-major": (1100, 3, 24, 1100),
+    }[case]
     sbs = 64 if case == "block-major" else 16
     cfg = make_config(sbs, sparse_topk_blocks=4)
     nb, bsz, h, hkv, d, di = 48, sbs * 2, 8, 2, 128, 64
@@ -398,8 +504,12 @@ def test_arbitrary_metadata_is_never_read_out_of_bounds(case, seed):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dtype).cuda()
 
-    meta = dict(block_tables=_garbage_int32(gen, (b, w), nb), seq_lens=_garbage_int32(gen, (b,), w * bsz),
-                query_start_loc=_garbage_int32(gen, (b + 1,), t), prompt_lens=_garbage_int32(gen, (b,), w * bsz))
+    meta = dict(
+        block_tables=_garbage_int32(gen, (b, w), nb),
+        seq_lens=_garbage_int32(gen, (b,), w * bsz),
+        query_start_loc=_garbage_int32(gen, (b + 1,), t),
+        prompt_lens=_garbage_int32(gen, (b,), w * bsz),
+    )
     if seed % 2:  # half the cases: only the tables are garbage, the lengths consistent
         counts = torch.full((b,), t // b, dtype=torch.int32)
         counts[-1] += t - int(counts.sum())
@@ -408,9 +518,23 @@ def test_arbitrary_metadata_is_never_read_out_of_bounds(case, seed):
     coords = _garbage_int32(gen, (t, 4), 40)
     meta = {k: v.cuda() for k, v in meta.items()}
     tuning = cuda.Tuning(block_major_min_tokens=1024) if case == "block-major" else None
-    out = cuda.paged_dash_attention_cuda(rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, di), rnd(t, di),
-                                         coords.cuda(), rnd(di), cache, **meta, sp=cfg, layer_idx=0, validate=False,
-                                         check_errors=False, max_query_len=most, tuning=tuning)
+    out = cuda.paged_dash_attention_cuda(
+        rnd(t, h, d),
+        rnd(t, hkv, d),
+        rnd(t, hkv, d),
+        rnd(t, di),
+        rnd(t, di),
+        coords.cuda(),
+        rnd(di),
+        cache,
+        **meta,
+        sp=cfg,
+        layer_idx=0,
+        validate=False,
+        check_errors=False,
+        max_query_len=most,
+        tuning=tuning,
+    )
     torch.cuda.synchronize()  # a fault would surface here (and memcheck reports it)
     assert out.shape == (t, h, d)
 
@@ -441,8 +565,18 @@ def test_decode_only_steps_write_the_cache_like_separate_launches(writer):
     results = []
     for exact in (True, False):
         plans = [[x.length - 20] + [1] * 20 for x, _ in seqs]
-        steps, rc, kc = run_both(cfg, 0, seqs, plans, 32, [None, None, None], torch.Generator().manual_seed(3),
-                                 dtype, exact_max_query=exact, tuning=tuning)
+        steps, rc, kc = run_both(
+            cfg,
+            0,
+            seqs,
+            plans,
+            32,
+            [None, None, None],
+            torch.Generator().manual_seed(3),
+            dtype,
+            exact_max_query=exact,
+            tuning=tuning,
+        )
         check(steps, rc, kc, dtype)
         results.append((steps, kc))
     (fused, kf), (sep, ks) = results
@@ -464,8 +598,19 @@ def prompts_written(gen, n, cfg, dtype):
     for i, (x, c) in enumerate(seqs):
         pool.add(i)
         batch = pool.schedule([(i, lens[i])], device="cuda")
-        cuda.paged_dash_attention_cuda(x.q[:lens[i]], x.k[:lens[i]], x.v[:lens[i]], x.iq[:lens[i]], x.ik[:lens[i]],
-                                       c[:lens[i]], x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+        cuda.paged_dash_attention_cuda(
+            x.q[: lens[i]],
+            x.k[: lens[i]],
+            x.v[: lens[i]],
+            x.iq[: lens[i]],
+            x.ik[: lens[i]],
+            c[: lens[i]],
+            x.head_cls,
+            cache,
+            **batch.kwargs(),
+            sp=cfg,
+            layer_idx=0,
+        )
     return seqs, cache, pool, lens
 
 
@@ -479,17 +624,20 @@ def test_decode_only_graph_replays_match_eager():
     n = 24
     seqs, cache, pool, lens = prompts_written(gen, n, cfg, dtype)
     batch = pool.schedule([(i, 1) for i in range(n)], device="cuda")
-    args = [torch.cat([getattr(seqs[i][0], a)[lens[i]:] for i in range(n)]) for a in ("q", "k", "v", "iq", "ik")]
-    args.append(torch.cat([seqs[i][1][lens[i]:] for i in range(n)]))
+    args = [torch.cat([getattr(seqs[i][0], a)[lens[i] :] for i in range(n)]) for a in ("q", "k", "v", "iq", "ik")]
+    args.append(torch.cat([seqs[i][1][lens[i] :] for i in range(n)]))
     args.append(seqs[0][0].head_cls)
     eager_cache = cache.clone()
-    eager = cuda.paged_dash_attention_cuda(*args, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0,
-                                           max_query_len=1)
+    eager = cuda.paged_dash_attention_cuda(*args, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0, max_query_len=1)
     static = batch.to("cuda")
     graph_cache = cache.clone()
-    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
-        *args, c, **static.kwargs(), sp=cfg, layer_idx=0, max_query_len=1, validate=False),
-        cache.clone(), graph_cache)
+    graph, captured = capture(
+        lambda c: cuda.paged_dash_attention_cuda(
+            *args, c, **static.kwargs(), sp=cfg, layer_idx=0, max_query_len=1, validate=False
+        ),
+        cache.clone(),
+        graph_cache,
+    )
     for _ in range(30):  # each replay writes the same token's K, V and summary again
         captured.zero_()
         graph.replay()
@@ -512,20 +660,22 @@ def test_decode_only_call_with_an_idle_sequence():
     width = pair.block_tables.shape[1]
     row1 = torch.full((1, width), -1, dtype=torch.int32)
     used = pool.blocks(1)
-    row1[0, :len(used)] = torch.tensor(used[:width], dtype=torch.int32)
+    row1[0, : len(used)] = torch.tensor(used[:width], dtype=torch.int32)
     idle = P.DashBatch(
         block_tables=torch.cat([pair.block_tables[:1], row1.to(pair.block_tables.device), pair.block_tables[1:]]),
         seq_lens=torch.tensor([lens[0] + 1, lens[1], lens[2] + 1], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 1, 1, 2], dtype=torch.int32),
-        prompt_lens=torch.tensor([-1, -1, -1], dtype=torch.int32)).to("cuda")
+        prompt_lens=torch.tensor([-1, -1, -1], dtype=torch.int32),
+    ).to("cuda")
     assert torch.equal(pair.prompt_lens.cpu(), torch.tensor([-1, -1], dtype=torch.int32))
-    args = [torch.cat([getattr(seqs[i][0], a)[lens[i]:] for i in (0, 2)]) for a in ("q", "k", "v", "iq", "ik")]
-    args += [torch.cat([seqs[i][1][lens[i]:] for i in (0, 2)]), seqs[0][0].head_cls]
+    args = [torch.cat([getattr(seqs[i][0], a)[lens[i] :] for i in (0, 2)]) for a in ("q", "k", "v", "iq", "ik")]
+    args += [torch.cat([seqs[i][1][lens[i] :] for i in (0, 2)]), seqs[0][0].head_cls]
     results = []
     for batch in (pair, idle):
         c = cache.clone()
-        out, sel = cuda.paged_dash_attention_cuda(*args, c, **batch.kwargs(), sp=cfg, layer_idx=0, max_query_len=1,
-                                                  return_selected=True)
+        out, sel = cuda.paged_dash_attention_cuda(
+            *args, c, **batch.kwargs(), sp=cfg, layer_idx=0, max_query_len=1, return_selected=True
+        )
         results.append((out, sel, c))
     (a, sa, ca), (b, sb, cb) = results
     assert torch.equal(a, b) and torch.equal(sa, sb)
@@ -562,13 +712,27 @@ def test_queries_at_an_unaligned_address_give_the_same_result():
             step = [(i, plans[i].pop(0)) for i in range(len(seqs)) if plans[i]]
             batch = pool.schedule(step, device="cuda")
             rows = [(i, done[i], done[i] + n) for i, n in step]
-            q, k, v, iq, ik = (torch.cat([getattr(seqs[i][0], a)[lo:hi] for i, lo, hi in rows])
-                               for a in ("q", "k", "v", "iq", "ik"))
+            q, k, v, iq, ik = (
+                torch.cat([getattr(seqs[i][0], a)[lo:hi] for i, lo, hi in rows]) for a in ("q", "k", "v", "iq", "ik")
+            )
             coords = torch.cat([seqs[i][1][lo:hi] for i, lo, hi in rows])
-            outs.append(cuda.paged_dash_attention_cuda(unaligned(q) if shift else q, k, v, iq, ik, coords,
-                                                       seqs[0][0].head_cls, cache, **batch.kwargs(), sp=cfg,
-                                                       layer_idx=0, max_query_len=max(n for _, n in step)))
-            for i, lo, hi in rows:
+            outs.append(
+                cuda.paged_dash_attention_cuda(
+                    unaligned(q) if shift else q,
+                    k,
+                    v,
+                    iq,
+                    ik,
+                    coords,
+                    seqs[0][0].head_cls,
+                    cache,
+                    **batch.kwargs(),
+                    sp=cfg,
+                    layer_idx=0,
+                    max_query_len=max(n for _, n in step),
+                )
+            )
+            for i, _, hi in rows:
                 done[i] = hi
         results.append((outs, cache))
     (aligned, ca), (shifted, cs) = results
@@ -590,8 +754,18 @@ def test_block_major_prefill_path(dtype, head_dim, heads, kv_heads, prompt_mode,
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300)
     gen = torch.Generator().manual_seed(head_dim + heads + local_blocks)
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=local_blocks)
-    seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
-                           pages=(6, 9), max_images=120, response=6)
+    seqs = build_sequences(
+        gen,
+        3,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        index_dim=64,
+        dtype=dtype,
+        pages=(6, 9),
+        max_images=120,
+        response=6,
+    )
     plans = schedule(gen, seqs, 6)
     prompts = [None] * 3 if prompt_mode == "none" else [x.length - 6 - 40 * i for i, (x, _) in enumerate(seqs)]
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
@@ -619,8 +793,18 @@ def run_tile_case(dtype, heads, kv_heads, head_dim, tuning, seed, pages, max_ima
     checked against the reference; returns the kernels' outputs of every step."""
     gen = torch.Generator().manual_seed(seed)
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
-    seqs = build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64, dtype=dtype,
-                           pages=pages, max_images=max_images, response=6)
+    seqs = build_sequences(
+        gen,
+        3,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        index_dim=64,
+        dtype=dtype,
+        pages=pages,
+        max_images=max_images,
+        response=6,
+    )
     plans = schedule(gen, seqs, 6)
     prompts = [None, seqs[1][0].length - 100, None]
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, prompts, gen, dtype, tuning=tuning)
@@ -638,8 +822,18 @@ def test_query_major_tiles_too_many_slots_to_merge(head_dim, topk):
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=600)
     gen = torch.Generator().manual_seed(topk)
     cfg = make_config(64, sparse_topk_blocks=topk, sparse_page_bias=0.5, sparse_local_block=1)
-    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=head_dim, index_dim=64, dtype=dtype,
-                           pages=(6, 8), max_images=1200, response=6)
+    seqs = build_sequences(
+        gen,
+        2,
+        heads=8,
+        kv_heads=2,
+        head_dim=head_dim,
+        index_dim=64,
+        dtype=dtype,
+        pages=(6, 8),
+        max_images=1200,
+        response=6,
+    )
     plans = schedule(gen, seqs, 6)
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None, None], gen, dtype, tuning=tuning)
     assert any(out.shape[0] >= 600 for out, *_ in steps)
@@ -647,8 +841,9 @@ def test_query_major_tiles_too_many_slots_to_merge(head_dim, topk):
     check(steps, rc, kc, dtype)
 
 
-@pytest.mark.parametrize("heads, kv_heads, share_min, correlated", [(8, 2, 0, True), (32, 8, 0, True),
-                                                                    (4, 4, 1, False), (8, 2, 1, True)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, share_min, correlated", [(8, 2, 0, True), (32, 8, 0, True), (4, 4, 1, False), (8, 2, 1, True)]
+)
 def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlated):
     """Query-major tiles list the blocks enough of their tokens select anywhere before them, not
     only near their own: one sequence of over 9,000 tokens (more sparse blocks than the 128 a
@@ -657,14 +852,25 @@ def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlate
     otherwise independent queries with share_min 1 at G 1, so that a tile's 128 tokens select
     more distinct blocks than its list holds and the rest stay block-major."""
     import dataclasses
+
     from dash_trt.testing import ROLE_PAGE
 
     dtype = torch.bfloat16
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=1000, tile_share_min=share_min)
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads + share_min)
     cfg = make_config(64, sparse_topk_blocks=8, sparse_page_bias=0.5, sparse_local_block=1)
-    seqs = build_sequences(gen, 1, heads=heads, kv_heads=kv_heads, head_dim=128, index_dim=64, dtype=dtype,
-                           pages=(64, 64), max_images=330, response=6)
+    seqs = build_sequences(
+        gen,
+        1,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=128,
+        index_dim=64,
+        dtype=dtype,
+        pages=(64, 64),
+        max_images=330,
+        response=6,
+    )
     x, coords = seqs[0]
     assert x.length > (128 + 16) * 64
     if correlated:
@@ -677,8 +883,14 @@ def test_query_major_tiles_read_far_blocks(heads, kv_heads, share_min, correlate
     assert any(out.shape[0] >= 1000 for out, *_ in steps)
     check(steps, rc, kc, dtype)
     # The case is what it claims, by the reference's selections on the kernels' tile grid.
-    far, widest = far_tile_stats([r.selected.cpu() for *_, r in steps], plans[0], 128 // (heads // kv_heads),
-                                 1000, 64, max(1, share_min) if share_min else (128 // (heads // kv_heads)) * 5 // 8)
+    far, widest = far_tile_stats(
+        [r.selected.cpu() for *_, r in steps],
+        plans[0],
+        128 // (heads // kv_heads),
+        1000,
+        64,
+        max(1, share_min) if share_min else (128 // (heads // kv_heads)) * 5 // 8,
+    )
     if correlated:
         assert far > 0  # tiles that serve a block more than 128 blocks back
     else:
@@ -718,8 +930,13 @@ def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_
     tile alike: bit for bit the same output."""
     outs = []
     for wg, bm_wg in ((0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (-1, 0)):
-        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, tile_share_min=share_min,
-                             warpgroup_mma=wg, block_major_warpgroups=bm_wg)
+        tuning = cuda.Tuning(
+            block_major_min_tokens=64,
+            block_major_chunk=300,
+            tile_share_min=share_min,
+            warpgroup_mma=wg,
+            block_major_warpgroups=bm_wg,
+        )
         steps = run_tile_case(dtype, heads, kv_heads, 128, tuning, heads + kv_heads + share_min, (2, 6), 500)
         outs.append([out.float() for out in steps])
     cap = torch.cuda.get_device_capability()
@@ -734,8 +951,9 @@ def test_warpgroup_tiles_match_the_mma_sync_tiles(dtype, heads, kv_heads, share_
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("head_dim, heads, kv_heads, wg", [(128, 8, 2, 0), (128, 32, 8, 0), (128, 8, 2, -1),
-                                                           (64, 16, 1, 0)])
+@pytest.mark.parametrize(
+    "head_dim, heads, kv_heads, wg", [(128, 8, 2, 0), (128, 32, 8, 0), (128, 8, 2, -1), (64, 16, 1, 0)]
+)
 def test_block_major_ctas_serving_many_work_items_match_one_each(head_dim, heads, kv_heads, wg):
     """The block-major CTAs serve work items in turn (CTA x of a KV head: items x, x + CTAs,
     ...), the next item's entry records copied while the current one's tiles run: with one CTA
@@ -743,18 +961,19 @@ def test_block_major_ctas_serving_many_work_items_match_one_each(head_dim, heads
     default grid (one CTA a work item), and the reference's (run_tile_case)."""
     outs = []
     for ctas in (0, 1, 3):
-        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, warpgroup_mma=wg,
-                             block_major_ctas=ctas)
-        outs.append(run_tile_case(torch.bfloat16, heads, kv_heads, head_dim, tuning, heads + kv_heads + head_dim,
-                                  (2, 6), 500))
+        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=300, warpgroup_mma=wg, block_major_ctas=ctas)
+        outs.append(
+            run_tile_case(torch.bfloat16, heads, kv_heads, head_dim, tuning, heads + kv_heads + head_dim, (2, 6), 500)
+        )
     for other in outs[1:]:
         assert len(other) == len(outs[0])
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("head_dim, heads, kv_heads, topk", [(128, 8, 2, 4), (128, 32, 8, 4), (64, 16, 1, 4),
-                                                           (128, 8, 2, 36)])
+@pytest.mark.parametrize(
+    "head_dim, heads, kv_heads, topk", [(128, 8, 2, 4), (128, 32, 8, 4), (64, 16, 1, 4), (128, 8, 2, 36)]
+)
 def test_overlapped_query_major_tiles_match_serialized_ones(head_dim, heads, kv_heads, topk):
     """tune_tile_overlap: the query-major tiles start while the block-major tiles run (on sm_90
     and later) and wait for them only before merging their partials; top-k 36 at head dim 128
@@ -766,12 +985,23 @@ def test_overlapped_query_major_tiles_match_serialized_ones(head_dim, heads, kv_
     dtype = torch.bfloat16
     outs = []
     for overlap, ctas in ((-1, 0), (0, 0), (0, 1)):
-        tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=600, tile_overlap=overlap,
-                             block_major_ctas=ctas)
+        tuning = cuda.Tuning(
+            block_major_min_tokens=64, block_major_chunk=600, tile_overlap=overlap, block_major_ctas=ctas
+        )
         gen = torch.Generator().manual_seed(head_dim + heads + topk)
         cfg = make_config(64, sparse_topk_blocks=topk, sparse_page_bias=0.5, sparse_local_block=1)
-        seqs = build_sequences(gen, 2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=64,
-                               dtype=dtype, pages=(6, 8), max_images=1200, response=4)
+        seqs = build_sequences(
+            gen,
+            2,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            index_dim=64,
+            dtype=dtype,
+            pages=(6, 8),
+            max_images=1200,
+            response=4,
+        )
         plans = schedule(gen, seqs, 4)
         steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None, None], gen, dtype, tuning=tuning)
         assert any(out.shape[0] >= 600 for out, *_ in steps)
@@ -790,8 +1020,9 @@ def test_block_major_prefill_graph_replays_match_eager():
     gen = torch.Generator().manual_seed(29)
     dtype = torch.bfloat16
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5, sparse_local_block=1)
-    (x, coords), = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
-                                   pages=(8, 8), max_images=1200, response=0)
+    ((x, coords),) = build_sequences(
+        gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, pages=(8, 8), max_images=1200, response=0
+    )
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=1024, block_major_ctas=1)
     cache = P.DashKVCache.allocate(-(-x.length // 128) + 1, 128, 2, 128, 64, 64, dtype, "cuda")
     fill_garbage(cache, gen)
@@ -804,8 +1035,13 @@ def test_block_major_prefill_graph_replays_match_eager():
     eager = cuda.paged_dash_attention_cuda(*args, eager_cache, **batch.kwargs(), sp=cfg, layer_idx=0, tuning=tuning)
     static = batch.to("cuda")
     graph_cache = cache.clone()
-    graph, captured = capture(lambda c: cuda.paged_dash_attention_cuda(
-        *args, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False, tuning=tuning), cache.clone(), graph_cache)
+    graph, captured = capture(
+        lambda c: cuda.paged_dash_attention_cuda(
+            *args, c, **static.kwargs(), sp=cfg, layer_idx=0, validate=False, tuning=tuning
+        ),
+        cache.clone(),
+        graph_cache,
+    )
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -823,8 +1059,9 @@ def test_block_major_prefill_under_the_split_routing():
     gen = torch.Generator().manual_seed(23)
     dtype = torch.bfloat16
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
-    seqs = build_sequences(gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
-                           pages=(6, 9), max_images=120, response=2)
+    seqs = build_sequences(
+        gen, 2, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, pages=(6, 9), max_images=120, response=2
+    )
     plans = []
     for x, _ in seqs:
         prompt = x.length - 2
@@ -842,8 +1079,9 @@ def test_block_major_decode_only_steps_still_write_the_cache():
     gen = torch.Generator().manual_seed(17)
     dtype = torch.bfloat16
     cfg = make_config(64, sparse_topk_blocks=4, sparse_page_bias=0.5)
-    seqs = build_sequences(gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype,
-                           pages=(6, 9), max_images=120, response=6)
+    seqs = build_sequences(
+        gen, 3, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, pages=(6, 9), max_images=120, response=6
+    )
     plans = schedule(gen, seqs, 6)
     steps, rc, kc = run_both(cfg, 0, seqs, plans, 128, [None] * 3, gen, dtype, tuning=tuning)
     assert any(out.shape[0] == 3 for out, *_ in steps)  # decode-only steps of 3 tokens (>= 2)
@@ -859,18 +1097,31 @@ def test_torch_op_runs_the_kernels_on_cuda():
     gen = torch.Generator().manual_seed(21)
     dtype = torch.bfloat16
     cfg = make_config(16)
-    (x, coords), = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=0)
+    ((x, coords),) = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=0)
     cache = P.DashKVCache.allocate(32, 32, 2, 128, 64, 16, dtype, "cuda")
     pool = P.KVBlockPool(32, 32)
     pool.add(0)
     batch = pool.schedule([(0, x.length)], device="cuda")
     before = cache.clone()
-    out, new = ops.paged_attention(x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls, cache, *batch.kwargs().values(),
-                                   cfg, 0)
+    out, new = ops.paged_attention(
+        x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls, cache, *batch.kwargs().values(), cfg, 0
+    )
     assert torch.equal(cache.key, before.key)  # functional: inputs untouched
     ref_cache = before.clone()
-    ref, ref_r = P.paged_dash_attention(x.q, x.k, x.v, x.iq, x.ik, coords, x.head_cls, ref_cache, **batch.kwargs(),
-                                        sp=cfg, layer_idx=0, return_routing=True)
+    ref, ref_r = P.paged_dash_attention(
+        x.q,
+        x.k,
+        x.v,
+        x.iq,
+        x.ik,
+        coords,
+        x.head_cls,
+        ref_cache,
+        **batch.kwargs(),
+        sp=cfg,
+        layer_idx=0,
+        return_routing=True,
+    )
     report = compare_outputs(out, ref, None, None, dtype=dtype)
     assert report.ok, str(report)
     torch.testing.assert_close(new[1], ref_cache.value, atol=0, rtol=0)

@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import running_triton
+from torch import nn
 
 from dash_trt import model as M
 from dash_trt.modeling import DashAttention, DashModel, ModelContractError
@@ -46,8 +45,11 @@ def custom():
 def cases(custom):
     """Two prompts with image features, one with token embeddings."""
     cfg = custom.config
-    prompts = [M.document_prompt([20, 12], "Doc 7:", cfg), M.document_prompt([36], "Title?", cfg, preamble="Q: "),
-               M.document_prompt([18, 9], "Total:", cfg)]
+    prompts = [
+        M.document_prompt([20, 12], "Doc 7:", cfg),
+        M.document_prompt([36], "Title?", cfg, preamble="Q: "),
+        M.document_prompt([18, 9], "Total:", cfg),
+    ]
     gen = torch.Generator().manual_seed(1)
     feats = [torch.randn(32, 40, generator=gen), torch.randn(36, 40, generator=gen), None]
     return prompts, feats
@@ -92,8 +94,9 @@ def test_image_features_must_match_the_image_tokens(custom, cases):
     with pytest.raises(ValueError, match=r"image features must be \[image tokens, 40\]"):
         M.generate(custom, prompts[:1], 2, image_features=[feats[0][:, :39]])
     with pytest.raises(ValueError, match="takes no image features"):
-        M.generate(M.demo_model(), [M.document_prompt([3], "", M.demo_model().config)], 2,
-                   image_features=[torch.zeros(3, 128)])
+        M.generate(
+            M.demo_model(), [M.document_prompt([3], "", M.demo_model().config)], 2, image_features=[torch.zeros(3, 128)]
+        )
 
 
 def test_hugging_face_folder_keeps_the_model_s_own_names(custom, folder):
@@ -148,8 +151,9 @@ def test_onnx_runtime_generates_the_pytorch_tokens_with_image_features(custom, c
 
     prompts, feats = cases
     want = M.generate(custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False).tokens
-    got = M.generate(custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False,
-                     forward=ort_forward).tokens
+    got = M.generate(
+        custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False, forward=ort_forward
+    ).tokens
     assert got == want
 
 
@@ -181,8 +185,9 @@ class _MissingLayer(DashModel):
     def forward(self, x, dash):
         c, t = self.config, x.shape[0]
         kv = self.kv(x).view(t, c.num_key_value_heads, c.head_dim)
-        return self.attn[0](self.q(x).view(t, c.num_attention_heads, c.head_dim), kv, kv, self.i(x), self.i(x),
-                            self.w, dash).reshape(t, -1)
+        return self.attn[0](
+            self.q(x).view(t, c.num_attention_heads, c.head_dim), kv, kv, self.i(x), self.i(x), self.w, dash
+        ).reshape(t, -1)
 
     def compute_logits(self, hidden):
         return self.out(hidden)
@@ -200,8 +205,15 @@ def test_contract_errors_name_what_is_wrong():
     with pytest.raises(ModelContractError, match=r"layer indices \[0, 0, 1\]"):
         broken.dash_layers()
     with pytest.raises(ModelContractError, match=r"q is \[4, 3, 32\], expected \[4, 4, 32\]"):
-        DashAttention(cfg, 0)(torch.zeros(4, 3, 32), torch.zeros(4, 2, 32), torch.zeros(4, 2, 32),
-                              torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(32), _reference_context(cfg, 4))
+        DashAttention(cfg, 0)(
+            torch.zeros(4, 3, 32),
+            torch.zeros(4, 2, 32),
+            torch.zeros(4, 2, 32),
+            torch.zeros(4, 32),
+            torch.zeros(4, 32),
+            torch.zeros(32),
+            _reference_context(cfg, 4),
+        )
 
 
 def _reference_context(cfg, t):
@@ -227,16 +239,28 @@ def test_triton_serves_the_custom_model_like_offline_generation(custom, folder, 
     from dash_trt.triton import client as C
 
     repo = tmp_path / "repo"
-    res = run_cli("dash_trt.triton.cli", "write", str(folder), "--model", SPEC, "--out", str(repo),
-                  "--num-blocks", "64", "--torch-threads", "1")
+    res = run_cli(
+        "dash_trt.triton.cli",
+        "write",
+        str(folder),
+        "--model",
+        SPEC,
+        "--out",
+        str(repo),
+        "--num-blocks",
+        "64",
+        "--torch-threads",
+        "1",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert (repo / "dash" / "1" / "custom_decoder.py").is_file()  # the repository carries the model's code
     prompts, feats = cases
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        want = [M.generate(custom, [p], 8, image_features=[f], stop_at_eos=False).tokens[0]
-                for p, f in zip(prompts, feats)]
+        want = [
+            M.generate(custom, [p], 8, image_features=[f], stop_at_eos=False).tokens[0] for p, f in zip(prompts, feats)
+        ]
     finally:
         torch.set_num_threads(threads)
     with running_triton(repo, tmp_path / "tritonserver.log") as srv:
@@ -260,9 +284,11 @@ def test_guide_shows_the_example_and_the_commands_this_test_runs():
         code = fh.read()
     blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
     assert code in blocks, "docs/models.md must show examples/custom_decoder.py verbatim"
-    for command in ("dash-export hf --model examples/custom_decoder.py:TinyOCRDecoder --out custom.onnx",
-                    "dash-compare custom.onnx --checkpoint hf --model examples/custom_decoder.py:TinyOCRDecoder",
-                    "dash-triton write hf --model examples/custom_decoder.py:TinyOCRDecoder --out repo"):
+    for command in (
+        "dash-export hf --model examples/custom_decoder.py:TinyOCRDecoder --out custom.onnx",
+        "dash-compare custom.onnx --checkpoint hf --model examples/custom_decoder.py:TinyOCRDecoder",
+        "dash-triton write hf --model examples/custom_decoder.py:TinyOCRDecoder --out repo",
+    ):
         assert command in guide
 
 
@@ -282,8 +308,9 @@ def test_custom_model_on_the_cuda_kernels(dtype):
     of the same weights on the GPU."""
     from dash_trt.runtime import PagedRuntime
 
-    cfg = M.load_model_config(CONFIG).replace(head_dim=64, index_head_dim=64, num_attention_heads=4,
-                                              hidden_size=256, intermediate_size=512)
+    cfg = M.load_model_config(CONFIG).replace(
+        head_dim=64, index_head_dim=64, num_attention_heads=4, hidden_size=256, intermediate_size=512
+    )
     model = lively(M.random_model(cfg, model_class=SPEC, seed=3, dtype=dtype, device="cuda"))
     prompts = [M.document_prompt([40, 24], "Total:", cfg), M.document_prompt([70], "Title?", cfg)]
     gen = torch.Generator().manual_seed(5)
@@ -292,8 +319,7 @@ def test_custom_model_on_the_cuda_kernels(dtype):
     assert runtime.kernels, runtime.kernels_reason
     got = M.generate(model, prompts, 12, image_features=feats, prefill_chunk=48, stop_at_eos=False)
     assert got.graph_steps > 0  # decode steps replayed from CUDA graphs
-    eager = M.generate(model, prompts, 12, image_features=feats, prefill_chunk=48, stop_at_eos=False,
-                       cuda_graphs=False)
+    eager = M.generate(model, prompts, 12, image_features=feats, prefill_chunk=48, stop_at_eos=False, cuda_graphs=False)
     assert eager.graph_steps == 0 and eager.tokens == got.tokens  # graphs replay the eager steps
     for a, b in zip(got.logits, eager.logits):
         torch.testing.assert_close(a, b, atol=0, rtol=0)

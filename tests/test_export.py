@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import demo_config
+from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case, permuted_tables, ragged_steps
 
 from dash_trt import attributes as A
 from dash_trt import export as E
@@ -19,8 +21,6 @@ from dash_trt import paged as P
 from dash_trt.config import CONFIG_SECTION, DashConfig
 from dash_trt.ops import CACHE_FIELDS
 from dash_trt.testing import TOLERANCES, fill_garbage, random_config
-from conftest import demo_config
-from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case, permuted_tables, ragged_steps
 
 KV_BLOCK_SIZES = [1, 5, 8, 16]
 SEEDS = [0, 1, 2]
@@ -56,7 +56,7 @@ def run_function_and_paged(seqs, cfg, layer, block_size, gen, *, dtype=torch.flo
         res = run(*[t.numpy() for t in inputs], *onnx_cache, *[m.numpy() for m in meta])
         got = torch.from_numpy(res[0])
         assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"step {steps}: {m}")
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, steps=steps: f"step {steps}: {m}")
         for name, arr in zip(CACHE_FIELDS, res[1:]):
             ref = getattr(cache, name)
             if ref.dtype.is_floating_point:
@@ -76,8 +76,11 @@ def _random_seqs(gen, n, dtype=torch.float32):
         mode = ["none", "prompt", "short"][j % 3]
         # the first sequence decodes its whole response; the others start decoding anywhere
         decode_from = None if j == 0 else int(torch.randint(1, 90, (1,), generator=gen))
-        seqs.append(make_seq(gen, pages, response, mode, int(torch.randint(1, 4, (1,), generator=gen)), decode_from,
-                             dtype=dtype))
+        seqs.append(
+            make_seq(
+                gen, pages, response, mode, int(torch.randint(1, 4, (1,), generator=gen)), decode_from, dtype=dtype
+            )
+        )
     return seqs
 
 
@@ -104,8 +107,9 @@ def test_function_routing_ties_go_to_the_lowest_index(block_size):
     tie rule alone (the lowest block index, among the page's blocks or among all), and the
     prior is uniform over the candidates in the top 16."""
     gen = torch.Generator().manual_seed(5)
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": DI,
-                                "dash_topk_blocks": 3})
+    cfg = DashConfig.from_dict(
+        {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": DI, "dash_topk_blocks": 3}
+    )
     seqs = [make_seq(gen, 4, 10, "prompt", 2, None, max_images=9) for _ in range(2)]
     for s in seqs:
         s.x.iq.zero_()
@@ -178,34 +182,59 @@ def test_node_attributes_carry_each_config_value_under_its_own_name(tmp_path):
     with open(os.path.join(os.path.dirname(__file__), "..", "export", "configs", "demo.json")) as fh:
         config = json.load(fh)
     config["sparse_attention_config"] = {
-        "sparse_block_size": 8, "sparse_local_block": 2, "sparse_index_dim": 32, "dash_topk_blocks": 7,
-        "dash_sigma": 0.75, "dash_scaling_factor": 99.0, "dash_prior_floor": 0.25,
-        "sparse_attention_freq": [1, 1], "dash_scale_per_layer": [12.5, 6.25], "dash_floor_per_layer": [0.0625, 0.125],
-        "sparse_rope_page_pairs": 2, "sparse_rope_tok_theta": 500.0,
-        "sparse_rope_page_theta": 16.0, "sparse_main_rope_tok_freq_mode": "truncate",
-        "sparse_rope_tok_freq_mode": None, "sparse_rope_page_mod": 3, "dash_query_chunk": 5,
-        "page_token_id": 256, "image_token_id": 257,
+        "sparse_block_size": 8,
+        "sparse_local_block": 2,
+        "sparse_index_dim": 32,
+        "dash_topk_blocks": 7,
+        "dash_sigma": 0.75,
+        "dash_scaling_factor": 99.0,
+        "dash_prior_floor": 0.25,
+        "sparse_attention_freq": [1, 1],
+        "dash_scale_per_layer": [12.5, 6.25],
+        "dash_floor_per_layer": [0.0625, 0.125],
+        "sparse_rope_page_pairs": 2,
+        "sparse_rope_tok_theta": 500.0,
+        "sparse_rope_page_theta": 16.0,
+        "sparse_main_rope_tok_freq_mode": "truncate",
+        "sparse_rope_tok_freq_mode": None,
+        "sparse_rope_page_mod": 3,
+        "dash_query_chunk": 5,
+        "page_token_id": 256,
+        "image_token_id": 257,
     }
     model = M.random_model(config, seed=0)
     path = str(tmp_path / "m.onnx")
     E.export_onnx(model, path, kv_block_size=16)
     want = {  # name -> (ONNX type, value as onnx.helper.get_attribute_value returns it)
-        "sparse_block_size": ("INT", 8), "sparse_local_block": ("INT", 2), "sparse_index_dim": ("INT", 32),
-        "dash_topk_blocks": ("INT", 7), "dash_sigma": ("FLOAT", 0.75),
-        "sparse_rope_page_pairs": ("INT", 2), "sparse_rope_tok_theta": ("FLOAT", 500.0),
-        "sparse_rope_page_theta": ("FLOAT", 16.0), "sparse_main_rope_tok_freq_mode": ("STRING", b"truncate"),
-        "sparse_rope_tok_freq_mode": ("STRING", b""), "sparse_rope_page_mod": ("INT", 3),
-        "dash_query_chunk": ("INT", 5), "image_token_id": ("INT", 257), "page_token_id": ("INT", 256),
-        "plugin_version": ("STRING", b"2"), "plugin_namespace": ("STRING", b""),
+        "sparse_block_size": ("INT", 8),
+        "sparse_local_block": ("INT", 2),
+        "sparse_index_dim": ("INT", 32),
+        "dash_topk_blocks": ("INT", 7),
+        "dash_sigma": ("FLOAT", 0.75),
+        "sparse_rope_page_pairs": ("INT", 2),
+        "sparse_rope_tok_theta": ("FLOAT", 500.0),
+        "sparse_rope_page_theta": ("FLOAT", 16.0),
+        "sparse_main_rope_tok_freq_mode": ("STRING", b"truncate"),
+        "sparse_rope_tok_freq_mode": ("STRING", b""),
+        "sparse_rope_page_mod": ("INT", 3),
+        "dash_query_chunk": ("INT", 5),
+        "image_token_id": ("INT", 257),
+        "page_token_id": ("INT", 256),
+        "plugin_version": ("STRING", b"2"),
+        "plugin_namespace": ("STRING", b""),
     }
     # each node carries its own layer's scale and floor (the lists' entries), under the scalar keys' names
-    per_layer = [{"dash_scaling_factor": ("FLOAT", 12.5), "dash_prior_floor": ("FLOAT", 0.0625)},
-                 {"dash_scaling_factor": ("FLOAT", 6.25), "dash_prior_floor": ("FLOAT", 0.125)}]
+    per_layer = [
+        {"dash_scaling_factor": ("FLOAT", 12.5), "dash_prior_floor": ("FLOAT", 0.0625)},
+        {"dash_scaling_factor": ("FLOAT", 6.25), "dash_prior_floor": ("FLOAT", 0.125)},
+    ]
     nodes = [n for n in onnx.load(path).graph.node if n.op_type == O.OP_TYPE]
     assert len(nodes) == 2
     for layer, node in enumerate(nodes):
-        got = {a.name: (onnx.AttributeProto.AttributeType.Name(a.type), onnx.helper.get_attribute_value(a))
-               for a in node.attribute}
+        got = {
+            a.name: (onnx.AttributeProto.AttributeType.Name(a.type), onnx.helper.get_attribute_value(a))
+            for a in node.attribute
+        }
         assert got == {**want, **per_layer[layer], "layer_idx": ("INT", layer)}, layer
 
 
@@ -227,7 +256,7 @@ def test_export_graph_interface_has_dynamic_axes(demo32):
 
     ins = {i.name: dims(i) for i in m.graph.input}
     outs = {o.name: dims(o) for o in m.graph.output}
-    assert list(ins)[:len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
+    assert list(ins)[: len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
     assert ins["input_ids"] == ["num_tokens"] and ins["coords"] == ["num_tokens", 4]
     assert ins["logits_indices"] == ["num_logits"]
     assert ins["block_tables"] == ["num_seqs", "block_table_width"]
@@ -255,13 +284,21 @@ def test_one_file_runs_other_token_counts_and_cache_sizes(demo32):
     """The export example had T=12, B=2, NB=7, W=4: other sizes run through the same file."""
     model, path = demo32
     cfg = model.config
-    one = E.verify_onnx(path, model, num_blocks=23, decode_steps=2, prefill_chunk=None,
-                        prompts=[M.document_prompt([40, 17], "?", cfg)])
-    three = E.verify_onnx(path, model, num_blocks=41, decode_steps=2, prefill_chunk=19,
-                          prompts=[M.document_prompt([n], "q", cfg) for n in (30, 45, 12)])
+    one = E.verify_onnx(
+        path, model, num_blocks=23, decode_steps=2, prefill_chunk=None, prompts=[M.document_prompt([40, 17], "?", cfg)]
+    )
+    three = E.verify_onnx(
+        path,
+        model,
+        num_blocks=41,
+        decode_steps=2,
+        prefill_chunk=19,
+        prompts=[M.document_prompt([n], "q", cfg) for n in (30, 45, 12)],
+    )
     # blocks are allocated when a sequence is added, so each run has one table width
-    wide = E.verify_onnx(path, model, num_blocks=29, decode_steps=1, prefill_chunk=50,
-                         prompts=[M.document_prompt([90, 60], "", cfg)])
+    wide = E.verify_onnx(
+        path, model, num_blocks=29, decode_steps=1, prefill_chunk=50, prompts=[M.document_prompt([90, 60], "", cfg)]
+    )
     assert one.ok and three.ok and wide.ok, (one.failures, three.failures, wide.failures)
     shapes = one.shapes + three.shapes + wide.shapes
     tokens = {s[0] for s in shapes}
@@ -305,8 +342,9 @@ def _run(argv, capsys):
 def test_cli_demo_with_external_data(tmp_path, capsys, monkeypatch):
     out = tmp_path / "m.onnx"
     monkeypatch.setattr(E, "EXTERNAL_DATA_THRESHOLD", 0)  # as if the model were over 2 GB
-    code, stdout, stderr = _run(["--demo", "--out", str(out), "--decode-steps", "2",
-                                 "--save-checkpoint", str(tmp_path / "demo.pt")], capsys)
+    code, stdout, stderr = _run(
+        ["--demo", "--out", str(out), "--decode-steps", "2", "--save-checkpoint", str(tmp_path / "demo.pt")], capsys
+    )
     assert code == 0, stderr
     assert "RESULT: exported; the checker and ONNX Runtime agree with PyTorch" in stdout
     assert "max |logits err|" in stdout and "[5/5]" in stderr
@@ -324,7 +362,8 @@ def test_cli_bfloat16_checks_through_float32(tmp_path, capsys):
     assert "checked as a float32 export" in stdout
     m = onnx.load(str(out))
     assert {i.type.tensor_type.elem_type for i in m.graph.input if i.name.endswith(".key")} == {
-        onnx.TensorProto.BFLOAT16}
+        onnx.TensorProto.BFLOAT16
+    }
     assert os.listdir(tmp_path) == ["bf16.onnx"]
 
 
@@ -398,11 +437,22 @@ def _checkpoints(tmp_path):
         (lambda p, o: [str(p["nodash"]), "--out", o], "no 'sparse_attention_config' section"),
         (lambda p, o: ["--random-init", str(p["nodash_json"]), "--out", o], "no 'sparse_attention_config' section"),
         (lambda p, o: [str(p["good"]), "--out", str(p["good"]) + "/m.onnx"], "cannot write .*is a file, not a folder"),
-        (lambda p, o: [str(p["good"]), "--out", str(p["good"].parent / "no" / "m.onnx")], "cannot write .*does not exist"),
+        (
+            lambda p, o: [str(p["good"]), "--out", str(p["good"].parent / "no" / "m.onnx")],
+            "cannot write .*does not exist",
+        ),
         (lambda p, o: [str(p["good"]), "--out", str(p["good"].parent)], "cannot write .*is a directory"),
     ],
-    ids=["missing", "corrupt", "pickled-module", "no-dash-section", "no-dash-section-json", "out-under-a-file",
-         "out-folder-missing", "out-is-a-folder"],
+    ids=[
+        "missing",
+        "corrupt",
+        "pickled-module",
+        "no-dash-section",
+        "no-dash-section-json",
+        "out-under-a-file",
+        "out-folder-missing",
+        "out-is-a-folder",
+    ],
 )
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, args, match):
     paths = _checkpoints(tmp_path)
@@ -443,8 +493,12 @@ def test_cli_failure_while_writing_leaves_no_file(tmp_path, capsys, monkeypatch)
 
 def test_console_script_exit_code(tmp_path):
     """The installed entry point reports through its exit status."""
-    proc = subprocess.run([sys.executable, "-m", "dash_trt.export", str(tmp_path / "none.pt"), "--out",
-                           str(tmp_path / "m.onnx")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dash_trt.export", str(tmp_path / "none.pt"), "--out", str(tmp_path / "m.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "dash-export: error: checkpoint not found" in proc.stderr
     assert os.listdir(tmp_path) == []
@@ -472,8 +526,11 @@ def test_function_reductions_name_non_negative_axes():
     axis is negative (the summaries of a decode step that completes no block have C = 0): every
     reduction of the function names its axes as non-negative numbers."""
     fn = O.dash_attention_function()
-    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in fn.node
-              if n.op_type == "Constant" and n.attribute[0].name == "value"}
+    consts = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t)
+        for n in fn.node
+        if n.op_type == "Constant" and n.attribute[0].name == "value"
+    }
     reductions = [n for n in fn.node if n.op_type.startswith("Reduce") and len(n.input) > 1 and n.input[1]]
     assert reductions
     for n in reductions:

@@ -9,7 +9,7 @@ from dash_trt import fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 #: One unit in the last place of a value near 1, per dtype (bf16 8 bits, fp16 11, fp32 24).
-ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23}
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}
 
 
 def test_cpu_tensors_keep_the_pytorch_code():

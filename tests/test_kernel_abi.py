@@ -4,25 +4,60 @@ the ctypes mirror of DashParams, supported sizes, and argument validation."""
 import ctypes
 
 import pytest
-
 from conftest import require_kernels
 
 from dash_trt import cuda  # noqa: E402
+
 require_kernels(cuda.library_path())
 
 pytestmark = pytest.mark.skipif(cuda.library_path() is None, reason="kernel library not built (no CUDA compiler)")
 
 
 def _params(**kw):
-    base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
-                num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
-                sparse_local_block=1, topk=12, route_scale=128.0, prior_floor=1e-4, sigma=1.0, rope_page_pairs=1,
-                rope_tok_theta=10000.0, rope_page_theta=256.0)
+    base = dict(
+        num_tokens=4,
+        num_seqs=1,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        index_dim=64,
+        num_blocks=8,
+        block_size=64,
+        table_width=4,
+        max_new_tokens=4,
+        dtype=2,
+        sparse_block_size=64,
+        sparse_local_block=1,
+        topk=12,
+        route_scale=128.0,
+        prior_floor=1e-4,
+        sigma=1.0,
+        rope_page_pairs=1,
+        rope_tok_theta=10000.0,
+        rope_page_theta=256.0,
+    )
     base.update(kw)
     p = cuda.DashParams(**base)
-    for name in ("q", "k", "v", "iq", "ik", "coords", "head_cls", "block_tables", "seq_lens", "query_start_loc",
-                 "prompt_lens", "key_cache", "value_cache", "index_key_cache", "image_page_cache", "summary_cache",
-                 "summary_pages_cache", "out"):
+    for name in (
+        "q",
+        "k",
+        "v",
+        "iq",
+        "ik",
+        "coords",
+        "head_cls",
+        "block_tables",
+        "seq_lens",
+        "query_start_loc",
+        "prompt_lens",
+        "key_cache",
+        "value_cache",
+        "index_key_cache",
+        "image_page_cache",
+        "summary_cache",
+        "summary_pages_cache",
+        "out",
+    ):
         setattr(p, name, 256)  # never dereferenced by validation
     return p
 
@@ -70,11 +105,19 @@ def test_workspace_and_selected_width():
         ({"dtype": 7}, 2, "unsupported dtype code: 7"),
         ({"sparse_local_block": 0}, 1, "sparse_local_block must be positive"),
         ({"table_width": 100000}, 0, ""),  # 100000 sparse blocks: the fused routing scores them in chunks
-        ({"table_width": 1000000}, 2, "context too long for the routing stage: 1000000 sparse blocks per sequence "
-                                      "(table_width * block_size / sparse_block_size); at most 443392 with "
-                                      "dash_topk_blocks 12"),
+        (
+            {"table_width": 1000000},
+            2,
+            "context too long for the routing stage: 1000000 sparse blocks per sequence "
+            "(table_width * block_size / sparse_block_size); at most 443392 with "
+            "dash_topk_blocks 12",
+        ),
         ({"table_width": 10000, "topk": 20000}, 0, ""),  # K is at most 16: the routing stage's size is bounded
-        ({"tune_block_major_warpgroups": 3}, 1, "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3"),
+        (
+            {"tune_block_major_warpgroups": 3},
+            1,
+            "tune_block_major_warpgroups must be 0 (the plan picks), 1 or 2, got 3",
+        ),
         ({"tune_block_major_warpgroups": -1}, 1, "tune_block_major_warpgroups must be 0"),
         ({"tune_block_major_ctas": -1}, 1, "tune_block_major_ctas must be 0 (one CTA a work item) or > 0, got -1"),
         ({"tune_block_major_ctas": 1}, 0, ""),
@@ -134,8 +177,9 @@ def test_tuning_fields_reach_the_plan():
     default, off, small = size(), size(tune_block_major_min_tokens=-1), size(tune_block_major_chunk=500)
     assert default != off and small < default
     assert size(tune_block_major_min_tokens=1024) == default  # the documented default, spelt out
-    assert cuda.Tuning.parse("block_major_chunk=500, front_writer=2") == cuda.Tuning(block_major_chunk=500,
-                                                                                      front_writer=2)
+    assert cuda.Tuning.parse("block_major_chunk=500, front_writer=2") == cuda.Tuning(
+        block_major_chunk=500, front_writer=2
+    )
     with pytest.raises(ValueError, match="unknown tuning knob 'chunk'"):
         cuda.Tuning.parse("chunk=5")
 
@@ -172,10 +216,28 @@ def test_planning_needs_no_pointers_running_does():
     """A plan (and the workspace size) is made from the shape alone, with every pointer NULL
     (the Python binding plans a shape once, before any tensor of it exists); a run needs them."""
     lib = cuda._library()
-    base = dict(num_tokens=4, num_seqs=1, num_heads=8, num_kv_heads=2, head_dim=128, index_dim=64,
-                num_blocks=8, block_size=64, table_width=4, max_new_tokens=4, dtype=2, sparse_block_size=64,
-                sparse_local_block=1, topk=12, route_scale=128.0, prior_floor=1e-4, sigma=1.0, rope_page_pairs=1,
-                rope_tok_theta=10000.0, rope_page_theta=256.0)
+    base = dict(
+        num_tokens=4,
+        num_seqs=1,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        index_dim=64,
+        num_blocks=8,
+        block_size=64,
+        table_width=4,
+        max_new_tokens=4,
+        dtype=2,
+        sparse_block_size=64,
+        sparse_local_block=1,
+        topk=12,
+        route_scale=128.0,
+        prior_floor=1e-4,
+        sigma=1.0,
+        rope_page_pairs=1,
+        rope_tok_theta=10000.0,
+        rope_page_theta=256.0,
+    )
     bare = cuda.DashParams(**base)
     status, plan, text = _plan(bare)
     assert status == 0, text
@@ -212,8 +274,11 @@ def test_check_sizes_asks_the_library_for_every_layer():
     sp = demo_model().config.dash  # sparse blocks of 16
     cuda.check_sizes(8, 2, 64, 64, 100, 64, 10, sp, torch.bfloat16, 2)
     cuda.check_sizes(8, 2, 64, 64, 100, 64, 10000, sp, torch.bfloat16, 2)  # 40000 sparse blocks
-    with pytest.raises(cuda.DashKernelError, match=r"layer 0: 1000000 blocks .*context too long for the routing stage: "
-                                                   r"4000000 sparse blocks"):
+    with pytest.raises(
+        cuda.DashKernelError,
+        match=r"layer 0: 1000000 blocks .*context too long for the routing stage: "
+        r"4000000 sparse blocks",
+    ):
         cuda.check_sizes(8, 2, 64, 64, 100, 64, 1000000, sp, torch.bfloat16, 2)
     with pytest.raises(cuda.DashKernelError, match="unsupported head dim: 48"):
         cuda.check_sizes(8, 2, 48, 64, 100, 64, 10, sp, torch.bfloat16, 2)
@@ -223,4 +288,3 @@ def test_kernel_library_reports_its_architectures():
     archs = cuda.compiled_architectures()
     assert archs, "the library was built with the architectures query"
     assert all(a.startswith(("sm_", "compute_")) or a in ("native", "all", "all-major") for a in archs)
-

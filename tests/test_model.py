@@ -19,10 +19,16 @@ SMALL = {
     "head_dim": 16,
     "intermediate_size": 96,
     "num_hidden_layers": 3,
-    CONFIG_SECTION: {**M.DEMO_CONFIG[CONFIG_SECTION], "sparse_block_size": 8, "sparse_index_dim": 16,
-                     "dash_topk_blocks": 2, "sparse_attention_freq": [1, 1, 1],
-                     "dash_scale_per_layer": [16.0, 8.0, 32.0], "dash_floor_per_layer": [1e-4, 1e-3, 1e-2],
-                     "sparse_local_block": 2},
+    CONFIG_SECTION: {
+        **M.DEMO_CONFIG[CONFIG_SECTION],
+        "sparse_block_size": 8,
+        "sparse_index_dim": 16,
+        "dash_topk_blocks": 2,
+        "sparse_attention_freq": [1, 1, 1],
+        "dash_scale_per_layer": [16.0, 8.0, 32.0],
+        "dash_floor_per_layer": [1e-4, 1e-3, 1e-2],
+        "sparse_local_block": 2,
+    },
 }
 
 
@@ -48,10 +54,14 @@ def test_config_json_round_trip(tmp_path):
     "change, match",
     [
         (lambda d: d.pop(CONFIG_SECTION), "no 'sparse_attention_config' section"),
-        (lambda d: d.update(dash_attention_config=d.pop(CONFIG_SECTION)), "'dash_attention_config' section, the "
-                                                                          "withdrawn schema"),
-        (lambda d: d.update(index_head_dim=16), "index_head_dim is 16, but sparse_attention_config.sparse_index_dim "
-                                                "is 32"),
+        (
+            lambda d: d.update(dash_attention_config=d.pop(CONFIG_SECTION)),
+            "'dash_attention_config' section, the withdrawn schema",
+        ),
+        (
+            lambda d: d.update(index_head_dim=16),
+            "index_head_dim is 16, but sparse_attention_config.sparse_index_dim is 32",
+        ),
         (lambda d: d.pop("hidden_size"), "missing key.*hidden_size"),
         (lambda d: d.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
         (lambda d: d.update(head_dim=2), "head_dim 2 is too small"),
@@ -83,8 +93,11 @@ def test_tokenizer_and_prompts():
 def test_checkpoint_round_trip(tmp_path, small):
     path = tmp_path / "model.pt"
     M.save_checkpoint(small, path, config_json=True)
-    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_SECTION]["dash_scale_per_layer"] == [16.0, 8.0,
-                                                                                                          32.0]
+    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_SECTION]["dash_scale_per_layer"] == [
+        16.0,
+        8.0,
+        32.0,
+    ]
     raw = torch.load(path, weights_only=True)
     assert set(raw) == {"config", "state_dict"}
     loaded = M.load_checkpoint(path)
@@ -92,8 +105,9 @@ def test_checkpoint_round_trip(tmp_path, small):
     for k, v in small.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     prompt = M.document_prompt([9, 12], "x", small.config)
-    torch.testing.assert_close(loaded.reference_logits(prompt, len(prompt)),
-                               small.reference_logits(prompt, len(prompt)), atol=0, rtol=0)
+    torch.testing.assert_close(
+        loaded.reference_logits(prompt, len(prompt)), small.reference_logits(prompt, len(prompt)), atol=0, rtol=0
+    )
     # a bare state dict with a separate config.json
     torch.save(small.state_dict(), tmp_path / "bare.pt")
     bare = M.load_checkpoint(tmp_path / "bare.pt", config=M.load_model_config(tmp_path / "config.json"))
@@ -173,8 +187,7 @@ def _prompts(cfg):
 @pytest.mark.parametrize("prefill_chunk, kv_block_size", [(None, 16), (13, 8), (7, 5)])
 def test_generation_equals_step_by_step_reference(small, prefill_chunk, kv_block_size):
     prompts = _prompts(small.config)
-    got = M.generate(small, prompts, 6, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size,
-                     stop_at_eos=False)
+    got = M.generate(small, prompts, 6, prefill_chunk=prefill_chunk, kv_block_size=kv_block_size, stop_at_eos=False)
     want = M.reference_generate(small, prompts, 6, stop_at_eos=False)
     assert got.tokens == want.tokens
     for a, b in zip(got.logits, want.logits):
@@ -201,9 +214,12 @@ def test_generation_stops_at_eos_and_frees_blocks(small):
 def test_forward_rejects_wrong_cache_count(small):
     state = M.PagedState(small, 4, 8)
     with pytest.raises(ValueError, match=f"expected {len(CACHE_FIELDS) * 3} cache tensors"):
-        small.export_forward(torch.zeros(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.int32),
-              *[torch.zeros(1, 1, dtype=torch.int32)] + [torch.zeros(1, dtype=torch.int32)] * 3,
-              *state.tensors()[:-1])
+        small.export_forward(
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 4, dtype=torch.int32),
+            *[torch.zeros(1, 1, dtype=torch.int32)] + [torch.zeros(1, dtype=torch.int32)] * 3,
+            *state.tensors()[:-1],
+        )
 
 
 def test_example_configs_in_export_folder_are_valid():
@@ -213,6 +229,10 @@ def test_example_configs_in_export_folder_are_valid():
     bench = M.load_model_config(os.path.join(folder, "benchmark.json"))
     # the kernel benchmark's attention shape
     assert (bench.num_attention_heads, bench.num_key_value_heads, bench.head_dim, bench.index_head_dim) == (
-        32, 8, 128, 128)
+        32,
+        8,
+        128,
+        128,
+    )
     d = bench.dash
     assert (d.sparse_block_size, d.sparse_local_block, d.routing(0).topk) == (64, 1, 16)

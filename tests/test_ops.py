@@ -24,8 +24,15 @@ def _batch(seed, dtype=torch.float32, block_size=8, sbs=4, layer=0):
     seqs = []
     for pages, response in ((3, 0), (2, 4)):
         roles = random_roles(gen, pages, response=response, max_images=10)
-        seqs.append((random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI,
-                                   dtype=dtype, head_cls=head_cls), sequence_coords(roles), response))
+        seqs.append(
+            (
+                random_inputs(
+                    gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI, dtype=dtype, head_cls=head_cls
+                ),
+                sequence_coords(roles),
+                response,
+            )
+        )
     num_blocks = sum(-(-x.length // block_size) for x, _, _ in seqs) + 2
     pool = KVBlockPool(num_blocks, block_size)
     cache = DashKVCache.allocate(num_blocks, block_size, KV_HEADS, D, DI, sbs, dtype=dtype)
@@ -37,15 +44,24 @@ def _batch(seed, dtype=torch.float32, block_size=8, sbs=4, layer=0):
 
     def rows(spec):
         return [torch.cat([getattr(seqs[i][0], f)[a:b] for i, a, b in spec]) for f in ("q", "k", "v", "iq", "ik")] + [
-            torch.cat([seqs[i][1][a:b] for i, a, b in spec])]
+            torch.cat([seqs[i][1][a:b] for i, a, b in spec])
+        ]
 
-    paged_dash_attention(*rows([(0, 0, n0), (1, 0, n1)]), head_cls, cache, **first.kwargs(), sp=cfg,
-                         layer_idx=layer)
+    paged_dash_attention(*rows([(0, 0, n0), (1, 0, n1)]), head_cls, cache, **first.kwargs(), sp=cfg, layer_idx=layer)
     # step 2 (the one under test): the rest of seq 0 (prefill chunk) + one decode token of seq 1
     second = pool.schedule([(1, 1), (0, seqs[0][0].length - n0)])
     q, k, v, iq, ik, coords = rows([(1, n1, n1 + 1), (0, n0, seqs[0][0].length)])
-    tensors = (q, k, v, iq, ik, coords, head_cls, *(getattr(cache, f) for f in ops.CACHE_FIELDS),
-               *second.kwargs().values())
+    tensors = (
+        q,
+        k,
+        v,
+        iq,
+        ik,
+        coords,
+        head_cls,
+        *(getattr(cache, f) for f in ops.CACHE_FIELDS),
+        *second.kwargs().values(),
+    )
     return tensors, cfg, cache
 
 
@@ -141,8 +157,11 @@ def test_attribute_table_is_generated_from_config():
 @pytest.mark.parametrize("seed", range(6))
 def test_attributes_round_trip(seed):
     gen = torch.Generator().manual_seed(seed)
-    extra = [{}, {"sparse_attention_freq": [0, 1, 1], "dash_scale_per_layer": [3.0, 9.0],
-                  "dash_floor_per_layer": [0.5, 0.01]}, {"image_token_id": 7, "page_token_id": 9}][seed % 3]
+    extra = [
+        {},
+        {"sparse_attention_freq": [0, 1, 1], "dash_scale_per_layer": [3.0, 9.0], "dash_floor_per_layer": [0.5, 0.01]},
+        {"image_token_id": 7, "page_token_id": 9},
+    ][seed % 3]
     cfg = random_config(gen, **extra)
     layer = 2 if "sparse_attention_freq" in extra else 1
     attrs = A.encode(cfg, layer)
@@ -160,8 +179,17 @@ def test_attribute_errors():
     with pytest.raises(ValueError, match="layer_idx"):
         A.encode(cfg, -1)
     with pytest.raises(DashConfigError, match="layer 0 is not a DASH layer"):
-        A.encode(DashConfig.from_dict({**cfg.to_dict(), "sparse_attention_freq": [0, 1], "dash_scale_per_layer": None,
-                                       "dash_floor_per_layer": None}), 0)
+        A.encode(
+            DashConfig.from_dict(
+                {
+                    **cfg.to_dict(),
+                    "sparse_attention_freq": [0, 1],
+                    "dash_scale_per_layer": None,
+                    "dash_floor_per_layer": None,
+                }
+            ),
+            0,
+        )
     with pytest.raises(ValueError, match="sparse_block_size"):
         A.decode({k: v for k, v in attrs.items() if k != "sparse_block_size"})
     with pytest.raises(DashConfigError, match="sparse_local_block"):

@@ -69,7 +69,7 @@ TOP_M = 16  # blocks ranked before the prior (docs/spec.md step 4)
 NOT_CANDIDATE = -1e4
 FLOAT32_EXP_MAX = math.log(float(np.finfo(np.float32).max))  # exp above this is inf in float32
 
-T, I, P = ROLE_TEXT, ROLE_IMAGE, ROLE_PAGE
+T, I, P = ROLE_TEXT, ROLE_IMAGE, ROLE_PAGE  # noqa: E741 - the roles, one letter each
 
 
 # =============================================================================== the oracle
@@ -180,8 +180,9 @@ class OracleResult:
     coords: list[tuple[int, int, int, int]] = field(default_factory=list)  # every position
 
 
-def oracle(q, k, v, iq, ik, roles, head_cls, cfg: DashConfig, layer: int,
-           prompt_length: int | None = None) -> OracleResult:
+def oracle(
+    q, k, v, iq, ik, roles, head_cls, cfg: DashConfig, layer: int, prompt_length: int | None = None
+) -> OracleResult:
     """DASH attention of docs/spec.md, steps 1-5, for the queries ``q`` [Q, H, D] (the last Q
     positions) against ``k``/``v`` [S, Hkv, D]."""
     s, nq = len(roles), q.shape[0]
@@ -238,10 +239,10 @@ def oracle(q, k, v, iq, ik, roles, head_cls, cfg: DashConfig, layer: int,
     for j in range(nq):
         pos = first + j
         qp = query_page[pos]
-        remote = [b <= pos // bs - lb and (prompt_length is None or b * bs < prompt_length)
-                  for b in range(nblk)]
-        scores = [_clamp(float(iq_rot[j] @ summaries[b]) / math.sqrt(di)) if remote[b] else NOT_REMOTE
-                  for b in range(nblk)]
+        remote = [b <= pos // bs - lb and (prompt_length is None or b * bs < prompt_length) for b in range(nblk)]
+        scores = [
+            _clamp(float(iq_rot[j] @ summaries[b]) / math.sqrt(di)) if remote[b] else NOT_REMOTE for b in range(nblk)
+        ]
         own = [remote[b] and qp in block_pages[b] for b in range(nblk)]
         cand = own if any(own) else remote  # own-page image blocks only, if the page has any remote
         values = [scores[b] * scale / math.sqrt(di) if cand[b] else NOT_CANDIDATE for b in range(nblk)]
@@ -299,15 +300,15 @@ def _routing_rows(routing, rows) -> tuple[list[set[int]], list[dict[int, float]]
 
 def run_reference(x, cfg, layer, prompt_length=None, nq=None) -> Got:
     nq = x.length if nq is None else nq
-    out, routing = dash_attention(x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles, x.head_cls, cfg,
-                                  layer, prompt_length, return_routing=True)
+    out, routing = dash_attention(
+        x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles, x.head_cls, cfg, layer, prompt_length, return_routing=True
+    )
     return Got(out, *_routing_rows(routing, range(nq)))
 
 
 def run_oracle(x, cfg, layer, prompt_length=None, nq=None) -> OracleResult:
     nq = x.length if nq is None else nq
-    return oracle(x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles.tolist(), x.head_cls, cfg, layer,
-                  prompt_length)
+    return oracle(x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles.tolist(), x.head_cls, cfg, layer, prompt_length)
 
 
 def run_paged(seqs, cfg, layer, kv_block_size, plans, gen) -> list[Got]:
@@ -343,13 +344,22 @@ def run_paged(seqs, cfg, layer, kv_block_size, plans, gen) -> list[Got]:
             return torch.cat([get(i)[a:b] for i, a, b in rows])
 
         out, routing = paged_dash_attention(
-            cat(lambda i: seqs[i][0].q), cat(lambda i: seqs[i][0].k), cat(lambda i: seqs[i][0].v),
-            cat(lambda i: seqs[i][0].iq), cat(lambda i: seqs[i][0].ik), cat(lambda i: seqs[i][2]),
-            seqs[0][0].head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=layer, return_routing=True,
+            cat(lambda i: seqs[i][0].q),
+            cat(lambda i: seqs[i][0].k),
+            cat(lambda i: seqs[i][0].v),
+            cat(lambda i: seqs[i][0].iq),
+            cat(lambda i: seqs[i][0].ik),
+            cat(lambda i: seqs[i][2]),
+            seqs[0][0].head_cls,
+            cache,
+            **batch.kwargs(),
+            sp=cfg,
+            layer_idx=layer,
+            return_routing=True,
         )
         qsl = batch.query_start_loc.tolist()
-        for j, (i, a, b) in enumerate(rows):
-            outs[i].append(out[qsl[j]:qsl[j + 1]])
+        for j, (i, _, b) in enumerate(rows):
+            outs[i].append(out[qsl[j] : qsl[j + 1]])
             sel, bias, scores = _routing_rows(routing, range(qsl[j], qsl[j + 1]))
             got[i].selected += sel
             got[i].bias += bias
@@ -368,8 +378,9 @@ def oracle_coords_tensor(roles) -> torch.Tensor:
     return torch.tensor(list(zip(*oracle_coordinates(roles.tolist()))), dtype=torch.int32)
 
 
-def assert_matches(name: str, got: Got, want: OracleResult, *, first_pos: int = 0,
-                   max_tie_fraction: float = 0.05) -> int:
+def assert_matches(
+    name: str, got: Got, want: OracleResult, *, first_pos: int = 0, max_tie_fraction: float = 0.05
+) -> int:
     """Every remote block's score, the selected sets and their biases, then the outputs of the
     tokens whose sets agree. A set may differ only in blocks whose routing values are within
     TIE_TOL of the oracle's K-th selected one; a token whose 16th and 17th routing values are
@@ -386,31 +397,41 @@ def assert_matches(name: str, got: Got, want: OracleResult, *, first_pos: int = 
         for b, ws in enumerate(w_scores):
             if ws == NOT_REMOTE:
                 assert b >= len(g_scores) or g_scores[b] == NOT_REMOTE, (
-                    f"{name}: position {pos}, block {b} is not remote but scores {g_scores[b]}")
+                    f"{name}: position {pos}, block {b} is not remote but scores {g_scores[b]}"
+                )
             else:
                 assert b < len(g_scores), f"{name}: position {pos}, remote block {b} has no score"
                 assert abs(g_scores[b] - ws) <= SCORE_TOL * (1 + abs(ws)), (
-                    f"{name}: position {pos}, block {b} scores {g_scores[b]}, the oracle {ws}")
+                    f"{name}: position {pos}, block {b} scores {g_scores[b]}, the oracle {ws}"
+                )
         gs, ws_set = got.selected[j], want.selected[j]
         values = want.values[j]
         ranked = sorted(values, reverse=True)
-        m_tie = (len(ranked) > TOP_M and ranked[TOP_M] > NOT_CANDIDATE
-                 and abs(ranked[TOP_M] - ranked[TOP_M - 1]) <= TIE_TOL * (1 + abs(ranked[TOP_M - 1])))
+        m_tie = (
+            len(ranked) > TOP_M
+            and ranked[TOP_M] > NOT_CANDIDATE
+            and abs(ranked[TOP_M] - ranked[TOP_M - 1]) <= TIE_TOL * (1 + abs(ranked[TOP_M - 1]))
+        )
         if gs == ws_set and not m_tie:
             for b in gs:
                 assert abs(got.bias[j][b] - want.bias[j][b]) <= BIAS_TOL * (1 + abs(want.bias[j][b])), (
-                    f"{name}: position {pos}, block {b} has bias {got.bias[j][b]}, the oracle {want.bias[j][b]}")
+                    f"{name}: position {pos}, block {b} has bias {got.bias[j][b]}, the oracle {want.bias[j][b]}"
+                )
             agree.append(j)
             continue
         if gs != ws_set:
             boundary = min(values[b] for b in ws_set) if ws_set else math.inf
             diff = gs ^ ws_set
             near = len(gs) == len(ws_set) and all(
-                b < len(values) and values[b] > NOT_CANDIDATE
-                and abs(values[b] - boundary) <= TIE_TOL * (1 + abs(boundary)) for b in diff)
+                b < len(values)
+                and values[b] > NOT_CANDIDATE
+                and abs(values[b] - boundary) <= TIE_TOL * (1 + abs(boundary))
+                for b in diff
+            )
             assert near, (
                 f"{name}: position {pos} selects {sorted(gs)}, the oracle {sorted(ws_set)}; routing values of "
-                f"the differing blocks { {b: values[b] for b in sorted(diff) if b < len(values)} }, K-th {boundary}")
+                f"the differing blocks { {b: values[b] for b in sorted(diff) if b < len(values)} }, K-th {boundary}"
+            )
         ties.append(j)
     assert len(ties) <= max(1, int(max_tie_fraction * nq)), f"{name}: {len(ties)} near-ties of {nq}"
     assert agree, f"{name}: no token to compare"
@@ -420,8 +441,10 @@ def assert_matches(name: str, got: Got, want: OracleResult, *, first_pos: int = 
     if bool(bad.any()):
         j = agree[int(bad.nonzero()[0])]
         err = float((got.out.double()[j] - want.out[j]).abs().max())
-        raise AssertionError(f"{name}: output of position {first_pos + j} off by {err:.3e} "
-                             f"({int(bad.sum())} of {len(agree)} tokens out of tolerance)")
+        raise AssertionError(
+            f"{name}: output of position {first_pos + j} off by {err:.3e} "
+            f"({int(bad.sum())} of {len(agree)} tokens out of tolerance)"
+        )
     return len(ties)
 
 
@@ -474,10 +497,18 @@ def test_coordinates_refuse_prompts_without_pages():
 
 def test_oracle_rope_closed_form():
     """Step 2 on one vector: token pairs by tok / theta**(i/n), page pairs by page mod m."""
-    cfg = DashConfig.from_dict({"sparse_block_size": 2, "sparse_local_block": 1, "sparse_index_dim": 6,
-                                "sparse_rope_page_pairs": 1,
-                                "sparse_rope_tok_theta": 100.0, "sparse_rope_page_theta": 4.0,
-                                "sparse_rope_page_mod": 3, "sparse_main_rope_tok_freq_mode": "truncate"})
+    cfg = DashConfig.from_dict(
+        {
+            "sparse_block_size": 2,
+            "sparse_local_block": 1,
+            "sparse_index_dim": 6,
+            "sparse_rope_page_pairs": 1,
+            "sparse_rope_tok_theta": 100.0,
+            "sparse_rope_page_theta": 4.0,
+            "sparse_rope_page_mod": 3,
+            "sparse_main_rope_tok_freq_mode": "truncate",
+        }
+    )
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
     got = oracle_rope(x, [2], [4], cfg, main=True)
     # half 3, p 1: pairs 0, 1 by tok 2 with n = 3 (truncate); pair 2 by 4 mod 3 = 1
@@ -488,7 +519,8 @@ def test_oracle_rope_closed_form():
     # the indexer's mode is the other key: n = half - p = 2
     ang = 2.0 / 100.0 ** (1 / 2)
     assert float(oracle_rope(x, [2], [4], cfg, main=False)[0, 1]) == pytest.approx(
-        2.0 * math.cos(ang) - 5.0 * math.sin(ang), abs=1e-6)
+        2.0 * math.cos(ang) - 5.0 * math.sin(ang), abs=1e-6
+    )
 
 
 # Hand problems: 16 tokens in sparse blocks of 2. RoPE leaves the indexer exactly alone: D = Di = 8
@@ -503,8 +535,14 @@ def test_oracle_rope_closed_form():
 #  image pages {0} {0}  {1}  {1}  {2}    {2}     {}      {}
 #  query_page 0..3: 0, 4..7: 1, 8..11: 2, 12: -1 (no response marker yet), 13..15: 0
 HAND_ROLES = [P, I, I, I, P, I, I, T, P, I, I, I, T, P, T, T]
-HAND_BASE = {"sparse_block_size": 2, "sparse_local_block": 1, "sparse_index_dim": 8, "sparse_rope_page_pairs": 3,
-             "sparse_rope_page_mod": 1, "dash_scaling_factor": 8.0}
+HAND_BASE = {
+    "sparse_block_size": 2,
+    "sparse_local_block": 1,
+    "sparse_index_dim": 8,
+    "sparse_rope_page_pairs": 3,
+    "sparse_rope_page_mod": 1,
+    "dash_scaling_factor": 8.0,
+}
 C_TIES = [1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
 C_SPREAD = [0.25, 1.0, 0.5, 0.75, -1.0, 2.0, 4.0, 4.0]
 # prompt_length 5 keeps token 4 (-0.5) of block 2 and drops token 5 (+4): mean -0.5, not 1.75
@@ -525,11 +563,10 @@ def hand_inputs(block_values, zero_q=(), roles=HAND_ROLES, bs=2):
     of 2 with tokens -0.5 and 4.0), iq = e_1, head_cls 0; q, k, v random (q zero at ``zero_q``)."""
     roles = torch.tensor(roles)
     s = roles.numel()
-    x = random_inputs(torch.Generator().manual_seed(20), roles, heads=4, kv_heads=2, head_dim=8,
-                      index_dim=8)
+    x = random_inputs(torch.Generator().manual_seed(20), roles, heads=4, kv_heads=2, head_dim=8, index_dim=8)
     ik = torch.zeros(s, 8)
     for b, c in enumerate(block_values):
-        ik[bs * b:bs * b + bs, 1] = torch.tensor([-0.5, 4.0]) if c is None else c
+        ik[bs * b : bs * b + bs, 1] = torch.tensor([-0.5, 4.0]) if c is None else c
     x.ik, x.iq, x.head_cls = ik, torch.zeros(s, 8), torch.zeros(8)
     x.iq[:, 1] = 1.0
     for p in zero_q:
@@ -541,67 +578,155 @@ HAND_CASES = {
     # name: (block values, config overrides, layer, prompt_length, {position: selected blocks})
     # A query reads only its own page's remote image blocks when its page has any; otherwise
     # every remote block competes (docs/spec.md step 4).
-    "ties_to_lower_index": (C_TIES, {"dash_topk_blocks": 2}, 0, None, {
-        9: {0, 1},   # page 2 has no remote block yet: all of 0..3 compete (1, 1, 1, .5): lowest two of the tie
-        7: {2},      # page 1's block 2 is remote: the only candidate (the second kept entry is no candidate)
-        12: {0, 1},  # query page -1: all of 0..5
-        3: {0},      # remote 0 only, a page-0 block
-        1: set(),    # nothing remote yet
-    }),
-    "own_page_top1": (C_SPREAD, {"dash_topk_blocks": 1}, 0, None, {
-        11: {4},     # page 2's block 4 is remote: read despite the lowest value (-1)
-        9: {1},      # block 4 not remote yet: best of 0..3
-        7: {2},      # page 1's block 2 over block 1 (1.0 > 0.5)
-        12: {5},     # query page -1: best of 0..5
-        13: {1},     # query page 0: blocks 0 and 1, the better one
-        15: {1},     # remote 0..6: block 6 (4.0) is not on page 0
-    }),
-    "own_page_top2": (C_SPREAD, {"dash_topk_blocks": 2}, 0, None, {
-        11: {4}, 9: {1, 3}, 7: {2}, 12: {5, 1}, 15: {0, 1}, 5: {0, 1}, 3: {0},
-    }),
-    "prompt_length_top1": (C_PROMPT, {"dash_topk_blocks": 1}, 0, 5, {
-        12: {0},     # remote 0..2 only (2*b < 5); block 2's summary is token 4's -0.5
-        15: {0},     # query page 0: blocks 0 (.25) and 1 (.125)
-        7: {2},      # page 1: block 2 by its image at 5, past prompt_length (literal reading)
-        4: {0},      # remote 0..1, page 1 has none of them
-    }),
-    "prompt_length_top2": (C_PROMPT, {"dash_topk_blocks": 2}, 0, 5, {
-        12: {0, 1}, 14: {0, 1}, 9: {0, 1}, 7: {2},
-    }),
-    "prompt_length_at_a_block_edge": ([-0.25, -0.5, -0.125, 3.0, 3.0, 3.0, 3.0, 3.0],
-                                      {"dash_topk_blocks": 1}, 0, 6, {
-        12: {2},     # remote 0..2 (2*b < 6): block 3 starts at prompt_length, so it is not
-        9: {2},
-        15: {0},     # query page 0: block 0 (-.25) over block 1 (-.5)
-        7: {2},      # query page 1: block 2
-    }),
-    "keep_all": (C_SPREAD, {"dash_topk_blocks": 16}, 0, None, {
-        11: {4}, 15: {0, 1}, 12: {0, 1, 2, 3, 4, 5}, 9: {0, 1, 2, 3}, 3: {0}, 1: set(),
-    }),
-    "keep_all_prompt_length": (C_PROMPT, {"dash_topk_blocks": 16}, 0, 5, {
-        15: {0, 1}, 12: {0, 1, 2}, 11: {0, 1, 2}, 5: {0, 1},
-    }),
-    "per_layer_lists": (C_TIES, {"dash_topk_blocks": 3, "sparse_attention_freq": [1, 0, 1],
-                                 "dash_scale_per_layer": [8.0, 0.5], "dash_floor_per_layer": [1e-4, 0.2]}, 2, None, {
-        12: {0, 1, 2}, 9: {0, 1, 2}, 7: {2},
-    }),
-    "local_window_of_2_blocks": (C_SPREAD, {"dash_topk_blocks": 2, "sparse_local_block": 2}, 0, None, {
-        11: {1, 3},  # remote 0..3 (11 // 2 - 2): block 4 is in the window, so page 2 has none
-        10: {1, 3},
-        12: {1, 3},  # remote 0..4, query page -1
-        15: {0, 1},  # remote 0..5, page 0's blocks
-        5: {0},      # remote 0 only: fewer remote blocks than K
-        3: set(),
-    }),
-    "page_without_images": (C_GAP, {"sparse_block_size": 4, "dash_topk_blocks": 1}, 0, None, {
-        23: {3},     # query page 1 has no image: block 1 (pages 0 and 2) is no candidate; all compete
-        21: {3},
-        18: {0},     # query page 0: blocks 0 and 1, block 0 scores higher
-        13: {2},     # query page 3: block 2
-        11: {0},     # remote 0..1, page 3 not among them
-        15: {0},     # response, query page -1: remote 0..2
-        16: {3},
-    }),
+    "ties_to_lower_index": (
+        C_TIES,
+        {"dash_topk_blocks": 2},
+        0,
+        None,
+        {
+            9: {0, 1},  # page 2 has no remote block yet: all of 0..3 compete (1, 1, 1, .5): lowest two of the tie
+            7: {2},  # page 1's block 2 is remote: the only candidate (the second kept entry is no candidate)
+            12: {0, 1},  # query page -1: all of 0..5
+            3: {0},  # remote 0 only, a page-0 block
+            1: set(),  # nothing remote yet
+        },
+    ),
+    "own_page_top1": (
+        C_SPREAD,
+        {"dash_topk_blocks": 1},
+        0,
+        None,
+        {
+            11: {4},  # page 2's block 4 is remote: read despite the lowest value (-1)
+            9: {1},  # block 4 not remote yet: best of 0..3
+            7: {2},  # page 1's block 2 over block 1 (1.0 > 0.5)
+            12: {5},  # query page -1: best of 0..5
+            13: {1},  # query page 0: blocks 0 and 1, the better one
+            15: {1},  # remote 0..6: block 6 (4.0) is not on page 0
+        },
+    ),
+    "own_page_top2": (
+        C_SPREAD,
+        {"dash_topk_blocks": 2},
+        0,
+        None,
+        {
+            11: {4},
+            9: {1, 3},
+            7: {2},
+            12: {5, 1},
+            15: {0, 1},
+            5: {0, 1},
+            3: {0},
+        },
+    ),
+    "prompt_length_top1": (
+        C_PROMPT,
+        {"dash_topk_blocks": 1},
+        0,
+        5,
+        {
+            12: {0},  # remote 0..2 only (2*b < 5); block 2's summary is token 4's -0.5
+            15: {0},  # query page 0: blocks 0 (.25) and 1 (.125)
+            7: {2},  # page 1: block 2 by its image at 5, past prompt_length (literal reading)
+            4: {0},  # remote 0..1, page 1 has none of them
+        },
+    ),
+    "prompt_length_top2": (
+        C_PROMPT,
+        {"dash_topk_blocks": 2},
+        0,
+        5,
+        {
+            12: {0, 1},
+            14: {0, 1},
+            9: {0, 1},
+            7: {2},
+        },
+    ),
+    "prompt_length_at_a_block_edge": (
+        [-0.25, -0.5, -0.125, 3.0, 3.0, 3.0, 3.0, 3.0],
+        {"dash_topk_blocks": 1},
+        0,
+        6,
+        {
+            12: {2},  # remote 0..2 (2*b < 6): block 3 starts at prompt_length, so it is not
+            9: {2},
+            15: {0},  # query page 0: block 0 (-.25) over block 1 (-.5)
+            7: {2},  # query page 1: block 2
+        },
+    ),
+    "keep_all": (
+        C_SPREAD,
+        {"dash_topk_blocks": 16},
+        0,
+        None,
+        {
+            11: {4},
+            15: {0, 1},
+            12: {0, 1, 2, 3, 4, 5},
+            9: {0, 1, 2, 3},
+            3: {0},
+            1: set(),
+        },
+    ),
+    "keep_all_prompt_length": (
+        C_PROMPT,
+        {"dash_topk_blocks": 16},
+        0,
+        5,
+        {
+            15: {0, 1},
+            12: {0, 1, 2},
+            11: {0, 1, 2},
+            5: {0, 1},
+        },
+    ),
+    "per_layer_lists": (
+        C_TIES,
+        {
+            "dash_topk_blocks": 3,
+            "sparse_attention_freq": [1, 0, 1],
+            "dash_scale_per_layer": [8.0, 0.5],
+            "dash_floor_per_layer": [1e-4, 0.2],
+        },
+        2,
+        None,
+        {
+            12: {0, 1, 2},
+            9: {0, 1, 2},
+            7: {2},
+        },
+    ),
+    "local_window_of_2_blocks": (
+        C_SPREAD,
+        {"dash_topk_blocks": 2, "sparse_local_block": 2},
+        0,
+        None,
+        {
+            11: {1, 3},  # remote 0..3 (11 // 2 - 2): block 4 is in the window, so page 2 has none
+            10: {1, 3},
+            12: {1, 3},  # remote 0..4, query page -1
+            15: {0, 1},  # remote 0..5, page 0's blocks
+            5: {0},  # remote 0 only: fewer remote blocks than K
+            3: set(),
+        },
+    ),
+    "page_without_images": (
+        C_GAP,
+        {"sparse_block_size": 4, "dash_topk_blocks": 1},
+        0,
+        None,
+        {
+            23: {3},  # query page 1 has no image: block 1 (pages 0 and 2) is no candidate; all compete
+            21: {3},
+            18: {0},  # query page 0: blocks 0 and 1, block 0 scores higher
+            13: {2},  # query page 3: block 2
+            11: {0},  # remote 0..1, page 3 not among them
+            15: {0},  # response, query page -1: remote 0..2
+            16: {3},
+        },
+    ),
 }
 HAND_ROLES_OF = {"page_without_images": (GAP_ROLES, 4)}
 
@@ -616,8 +741,14 @@ def test_hand_routing(case):
     x = hand_inputs(values, roles=roles, bs=bs)
     ref = run_reference(x, cfg, layer, prompt_length)
     orc = run_oracle(x, cfg, layer, prompt_length)
-    paged = run_paged([(x, prompt_length, oracle_coords_tensor(x.roles))], cfg, layer, 4,
-                      [[5, 3] + [1] * (x.length - 8)], torch.Generator().manual_seed(3))[0]
+    paged = run_paged(
+        [(x, prompt_length, oracle_coords_tensor(x.roles))],
+        cfg,
+        layer,
+        4,
+        [[5, 3] + [1] * (x.length - 8)],
+        torch.Generator().manual_seed(3),
+    )[0]
     for pos, blocks in want.items():
         for name, got in (("oracle", orc), ("reference", ref), ("paged", paged)):
             assert got.selected[pos] == blocks, f"{name}, position {pos}: {sorted(got.selected[pos])}"
@@ -644,15 +775,16 @@ def test_hand_attention_prior_bias():
     x = hand_inputs(C_SPREAD, zero_q=(12,))
     tau = _entmax_tau([0.0, -0.5, -0.625, -0.75, -0.875])
     assert -1.5 < tau < -0.875
-    p5, p1 = tau ** 2, (-0.5 - tau) ** 2
+    p5, p1 = tau**2, (-0.5 - tau) ** 2
     b = (math.log(p5) - math.log(p1)) / 2
     assert b == pytest.approx(0.8400, abs=1e-4)
     e, f = math.exp(b), math.exp(-b)
     v = x.v.double()
     want = (e * v[10] + f * (v[2] + v[3]) + v[11] + v[12]) / (e + 2 * f + 2)  # [Hkv, D]
     want = want.repeat_interleave(2, 0)  # query head h reads KV head h // 2
-    paged = run_paged([(x, None, oracle_coords_tensor(x.roles))], cfg, 0, 4, [[16]],
-                      torch.Generator().manual_seed(0))[0]
+    paged = run_paged([(x, None, oracle_coords_tensor(x.roles))], cfg, 0, 4, [[16]], torch.Generator().manual_seed(0))[
+        0
+    ]
     for name, got in (("oracle", run_oracle(x, cfg, 0)), ("reference", run_reference(x, cfg, 0)), ("paged", paged)):
         assert got.bias[12] == pytest.approx({5: b, 1: -b}, abs=1e-5), name
         torch.testing.assert_close(got.out[12].double(), want, atol=1e-6, rtol=1e-6, msg=name)
@@ -665,8 +797,9 @@ def test_hand_bias_floor_and_sigma():
     two and divided by sigma: +-log(floor) / (2 sigma)."""
     values = [0.25, 4.0, 0.5, 0.75, -1.0, 2.0, 4.0, 4.0]
     for floor, sigma in ((1e-4, 1.0), (1e-2, 0.5), (0.3, 2.0)):
-        cfg = DashConfig.from_dict({**HAND_BASE, "dash_topk_blocks": 16, "dash_prior_floor": floor,
-                                    "dash_sigma": sigma})
+        cfg = DashConfig.from_dict(
+            {**HAND_BASE, "dash_topk_blocks": 16, "dash_prior_floor": floor, "dash_sigma": sigma}
+        )
         x = hand_inputs(values)
         want = {1: -math.log(floor) / (2 * sigma), 0: math.log(floor) / (2 * sigma)}
         for name, got in (("oracle", run_oracle(x, cfg, 0)), ("reference", run_reference(x, cfg, 0))):
@@ -681,10 +814,14 @@ def test_hand_attention_prompt_length():
     x = hand_inputs(C_PROMPT, zero_q=(7,))
     v = x.v.double()
     want = ((v[4] + v[6] + v[7]) / 3).repeat_interleave(2, 0)
-    paged = run_paged([(x, 5, oracle_coords_tensor(x.roles))], cfg, 0, 2, [[3, 3, 1, 1, 8]],
-                      torch.Generator().manual_seed(0))[0]
-    for name, got in (("oracle", run_oracle(x, cfg, 0, 5)), ("reference", run_reference(x, cfg, 0, 5)),
-                      ("paged", paged)):
+    paged = run_paged(
+        [(x, 5, oracle_coords_tensor(x.roles))], cfg, 0, 2, [[3, 3, 1, 1, 8]], torch.Generator().manual_seed(0)
+    )[0]
+    for name, got in (
+        ("oracle", run_oracle(x, cfg, 0, 5)),
+        ("reference", run_reference(x, cfg, 0, 5)),
+        ("paged", paged),
+    ):
         assert got.bias[7] == {2: 0.0}, name
         torch.testing.assert_close(got.out[7].double(), want, atol=1e-6, rtol=1e-6, msg=name)
 
@@ -709,10 +846,14 @@ def test_an_uncounted_token_far_above_the_counted_ones_zeroes_the_summary(far, w
     x = hand_inputs([0.25, 0.125, 0.0, 3.0, 3.0, 3.0, 3.0, 3.0])
     x.ik[4, 1], x.ik[5, 1] = 0.5, far
     x.head_cls[1] = 1.0
-    paged = run_paged([(x, 5, oracle_coords_tensor(x.roles))], cfg, 0, 4, [[6, 2] + [1] * 8],
-                      torch.Generator().manual_seed(0))[0]
-    for name, got in (("oracle", run_oracle(x, cfg, 0, 5)), ("reference", run_reference(x, cfg, 0, 5)),
-                      ("paged", paged)):
+    paged = run_paged(
+        [(x, 5, oracle_coords_tensor(x.roles))], cfg, 0, 4, [[6, 2] + [1] * 8], torch.Generator().manual_seed(0)
+    )[0]
+    for name, got in (
+        ("oracle", run_oracle(x, cfg, 0, 5)),
+        ("reference", run_reference(x, cfg, 0, 5)),
+        ("paged", paged),
+    ):
         assert got.scores[12][2] == pytest.approx(want, abs=1e-6), name
 
 
@@ -723,8 +864,7 @@ def random_problem(seed: int, **cfg_overrides):
     cfg = random_config(gen, **cfg_overrides)
     pages = int(torch.randint(1, 6, (1,), generator=gen))
     response = int(torch.randint(0, 17, (1,), generator=gen))
-    roles = random_roles(gen, pages, max_images=3 * cfg.sparse_block_size, response=response,
-                         response_markers=2)
+    roles = random_roles(gen, pages, max_images=3 * cfg.sparse_block_size, response=response, response_markers=2)
     x = random_inputs(gen, roles, heads=4, kv_heads=2, head_dim=16, index_dim=16)
     prompt_tokens = max(i for i, r in enumerate(roles.tolist()) if r == ROLE_IMAGE) + 1
     mode = seed % 3
@@ -754,8 +894,7 @@ def test_oracle_equals_reference_long_document():
     """A longer document (8 pages, blocks of 4, K 2, more than 16 blocks, pages spanning several
     blocks)."""
     gen = torch.Generator().manual_seed(1234)
-    cfg = random_config(gen, sparse_block_size=4, dash_topk_blocks=2, dash_scaling_factor=16.0,
-                        index_dim=8)
+    cfg = random_config(gen, sparse_block_size=4, dash_topk_blocks=2, dash_scaling_factor=16.0, index_dim=8)
     roles = random_roles(gen, 8, max_images=20, response=16, response_markers=3)
     x = random_inputs(gen, roles, heads=4, kv_heads=1, head_dim=16, index_dim=8)
     want = run_oracle(x, cfg, 0)
@@ -769,8 +908,14 @@ def test_sequence_coords_equal_oracle_coordinates():
     for _ in range(200):
         pages = int(torch.randint(1, 6, (1,), generator=gen))
         response = int(torch.randint(0, 12, (1,), generator=gen))
-        roles = random_roles(gen, pages, max_images=5, max_text=3, response=response,
-                             response_markers=int(torch.randint(0, 9, (1,), generator=gen)))
+        roles = random_roles(
+            gen,
+            pages,
+            max_images=5,
+            max_text=3,
+            response=response,
+            response_markers=int(torch.randint(0, 9, (1,), generator=gen)),
+        )
         assert torch.equal(sequence_coords(roles), oracle_coords_tensor(roles)), roles.tolist()
 
 
@@ -780,8 +925,17 @@ PAGED_CASES = [
     (0, 8, {"sparse_block_size": 4}),
     (1, 16, {"sparse_block_size": 8}),
     (2, 4, {"sparse_block_size": 4, "dash_topk_blocks": 1}),
-    (3, 12, {"sparse_block_size": 4, "dash_topk_blocks": 16, "sparse_attention_freq": [1, 1],
-             "dash_scale_per_layer": [64.0, 8.0], "dash_floor_per_layer": [1e-3, 1e-4]}),
+    (
+        3,
+        12,
+        {
+            "sparse_block_size": 4,
+            "dash_topk_blocks": 16,
+            "sparse_attention_freq": [1, 1],
+            "dash_scale_per_layer": [64.0, 8.0],
+            "dash_floor_per_layer": [1e-3, 1e-4],
+        },
+    ),
     (4, 6, {"sparse_block_size": 4, "dash_sigma": 0.5}),
     (5, 16, {"sparse_block_size": 16, "sparse_local_block": 1}),
 ]
@@ -800,8 +954,9 @@ def test_oracle_equals_paged(seed, kv_block_size, overrides):
     for i in range(3):
         pages = int(torch.randint(1, 5, (1,), generator=gen))
         response = int(torch.randint(1, 14, (1,), generator=gen))
-        roles = random_roles(gen, pages, max_images=2 * cfg.sparse_block_size + 4, response=response,
-                             response_markers=2)
+        roles = random_roles(
+            gen, pages, max_images=2 * cfg.sparse_block_size + 4, response=response, response_markers=2
+        )
         x = random_inputs(gen, roles, heads=4, kv_heads=2, head_dim=16, index_dim=16, head_cls=head_cls)
         prompt_tokens = max(j for j, r in enumerate(roles.tolist()) if r == ROLE_IMAGE) + 1
         prompt_length = [None, prompt_tokens, max(0, prompt_tokens - 6)][(seed + i) % 3]

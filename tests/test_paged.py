@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import DTYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DTYPES
 from dash_trt import paged as P
 from dash_trt import reference as R
 from dash_trt.config import DashConfig
@@ -27,14 +27,16 @@ class Seq:
     chunks: list[int]
 
 
-def make_seq(gen, pages, response, prompt_mode, n_chunks, decode_from, dtype=torch.float32, max_images=12,
-             head_cls=None):
+def make_seq(
+    gen, pages, response, prompt_mode, n_chunks, decode_from, dtype=torch.float32, max_images=12, head_cls=None
+):
     """One random sequence; sequences of one batch share the layer's `head_cls`."""
     roles = random_roles(gen, pages, response=response, response_markers=min(2, response), max_images=max_images)
     if head_cls is None:
         head_cls = SHARED_HEAD_CLS
-    x = random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI, dtype=dtype,
-                      head_cls=head_cls.to(dtype))
+    x = random_inputs(
+        gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI, dtype=dtype, head_cls=head_cls.to(dtype)
+    )
     s = x.length
     prompt_tokens = s - response
     prompt = {"none": None, "prompt": prompt_tokens, "short": max(0, prompt_tokens - 5)}[prompt_mode]
@@ -57,7 +59,7 @@ def permuted_tables(gen, seqs, block_size, extra_blocks, spare_columns):
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, off = torch.full((len(seqs), max(needs) + spare_columns), -1, dtype=torch.int32), 0
     for i, n in enumerate(needs):
-        tables[i, :n] = torch.tensor(perm[off:off + n], dtype=torch.int32)
+        tables[i, :n] = torch.tensor(perm[off : off + n], dtype=torch.int32)
         off += n
     return tables, num_blocks
 
@@ -80,7 +82,7 @@ def ragged_steps(gen, seqs):
             lens.append(done[i] + n)
             prompts.append(-1 if seqs[i].prompt is None else seqs[i].prompt)
         yield pick, rows, qsl, lens, prompts
-        for i, a, b in rows:
+        for i, _, b in rows:
             done[i] = b
             step_of[i] += 1
 
@@ -99,26 +101,38 @@ def run_paged(seqs, cfg, layer, block_size, gen, extra_blocks=3):
     routes = [[] for _ in seqs]
     for pick, rows, qsl, lens, prompts in ragged_steps(gen, seqs):
 
-        def cat(name):
+        def cat(name, rows=rows):
             return torch.cat([getattr(seqs[i].x, name)[a:b] for i, a, b in rows])
 
         out, routing = P.paged_dash_attention(
-            cat("q"), cat("k"), cat("v"), cat("iq"), cat("ik"),
-            torch.cat([seqs[i].coords[a:b] for i, a, b in rows]), seqs[0].x.head_cls, cache,
-            tables[pick], torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(prompts, dtype=torch.int32), cfg, layer, return_routing=True,
+            cat("q"),
+            cat("k"),
+            cat("v"),
+            cat("iq"),
+            cat("ik"),
+            torch.cat([seqs[i].coords[a:b] for i, a, b in rows]),
+            seqs[0].x.head_cls,
+            cache,
+            tables[pick],
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(prompts, dtype=torch.int32),
+            cfg,
+            layer,
+            return_routing=True,
         )
-        for j, (i, a, b) in enumerate(rows):
-            outs[i].append(out[qsl[j]:qsl[j + 1]])
-            routes[i].append(routing.selected[qsl[j]:qsl[j + 1]])
+        for j, (i, _, _) in enumerate(rows):
+            outs[i].append(out[qsl[j] : qsl[j + 1]])
+            routes[i].append(routing.selected[qsl[j] : qsl[j + 1]])
     return outs, routes, cache, tables
 
 
 def check_against_reference(seqs, outs, routes, cfg, layer):
     for s, o, r in zip(seqs, outs, routes):
         x = s.x
-        want, want_r = R.dash_attention(x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, layer,
-                                        s.prompt, return_routing=True)
+        want, want_r = R.dash_attention(
+            x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, layer, s.prompt, return_routing=True
+        )
         got = torch.cat(o)
         width = max(t.shape[1] for t in r)
         sel = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in r])
@@ -165,8 +179,7 @@ def test_paged_dtypes_and_block_sizes(dtype, block_size):
 def test_paged_long_sequences_mixed_prefill_and_decode():
     """A few thousand tokens per sequence, prefill chunks and decode steps mixed in one batch."""
     gen = torch.Generator().manual_seed(7)
-    cfg = random_config(gen, sparse_block_size=16, sparse_local_block=1, dash_topk_blocks=12,
-                        dash_query_chunk=512)
+    cfg = random_config(gen, sparse_block_size=16, sparse_local_block=1, dash_topk_blocks=12, dash_query_chunk=512)
     seqs = [
         make_seq(gen, 40, 24, "prompt", 4, None, max_images=120),
         make_seq(gen, 25, 16, "none", 3, None, max_images=120),
@@ -189,8 +202,9 @@ def test_cache_holds_rotated_keys_values_and_index_keys():
     flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
     torch.testing.assert_close(flat(cache.key)[slots], R.page_rope(x.k, tok, page, cfg, main=True), atol=0, rtol=0)
     torch.testing.assert_close(flat(cache.value)[slots], x.v, atol=0, rtol=0)
-    torch.testing.assert_close(flat(cache.index_key)[slots], R.page_rope(x.ik, tok, page, cfg, main=False),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        flat(cache.index_key)[slots], R.page_rope(x.ik, tok, page, cfg, main=False), atol=0, rtol=0
+    )
     assert torch.equal(cache.image_page.view(-1)[slots].long(), image_page)
     # summaries of complete blocks equal the reference's block summaries
     n = s // 4
@@ -215,8 +229,19 @@ def test_decode_reads_summaries_not_index_keys():
 
     def step(a, b):
         batch = pool.schedule([(0, b - a)])
-        return P.paged_dash_attention(x.q[a:b], x.k[a:b], x.v[a:b], x.iq[a:b], x.ik[a:b], seq.coords[a:b],
-                                      x.head_cls, cache, **batch.kwargs(), sp=cfg, layer_idx=0)
+        return P.paged_dash_attention(
+            x.q[a:b],
+            x.k[a:b],
+            x.v[a:b],
+            x.iq[a:b],
+            x.ik[a:b],
+            seq.coords[a:b],
+            x.head_cls,
+            cache,
+            **batch.kwargs(),
+            sp=cfg,
+            layer_idx=0,
+        )
 
     outs = [step(0, prefill)]
     complete = (prefill // 8) * 8
@@ -273,10 +298,22 @@ def _one_step(**change):
     nb = -(-s // 8)
     cache = P.DashKVCache.allocate(nb, 8, KV_HEADS, D, DI, 4)
     table = torch.arange(nb, dtype=torch.int32)[None]
-    args = dict(q=x.q, k=x.k, v=x.v, iq=x.iq, ik=x.ik, coords=seq.coords, head_cls=x.head_cls, cache=cache,
-                block_tables=table, seq_lens=torch.tensor([s], dtype=torch.int32),
-                query_start_loc=torch.tensor([0, s], dtype=torch.int32),
-                prompt_lens=torch.tensor([-1], dtype=torch.int32), sp=cfg, layer_idx=0)
+    args = dict(
+        q=x.q,
+        k=x.k,
+        v=x.v,
+        iq=x.iq,
+        ik=x.ik,
+        coords=seq.coords,
+        head_cls=x.head_cls,
+        cache=cache,
+        block_tables=table,
+        seq_lens=torch.tensor([s], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, s], dtype=torch.int32),
+        prompt_lens=torch.tensor([-1], dtype=torch.int32),
+        sp=cfg,
+        layer_idx=0,
+    )
     args.update({k: (v(args) if callable(v) else v) for k, v in change.items()})
     return P.paged_dash_attention(**args)
 
@@ -299,11 +336,19 @@ def test_one_step_baseline_runs():
         ({"iq": lambda a: a["iq"].half()}, "iq must have dtype"),
         ({"head_cls": lambda a: a["head_cls"][:3]}, "head_cls must have shape"),
         ({"prompt_lens": lambda a: a["prompt_lens"] - 5}, "prompt_lens\\[0\\] must be -1"),
-        ({"cache": lambda a: P.DashKVCache.allocate(a["cache"].num_blocks, 8, KV_HEADS, D, DI, 4,
-                                                                  dtype=torch.float16)},
-         "cache dtype"),
+        (
+            {
+                "cache": lambda a: P.DashKVCache.allocate(
+                    a["cache"].num_blocks, 8, KV_HEADS, D, DI, 4, dtype=torch.float16
+                )
+            },
+            "cache dtype",
+        ),
         ({"cache": lambda a: P.DashKVCache.allocate(a["cache"].num_blocks, 8, 1, D, DI, 4)}, "heads/dim"),
-        ({"cache": lambda a: P.DashKVCache.allocate(a["cache"].num_blocks, 8, KV_HEADS, D, DI, 2)}, "sparse blocks of 2"),
+        (
+            {"cache": lambda a: P.DashKVCache.allocate(a["cache"].num_blocks, 8, KV_HEADS, D, DI, 2)},
+            "sparse blocks of 2",
+        ),
         ({"block_tables": lambda a: torch.zeros_like(a["block_tables"])}, "same cache slot"),
     ],
 )
@@ -327,10 +372,10 @@ def page_gap_case():
     response = [0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 0, 0]
     roles = torch.tensor(prompt + response)
     gen = torch.Generator().manual_seed(1)
-    cfg = DashConfig.from_dict({"sparse_block_size": 8, "sparse_local_block": 1, "sparse_index_dim": DI,
-                                "dash_topk_blocks": 1})
-    x = random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI,
-                      head_cls=SHARED_HEAD_CLS)
+    cfg = DashConfig.from_dict(
+        {"sparse_block_size": 8, "sparse_local_block": 1, "sparse_index_dim": DI, "dash_topk_blocks": 1}
+    )
+    x = random_inputs(gen, roles, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, index_dim=DI, head_cls=SHARED_HEAD_CLS)
     return gen, cfg, Seq(x, P.sequence_coords(roles), None, [len(prompt)] + [1] * len(response)), len(prompt)
 
 

@@ -12,8 +12,9 @@ from dash_trt import parallel as TP
 
 
 def test_shards_split_heads_kv_heads_and_the_mlp_in_contiguous_groups():
-    cfg = M.DashModelConfig.from_dict({**M.DEMO_CONFIG, "num_attention_heads": 8, "num_key_value_heads": 4,
-                                       "intermediate_size": 256})
+    cfg = M.DashModelConfig.from_dict(
+        {**M.DEMO_CONFIG, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 256}
+    )
     s = [TP.shard_sizes(cfg, r, 4) for r in range(4)]
     assert [(x.heads, x.kv_heads, x.intermediate) for x in s] == [(2, 1, 64)] * 4
     assert [(x.head0, x.kv_head0, x.inter0) for x in s] == [(0, 0, 0), (2, 1, 64), (4, 2, 128), (6, 3, 192)]
@@ -31,14 +32,18 @@ def test_a_shard_holds_its_slices_and_reassembles_the_model():
     model = M.demo_model(seed=3)
     shards = [TP.shard_model(model, r, 2) for r in range(2)]
     full = model.state_dict()
-    for name in ("layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight",
-                 "layers.1.mlp.up_proj.weight"):
+    for name in ("layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight", "layers.1.mlp.up_proj.weight"):
         assert torch.equal(torch.cat([s.state_dict()[name] for s in shards], 0), full[name])
     for name in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
         assert torch.equal(torch.cat([s.state_dict()[name] for s in shards], 1), full[name])
-    for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.self_attn.dash_router.q_proj.weight",
-                 "layers.1.self_attn.dash_router.k_norm.weight", "layers.1.self_attn.dash_router.head_cls",
-                 "norm.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "layers.1.self_attn.dash_router.q_proj.weight",
+        "layers.1.self_attn.dash_router.k_norm.weight",
+        "layers.1.self_attn.dash_router.head_cls",
+        "norm.weight",
+    ):
         assert all(torch.equal(s.state_dict()[name], full[name]) for s in shards)  # replicated
     assert shards[0].config.num_attention_heads == 2 and shards[0].config.num_key_value_heads == 1
     assert shards[0].allocate_cache(4, 16)[0].key.shape[2] == 1  # a cache of its own KV heads only

@@ -64,7 +64,7 @@ def test_random_pool_operations_keep_every_block_accounted_for():
         op = rng.random()
         if op < 0.45 and len(held) < 12:
             sid = step
-            prefix = pool.match(hashes[:rng.randrange(0, 8)])
+            prefix = pool.match(hashes[: rng.randrange(0, 8)])
             want = rng.randrange(len(prefix), len(prefix) + 6) * 4
             try:
                 pool.add(sid, reserve_tokens=want, cached_blocks=prefix)
@@ -97,7 +97,7 @@ def test_hashes_cover_whole_blocks_up_to_the_last_image_token():
     changed = list(doc)
     changed[3] = cfg.image_token_id if changed[3] != cfg.image_token_id else cfg.page_token_id
     assert prefix_block_hashes(changed + list(b"?"), cfg.image_token_id, bs)[0] != h[0]
-    assert prefix_block_hashes(doc, cfg.image_token_id, bs) == h[:(len(doc) - 1) // bs]  # a token is left to compute
+    assert prefix_block_hashes(doc, cfg.image_token_id, bs) == h[: (len(doc) - 1) // bs]  # a token is left to compute
     f1, f2 = torch.randn(40, 5), torch.randn(40, 5)
     a = prefix_block_hashes(doc + [65], cfg.image_token_id, bs, f1)
     assert a != h and a != prefix_block_hashes(doc + [65], cfg.image_token_id, bs, f2)
@@ -108,16 +108,26 @@ def test_hashes_cover_whole_blocks_up_to_the_last_image_token():
 def _engines(model, **kw):
     base = dict(num_blocks=96, kv_block_size=16, prefill_chunk=64, max_batch_tokens=256, default_max_new_tokens=6)
     base.update(kw)
-    return (GenerationEngine(model, EngineConfig(**base, prefix_caching=True)),
-            GenerationEngine(model, EngineConfig(**base, prefix_caching=False)))
+    return (
+        GenerationEngine(model, EngineConfig(**base, prefix_caching=True)),
+        GenerationEngine(model, EngineConfig(**base, prefix_caching=False)),
+    )
 
 
 def test_eight_questions_on_one_document_compute_only_their_own_tokens():
     model = M.demo_model(seed=2)
     cfg = model.config
     doc = M.document_prompt([40, 33, 25], "", cfg, preamble="Invoice ")
-    questions = ["What is the total?", "Who signed page 2?", "Title?", "Summarise page 3.", "Date?",
-                 "How many pages?", "Is there a table?", "Currency?"]
+    questions = [
+        "What is the total?",
+        "Who signed page 2?",
+        "Title?",
+        "Summarise page 3.",
+        "Date?",
+        "How many pages?",
+        "Is there a table?",
+        "Currency?",
+    ]
     prompts = [doc + list(q.encode()) for q in questions]
     cached_engine, plain = _engines(model)
     want = plain.generate(prompts, 6, stop_at_eos=False)
@@ -141,11 +151,15 @@ def test_random_documents_and_questions_give_the_tokens_of_a_run_without_the_cac
     model = M.demo_model(seed=5)
     cfg = model.config
     rng = random.Random(11)
-    docs = [M.document_prompt([rng.randrange(5, 40) for _ in range(rng.randrange(1, 4))], "", cfg,
-                              preamble=f"Doc{d} ") for d in range(6)]
+    docs = [
+        M.document_prompt([rng.randrange(5, 40) for _ in range(rng.randrange(1, 4))], "", cfg, preamble=f"Doc{d} ")
+        for d in range(6)
+    ]
     docs.append(docs[0] + M.document_prompt([17], "", cfg)[0:18])  # doc 0 with one more page
-    prompts = [rng.choice(docs) + list(rng.choice([b"Total?", b"Title of page 1", b"Who?", b"Sum the table."]))
-               for _ in range(40)]
+    prompts = [
+        rng.choice(docs) + list(rng.choice([b"Total?", b"Title of page 1", b"Who?", b"Sum the table."]))
+        for _ in range(40)
+    ]
     cached_engine, plain = _engines(model, num_blocks=40, prefill_chunk=24, max_batch_tokens=96, max_num_seqs=6)
     want = plain.generate(prompts, 5, stop_at_eos=False)
     got = cached_engine.generate(prompts, 5, stop_at_eos=False)
@@ -195,15 +209,17 @@ def test_prefix_cache_on_the_cuda_kernels(dtype):
 
     if not dcuda.available():
         pytest.skip("the kernel library is not built")
-    conf = dict(M.DEMO_CONFIG, head_dim=64, index_head_dim=64, num_attention_heads=8, hidden_size=512,
-                intermediate_size=1024)
+    conf = dict(
+        M.DEMO_CONFIG, head_dim=64, index_head_dim=64, num_attention_heads=8, hidden_size=512, intermediate_size=1024
+    )
     model = M.random_model(conf, seed=4, dtype=dtype, device="cuda")
     cfg = model.config
     rng = np.random.default_rng(3)
     docs = [M.document_prompt([int(x) for x in rng.integers(30, 300, 3)], "", cfg) for _ in range(3)]
     prompts = [docs[i % 3] + list(f"Question {i}?".encode()) for i in range(12)]
-    cached_engine, plain = _engines(model, num_blocks=512, kv_block_size=32, prefill_chunk=256,
-                                    max_batch_tokens=512, max_model_len=2048)
+    cached_engine, plain = _engines(
+        model, num_blocks=512, kv_block_size=32, prefill_chunk=256, max_batch_tokens=512, max_model_len=2048
+    )
     assert cached_engine.runtime.kernels, cached_engine.runtime.kernels_reason
     runs = {}
     for name, engine in (("cached", cached_engine), ("plain", plain)):

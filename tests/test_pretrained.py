@@ -57,8 +57,9 @@ def test_dash_export_reads_a_hugging_face_folder(tmp_path, capsys, shards):
     sharded; the export's ONNX Runtime check passes (exit 0)."""
     model = M.random_model(TIED, seed=3)
     folder = hf_folder(tmp_path / "hf", model, shards=shards)
-    assert "lm_head.weight" not in {k for f in os.listdir(folder) if f.endswith(".safetensors")
-                                    for k in load_file(os.path.join(folder, f))}
+    assert "lm_head.weight" not in {
+        k for f in os.listdir(folder) if f.endswith(".safetensors") for k in load_file(os.path.join(folder, f))
+    }
     loaded = M.load_checkpoint(folder)
     assert same_weights(model, loaded)
     assert loaded.lm_head.weight is loaded.embed_tokens.weight  # still tied
@@ -136,9 +137,11 @@ def _broken(tmp_path, what: str) -> str:
             fh.write(b"\xff" * 16)
     elif what == "index out of step":
         data = json.load(open(index))
-        data["weight_map"]["model.norm.weight"] = ("model-00001-of-00002.safetensors"
-                                                   if data["weight_map"]["model.norm.weight"].startswith("model-00002")
-                                                   else "model-00002-of-00002.safetensors")
+        data["weight_map"]["model.norm.weight"] = (
+            "model-00001-of-00002.safetensors"
+            if data["weight_map"]["model.norm.weight"].startswith("model-00002")
+            else "model-00002-of-00002.safetensors"
+        )
         json.dump(data, open(index, "w"))
     elif what == "shard outside":
         data = json.load(open(index))
@@ -151,24 +154,30 @@ def _broken(tmp_path, what: str) -> str:
         if what == "wrong config":
             sp = cfg["sparse_attention_config"]
             cfg["num_hidden_layers"], sp["sparse_attention_freq"] = 3, [1, 1, 1]
-            sp["dash_scale_per_layer"], sp["dash_floor_per_layer"] = sp["dash_scale_per_layer"] * 2, sp["dash_floor_per_layer"] * 2
+            sp["dash_scale_per_layer"], sp["dash_floor_per_layer"] = (
+                sp["dash_scale_per_layer"] * 2,
+                sp["dash_floor_per_layer"] * 2,
+            )
         else:
             cfg["intermediate_size"] = 200
         json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
     return folder
 
 
-@pytest.mark.parametrize("what, match", [
-    ("no config", "has no config.json"),
-    ("no weights", "has no model.safetensors or model.safetensors.index.json"),
-    ("missing shard", "weights file not found: .*model-00002-of-00002"),
-    ("corrupt shard", "not a readable safetensors file"),
-    ("index out of step", "does not hold what model.safetensors.index.json maps to it"),
-    ("shard outside", "shards must be files in the folder"),
-    ("bad index", "shard index .* is not valid JSON"),
-    ("wrong config", "weights do not match the config: missing layers.2"),
-    ("wrong shape", r"layers.0.mlp.down_proj.weight is \[128, 256\] in the checkpoint, \[128, 200\] in the model"),
-])
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("no config", "has no config.json"),
+        ("no weights", "has no model.safetensors or model.safetensors.index.json"),
+        ("missing shard", "weights file not found: .*model-00002-of-00002"),
+        ("corrupt shard", "not a readable safetensors file"),
+        ("index out of step", "does not hold what model.safetensors.index.json maps to it"),
+        ("shard outside", "shards must be files in the folder"),
+        ("bad index", "shard index .* is not valid JSON"),
+        ("wrong config", "weights do not match the config: missing layers.2"),
+        ("wrong shape", r"layers.0.mlp.down_proj.weight is \[128, 256\] in the checkpoint, \[128, 200\] in the model"),
+    ],
+)
 def test_broken_folders_are_refused_with_the_reason(tmp_path, what, match):
     with pytest.raises(CheckpointError, match=match):
         M.load_checkpoint(_broken(tmp_path, what))
@@ -200,8 +209,17 @@ def test_a_name_given_twice_is_refused(tmp_path):
 
 
 def test_dash_export_save_pretrained(tmp_path):
-    rc = E.main(["--demo", "--out", str(tmp_path / "m.onnx"), "--no-verify", "--quiet",
-                 "--save-pretrained", str(tmp_path / "hf")])
+    rc = E.main(
+        [
+            "--demo",
+            "--out",
+            str(tmp_path / "m.onnx"),
+            "--no-verify",
+            "--quiet",
+            "--save-pretrained",
+            str(tmp_path / "hf"),
+        ]
+    )
     assert rc == 0
     assert same_weights(M.demo_model(), M.load_checkpoint(tmp_path / "hf"))
 
@@ -245,6 +263,9 @@ def test_non_finite_weights_are_named(tmp_path, bad):
     with torch.no_grad():
         model.layers[1].self_attn.q_proj.weight[3, 4] = bad
     M.save_pretrained(model, tmp_path)
-    with pytest.raises(CheckpointError, match=r"1 weight tensor\(s\) hold NaN or inf values "
-                                              r"\(model.layers.1.self_attn.q_proj.weight|layers.1.self_attn.q_proj.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"1 weight tensor\(s\) hold NaN or inf values "
+        r"\(model.layers.1.self_attn.q_proj.weight|layers.1.self_attn.q_proj.weight",
+    ):
         M.load_checkpoint(tmp_path)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import DTYPES, SEEDS
+
 from dash_trt import reference as R
 from dash_trt.config import DashConfig, DashConfigError
 from dash_trt.testing import TOLERANCES, compare_outputs, random_config, random_inputs, random_roles
@@ -14,9 +14,7 @@ from dash_trt.testing import TOLERANCES, compare_outputs, random_config, random_
 
 def _run(x, cfg, layer=0, nq=None, prompt_length=None, **kw):
     nq = x.length if nq is None else nq
-    return R.dash_attention(
-        x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles, x.head_cls, cfg, layer, prompt_length, **kw
-    )
+    return R.dash_attention(x.q[-nq:], x.k, x.v, x.iq[-nq:], x.ik, x.roles, x.head_cls, cfg, layer, prompt_length, **kw)
 
 
 def _rope_all(x, cfg):
@@ -61,8 +59,13 @@ def test_page_coordinates_rejects_prompts_without_pages(roles, match):
 
 
 def test_prompt_page_positions_hand_example():
-    sp = {"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 8, "image_token_id": 7,
-          "page_token_id": 9}
+    sp = {
+        "sparse_block_size": 4,
+        "sparse_local_block": 1,
+        "sparse_index_dim": 8,
+        "image_token_id": 7,
+        "page_token_id": 9,
+    }
     ids = [3, 9, 7, 7, 3, 9, 7, 3, 3, 9, 3]  # same roles as the hand example above
     rows = R.prompt_page_positions(ids, sp)
     assert rows.shape == (4, len(ids))
@@ -81,8 +84,15 @@ def test_prompt_page_positions_needs_token_ids():
 def test_page_rope_matches_closed_form():
     """Pair i of a vector rotates by tok * theta**(-i/ntok) (token pairs) or by
     page * page_theta**(-j/pairs) (the last `pairs` pairs)."""
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 12,
-                                "sparse_rope_page_pairs": 2, "sparse_rope_page_theta": 16.0})
+    cfg = DashConfig.from_dict(
+        {
+            "sparse_block_size": 4,
+            "sparse_local_block": 1,
+            "sparse_index_dim": 12,
+            "sparse_rope_page_pairs": 2,
+            "sparse_rope_page_theta": 16.0,
+        }
+    )
     dim = 12
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(3, dim, generator=gen, dtype=torch.float64).float()
@@ -149,8 +159,10 @@ def _causal_with_page_rope(x, cfg, heads, kv_heads, window=None):
     if window is not None:
         mask &= pos[None] > pos[:, None] - window
     return F.scaled_dot_product_attention(
-        q.transpose(0, 1).double(), k.repeat_interleave(g, 1).transpose(0, 1).double(),
-        x.v.repeat_interleave(g, 1).transpose(0, 1).double(), attn_mask=mask,
+        q.transpose(0, 1).double(),
+        k.repeat_interleave(g, 1).transpose(0, 1).double(),
+        x.v.repeat_interleave(g, 1).transpose(0, 1).double(),
+        attn_mask=mask,
     ).transpose(0, 1)
 
 
@@ -163,18 +175,25 @@ def test_every_block_kept_with_equal_priors_is_causal_attention(seed, heads, kv_
     blocks; the response has no marker, so it falls back to every remote block), which is
     causal attention over the whole prefix."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = random_config(gen, sparse_block_size=4, sparse_local_block=1, dash_topk_blocks=16,
-                        dash_scaling_factor=0.0, sparse_attention_freq=[1, 1, 1], dash_scale_per_layer=None,
-                        dash_floor_per_layer=None)
+    cfg = random_config(
+        gen,
+        sparse_block_size=4,
+        sparse_local_block=1,
+        dash_topk_blocks=16,
+        dash_scaling_factor=0.0,
+        sparse_attention_freq=[1, 1, 1],
+        dash_scale_per_layer=None,
+        dash_floor_per_layer=None,
+    )
     roles = torch.tensor([R.ROLE_PAGE] + [R.ROLE_IMAGE] * 39 + [R.ROLE_TEXT] * 20)
     x = random_inputs(gen, roles, heads=heads, kv_heads=kv_heads)
     got, routing = _run(x, cfg, layer=2, return_routing=True)
     assert bool((routing.bias.abs() < 1e-6).all())
-    torch.testing.assert_close(got.double(), _causal_with_page_rope(x, cfg, heads, kv_heads), atol=2e-5,
-                               rtol=2e-5)
+    torch.testing.assert_close(got.double(), _causal_with_page_rope(x, cfg, heads, kv_heads), atol=2e-5, rtol=2e-5)
     # and a layer keeping one block really is different (the check can fail)
-    sparse = _run(x, DashConfig.from_dict({**cfg.to_dict(), "dash_topk_blocks": 1, "dash_scaling_factor": 128.0}),
-                  layer=0)
+    sparse = _run(
+        x, DashConfig.from_dict({**cfg.to_dict(), "dash_topk_blocks": 1, "dash_scaling_factor": 128.0}), layer=0
+    )
     assert (sparse.double() - _causal_with_page_rope(x, cfg, heads, kv_heads)).abs().max() > 1e-3
 
 
@@ -239,8 +258,9 @@ def test_dtypes_output_dtype_and_fp32_softmax(dtype, seed):
     # A small routing scale: the prior's log amplifies the indexer's rounding in q's dtype
     # (scores off by ~1e-3 in fp16 move a bias by ~0.1 at the default scale), which is the
     # model's own sensitivity, not an error; docs/spec.md "Comparing".
-    cfg = random_config(gen, dash_scaling_factor=0.5, dash_scale_per_layer=None, dash_floor_per_layer=None,
-                        sparse_attention_freq=None)
+    cfg = random_config(
+        gen, dash_scaling_factor=0.5, dash_scale_per_layer=None, dash_floor_per_layer=None, sparse_attention_freq=None
+    )
     x32 = random_inputs(gen, random_roles(gen, 3, response=6))
     x = random_inputs(torch.Generator().manual_seed(seed), x32.roles)
     for name in ("q", "k", "v", "iq", "ik", "head_cls"):
@@ -278,9 +298,14 @@ def _good(gen=None):
         (lambda x: setattr(x, "ik", x.ik[:, :-2]), "iq must have shape"),
         (lambda x: setattr(x, "roles", x.roles[:-1]), "roles must have shape"),
         (lambda x: setattr(x, "head_cls", x.head_cls[:-1]), "head_cls must have shape"),
-        (lambda x: (setattr(x, "k", x.k[:, :3].contiguous()), setattr(x, "v", x.v[:, :3].contiguous()))
-            if x.k.shape[1] > 3 else (setattr(x, "k", torch.cat([x.k] * 3, 1)[:, :3]),
-                                      setattr(x, "v", torch.cat([x.v] * 3, 1)[:, :3])), "multiple of KV heads"),
+        (
+            lambda x: (
+                (setattr(x, "k", x.k[:, :3].contiguous()), setattr(x, "v", x.v[:, :3].contiguous()))
+                if x.k.shape[1] > 3
+                else (setattr(x, "k", torch.cat([x.k] * 3, 1)[:, :3]), setattr(x, "v", torch.cat([x.v] * 3, 1)[:, :3]))
+            ),
+            "multiple of KV heads",
+        ),
         (lambda x: setattr(x, "k", x.k.half()), "k must have dtype"),
     ],
 )
@@ -322,8 +347,7 @@ def test_layer_that_is_not_a_dash_layer_is_refused():
 def test_too_many_queries_and_bad_prompt_length():
     cfg, x = _good()
     with pytest.raises(ValueError, match="queries"):
-        R.dash_attention(torch.cat([x.q, x.q]), x.k, x.v, torch.cat([x.iq, x.iq]), x.ik, x.roles,
-                         x.head_cls, cfg, 0)
+        R.dash_attention(torch.cat([x.q, x.q]), x.k, x.v, torch.cat([x.iq, x.iq]), x.ik, x.roles, x.head_cls, cfg, 0)
     with pytest.raises(ValueError, match="prompt_length"):
         _run(x, cfg, prompt_length=-3)
 
@@ -338,8 +362,15 @@ def test_compare_outputs_refuses_a_corrupted_selection_of_a_real_problem():
     last block, another's by a negative id, are two routing mismatches, not near ties, even with
     the outputs equal."""
     gen = torch.Generator().manual_seed(4)
-    cfg = DashConfig.from_dict({"sparse_block_size": 4, "sparse_local_block": 1, "sparse_index_dim": 16,
-                                "dash_topk_blocks": 2, "sparse_rope_page_pairs": 1})
+    cfg = DashConfig.from_dict(
+        {
+            "sparse_block_size": 4,
+            "sparse_local_block": 1,
+            "sparse_index_dim": 16,
+            "dash_topk_blocks": 2,
+            "sparse_rope_page_pairs": 1,
+        }
+    )
     x = random_inputs(gen, random_roles(gen, 4, response=6))
     out, routing = _run(x, cfg, return_routing=True)
     assert compare_outputs(out, out.clone(), routing, routing).ok

@@ -34,8 +34,9 @@ def entmax15_bisect(x: list[float]) -> list[float]:
     return [max(v - lo, 0.0) ** 2 for v in z]
 
 
-def route_row(scores: list[float], candidate: list[bool], *, di: int, topk: int, sigma: float, scale: float,
-              floor: float) -> tuple[list[int], list[float], list[bool]]:
+def route_row(
+    scores: list[float], candidate: list[bool], *, di: int, topk: int, sigma: float, scale: float, floor: float
+) -> tuple[list[int], list[float], list[bool]]:
     """One query's routing from docs/spec.md in plain Python (float64)."""
     n = len(scores)
     remote = [s > -5e8 for s in scores]
@@ -63,8 +64,7 @@ def _cfg(**kw) -> DashConfig:
 
 # ================================================================================ entmax
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=1, max_size=16),
-       st.integers(0, 5))
+@given(st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=1, max_size=16), st.integers(0, 5))
 def test_entmax15_equals_its_definition(values, n_low):
     """The closed form over sorted values against bisection, with -1e4 entries (blocks a query
     may not select) and ties mixed in."""
@@ -80,7 +80,7 @@ def test_entmax15_hand_values():
     (-tau)^2 + (-0.5 - tau)^2 = 1: tau = (-1 - sqrt(7)) / 4."""
     tau = (-1 - math.sqrt(7)) / 4
     got = R.entmax15(torch.tensor([[1.0, 0.0]]))[0].tolist()
-    assert got == pytest.approx([tau ** 2, (-0.5 - tau) ** 2], abs=1e-6)
+    assert got == pytest.approx([tau**2, (-0.5 - tau) ** 2], abs=1e-6)
     # far apart: the top value takes everything; equal values share equally
     assert R.entmax15(torch.tensor([[5.0, 0.0, -3.0]]))[0].tolist() == [1.0, 0.0, 0.0]
     assert R.entmax15(torch.tensor([[NOT_CANDIDATE] * 4]))[0].tolist() == pytest.approx([0.25] * 4)
@@ -88,9 +88,16 @@ def test_entmax15_hand_values():
 
 # =========================================================================== route_blocks
 @settings(max_examples=120, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), nq=st.integers(1, 5), n=st.integers(1, 40), topk=st.integers(1, 20),
-       integer_scores=st.booleans(), sigma=st.sampled_from([1.0, 0.5, 3.0]),
-       scale=st.sampled_from([128.0, 8.0, 0.5]), floor=st.sampled_from([1e-4, 1e-2, 0.5]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    nq=st.integers(1, 5),
+    n=st.integers(1, 40),
+    topk=st.integers(1, 20),
+    integer_scores=st.booleans(),
+    sigma=st.sampled_from([1.0, 0.5, 3.0]),
+    scale=st.sampled_from([128.0, 8.0, 0.5]),
+    floor=st.sampled_from([1e-4, 1e-2, 0.5]),
+)
 def test_route_blocks_equals_its_definition(seed, nq, n, topk, integer_scores, sigma, scale, floor):
     """Random scores (integers: many ties) and candidates, some blocks not remote: the
     selection equals the float64 definition's exactly, validity too, and the bias within
@@ -107,8 +114,9 @@ def test_route_blocks_equals_its_definition(seed, nq, n, topk, integer_scores, s
     assert sel.dtype == torch.int64 and bias.dtype == torch.float32 and valid.dtype == torch.bool
     assert sel.shape == (nq, min(topk, 16, n))
     for i in range(nq):
-        kept, want_bias, want_valid = route_row(scores[i].tolist(), candidate[i].tolist(), di=4, topk=topk,
-                                                sigma=sigma, scale=scale, floor=floor)
+        kept, want_bias, want_valid = route_row(
+            scores[i].tolist(), candidate[i].tolist(), di=4, topk=topk, sigma=sigma, scale=scale, floor=floor
+        )
         assert sel[i].tolist() == kept
         assert valid[i].tolist() == want_valid
         assert bias[i].tolist() == pytest.approx(want_bias, abs=1e-4 + 1e-5 * scale)
@@ -128,15 +136,17 @@ def test_fewer_candidates_than_k():
     """Blocks 2 and 4 are the page's remote image blocks (scores 1 and 0); K = 4 keeps them and two
     blocks the query may not select (value -1e4, lowest index first: 0 and 1), invalid. The
     prior: halved and shifted, 0 and -0.5; tau = (-1 - sqrt 7) / 4; bias +-(log p2 - log p4) / 2."""
-    sel, bias, valid = _hand([5.0, 9.0, 1.0, NR, 0.0, 3.0], [False, True, True, True, True, False],
-                             dash_topk_blocks=4, **X)
+    sel, bias, valid = _hand(
+        [5.0, 9.0, 1.0, NR, 0.0, 3.0], [False, True, True, True, True, False], dash_topk_blocks=4, **X
+    )
     # block 1 is on the page but scores 9 ... and it is remote: the candidates are 1, 2, 4
     assert sel[:3] == [1, 2, 4] and valid == [True, True, True, False]
-    sel, bias, valid = _hand([5.0, 9.0, 1.0, NR, 0.0, 3.0], [False, False, True, True, True, False],
-                             dash_topk_blocks=4, **X)
+    sel, bias, valid = _hand(
+        [5.0, 9.0, 1.0, NR, 0.0, 3.0], [False, False, True, True, True, False], dash_topk_blocks=4, **X
+    )
     assert sel == [2, 4, 0, 1] and valid == [True, True, False, False]
     tau = (-1 - math.sqrt(7)) / 4
-    b = (math.log(tau ** 2) - math.log((-0.5 - tau) ** 2)) / 2
+    b = (math.log(tau**2) - math.log((-0.5 - tau) ** 2)) / 2
     assert bias == pytest.approx([b, -b, 0.0, 0.0], abs=1e-5)
 
 
@@ -168,8 +178,9 @@ def test_floor_bites_and_sigma_divides():
     """Values 5, 0, -3: halved and shifted 0, -2.5, -4: the support is the top alone, p = 1, 0, 0.
     The logs are 0, log f, log f; centred and divided by sigma."""
     for floor, sigma in ((1e-4, 1.0), (1e-2, 0.5)):
-        sel, bias, valid = _hand([5.0, 0.0, -3.0], [False] * 3, dash_topk_blocks=3, dash_prior_floor=floor,
-                                 dash_sigma=sigma, **X)
+        sel, bias, valid = _hand(
+            [5.0, 0.0, -3.0], [False] * 3, dash_topk_blocks=3, dash_prior_floor=floor, dash_sigma=sigma, **X
+        )
         lf = math.log(floor)
         mean = 2 * lf / 3
         assert sel == [0, 1, 2]
@@ -192,8 +203,11 @@ def test_per_layer_values_are_indexed_by_slot():
     routes with the second entries of the lists, the same as a config with those scalars."""
     gen = torch.Generator().manual_seed(0)
     scores, cand = torch.randn(6, 24, generator=gen) * 3, torch.rand(6, 24, generator=gen) < 0.2
-    lists = _cfg(sparse_attention_freq=[1, 0, 1, 1], dash_scale_per_layer=[128.0, 7.0, 30.0],
-                 dash_floor_per_layer=[1e-4, 0.05, 1e-3])
+    lists = _cfg(
+        sparse_attention_freq=[1, 0, 1, 1],
+        dash_scale_per_layer=[128.0, 7.0, 30.0],
+        dash_floor_per_layer=[1e-4, 0.05, 1e-3],
+    )
     for layer, (scale, floor) in ((0, (128.0, 1e-4)), (2, (7.0, 0.05)), (3, (30.0, 1e-3))):
         got = R.route_blocks(scores, cand, lists, layer)
         want = R.route_blocks(scores, cand, _cfg(dash_scaling_factor=scale, dash_prior_floor=floor), 0)
@@ -233,8 +247,9 @@ def test_reference_equals_vllm_dash_attention(index):
     data, manifest = _golden_cases()
     c = manifest[index]
     roles, q, k, v, iq, ik, head_cls, want = _case(data, c)
-    got = R.dash_attention(q, k, v, iq, ik, roles, head_cls, DashConfig.from_dict(c["sp"]), c["layer"],
-                           c["prompt_length"])
+    got = R.dash_attention(
+        q, k, v, iq, ik, roles, head_cls, DashConfig.from_dict(c["sp"]), c["layer"], c["prompt_length"]
+    )
     assert float((got - want).abs().max()) <= 1e-5
 
 
@@ -261,10 +276,22 @@ def test_paged_operator_equals_vllm_dash_attention(index):
     outs, done = [], 0
     for n in filter(None, steps):
         rows = slice(done, done + n)
-        out = P.paged_dash_attention(qfull[rows], k[rows], v[rows], iqfull[rows], ik[rows], coords[rows], head_cls,
-                                     cache, table, torch.tensor([done + n], dtype=torch.int32),
-                                     torch.tensor([0, n], dtype=torch.int32), torch.tensor([prompt], dtype=torch.int32),
-                                     cfg, c["layer"])
+        out = P.paged_dash_attention(
+            qfull[rows],
+            k[rows],
+            v[rows],
+            iqfull[rows],
+            ik[rows],
+            coords[rows],
+            head_cls,
+            cache,
+            table,
+            torch.tensor([done + n], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.tensor([prompt], dtype=torch.int32),
+            cfg,
+            c["layer"],
+        )
         outs.append(out)
         done += n
     got = torch.cat(outs)[first:]

@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from conftest import demo_config
+from test_ops import _batch
 
 from dash_trt import attributes as A
 from dash_trt import model as M
@@ -13,9 +15,6 @@ from dash_trt import ops
 from dash_trt.paged import CacheFullError, DashBatch, KVBlockPool, PageCoordState, flat_cache_tensors, sequence_coords
 from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 from dash_trt.runtime import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
-from conftest import demo_config
-
-from test_ops import _batch
 
 SEEDS = [0, 1, 2]
 
@@ -26,9 +25,11 @@ def demo():
 
 
 def _prompts(cfg):
-    return [M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
-            M.document_prompt([30], "Title?", cfg),
-            M.document_prompt([5, 5, 5, 5], "", cfg)]
+    return [
+        M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
+        M.document_prompt([30], "Title?", cfg),
+        M.document_prompt([5, 5, 5, 5], "", cfg),
+    ]
 
 
 # ---------------------------------------------------------------- coordinates
@@ -53,8 +54,8 @@ def test_coordinate_state_equals_coordinates_of_the_whole_sequence(seed):
         state, prompt_coords = PageCoordState.from_prompt(torch.tensor(prompt))
         got = [list(state.next(r)) for r in response]
         whole = sequence_coords(torch.tensor(prompt + response))
-        assert torch.equal(prompt_coords, whole[:len(prompt)])
-        assert got == whole[len(prompt):].tolist(), (prompt, response)
+        assert torch.equal(prompt_coords, whole[: len(prompt)])
+        assert got == whole[len(prompt) :].tolist(), (prompt, response)
 
 
 def test_coordinate_state_refuses_an_image_token_and_a_bad_prompt():
@@ -92,8 +93,9 @@ def test_pool_allocates_a_reservation_when_a_sequence_is_added():
 def test_inplace_opcheck(seed, dtype):
     args, cfg, _ = _batch(seed, dtype)
     counts = torch.diff(args[15])
-    result = torch.library.opcheck(ops.paged_attention_inplace_op(), args,
-                                   {"max_query_len": int(counts.max()), **A.encode(cfg, seed % 2)})
+    result = torch.library.opcheck(
+        ops.paged_attention_inplace_op(), args, {"max_query_len": int(counts.max()), **A.encode(cfg, seed % 2)}
+    )
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -162,8 +164,7 @@ def test_generation_equals_the_functional_form_and_the_reference(demo):
 
     for chunk, bs in ((None, 16), (13, 8), (7, 5)):
         got = M.generate(demo, prompts, 6, prefill_chunk=chunk, kv_block_size=bs, stop_at_eos=False)
-        fun = M.generate(demo, prompts, 6, prefill_chunk=chunk, kv_block_size=bs, stop_at_eos=False,
-                         forward=functional)
+        fun = M.generate(demo, prompts, 6, prefill_chunk=chunk, kv_block_size=bs, stop_at_eos=False, forward=functional)
         assert got.tokens == fun.tokens
         for a, b in zip(got.logits, fun.logits):
             assert torch.equal(a, b)
@@ -244,9 +245,16 @@ def test_padded_decode_steps_after_other_steps_use_the_current_lengths(demo):
     padded body saw equal the pool's."""
     cfg = demo.config
     a, b, c = (M.document_prompt([9], "a", cfg), M.document_prompt([14, 3], "", cfg), M.document_prompt([20], "", cfg))
-    plans = [[("a", len(a)), ("b", len(b))], [("a", 1), ("b", 1)], [("a", 1), ("b", 1)],
-             [("a", 1), ("b", 1), ("c", 12)], [("a", 1), ("b", 1)], [("a", 1), ("b", 1), ("c", len(c) - 12)],
-             [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)]]
+    plans = [
+        [("a", len(a)), ("b", len(b))],
+        [("a", 1), ("b", 1)],
+        [("a", 1), ("b", 1)],
+        [("a", 1), ("b", 1), ("c", 12)],
+        [("a", 1), ("b", 1)],
+        [("a", 1), ("b", 1), ("c", len(c) - 12)],
+        [("a", 1), ("b", 1), ("c", 1)],
+        [("a", 1), ("b", 1), ("c", 1)],
+    ]
     runs = []
     for padding in (True, False):
         rt = PagedRuntime(demo, 32, 8, max_model_len=64, max_num_seqs=4, decode_padding=padding)
@@ -259,7 +267,7 @@ def test_padded_decode_steps_after_other_steps_use_the_current_lengths(demo):
             got.append(rt.step(plan).tokens)
             if padding and all(n == 1 for _, n in plan):
                 st = rt._static[rt._bucket(len(plan))]
-                assert st.host_views["seq_lens"][:len(plan)].tolist() == [rt.pool.length(s) for s, _ in plan]
+                assert st.host_views["seq_lens"][: len(plan)].tolist() == [rt.pool.length(s) for s, _ in plan]
         runs.append(got)
     assert runs[0] == runs[1]
 
@@ -295,8 +303,15 @@ def test_greedy_choice_masks_image_tokens_and_breaks_ties_low():
 
 
 # --------------------------------------------------------------------- GPU
-GPU_CONFIG = demo_config(3, hidden_size=256, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=512, sparse_attention_config={"sparse_index_dim": 64})
+GPU_CONFIG = demo_config(
+    3,
+    hidden_size=256,
+    head_dim=64,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    sparse_attention_config={"sparse_index_dim": 64},
+)
 
 
 def _gpu_model(dtype):
@@ -311,9 +326,8 @@ def _documents(cfg, n, seed):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        pages = [int(x) for x in torch.randint(20, 90, (int(torch.randint(1, 4, (1,), generator=gen)),),
-                                                 generator=gen)]
-        out.append(M.document_prompt(pages, "Question %d?" % i, cfg))
+        pages = [int(x) for x in torch.randint(20, 90, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)]
+        out.append(M.document_prompt(pages, f"Question {i}?", cfg))
     return out
 
 
@@ -359,8 +373,19 @@ def test_cuda_runtime_tokens_equal_cpu_generation():
 def _gpu_engine_config(**kw):
     from dash_trt.triton.engine import EngineConfig
 
-    return EngineConfig(**{**dict(kv_block_size=16, num_blocks=512, max_model_len=4096, prefill_chunk=64,
-                                  max_batch_tokens=256, max_num_seqs=8), **kw})
+    return EngineConfig(
+        **{
+            **dict(
+                kv_block_size=16,
+                num_blocks=512,
+                max_model_len=4096,
+                prefill_chunk=64,
+                max_batch_tokens=256,
+                max_num_seqs=8,
+            ),
+            **kw,
+        }
+    )
 
 
 @pytest.mark.gpu
@@ -380,8 +405,17 @@ def test_engine_on_cuda_replays_graphs_like_eager_steps_and_sizes_its_pool_from_
         assert (engine.runtime.graph_steps > 0) == graphs
         del engine
     assert got[True] == got[False]
-    engine = GenerationEngine(model, EngineConfig(kv_block_size=16, gpu_memory_fraction=0.3, max_model_len=4096,
-                                                  prefill_chunk=64, max_batch_tokens=256, max_num_seqs=8))
+    engine = GenerationEngine(
+        model,
+        EngineConfig(
+            kv_block_size=16,
+            gpu_memory_fraction=0.3,
+            max_model_len=4096,
+            prefill_chunk=64,
+            max_batch_tokens=256,
+            max_num_seqs=8,
+        ),
+    )
     assert engine.num_blocks > 1000 and engine.stats()["kv_blocks_total"] == engine.num_blocks
     assert engine.generate(prompts, 7, stop_at_eos=False) == got[True]
     with pytest.raises(PoolTooSmallError, match="no room for the KV pool"):
@@ -401,8 +435,10 @@ def test_seeded_sampling_on_cuda_graphs_equals_eager_steps():
     for graphs in (True, False):
         engine = GenerationEngine(model, _gpu_engine_config(cuda_graphs=graphs))
         engine.warmup()
-        sampled = [engine.submit(p, 7, stop_at_eos=False, sampling={"temperature": 0.8, "top_p": 0.9, "seed": i})
-                   for i, p in enumerate(prompts[:2])]
+        sampled = [
+            engine.submit(p, 7, stop_at_eos=False, sampling={"temperature": 0.8, "top_p": 0.9, "seed": i})
+            for i, p in enumerate(prompts[:2])
+        ]
         greedy = [engine.submit(p, 7, stop_at_eos=False) for p in prompts[2:]]
         engine.run_until_idle()
         got[graphs] = ([r.result(timeout=0) for r in sampled], [r.result(timeout=0) for r in greedy])

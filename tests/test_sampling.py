@@ -18,12 +18,21 @@ def logits(seed=0, n=50):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"temperature": -1}, "temperature"), ({"temperature": math.nan}, "temperature"),
-    ({"temperature": "1"}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed"), ({"seed": 2 ** 63}, "seed"),
-    ({"seed": True}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": True}, "seed"),
+    ],
+)
 def test_bad_parameters_are_named(kw, match):
     with pytest.raises(SamplingError, match=match):
         SamplingParams(**kw)
@@ -42,8 +51,12 @@ def test_degenerate_settings_are_the_argmax():
         x = logits(i)
         x[IMAGE] = x.max() + 5  # the image token is never chosen, however likely
         best = int(torch.where(torch.arange(x.numel()) == IMAGE, -math.inf, x).argmax())
-        for p in (SamplingParams(temperature=1.0, top_k=1, seed=i), SamplingParams(temperature=1.0, top_p=1e-6, seed=i),
-                  SamplingParams(temperature=1e-6, seed=i), SamplingParams()):
+        for p in (
+            SamplingParams(temperature=1.0, top_k=1, seed=i),
+            SamplingParams(temperature=1.0, top_p=1e-6, seed=i),
+            SamplingParams(temperature=1e-6, seed=i),
+            SamplingParams(),
+        ):
             assert Sampler(p, IMAGE).choose(x) == best, p
 
 
@@ -58,15 +71,19 @@ def test_top_k_and_top_p_keep_only_their_tokens():
 @pytest.fixture(scope="module")
 def engine():
     model = M.demo_model(seed=2)
-    return GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16, prefill_chunk=48,
-                                                max_batch_tokens=256))
+    return GenerationEngine(
+        model, EngineConfig(num_blocks=64, kv_block_size=16, prefill_chunk=48, max_batch_tokens=256)
+    )
 
 
 @pytest.fixture(scope="module")
 def prompts(engine):
     cfg = engine.model_config
-    return [M.document_prompt([30, 20], "what?", cfg), M.document_prompt([40], "title", cfg),
-            M.document_prompt([9, 9, 9], "", cfg)]
+    return [
+        M.document_prompt([30, 20], "what?", cfg),
+        M.document_prompt([40], "title", cfg),
+        M.document_prompt([9, 9, 9], "", cfg),
+    ]
 
 
 def test_greedy_default_equals_offline_generation(engine, prompts):
@@ -90,17 +107,20 @@ def test_stop_token_ids_end_the_request(engine, prompts):
     greedy = engine.generate(prompts, 10, stop_at_eos=False)
     stop = greedy[0][3]
     got = engine.generate(prompts[:1], 10, stop_at_eos=False, stop_token_ids=[stop, 0])[0]
-    assert got == greedy[0][:greedy[0].index(stop) + 1]
+    assert got == greedy[0][: greedy[0].index(stop) + 1]
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"stop_token_ids": [10 ** 6]}, "stop_token_ids must be token ids"),
-    ({"stop_token_ids": list(range(300))}, "at most 256"),
-    ({"stop_token_ids": [1.5]}, "stop_token_ids must be token ids"),
-    ({"sampling": {"temperature": -1.0}}, "temperature"),
-    ({"sampling": {"temp": 1.0}}, "unknown sampling parameter"),
-    ({"sampling": 3}, "sampling must be a dict"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"stop_token_ids": [10**6]}, "stop_token_ids must be token ids"),
+        ({"stop_token_ids": list(range(300))}, "at most 256"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids must be token ids"),
+        ({"sampling": {"temperature": -1.0}}, "temperature"),
+        ({"sampling": {"temp": 1.0}}, "unknown sampling parameter"),
+        ({"sampling": 3}, "sampling must be a dict"),
+    ],
+)
 def test_bad_options_are_refused_before_queueing(engine, prompts, kw, match):
     before = engine.counters["submitted"]
     with pytest.raises(RequestError, match=match):

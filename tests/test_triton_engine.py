@@ -64,12 +64,15 @@ def _record(events):
     return lambda e: events.append(e)
 
 
-@pytest.mark.parametrize("config", [
-    # a pool for roughly two requests at a time: the rest wait, chunked prefill mixes with decode
-    EngineConfig(num_blocks=14, kv_block_size=8, prefill_chunk=24, max_batch_tokens=40),
-    # everything fits at once, the whole prompt in one chunk, odd block size
-    EngineConfig(num_blocks=64, kv_block_size=5, prefill_chunk=512, max_batch_tokens=1024),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # a pool for roughly two requests at a time: the rest wait, chunked prefill mixes with decode
+        EngineConfig(num_blocks=14, kv_block_size=8, prefill_chunk=24, max_batch_tokens=40),
+        # everything fits at once, the whole prompt in one chunk, odd block size
+        EngineConfig(num_blocks=64, kv_block_size=5, prefill_chunk=512, max_batch_tokens=1024),
+    ],
+)
 def test_engine_equals_offline_generation(model, prompts, offline, config):
     engine = GenerationEngine(model, config)
     events = []
@@ -148,8 +151,11 @@ def _bad_requests(cfg, engine_cfg):
         ([page, image], 0, "max_new_tokens must be 1..16"),
         ([page, image], 17, "max_new_tokens must be 1..16"),
         ([page, image], np.array([2, 3], dtype=np.int32), r"one integer, got shape \[2\]"),
-        ([page] + [image] * (engine_cfg.num_blocks * engine_cfg.kv_block_size), 1,
-         "too long for the KV pool.*needs 9 KV blocks of 8 tokens, the pool has 8"),
+        (
+            [page] + [image] * (engine_cfg.num_blocks * engine_cfg.kv_block_size),
+            1,
+            "too long for the KV pool.*needs 9 KV blocks of 8 tokens, the pool has 8",
+        ),
         ([page] + [image] * 50, 16, "too long for the KV pool: a prompt of 51 tokens plus up to 16"),
     ]
 
@@ -190,8 +196,9 @@ def test_cancelled_request_frees_its_blocks(model, prompts, offline):
 def test_paused_engine_admits_and_cancels_but_runs_no_step(model, prompts, offline):
     # An injected clock decides when the cancellation poll is due: no real time involved.
     now = {"t": 0.0}
-    engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16), cancel_poll_interval=1.0,
-                              clock=lambda: now["t"])
+    engine = GenerationEngine(
+        model, EngineConfig(num_blocks=64, kv_block_size=16), cancel_poll_interval=1.0, clock=lambda: now["t"]
+    )
     flag = {"cancel": False}
     engine.pause()
     victim = engine.submit(prompts[0], 50, is_cancelled=lambda: flag["cancel"])
@@ -294,6 +301,7 @@ def test_sizes_are_checked_before_the_prompt_is_read(model):
     """A prompt too long for the pool is refused from its length alone: its ids are never
     converted or scanned (a 16M-token prompt used to be converted, checked and its
     coordinates computed before the pool-size check)."""
+
     class Huge:
         def __init__(self, n=16_000_000):
             self.n = n
@@ -321,8 +329,9 @@ def test_drain_answers_queued_now_and_running_after_the_grace(model, prompts):
     once with UNAVAILABLE, running ones step on until the grace is over (an injected clock:
     no real time), then fail UNAVAILABLE; the pool ends free."""
     now = {"t": 0.0}
-    engine = GenerationEngine(model, EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200),
-                              clock=lambda: now["t"])
+    engine = GenerationEngine(
+        model, EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200), clock=lambda: now["t"]
+    )
     running = engine.submit(prompts[1], 80, stop_at_eos=False)  # 8 blocks
     queued = engine.submit(prompts[0], 80, stop_at_eos=False)  # 9 blocks: does not fit beside the first
     engine.step()

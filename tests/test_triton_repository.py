@@ -7,8 +7,13 @@ import importlib.util
 import json
 import os
 
+# dependencies of the package and of its [test] extra: missing is a failure, not a skip
+import onnx  # noqa: E402
 import pytest
 import torch
+from conftest import demo_config
+from google.protobuf import text_format  # noqa: E402  (protobuf comes with tritonclient[grpc])
+from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-config schema)
 
 from dash_trt import model as M
 from dash_trt.ops import CACHE_FIELDS
@@ -24,12 +29,6 @@ from dash_trt.triton.repository import (
     to_pbtxt,
     write_repository,
 )
-
-# dependencies of the package and of its [test] extra: missing is a failure, not a skip
-import onnx  # noqa: E402
-from conftest import demo_config
-from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-config schema)
-from google.protobuf import text_format  # noqa: E402  (protobuf comes with tritonclient[grpc])
 
 
 def parse_config(path) -> "model_config_pb2.ModelConfig":
@@ -60,12 +59,14 @@ def fake_export(model, path, kv_block_size=16, dtype=onnx.TensorProto.FLOAT):
         helper.make_tensor_value_info("prompt_lens", TensorProto.INT32, ["num_seqs"]),
         helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["num_logits"]),
     ]
-    shapes = {"key": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
-              "value": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
-              "index_key": (dtype, [kv_block_size, c.index_head_dim]),
-              "image_page": (TensorProto.INT32, [kv_block_size]),
-              "summary": (TensorProto.FLOAT, [per, c.index_head_dim]),
-              "summary_pages": (TensorProto.INT32, [per, 3])}
+    shapes = {
+        "key": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
+        "value": (dtype, [kv_block_size, c.num_key_value_heads, c.head_dim]),
+        "index_key": (dtype, [kv_block_size, c.index_head_dim]),
+        "image_page": (TensorProto.INT32, [kv_block_size]),
+        "summary": (TensorProto.FLOAT, [per, c.index_head_dim]),
+        "summary_pages": (TensorProto.INT32, [per, 3]),
+    }
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", c.vocab_size])]
     nodes = [helper.make_node("Identity", ["input_ids"], ["ids_copy"])]
     for layer in range(c.num_hidden_layers):
@@ -76,8 +77,13 @@ def fake_export(model, path, kv_block_size=16, dtype=onnx.TensorProto.FLOAT):
             nodes.append(helper.make_node("Identity", [f"past.{layer}.{f}"], [f"present.{layer}.{f}"]))
     nodes.append(helper.make_node("Cast", ["ids_copy"], ["ids_f"], to=TensorProto.FLOAT))
     nodes.append(helper.make_node("Expand", ["ids_f", "shape"], ["logits"]))
-    graph = helper.make_graph(nodes, "dash", inputs, outputs,
-                              initializer=[helper.make_tensor("shape", TensorProto.INT64, [2], [1, c.vocab_size])])
+    graph = helper.make_graph(
+        nodes,
+        "dash",
+        inputs,
+        outputs,
+        initializer=[helper.make_tensor("shape", TensorProto.INT64, [2], [1, c.vocab_size])],
+    )
     onnx.save(helper.make_model(graph), str(path))
     return str(path)
 
@@ -91,10 +97,12 @@ def test_generation_models_parse_with_triton_schema(tmp_path, model):
         cfg = parse_config(tmp_path / "repo" / name / "config.pbtxt")
         assert cfg.name == name and cfg.backend == "python" and cfg.max_batch_size == 0
         assert cfg.model_transaction_policy.decoupled is decoupled
-        assert [(i.name, model_config_pb2.DataType.Name(i.data_type), list(i.dims), i.optional) for i in cfg.input] \
-            == [(n, t, list(d), o) for n, t, d, o in P.INPUTS]
-        assert [(o.name, model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output] \
-            == [(n, t, list(d)) for n, t, d in P.OUTPUTS]
+        assert [(i.name, model_config_pb2.DataType.Name(i.data_type), list(i.dims), i.optional) for i in cfg.input] == [
+            (n, t, list(d), o) for n, t, d, o in P.INPUTS
+        ]
+        assert [(o.name, model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output] == [
+            (n, t, list(d)) for n, t, d in P.OUTPUTS
+        ]
         assert len(cfg.instance_group) == 1
         assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
         assert cfg.instance_group[0].count == 1
@@ -127,8 +135,11 @@ def test_data_parallel_engines_one_per_listed_gpu(tmp_path, model, capsys):
         group = cfg.instance_group[0]
         assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and group.count == 1
         assert list(group.gpus) == [0, 2]  # Triton: one instance (engine, KV pool) on each
-    for bad, device, message in (([0, 0], "cuda", "distinct"), ([-1], "cuda", "distinct GPU ids"),
-                                 ([0], "cpu", "--gpus needs --device cuda")):
+    for bad, device, message in (
+        ([0, 0], "cuda", "distinct"),
+        ([-1], "cuda", "distinct GPU ids"),
+        ([0], "cpu", "--gpus needs --device cuda"),
+    ):
         with pytest.raises(RepositoryError, match=message):
             write_repository(tmp_path / "bad", model, device=device, gpus=bad)
         assert not (tmp_path / "bad").exists()  # refused before anything is written
@@ -138,17 +149,28 @@ def test_data_parallel_engines_one_per_listed_gpu(tmp_path, model, capsys):
     assert list(parse_config(tmp_path / "r" / "dash" / "config.pbtxt").instance_group[0].gpus) == [1]
 
 
-@pytest.mark.parametrize("dtype, triton_type", [(onnx.TensorProto.FLOAT, "TYPE_FP32"),
-                                                (onnx.TensorProto.FLOAT16, "TYPE_FP16"),
-                                                (onnx.TensorProto.BFLOAT16, "TYPE_BF16")])
+@pytest.mark.parametrize(
+    "dtype, triton_type",
+    [
+        (onnx.TensorProto.FLOAT, "TYPE_FP32"),
+        (onnx.TensorProto.FLOAT16, "TYPE_FP16"),
+        (onnx.TensorProto.BFLOAT16, "TYPE_BF16"),
+    ],
+)
 def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
     onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=16, dtype=dtype)
     (tmp_path / "model.plan").write_bytes(b"not a real engine: TensorRT is not installed here")
     (tmp_path / "libdash_trt_plugin_static.so").write_bytes(b"\x7fELF stand-in: registers itself")
     (tmp_path / "libdash_trt_plugin.so").write_bytes(b"\x7fELF stand-in: the plugin")
-    written = write_repository(tmp_path / "repo", model, onnx=onnx_path, plan=str(tmp_path / "model.plan"),
-                               plugin=str(tmp_path / "libdash_trt_plugin_static.so"), plan_instances=2,
-                               plan_gpus=[0, 1])
+    written = write_repository(
+        tmp_path / "repo",
+        model,
+        onnx=onnx_path,
+        plan=str(tmp_path / "model.plan"),
+        plugin=str(tmp_path / "libdash_trt_plugin_static.so"),
+        plan_instances=2,
+        plan_gpus=[0, 1],
+    )
     assert written.models == ["dash", "dash_stream", "dash_plan"]
     assert NO_PLAN_MESSAGE not in written.messages
     lib = str(tmp_path / "repo" / "dash_plan" / "1" / "libdash_trt_plugin_static.so")
@@ -163,7 +185,7 @@ def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
     ins = {i.name: (model_config_pb2.DataType.Name(i.data_type), list(i.dims)) for i in cfg.input}
     outs = {o.name: (model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output}
     c = model.config
-    assert list(ins)[:len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
+    assert list(ins)[: len(M.MODEL_INPUTS)] == list(M.MODEL_INPUTS)
     assert ins["input_ids"] == ("TYPE_INT64", [-1])
     assert ins["coords"] == ("TYPE_INT32", [-1, 4])
     assert ins["block_tables"] == ("TYPE_INT32", [-1, -1])
@@ -183,17 +205,26 @@ def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
     readme = (tmp_path / "repo" / "README.md").read_text()
     for doc in (text, readme):
         assert "LD_PRELOAD" not in doc and "--backend-config=tensorrt,plugins=" in doc
-        assert "libdash_trt_plugin_static.so" in doc and "ships the whole KV cache in and out" in doc.replace("\n# ", " ")
+        assert "libdash_trt_plugin_static.so" in doc and "ships the whole KV cache in and out" in doc.replace(
+            "\n# ", " "
+        )
     # either file of the build finds the other; a missing partner is named
     (tmp_path / "solo").mkdir()
     (tmp_path / "solo" / "libdash_trt_plugin.so").write_bytes(b"x")
     with pytest.raises(RepositoryError, match="libdash_trt_plugin_static.so"):
-        write_repository(tmp_path / "repo2", model, onnx=onnx_path, plan=str(tmp_path / "model.plan"),
-                         plugin=str(tmp_path / "solo" / "libdash_trt_plugin.so"))
+        write_repository(
+            tmp_path / "repo2",
+            model,
+            onnx=onnx_path,
+            plan=str(tmp_path / "model.plan"),
+            plugin=str(tmp_path / "solo" / "libdash_trt_plugin.so"),
+        )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dash_trt.export") is None,
-                    reason="dash_trt.export (dash-export) comes with the export branch")
+@pytest.mark.skipif(
+    importlib.util.find_spec("dash_trt.export") is None,
+    reason="dash_trt.export (dash-export) comes with the export branch",
+)
 def test_plan_model_from_a_real_export(tmp_path, model):  # pragma: no cover - runs once export is merged
     from dash_trt.export import export_onnx
 
@@ -218,12 +249,24 @@ def test_plan_needs_onnx_and_plugin_and_matching_model(tmp_path, model, monkeypa
         write_repository(tmp_path / "a", model, plan=str(plan), onnx=fake_export(model, tmp_path / "m.onnx"))
     # an ONNX file of another model (3 layers, other vocabulary, KV blocks of 32)
     other = M.random_model(demo_config(3, vocab_size=400, sparse_attention_config={"dash_topk_blocks": 2}))
-    with pytest.raises(RepositoryError, match="KV blocks of 32 tokens.*caches for 3 layers, the checkpoint has 2.*400 classes"):
-        write_repository(tmp_path / "a", model, onnx=fake_export(other, tmp_path / "o.onnx", kv_block_size=32),
-                         plan=str(plan), plugin=str(plugin))
+    with pytest.raises(
+        RepositoryError, match="KV blocks of 32 tokens.*caches for 3 layers, the checkpoint has 2.*400 classes"
+    ):
+        write_repository(
+            tmp_path / "a",
+            model,
+            onnx=fake_export(other, tmp_path / "o.onnx", kv_block_size=32),
+            plan=str(plan),
+            plugin=str(plugin),
+        )
     with pytest.raises(RepositoryError, match="plan not found or empty"):
-        write_repository(tmp_path / "a", model, onnx=fake_export(model, tmp_path / "m.onnx"),
-                         plan=str(tmp_path / "missing.plan"), plugin=str(plugin))
+        write_repository(
+            tmp_path / "a",
+            model,
+            onnx=fake_export(model, tmp_path / "m.onnx"),
+            plan=str(tmp_path / "missing.plan"),
+            plugin=str(plugin),
+        )
     with pytest.raises(RepositoryError, match="ONNX file not found"):
         onnx_io(tmp_path / "nope.onnx")
     (tmp_path / "junk.onnx").write_bytes(b"\x00\x01 not protobuf")
@@ -255,9 +298,16 @@ def test_existing_output_and_atomic_failure(tmp_path, model, monkeypatch):
 
 def test_pbtxt_strings_round_trip(tmp_path):
     tricky = 'quote " backslash \\ newline \n tab \t unicode é 页 {"json": [1, 2]}'
-    text = to_pbtxt({"# ": "a comment\nover two lines", "name": tricky, "backend": "python", "max_batch_size": 0,
-                     "input": [{"name": "x", "data_type": Enum("TYPE_INT64"), "dims": [-1, 4], "optional": True}],
-                     "parameters": [{"key": "k", "value": {"string_value": tricky}}]})
+    text = to_pbtxt(
+        {
+            "# ": "a comment\nover two lines",
+            "name": tricky,
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": Enum("TYPE_INT64"), "dims": [-1, 4], "optional": True}],
+            "parameters": [{"key": "k", "value": {"string_value": tricky}}],
+        }
+    )
     cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
     assert cfg.name == tricky and cfg.parameters["k"].string_value == tricky
     assert list(cfg.input[0].dims) == [-1, 4] and cfg.input[0].optional
@@ -267,13 +317,26 @@ def test_cli_write(tmp_path, model, capsys):
     ckpt = tmp_path / "model.pt"
     M.save_checkpoint(model, ckpt)
     onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=8)
-    rc = cli.main(["write", str(ckpt), "--out", str(tmp_path / "repo"), "--onnx", onnx_path, "--num-blocks", "99",
-                   "--max-new-tokens", "7"])
+    rc = cli.main(
+        [
+            "write",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "repo"),
+            "--onnx",
+            onnx_path,
+            "--num-blocks",
+            "99",
+            "--max-new-tokens",
+            "7",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "no --plan given" in captured.err and "models dash, dash_stream" in captured.out
-    engine = EngineConfig.from_json(parse_config(tmp_path / "repo" / "dash" / "config.pbtxt")
-                                    .parameters[P.PARAM_ENGINE].string_value)
+    engine = EngineConfig.from_json(
+        parse_config(tmp_path / "repo" / "dash" / "config.pbtxt").parameters[P.PARAM_ENGINE].string_value
+    )
     assert engine.kv_block_size == 8  # taken from the ONNX graph
     assert engine.num_blocks == 99 and engine.default_max_new_tokens == 7
     assert filecmp.cmp(ckpt, tmp_path / "repo" / "dash" / "1" / "model.pt", shallow=False)
@@ -296,14 +359,16 @@ def test_the_server_is_located_without_importing_pytriton():
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from dash_trt.triton.server import find_tritonserver, TritonUnavailable\n"
-            "try:\n"
-            "    dist = find_tritonserver()\n"
-            "    print('found', dist.binary.endswith('bin/tritonserver'))\n"
-            "except TritonUnavailable as exc:\n"
-            "    print('unavailable', exc)\n"
-            "print('imported', 'pytriton' in sys.modules)\n")
+    code = (
+        "import sys\n"
+        "from dash_trt.triton.server import find_tritonserver, TritonUnavailable\n"
+        "try:\n"
+        "    dist = find_tritonserver()\n"
+        "    print('found', dist.binary.endswith('bin/tritonserver'))\n"
+        "except TritonUnavailable as exc:\n"
+        "    print('unavailable', exc)\n"
+        "print('imported', 'pytriton' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "imported False" in out, out
     assert "found True" in out or "unavailable" in out, out

@@ -18,7 +18,6 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import running_triton, triton_unavailable
 
 from dash_trt import model as M
@@ -33,8 +32,14 @@ pytestmark = pytest.mark.triton
 #: Weights seed of the served demo model (greedy outputs vary from prompt to prompt).
 WEIGHTS_SEED = 2
 #: A small pool (64 blocks of 16 tokens) so that the load test's requests must wait.
-ENGINE = EngineConfig(num_blocks=64, kv_block_size=16, prefill_chunk=48, max_batch_tokens=256,
-                      default_max_new_tokens=5, max_new_tokens_limit=64)
+ENGINE = EngineConfig(
+    num_blocks=64,
+    kv_block_size=16,
+    prefill_chunk=48,
+    max_batch_tokens=256,
+    default_max_new_tokens=5,
+    max_new_tokens_limit=64,
+)
 
 
 _unavailable = triton_unavailable
@@ -79,9 +84,11 @@ def offline(model, prompts, max_new):
 @pytest.fixture(scope="module")
 def prompts(model):
     cfg = model.config
-    return [M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
-            M.document_prompt([30], "Title?", cfg),
-            M.document_prompt([5, 5, 5, 5], "", cfg)]
+    return [
+        M.document_prompt([20, 9, 14], "Read page 2.", cfg, preamble="Doc "),
+        M.document_prompt([30], "Title?", cfg),
+        M.document_prompt([5, 5, 5, 5], "", cfg),
+    ]
 
 
 MAX_NEW = [8, 4, 6]
@@ -112,8 +119,7 @@ def test_streaming_reports_progress_and_tokens(grpc, model):
     prompt = M.document_prompt([40, 40, 30], "Which page has the table?", model.config)
     [expect] = offline(model, [prompt], [6])
     progress, tokens = [], []
-    got = grpc.stream(prompt, 6, on_progress=lambda done, total: progress.append((done, total)),
-                      on_token=tokens.append)
+    got = grpc.stream(prompt, 6, on_progress=lambda done, total: progress.append((done, total)), on_token=tokens.append)
     assert got.tokens == tokens == expect
     # chunked prefill of 48 tokens reported chunk by chunk, ending at the prompt length
     dones = [d for d, _ in progress]
@@ -133,8 +139,22 @@ def test_client_command(server, model, prompts, want, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == want[1]
     # gRPC streaming shows prefill progress on a long prompt and the tokens as they come (a
     # document of its own: one another test sent would come from the prefix cache)
-    assert C.main(["--url", server.grpc_url, "--stream", "--pages", "60,60,60", "--preamble", "Streamed: ",
-                   "--max-new-tokens", "3"]) == 0
+    assert (
+        C.main(
+            [
+                "--url",
+                server.grpc_url,
+                "--stream",
+                "--pages",
+                "60,60,60",
+                "--preamble",
+                "Streamed: ",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "prefill 48/193 tokens (24%)" in err and "prefill 193/193 tokens (100%)" in err
     assert out.startswith("tokens: ")
@@ -176,31 +196,75 @@ def _bad_requests(cfg, good):
     page, image = cfg.page_token_id, cfg.image_token_id
     return [
         # (protocol, tensors, expected status, message fragment)
-        ("http", {P.INPUT_IDS: (np.array(M.tokenize("What is the title?", cfg), dtype=np.int64), "INT64")},
-         "400", "no image token"),
-        ("grpc", {P.INPUT_IDS: (np.array([image, 65, 66], dtype=np.int64), "INT64")},
-         "StatusCode.INVALID_ARGUMENT", "no <PAGE> marker before its image tokens"),
-        ("http", {P.INPUT_IDS: (np.array([page] + [image] * 1100, dtype=np.int64), "INT64")},
-         "400", "too long for the KV pool: a prompt of 1101 tokens plus up to 5 new tokens needs 70 KV blocks"),
-        ("http", {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([100], dtype=np.int32), "INT32")},
-         "400", "max_new_tokens must be 1..64"),
+        (
+            "http",
+            {P.INPUT_IDS: (np.array(M.tokenize("What is the title?", cfg), dtype=np.int64), "INT64")},
+            "400",
+            "no image token",
+        ),
+        (
+            "grpc",
+            {P.INPUT_IDS: (np.array([image, 65, 66], dtype=np.int64), "INT64")},
+            "StatusCode.INVALID_ARGUMENT",
+            "no <PAGE> marker before its image tokens",
+        ),
+        (
+            "http",
+            {P.INPUT_IDS: (np.array([page] + [image] * 1100, dtype=np.int64), "INT64")},
+            "400",
+            "too long for the KV pool: a prompt of 1101 tokens plus up to 5 new tokens needs 70 KV blocks",
+        ),
+        (
+            "http",
+            {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([100], dtype=np.int32), "INT32")},
+            "400",
+            "max_new_tokens must be 1..64",
+        ),
         ("http", {P.INPUT_IDS: (np.zeros(0, dtype=np.int64), "INT64")}, "400", "input_ids is empty"),
-        ("http", {P.INPUT_IDS: (np.array([page, image, 999], dtype=np.int64), "INT64")}, "400",
-         "outside the vocabulary"),
+        (
+            "http",
+            {P.INPUT_IDS: (np.array([page, image, 999], dtype=np.int64), "INT64")},
+            "400",
+            "outside the vocabulary",
+        ),
         # wrong dtype and shape: Triton itself checks them against config.pbtxt
-        ("http", {P.INPUT_IDS: (ids.astype(np.int32), "INT32")}, "400",
-         "input 'input_ids' data-type is 'INT32', but model 'dash' expects 'INT64'"),
-        ("grpc", {P.INPUT_IDS: (ids.astype(np.float32), "FP32")}, "StatusCode.INVALID_ARGUMENT",
-         "data-type is 'FP32', but model 'dash' expects 'INT64'"),
-        ("http", {P.INPUT_IDS: (ids.reshape(1, -1), "INT64")}, "400",
-         "unexpected shape for input 'input_ids' for model 'dash'. Expected [-1], got [1,"),
-        ("http", {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([[1, 2]], dtype=np.int32), "INT32")},
-         "400", "unexpected shape for input 'max_new_tokens'"),
+        (
+            "http",
+            {P.INPUT_IDS: (ids.astype(np.int32), "INT32")},
+            "400",
+            "input 'input_ids' data-type is 'INT32', but model 'dash' expects 'INT64'",
+        ),
+        (
+            "grpc",
+            {P.INPUT_IDS: (ids.astype(np.float32), "FP32")},
+            "StatusCode.INVALID_ARGUMENT",
+            "data-type is 'FP32', but model 'dash' expects 'INT64'",
+        ),
+        (
+            "http",
+            {P.INPUT_IDS: (ids.reshape(1, -1), "INT64")},
+            "400",
+            "unexpected shape for input 'input_ids' for model 'dash'. Expected [-1], got [1,",
+        ),
+        (
+            "http",
+            {P.INPUT_IDS: (ids, "INT64"), P.MAX_NEW_TOKENS: (np.array([[1, 2]], dtype=np.int32), "INT32")},
+            "400",
+            "unexpected shape for input 'max_new_tokens'",
+        ),
         ("http", {P.MAX_NEW_TOKENS: (np.array([3], dtype=np.int32), "INT32")}, "400", "input_ids"),
-        ("http", {P.INPUT_IDS: (ids, "INT64"), P.SAMPLING_INPUTS["top_p"][0]: (np.array([2.0], dtype=np.float32), "FP32")},
-         "400", "top_p must be in (0, 1]"),
-        ("grpc", {P.INPUT_IDS: (ids, "INT64"), P.STOP_TOKEN_IDS: (np.array([999], dtype=np.int64), "INT64")},
-         "StatusCode.INVALID_ARGUMENT", "stop_token_ids must be token ids"),
+        (
+            "http",
+            {P.INPUT_IDS: (ids, "INT64"), P.SAMPLING_INPUTS["top_p"][0]: (np.array([2.0], dtype=np.float32), "FP32")},
+            "400",
+            "top_p must be in (0, 1]",
+        ),
+        (
+            "grpc",
+            {P.INPUT_IDS: (ids, "INT64"), P.STOP_TOKEN_IDS: (np.array([999], dtype=np.int64), "INT64")},
+            "StatusCode.INVALID_ARGUMENT",
+            "stop_token_ids must be token ids",
+        ),
     ]
 
 
@@ -240,7 +304,7 @@ def test_load_32_concurrent_requests(grpc, model, capsys):
     cases = make_cases(model.config, 36, seed=7, pages=(1, 4), images=(4, 48), max_new_tokens=(1, 8))
     expected = expected_tokens(model, cases, kv_block_size=ENGINE.kv_block_size)
     needs = sorted((ENGINE.blocks_for(len(c.ids) + c.max_new_tokens - 1) for c in cases), reverse=True)
-    least = next(k for k in range(len(needs) + 1) if sum(needs[:k + 1]) > ENGINE.num_blocks)
+    least = next(k for k in range(len(needs) + 1) if sum(needs[: k + 1]) > ENGINE.num_blocks)
     assert sum(needs) > 3 * ENGINE.num_blocks and least >= 4  # the case: most must wait, many run at once
     before = grpc.stats()
     box = {}
@@ -277,7 +341,7 @@ def test_malformed_requests_mixed_into_128_concurrent_good_ones(server, grpc, mo
     with paused_engine(grpc):
         load.start()
         _wait_for(grpc, lambda s: s["submitted"] - before["submitted"] == 128, "the 128 requests' arrival")
-        for protocol, arrays, status, fragment in bad:
+        for protocol, arrays, _, fragment in bad:
             with pytest.raises(InferenceServerException) as e:
                 _raw_infer(server, protocol, arrays)
             refused.append((str(e.value.status()), fragment in e.value.message()))
@@ -286,8 +350,10 @@ def test_malformed_requests_mixed_into_128_concurrent_good_ones(server, grpc, mo
     assert not load.is_alive(), "the 128 requests did not finish in 600 s"
     report = box["report"]
     with capsys.disabled():
-        print(f"\n{report.summary()}\nmalformed: {len(bad)} sent while they ran, "
-              f"{sum(ok for _, ok in refused)} refused with their own message")
+        print(
+            f"\n{report.summary()}\nmalformed: {len(bad)} sent while they ran, "
+            f"{sum(ok for _, ok in refused)} refused with their own message"
+        )
     assert refused == [(status, True) for _, _, status, _ in bad]
     assert report.correct == 128 and not report.wrong and not report.errors and not report.missing
     assert report.pool_free and report.ok
@@ -374,8 +440,11 @@ def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
     answers = []
     with paused_engine(grpc):
         before = grpc.stats()
-        call = grpc.client.async_infer("dash", grpc._inputs(prompt, ENGINE.max_new_tokens_limit, False),
-                                       lambda result, error: answers.append((result, error)))
+        call = grpc.client.async_infer(
+            "dash",
+            grpc._inputs(prompt, ENGINE.max_new_tokens_limit, False),
+            lambda result, error: answers.append((result, error)),
+        )
         # admitted while paused: its worst case is reserved, no step has run
         s = _wait_for(grpc, lambda s: s["running"] == 1, "the request's admission")
         assert s["kv_blocks_reserved"] == need and s["tokens_generated"] == before["tokens_generated"]
@@ -438,7 +507,7 @@ def test_sampling_with_a_seed_is_reproducible_and_stop_lists_end_generation(http
     assert grpc.generate(prompts[0], 8, stop_at_eos=False, sampling={**s, "seed": 99}).tokens != got[0]
     stop = want[0][2]
     stopped = grpc.generate(prompts[0], 8, stop_token_ids=[stop]).tokens
-    assert stopped == want[0][:want[0].index(stop) + 1]
+    assert stopped == want[0][: want[0].index(stop) + 1]
     assert http.generate(prompts[0], 8).tokens == want[0]
     with pytest.raises(C.DashClientError, match="temperature must be"):
         http.generate(prompts[0], 4, sampling={"temperature": -2.0})
@@ -483,11 +552,13 @@ def test_the_server_does_not_outlive_a_killed_parent(tmp_path, model):
     import subprocess
     import sys
 
-    _server_or_skip  # the import check
+    _ = _server_or_skip  # the import check
     write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False)
-    code = ("import sys, time; from dash_trt.triton.server import TritonServer; "
-            f"s = TritonServer({str(tmp_path / 'repo')!r}); s.start(timeout=120); "
-            "print(s.proc.pid, flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from dash_trt.triton.server import TritonServer; "
+        f"s = TritonServer({str(tmp_path / 'repo')!r}); s.start(timeout=120); "
+        "print(s.proc.pid, flush=True); time.sleep(600)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         line = parent.stdout.readline()
@@ -522,7 +593,9 @@ def _metrics(server) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("dash_") and 'model="dash"' in line:
             name, value = line.rsplit(" ", 1)
-            out[name.replace('model="dash",', "").replace(',model="dash"', "").replace('{model="dash"}', "")] = float(value)
+            out[name.replace('model="dash",', "").replace(',model="dash"', "").replace('{model="dash"}', "")] = float(
+                value
+            )
     return out
 
 
@@ -534,7 +607,7 @@ def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
     assert 'dash_requests_total{outcome="done"}' in before, sorted(before)
     got = [grpc.generate(p, 4, stop_at_eos=False) for p in prompts]
     # ... and a second question on the first document: its document blocks come from the cache
-    again = prompts[0][:-len(b"Read page 2.")] + list(b"Any table?")
+    again = prompts[0][: -len(b"Read page 2.")] + list(b"Any table?")
     got.append(grpc.generate(again, 4, stop_at_eos=False))
     after = _metrics(server)
 
@@ -569,12 +642,26 @@ def _serve(repo, *args):
 
     from dash_trt.triton.server import free_ports
 
-    _server_or_skip  # the import check
+    _ = _server_or_skip  # the import check
     for _ in range(3):  # a port found free can be taken by another process before serve binds it
         http_port, grpc_port = free_ports(2)
-        serve = subprocess.Popen([sys.executable, "-m", "dash_trt.triton.cli", "serve", str(repo), "--http-port",
-                                  str(http_port), "--grpc-port", str(grpc_port), *args],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dash_trt.triton.cli",
+                "serve",
+                str(repo),
+                "--http-port",
+                str(http_port),
+                "--grpc-port",
+                str(grpc_port),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = serve.stdout.readline()
         if line.startswith("ready"):
             return serve, f"127.0.0.1:{grpc_port}"
@@ -623,6 +710,7 @@ class _Answers:
                 self.by_case[i] = result
                 if len(self.got) == self.n:
                     self.all.set()
+
         return keep
 
     def statuses(self) -> dict[str, int]:
@@ -658,8 +746,9 @@ def _shm_now() -> set[str]:
 
 
 def _fault_repo(tmp_path, model, **kw):
-    write_repository(tmp_path / "repo", model, engine=kw.pop("engine", ENGINE), allow_engine_control=True,
-                     warmup=False, **kw)
+    write_repository(
+        tmp_path / "repo", model, engine=kw.pop("engine", ENGINE), allow_engine_control=True, warmup=False, **kw
+    )
     return tmp_path / "repo"
 
 
@@ -710,9 +799,11 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
     assert serve.returncode == 0
     assert not _leaked_shm(shm_before)
     with capsys.disabled():
-        print(f"\nkilled worker: {FAULT_REQUESTS} in flight, {len(answers.got)} answered ({statuses}), lost 0, "
-              f"last answer {last:.2f} s after the kill, serve exit {code}; restart ready in {ready:.1f} s, "
-              f"first correct answer {recovered:.1f} s after the restart")
+        print(
+            f"\nkilled worker: {FAULT_REQUESTS} in flight, {len(answers.got)} answered ({statuses}), lost 0, "
+            f"last answer {last:.2f} s after the kill, serve exit {code}; restart ready in {ready:.1f} s, "
+            f"first correct answer {recovered:.1f} s after the restart"
+        )
 
 
 def test_a_killed_server_under_128_requests_is_cleaned_up_by_serve(tmp_path, model, capsys):
@@ -743,9 +834,11 @@ def test_a_killed_server_under_128_requests_is_cleaned_up_by_serve(tmp_path, mod
         if serve.poll() is None:
             serve.kill()
     with capsys.disabled():
-        print(f"\nkilled server: {FAULT_REQUESTS} in flight, all answered UNAVAILABLE, lost 0, last "
-              f"{max(t for t, _ in answers.got) - killed:.2f} s after the kill; serve exit {code}, 2 orphaned "
-              f"workers stopped, 2 shared-memory regions removed")
+        print(
+            f"\nkilled server: {FAULT_REQUESTS} in flight, all answered UNAVAILABLE, lost 0, last "
+            f"{max(t for t, _ in answers.got) - killed:.2f} s after the kill; serve exit {code}, 2 orphaned "
+            f"workers stopped, 2 shared-memory regions removed"
+        )
 
 
 def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, model, capsys):
@@ -787,8 +880,10 @@ def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, mode
         if serve.poll() is None:
             serve.kill()
     with capsys.disabled():
-        print(f"\nSIGTERM: {FAULT_REQUESTS} in flight ({s['running']} running, {s['waiting']} queued), answered "
-              f"{statuses}, lost 0; serve exit 0 {stopped:.1f} s after the signal (grace 1 s)")
+        print(
+            f"\nSIGTERM: {FAULT_REQUESTS} in flight ({s['running']} running, {s['waiting']} queued), answered "
+            f"{statuses}, lost 0; serve exit 0 {stopped:.1f} s after the signal (grace 1 s)"
+        )
 
 
 def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_path, model, capsys):
@@ -816,8 +911,9 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
         assert code == 0 and sorted(line.split(":")[0] for line in lines) == ["ok dash", "ok dash_stream"], lines
         assert probe(srv.grpc_url, "--model", "dash_stream") == (0, [line for line in lines if "dash_stream" in line])
         code, lines = probe(srv.grpc_url, "--model", "nosuch")
-        assert code == 3 and lines == ["FAIL nosuch: not a generation model the server has loaded (loaded: dash, "
-                                       "dash_stream)"], lines
+        assert code == 3 and lines == [
+            "FAIL nosuch: not a generation model the server has loaded (loaded: dash, dash_stream)"
+        ], lines
         worker = next(pid for pid, m in srv.workers().items() if m.endswith("/dash/1/model.py"))
         with C.DashClient(srv.grpc_url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model)
@@ -855,9 +951,11 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
     finally:
         srv.cleanup()
     with capsys.disabled():
-        print(f"\nbare tritonserver, killed worker: Triton's readiness said {triton_says}; the probe failed "
-              f"{detected:.2f} s after the kill ({failed[0][:90]}); {FAULT_REQUESTS} in flight answered on the "
-              f"server's stop: {statuses}, lost 0")
+        print(
+            f"\nbare tritonserver, killed worker: Triton's readiness said {triton_says}; the probe failed "
+            f"{detected:.2f} s after the kill ({failed[0][:90]}); {FAULT_REQUESTS} in flight answered on the "
+            f"server's stop: {statuses}, lost 0"
+        )
 
 
 def _exited(srv, timeout: float) -> bool:
@@ -918,19 +1016,24 @@ def _post(url: str, body, *, raw: bool = False):
 
 def test_openai_completions_answer_like_offline_generation(openai, model, prompts, want):
     text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
-    status, res = _post(openai.url + "/v1/completions", {"model": "dash", "prompt": text, "max_tokens": MAX_NEW[0],
-                                                          "temperature": 0})
+    status, res = _post(
+        openai.url + "/v1/completions", {"model": "dash", "prompt": text, "max_tokens": MAX_NEW[0], "temperature": 0}
+    )
     assert status == 200 and res["object"] == "text_completion"
     assert res["choices"][0]["text"] == M.detokenize(want[0], model.config)
     usage = dict(res["usage"])
     cached = usage.pop("prompt_tokens_details")["cached_tokens"]
-    assert usage == {"prompt_tokens": len(prompts[0]), "completion_tokens": len(want[0]),
-                     "total_tokens": len(prompts[0]) + len(want[0])}
+    assert usage == {
+        "prompt_tokens": len(prompts[0]),
+        "completion_tokens": len(want[0]),
+        "total_tokens": len(prompts[0]) + len(want[0]),
+    }
     assert 0 <= cached < len(prompts[0]) and cached % ENGINE.kv_block_size == 0
     assert res["choices"][0]["finish_reason"] == ("stop" if want[0][-1] == model.config.eos_token_id else "length")
     # token-id prompts; a seeded sampled request is reproducible
-    status, by_ids = _post(openai.url + "/v1/completions", {"prompt": prompts[1], "max_tokens": MAX_NEW[1],
-                                                             "temperature": 0})
+    status, by_ids = _post(
+        openai.url + "/v1/completions", {"prompt": prompts[1], "max_tokens": MAX_NEW[1], "temperature": 0}
+    )
     assert status == 200 and by_ids["choices"][0]["text"] == M.detokenize(want[1], model.config)
     sampled = {"prompt": prompts[1], "max_tokens": 6, "temperature": 0.9, "top_k": 20, "seed": 11, "ignore_eos": True}
     first, second = (_post(openai.url + "/v1/completions", sampled)[1] for _ in range(2))
@@ -939,8 +1042,11 @@ def test_openai_completions_answer_like_offline_generation(openai, model, prompt
 
 
 def test_openai_streaming_sends_server_sent_events(openai, model, prompts, want):
-    status, text = _post(openai.url + "/v1/completions", {"prompt": prompts[0], "max_tokens": MAX_NEW[0],
-                                                           "temperature": 0, "stream": True}, raw=True)
+    status, text = _post(
+        openai.url + "/v1/completions",
+        {"prompt": prompts[0], "max_tokens": MAX_NEW[0], "temperature": 0, "stream": True},
+        raw=True,
+    )
     assert status == 200
     events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
     assert events[-1] == "[DONE]"
@@ -951,13 +1057,15 @@ def test_openai_streaming_sends_server_sent_events(openai, model, prompts, want)
 
 def test_openai_errors_use_the_openai_error_object(openai, prompts):
     url = openai.url + "/v1/completions"
-    cases = [({"prompt": prompts[0], "stop": ["\n"]}, 400, "stop", "use stop_token_ids"),
-             ({"prompt": prompts[0], "n": 2}, 400, "n", "n must be 1"),
-             ({"prompt": prompts[0], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1"),
-             ({"prompt": prompts[0], "temprature": 0}, 400, "temprature", "unknown field"),
-             ({"prompt": prompts[0], "model": "other"}, 404, "model", "not served here"),
-             ({"prompt": ""}, 400, "prompt", "prompt must be"),
-             ({"prompt": prompts[0], "max_tokens": 100000}, 400, None, "max_new_tokens must be")]
+    cases = [
+        ({"prompt": prompts[0], "stop": ["\n"]}, 400, "stop", "use stop_token_ids"),
+        ({"prompt": prompts[0], "n": 2}, 400, "n", "n must be 1"),
+        ({"prompt": prompts[0], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1"),
+        ({"prompt": prompts[0], "temprature": 0}, 400, "temprature", "unknown field"),
+        ({"prompt": prompts[0], "model": "other"}, 404, "model", "not served here"),
+        ({"prompt": ""}, 400, "prompt", "prompt must be"),
+        ({"prompt": prompts[0], "max_tokens": 100000}, 400, None, "max_new_tokens must be"),
+    ]
     for body, status, param, message in cases:
         got, res = _post(url, body)
         assert got == status, (body, res)
@@ -978,8 +1086,16 @@ def test_openai_errors_use_the_openai_error_object(openai, prompts):
 def test_one_document_eight_questions_read_the_document_once(http, grpc, model):
     cfg = model.config
     doc = M.document_prompt([40, 25, 33], "", cfg, preamble="Contract 8812 ")
-    questions = ["Who signed?", "What is the total?", "Title?", "Date of page 2?", "Summarise page 3.",
-                 "Currency?", "How many pages?", "Any table?"]
+    questions = [
+        "Who signed?",
+        "What is the total?",
+        "Title?",
+        "Date of page 2?",
+        "Summarise page 3.",
+        "Currency?",
+        "How many pages?",
+        "Any table?",
+    ]
     prompts = [doc + list(q.encode()) for q in questions]
     want = offline(model, prompts, [6] * 8)  # offline generation has no prefix cache
     before = http.stats()

@@ -30,8 +30,14 @@ from dash_trt import ops
 from dash_trt import paged as P
 from dash_trt.attributes import PLUGIN_VERSION
 from dash_trt.config import DashConfig
-from dash_trt.testing import (CONFIG_VARIANTS, assert_caches_match, compare_outputs, fill_garbage,
-                              prefill_then_decode, random_sequences)
+from dash_trt.testing import (
+    CONFIG_VARIANTS,
+    assert_caches_match,
+    compare_outputs,
+    fill_garbage,
+    prefill_then_decode,
+    random_sequences,
+)
 
 HARNESS_NAME = "libdash_trt_plugin_harness.so"
 MAX_DIMS = 8
@@ -48,8 +54,10 @@ def harness_path() -> Path | None:
 
 
 if harness_path() is None and os.environ.get("DASH_REQUIRE_HARNESS") == "1":
-    raise RuntimeError("DASH_REQUIRE_HARNESS=1 (set by .ci/run after building it) but libdash_trt_plugin_harness.so "
-                       "is not found: set DASH_TRT_HARNESS or build with -DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON")
+    raise RuntimeError(
+        "DASH_REQUIRE_HARNESS=1 (set by .ci/run after building it) but libdash_trt_plugin_harness.so "
+        "is not found: set DASH_TRT_HARNESS or build with -DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON"
+    )
 
 pytestmark = pytest.mark.skipif(
     harness_path() is None,
@@ -91,9 +99,16 @@ def dims_for(sizes: dict, index_types=None, dtype="float16") -> list[tuple[tuple
     sizes = dict(sizes)
     sizes.setdefault("PER", -(-sizes["BSZ"] // sizes.get("sbs", sizes["BSZ"])))
     sizes["B+1"] = sizes["B"] + 1 if sizes["B"] >= 0 else -1
-    kinds = {"coords": "index", "block_tables": "index", "seq_lens": "index", "query_start_loc": "index",
-             "prompt_lens": "index", "image_page_cache": "int32", "summary_pages_cache": "int32",
-             "summary_cache": "float32"}
+    kinds = {
+        "coords": "index",
+        "block_tables": "index",
+        "seq_lens": "index",
+        "query_start_loc": "index",
+        "prompt_lens": "index",
+        "image_page_cache": "int32",
+        "summary_pages_cache": "int32",
+        "summary_cache": "float32",
+    }
     out = []
     for name, syms in INPUTS:
         dims = tuple(s if isinstance(s, int) else sizes[s] for s in syms)
@@ -123,10 +138,16 @@ def skip_while_kernels_route_by_the_withdrawn_rule() -> None:
 
 # ---------------------------------------------------------------------------------- binding
 class Tensor(ctypes.Structure):
-    _fields_ = [("rank", ctypes.c_int32), ("type", ctypes.c_int32), ("format", ctypes.c_int32),
-                ("reserved", ctypes.c_int32), ("dims", ctypes.c_int64 * MAX_DIMS),
-                ("min", ctypes.c_int64 * MAX_DIMS), ("opt", ctypes.c_int64 * MAX_DIMS),
-                ("max", ctypes.c_int64 * MAX_DIMS)]
+    _fields_ = [
+        ("rank", ctypes.c_int32),
+        ("type", ctypes.c_int32),
+        ("format", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("dims", ctypes.c_int64 * MAX_DIMS),
+        ("min", ctypes.c_int64 * MAX_DIMS),
+        ("opt", ctypes.c_int64 * MAX_DIMS),
+        ("max", ctypes.c_int64 * MAX_DIMS),
+    ]
 
 
 class Harness:
@@ -144,31 +165,56 @@ class Harness:
             "dash_harness_field_type_code": (c.c_int32, [c.c_char_p]),
             "dash_harness_format_code": (c.c_int32, [c.c_char_p]),
             "dash_harness_creator_info": (c.c_int32, [c.c_char_p, c.c_int32]),
-            "dash_harness_create": (c.c_void_p, [c.POINTER(c.c_char_p), c.POINTER(c.c_int32), c.POINTER(c.c_void_p),
-                                                 c.POINTER(c.c_int32), c.c_int32, c.c_int32]),
+            "dash_harness_create": (
+                c.c_void_p,
+                [
+                    c.POINTER(c.c_char_p),
+                    c.POINTER(c.c_int32),
+                    c.POINTER(c.c_void_p),
+                    c.POINTER(c.c_int32),
+                    c.c_int32,
+                    c.c_int32,
+                ],
+            ),
             "dash_harness_destroy": (None, [c.c_void_p]),
             "dash_harness_clone": (c.c_void_p, [c.c_void_p, c.c_int32]),
             "dash_harness_plugin_info": (c.c_int32, [c.c_void_p, c.c_char_p, c.c_int32]),
-            "dash_harness_output_types": (c.c_int32, [c.c_void_p, c.POINTER(c.c_int32), c.c_int32,
-                                                      c.POINTER(c.c_int32), c.c_int32]),
+            "dash_harness_output_types": (
+                c.c_int32,
+                [c.c_void_p, c.POINTER(c.c_int32), c.c_int32, c.POINTER(c.c_int32), c.c_int32],
+            ),
             "dash_harness_output_shapes": (c.c_int32, [c.c_void_p, T, c.c_int32, T, c.c_int32]),
             "dash_harness_aliased_input": (c.c_int32, [c.c_void_p, c.c_int32]),
             "dash_harness_supports": (c.c_int32, [c.c_void_p, c.c_int32, T, c.c_int32, c.c_int32]),
             "dash_harness_configure": (c.c_int32, [c.c_void_p, T, c.c_int32, c.c_int32]),
             "dash_harness_workspace_size": (c.c_int64, [c.c_void_p, T, c.c_int32, c.c_int32]),
             "dash_harness_on_shape_change": (c.c_int32, [c.c_void_p, T, c.c_int32, c.c_int32]),
-            "dash_harness_enqueue": (c.c_int32, [c.c_void_p, T, c.c_int32, c.c_int32, c.POINTER(c.c_void_p),
-                                                 c.POINTER(c.c_void_p), c.c_void_p, c.c_void_p]),
+            "dash_harness_enqueue": (
+                c.c_int32,
+                [
+                    c.c_void_p,
+                    T,
+                    c.c_int32,
+                    c.c_int32,
+                    c.POINTER(c.c_void_p),
+                    c.POINTER(c.c_void_p),
+                    c.c_void_p,
+                    c.c_void_p,
+                ],
+            ),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         assert lib.dash_harness_abi() == 1
-        self.types = {n: lib.dash_harness_type_code(n.encode())
-                      for n in ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")}
-        self.field_types = {n: lib.dash_harness_field_type_code(n.encode())
-                            for n in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "char",
-                                      "bf16")}
+        self.types = {
+            n: lib.dash_harness_type_code(n.encode())
+            for n in ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
+        }
+        self.field_types = {
+            n: lib.dash_harness_field_type_code(n.encode())
+            for n in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "char", "bf16")
+        }
         self.formats = {n: lib.dash_harness_format_code(n.encode()) for n in ("linear", "chw32", "hwc8")}
 
     # -- messages
@@ -201,8 +247,14 @@ class Harness:
         types = (ctypes.c_int32 * n)()
         data = (ctypes.c_void_p * n)()
         lengths = (ctypes.c_int32 * n)()
-        ctype = {"int8": ctypes.c_int8, "int16": ctypes.c_int16, "int32": ctypes.c_int32, "int64": ctypes.c_int64,
-                 "float32": ctypes.c_float, "float64": ctypes.c_double}
+        ctype = {
+            "int8": ctypes.c_int8,
+            "int16": ctypes.c_int16,
+            "int32": ctypes.c_int32,
+            "int64": ctypes.c_int64,
+            "float32": ctypes.c_float,
+            "float64": ctypes.c_double,
+        }
         for i, (name, ftype, values) in enumerate(fields):
             names[i] = name.encode()
             types[i] = self.field_types[ftype]
@@ -285,8 +337,16 @@ class Plugin:
     def enqueue(self, descs, inputs: list[int], outputs: list[int], workspace: int, stream: int) -> int:
         ins = (ctypes.c_void_p * len(inputs))(*inputs)
         outs = (ctypes.c_void_p * len(outputs))(*outputs)
-        return self.h.lib.dash_harness_enqueue(self.handle, self.h.tensors(descs), NB_IN, len(descs) - NB_IN, ins,
-                                               outs, ctypes.c_void_p(workspace), ctypes.c_void_p(stream))
+        return self.h.lib.dash_harness_enqueue(
+            self.handle,
+            self.h.tensors(descs),
+            NB_IN,
+            len(descs) - NB_IN,
+            ins,
+            outs,
+            ctypes.c_void_p(workspace),
+            ctypes.c_void_p(stream),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +355,9 @@ def harness() -> Harness:
 
 
 # ---------------------------------------------------------------------- ONNX-style attributes
-def node_fields(cfg: DashConfig, layer_idx: int, *, ints: str = "int32", reals: str = "float32",
-                version: str = PLUGIN_VERSION):
+def node_fields(
+    cfg: DashConfig, layer_idx: int, *, ints: str = "int32", reals: str = "float32", version: str = PLUGIN_VERSION
+):
     """The fields the ONNX parser builds from a dash_trt.DashAttention node's attributes
     (INT -> INT32, FLOAT -> FLOAT32, STRING -> CHAR with a NUL): the layer's attributes as the
     exporter writes them (dash_trt.attributes.encode: routing values resolved for the layer),
@@ -314,8 +375,14 @@ def node_fields(cfg: DashConfig, layer_idx: int, *, ints: str = "int32", reals: 
 
 
 def make_config(sbs=16, **kw) -> DashConfig:
-    sp = {"sparse_block_size": sbs, "sparse_local_block": 1, "sparse_index_dim": 32, "dash_topk_blocks": 3,
-          "dash_sigma": 0.75, "sparse_rope_page_pairs": 2}
+    sp = {
+        "sparse_block_size": sbs,
+        "sparse_local_block": 1,
+        "sparse_index_dim": 32,
+        "dash_topk_blocks": 3,
+        "dash_sigma": 0.75,
+        "sparse_rope_page_pairs": 2,
+    }
     sp.update(kw)
     return DashConfig.from_dict(sp)
 
@@ -340,7 +407,7 @@ def io_descs(sizes=None, index_types=None, dtype="float16", outputs=True, bounds
     sizes = dict(BASE_SIZES if sizes is None else sizes)
     ins = dims_for(sizes, index_types, dtype)
     descs = []
-    for (name, syms), (dims, t) in zip(INPUTS, ins):
+    for (_, syms), (dims, t) in zip(INPUTS, ins):
         lo, hi = list(dims), list(dims)
         for a, s in enumerate(syms):
             key = "B" if s == "B+1" else s
@@ -378,6 +445,7 @@ def test_creator_fields_are_the_config_keys(harness):
 def test_node_attribute_table_matches_when_available(harness):
     """At merge time: the exporter's attribute table and the plugin's field list agree."""
     from dash_trt import attributes
+
     fields = {v.split(":")[0] for k, v in harness.creator_info() if k == "field"}
     assert {a.name for a in attributes.NODE_ATTRIBUTES} == fields
     assert attributes.PLUGIN_VERSION == dict(harness.creator_info())["version"]
@@ -386,16 +454,26 @@ def test_node_attribute_table_matches_when_available(harness):
 @pytest.mark.parametrize("variant", ["ints", "int64", "float64", "per_layer"])
 def test_plugin_from_node_fields(harness, variant):
     harness.clear()
-    cfg = make_config(32, dash_topk_blocks=7, sparse_rope_tok_theta=500.0,
-                      sparse_main_rope_tok_freq_mode="truncate", sparse_rope_page_mod=3)
+    cfg = make_config(
+        32,
+        dash_topk_blocks=7,
+        sparse_rope_tok_theta=500.0,
+        sparse_main_rope_tok_freq_mode="truncate",
+        sparse_rope_page_mod=3,
+    )
     kw = {"int64": {"ints": "int64"}, "float64": {"reals": "float64"}}.get(variant, {})
     if variant == "per_layer":
-        cfg = make_config(32, sparse_attention_freq=[1, 0, 1], dash_scale_per_layer=[4.0, 40.0],
-                          dash_floor_per_layer=[0.5, 0.25])
+        cfg = make_config(
+            32, sparse_attention_freq=[1, 0, 1], dash_scale_per_layer=[4.0, 40.0], dash_floor_per_layer=[0.5, 0.25]
+        )
     p = plugin_for(harness, cfg, 2 if variant == "per_layer" else 1, **kw)
     info = p.info()
-    assert (info["name"], info["version"], info["namespace"], info["outputs"]) == ("DashAttention", PLUGIN_VERSION,
-                                                                                   "", "7")
+    assert (info["name"], info["version"], info["namespace"], info["outputs"]) == (
+        "DashAttention",
+        PLUGIN_VERSION,
+        "",
+        "7",
+    )
     assert info["build_interface"] == "PLUGIN_V3ONE_BUILD 2.0"  # V2: aliasing
     meta = info["metadata"]
     assert "sparse_block_size=32" in meta and "sparse_index_dim=32" in meta
@@ -416,18 +494,29 @@ def test_plugin_from_node_fields(harness, variant):
 def test_defaults_and_the_onnx_string_encoding(harness):
     """Only the required attributes: everything else takes the DashConfig defaults; strings with
     or without a terminating NUL."""
-    fields = [("sparse_block_size", "int32", [16]), ("sparse_local_block", "int32", [2]),
-              ("sparse_index_dim", "int32", [32]), ("layer_idx", "int32", [0]),
-              ("sparse_rope_tok_freq_mode", "char", b"truncate")]
+    fields = [
+        ("sparse_block_size", "int32", [16]),
+        ("sparse_local_block", "int32", [2]),
+        ("sparse_index_dim", "int32", [32]),
+        ("layer_idx", "int32", [0]),
+        ("sparse_rope_tok_freq_mode", "char", b"truncate"),
+    ]
     p = harness.create(fields)
     assert p is not None, harness.messages()
     meta = p.info()["metadata"]
     d = DashConfig.from_dict({"sparse_block_size": 16, "sparse_local_block": 2, "sparse_index_dim": 32})
-    for expect in (f"dash_topk_blocks={d.dash_topk_blocks}", f"dash_scaling_factor={d.dash_scaling_factor:g}",
-                   f"dash_prior_floor={d.dash_prior_floor:g}", f"dash_sigma={d.dash_sigma:g}",
-                   f"sparse_rope_page_theta={d.sparse_rope_page_theta:g}", 'sparse_rope_tok_freq_mode="truncate"',
-                   'sparse_main_rope_tok_freq_mode=""', f'plugin_version="{PLUGIN_VERSION}"', "dash_query_chunk=2048",
-                   "image_token_id=-1"):
+    for expect in (
+        f"dash_topk_blocks={d.dash_topk_blocks}",
+        f"dash_scaling_factor={d.dash_scaling_factor:g}",
+        f"dash_prior_floor={d.dash_prior_floor:g}",
+        f"dash_sigma={d.dash_sigma:g}",
+        f"sparse_rope_page_theta={d.sparse_rope_page_theta:g}",
+        'sparse_rope_tok_freq_mode="truncate"',
+        'sparse_main_rope_tok_freq_mode=""',
+        f'plugin_version="{PLUGIN_VERSION}"',
+        "dash_query_chunk=2048",
+        "image_token_id=-1",
+    ):
         assert expect in meta, meta
 
 
@@ -442,7 +531,7 @@ BAD_FIELDS = [
     (lambda f: replace(f, "dash_scaling_factor", values=[math.inf]), "'dash_scaling_factor' must be finite"),
     (lambda f: replace(f, "dash_sigma", values=[0.0]), "'dash_sigma' must be > 0"),
     (lambda f: replace(f, "dash_prior_floor", values=[-1e-4]), "'dash_prior_floor' must be > 0"),
-    (lambda f: replace(f, "sparse_rope_tok_freq_mode", values="truncated"), "must be \"\", \"default\" or \"truncate\""),
+    (lambda f: replace(f, "sparse_rope_tok_freq_mode", values="truncated"), 'must be "", "default" or "truncate"'),
     (lambda f: replace(f, "dash_topk_blocks", values=[3, 4]), "'dash_topk_blocks' must be one integer"),
     (lambda f: replace(f, "dash_topk_blocks", values=[0]), "'dash_topk_blocks' must be >= 1"),
     (lambda f: f + [("sparse_topk_blocks", "int32", [16])], "unknown attribute 'sparse_topk_blocks'"),
@@ -453,7 +542,7 @@ BAD_FIELDS = [
     (lambda f: replace(f, "dash_sigma", values=[1.0, 2.0]), "'dash_sigma' must be one number"),
     (lambda f: replace(f, "sparse_rope_page_mod", "char", "3"), "'sparse_rope_page_mod' must be integer"),
     (lambda f: replace(f, "image_token_id", values=[-2]), "'image_token_id' must be -1 (not set)"),
-    (lambda f: replace(f, "plugin_version", values="1"), "but this plugin implements version \"2\""),
+    (lambda f: replace(f, "plugin_version", values="1"), 'but this plugin implements version "2"'),
     (lambda f: replace(f, "plugin_namespace", values="acme"), "'plugin_namespace' is \"acme\""),
 ]
 
@@ -497,8 +586,10 @@ def test_output_shapes(harness):
         (lambda d: d.__setitem__(1, ((5, 2, 32), d[1][1])), "k dim 2 is 32, but q dim 2 (D (head dim)) is 64"),
         (lambda d: d.__setitem__(5, ((5, 3), d[5][1])), "coords dim 1 is 3, but it must be 4"),
         (lambda d: d.__setitem__(15, ((2,), d[15][1])), "query_start_loc has 2 entries, but block_tables has 2 rows"),
-        (lambda d: (d.__setitem__(11, ((16, 4, 32), d[11][1])), d.__setitem__(12, ((16, 4, 3), d[12][1]))),
-         "summary_cache dim 1 is 4, but block_size 32 / sparse_block_size 16 needs 2"),
+        (
+            lambda d: (d.__setitem__(11, ((16, 4, 32), d[11][1])), d.__setitem__(12, ((16, 4, 3), d[12][1]))),
+            "summary_cache dim 1 is 4, but block_size 32 / sparse_block_size 16 needs 2",
+        ),
         (lambda d: d.__setitem__(7, ((16, 32, 2), d[7][1])), "input 7 (key_cache) must have rank 4, got 3"),
         (lambda d: d.__setitem__(8, ((16, 16, 2, 64), d[8][1])), "value_cache dim 1 is 16, but key_cache dim 1"),
     ],
@@ -533,20 +624,20 @@ def test_supported_formats(harness, dtype, index):
 @pytest.mark.parametrize(
     "pos, type_name, fmt",
     [
-        (0, "int32", None),            # q must be float
+        (0, "int32", None),  # q must be float
         (0, "int8", None),
-        (1, "float32", None),          # k must have q's type (q is float16 here)
-        (7, "bfloat16", None),         # key cache must have q's type
-        (6, "float32", None),          # head_cls too
-        (5, "float16", None),          # coords are integers
-        (13, "int8", None),            # block tables: int32 or int64
-        (10, "int64", None),           # image pages: int32 only
-        (11, "float16", None),         # summaries: float32 only
-        (12, "int64", None),           # summary pages: int32 only
-        (17, "float32", None),         # output: q's type
-        (18, "bfloat16", None),        # cache output: its input's type
-        (22, "float16", None),         # summary output: float32
-        (0, "float16", "chw32"),       # linear format only
+        (1, "float32", None),  # k must have q's type (q is float16 here)
+        (7, "bfloat16", None),  # key cache must have q's type
+        (6, "float32", None),  # head_cls too
+        (5, "float16", None),  # coords are integers
+        (13, "int8", None),  # block tables: int32 or int64
+        (10, "int64", None),  # image pages: int32 only
+        (11, "float16", None),  # summaries: float32 only
+        (12, "int64", None),  # summary pages: int32 only
+        (17, "float32", None),  # output: q's type
+        (18, "bfloat16", None),  # cache output: its input's type
+        (22, "float16", None),  # summary output: float32
+        (0, "float16", "chw32"),  # linear format only
         (13, "int32", "hwc8"),
     ],
 )
@@ -632,8 +723,9 @@ def test_enqueue_is_refused_while_the_kernels_route_by_the_withdrawn_rule(harnes
     outs = [1 << 20] + [fake[i] for i in OUTPUT_OF[1:]]
     harness.clear()
     assert p.enqueue(descs, fake, outs, 1 << 22, 0) != 0 and ws > 0
-    assert "enqueue: DASH_ERR_UNSUPPORTED: routing: these kernels implement a withdrawn routing rule" in \
-        harness.messages(), harness.messages()
+    assert (
+        "enqueue: DASH_ERR_UNSUPPORTED: routing: these kernels implement a withdrawn routing rule" in harness.messages()
+    ), harness.messages()
 
 
 def test_workspace_size_depends_on_every_dim_of_the_profile(harness):
@@ -669,8 +761,13 @@ def test_enqueue_refuses_a_call_larger_than_its_workspace(harness):
 
 
 # ============================================================================== GPU tests
-TORCH_TYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-              torch.int32: "int32", torch.int64: "int64"}
+TORCH_TYPE = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [  # heads, kv_heads, head_dim, index_dim, KV block = sbs * multiple
@@ -705,19 +802,20 @@ def _kernel_binding():
     return cuda if cuda.available() else None
 
 
-def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, layer=0, seed=0, prompts=None,
-              response=8):
+def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, layer=0, seed=0, prompts=None, response=8):
     skip_while_kernels_route_by_the_withdrawn_rule()
     heads, kv_heads, head_dim, index_dim, multiple = shape
     cfg = cfg or make_config(16)
     gen = torch.Generator().manual_seed(seed + heads + head_dim + multiple)
-    seqs = _build_sequences(gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim,
-                            dtype=dtype, response=response)
+    seqs = _build_sequences(
+        gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, dtype=dtype, response=response
+    )
     plans = _plans(gen, seqs, response)
     block_size = cfg.sparse_block_size * multiple
     num_blocks = sum(-(-x.length // block_size) for x, _ in seqs) + 3
-    ref_cache = P.DashKVCache.allocate(num_blocks, block_size, kv_heads, head_dim, index_dim,
-                                       cfg.sparse_block_size, dtype, DEVICE)
+    ref_cache = P.DashKVCache.allocate(
+        num_blocks, block_size, kv_heads, head_dim, index_dim, cfg.sparse_block_size, dtype, DEVICE
+    )
     fill_garbage(ref_cache, gen)  # garbage in unwritten slots must not matter
     plug_cache = ref_cache.clone()
     binding = _kernel_binding()
@@ -734,8 +832,18 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
     max_t = max(sum(p[k] if k < len(p) else 0 for p in plans) for k in range(max(map(len, plans))))
     max_w = max(-(-x.length // block_size) for x, _ in seqs)
     bounds = {"T": (1, max_t), "B": (1, len(seqs)), "W": (1, max_w), "NB": (num_blocks, num_blocks)}
-    sizes = dict(T=max_t, H=heads, D=head_dim, Hkv=kv_heads, Di=index_dim, NB=num_blocks, BSZ=block_size,
-                 sbs=cfg.sparse_block_size, B=len(seqs), W=max_w)
+    sizes = dict(
+        T=max_t,
+        H=heads,
+        D=head_dim,
+        Hkv=kv_heads,
+        Di=index_dim,
+        NB=num_blocks,
+        BSZ=block_size,
+        sbs=cfg.sparse_block_size,
+        B=len(seqs),
+        W=max_w,
+    )
     types = {n: TORCH_TYPE[_index_type(index_variant, n)] for n in INDEX_INPUTS}
     profile = io_descs(sizes, index_types=types, dtype=TORCH_TYPE[dtype], bounds=bounds)
     harness.clear()
@@ -754,22 +862,35 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
         batch = pool.schedule(step, device=DEVICE)
         rows = [(i, done[i], done[i] + n) for i, n in step]
 
-        def cat(attr):
+        def cat(attr, rows=rows):
             return torch.cat([getattr(seqs[i][0], attr)[a:b] for i, a, b in rows]).contiguous()
 
         q, k, v, iq, ik = (cat(a) for a in ("q", "k", "v", "iq", "ik"))
         coords = torch.cat([seqs[i][1][a:b] for i, a, b in rows])
         head_cls = seqs[0][0].head_cls
         meta = {n: getattr(batch, n) for n in ("block_tables", "seq_lens", "query_start_loc", "prompt_lens")}
-        ref, ref_r = P.paged_dash_attention(q, k, v, iq, ik, coords, head_cls, ref_cache, **meta, sp=cfg,
-                                            layer_idx=layer, return_routing=True)
+        ref, ref_r = P.paged_dash_attention(
+            q, k, v, iq, ik, coords, head_cls, ref_cache, **meta, sp=cfg, layer_idx=layer, return_routing=True
+        )
 
         # The plugin: index inputs in the variant's types, caches in place or into new buffers.
         idx = {"coords": coords, **meta}
         idx = {n: t.to(_index_type(index_variant, n)).contiguous() for n, t in idx.items()}
         cache_in = [getattr(plug_cache, f) for f in CACHE_FIELDS]
-        inputs = [q, k, v, iq, ik, idx["coords"], head_cls, *cache_in, idx["block_tables"], idx["seq_lens"],
-                  idx["query_start_loc"], idx["prompt_lens"]]
+        inputs = [
+            q,
+            k,
+            v,
+            iq,
+            ik,
+            idx["coords"],
+            head_cls,
+            *cache_in,
+            idx["block_tables"],
+            idx["seq_lens"],
+            idx["query_start_loc"],
+            idx["prompt_lens"],
+        ]
         out = torch.full_like(q, float("nan"))
         if cache_mode == "in_place":
             cache_out = cache_in
@@ -782,8 +903,9 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
         harness.clear()
         assert plugin.on_shape_change(descs) == 0, harness.messages()
         assert plugin.workspace_size([(d, t, "linear", d, d) for d, t in descs]) <= ws_bytes
-        status = plugin.enqueue(descs, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
-                                workspace.data_ptr(), stream)
+        status = plugin.enqueue(
+            descs, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs], workspace.data_ptr(), stream
+        )
         assert status == 0, harness.messages()
         torch.cuda.synchronize()
         if before is not None:  # inputs untouched, the new state is in the outputs
@@ -793,16 +915,22 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
 
         routing = None
         if binding is not None:
-            k_out, sel = binding.paged_dash_attention_cuda(q, k, v, iq, ik, coords, head_cls, ker_cache, **meta,
-                                                           sp=cfg, layer_idx=layer, return_selected=True)
+            k_out, sel = binding.paged_dash_attention_cuda(
+                q, k, v, iq, ik, coords, head_cls, ker_cache, **meta, sp=cfg, layer_idx=layer, return_selected=True
+            )
             # Same kernels, same inputs: the plugin must add nothing of its own.
             assert torch.equal(out, k_out)
             routing = P.Routing(sel.cpu())
-        report = compare_outputs(out, ref, routing,
-                                 P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()), dtype=dtype)
+        report = compare_outputs(
+            out,
+            ref,
+            routing,
+            P.Routing(ref_r.selected.cpu(), ref_r.bias.cpu(), ref_r.values.cpu(), ref_r.scores.cpu()),
+            dtype=dtype,
+        )
         assert report.ok, str(report)
         worst = max(worst, report.max_abs_err)
-        for i, a, b in rows:
+        for i, _, b in rows:
             done[i] = b
 
     assert_caches_match(plug_cache, ref_cache, dtype)
@@ -842,8 +970,16 @@ def test_enqueue_config_variants(harness, variant):
         prompts = _prompt_lengths
     cfg = make_config(8, **kw)
     shape = (8, 2, 64, 32, 4)
-    _run_case(harness, dtype=dtype, shape=shape, index_variant="int64", cache_mode="in_place", cfg=cfg, layer=layer,
-              prompts=prompts)
+    _run_case(
+        harness,
+        dtype=dtype,
+        shape=shape,
+        index_variant="int64",
+        cache_mode="in_place",
+        cfg=cfg,
+        layer=layer,
+        prompts=prompts,
+    )
 
 
 @pytest.mark.gpu
@@ -856,11 +992,20 @@ def test_enqueue_with_no_new_tokens_copies_caches_only(harness):
     ins = []
     for dims, t, *_ in descs[:NB_IN]:
         dt = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32}[t]
-        ins.append(torch.randn(dims, device=DEVICE).to(dt) if dt.is_floating_point
-                   else torch.randint(0, 9, dims, device=DEVICE, dtype=dt))
-    outs = [torch.empty(0, 8, 64, dtype=torch.float16, device=DEVICE)] + [torch.zeros_like(ins[i]) for i in OUTPUT_OF[1:]]
-    assert p.enqueue(descs, [t.data_ptr() for t in ins], [t.data_ptr() for t in outs], 0,
-                     torch.cuda.current_stream().cuda_stream) == 0, harness.messages()
+        ins.append(
+            torch.randn(dims, device=DEVICE).to(dt)
+            if dt.is_floating_point
+            else torch.randint(0, 9, dims, device=DEVICE, dtype=dt)
+        )
+    outs = [torch.empty(0, 8, 64, dtype=torch.float16, device=DEVICE)] + [
+        torch.zeros_like(ins[i]) for i in OUTPUT_OF[1:]
+    ]
+    assert (
+        p.enqueue(
+            descs, [t.data_ptr() for t in ins], [t.data_ptr() for t in outs], 0, torch.cuda.current_stream().cuda_stream
+        )
+        == 0
+    ), harness.messages()
     torch.cuda.synchronize()
     for o, i in zip(outs[1:], OUTPUT_OF[1:]):
         assert torch.equal(o, ins[i])

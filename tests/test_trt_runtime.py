@@ -67,8 +67,13 @@ def fake_tensorrt(io_names, *, vocab=320, loads=True, registers=True):
             return dict(io_names)[name]
 
         def get_tensor_dtype(self, name):
-            return DType("INT64" if name in ("input_ids", "logits_indices") else "INT32" if name in (
-                "coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens") else "FLOAT")
+            return DType(
+                "INT64"
+                if name in ("input_ids", "logits_indices")
+                else "INT32"
+                if name in ("coords", "block_tables", "seq_lens", "query_start_loc", "prompt_lens")
+                else "FLOAT"
+            )
 
         def create_execution_context(self):
             self.context = Context()
@@ -141,7 +146,8 @@ def test_steps_bind_the_caches_in_place(monkeypatch, tmp_path, demo):
     out = rt.step([(0, 1), (1, rt.seq(1).pending)])  # a decode token and the rest of the prompt
     assert out.tokens == {0: CHOSEN, 1: CHOSEN} and ctx.shapes["logits_indices"] == (2,)
     assert ctx.runs == 2 and [t.data_ptr() for t in rt.tensors()] == [
-        ctx.addresses[f"past.{i}.{f}"] for i in range(len(rt.caches)) for f in CACHE_FIELDS]
+        ctx.addresses[f"past.{i}.{f}"] for i in range(len(rt.caches)) for f in CACHE_FIELDS
+    ]
 
 
 def test_engine_that_does_not_fit_the_model(monkeypatch, tmp_path, demo):

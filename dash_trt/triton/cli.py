@@ -37,90 +37,141 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser(
-        "write", help="write a model repository",
+        "write",
+        help="write a model repository",
         epilog="Exit codes: 0 written, 2 bad input (arguments, checkpoint, ONNX file, an existing output); "
-               "nothing is left half-written; " + EXIT_CODES_NOTE,
+        "nothing is left half-written; " + EXIT_CODES_NOTE,
         description="Write a Triton model repository: a Python-backend generation service that owns a paged KV "
-                    "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
-                    "graph.")
+        "pool (unary and streaming models), and with --plan a tensorrt_plan model of the exported "
+        "graph.",
+    )
     src = w.add_mutually_exclusive_group()
-    src.add_argument("checkpoint", nargs="?",
-                     help="model.pt ({'config': ..., 'state_dict': ...}) or a Hugging Face folder (config.json + "
-                          "safetensors)")
+    src.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="model.pt ({'config': ..., 'state_dict': ...}) or a Hugging Face folder (config.json + safetensors)",
+    )
     src.add_argument("--demo", action="store_true", help="the built-in random demo model")
     w.add_argument("--seed", type=int, default=0, help="seed of the demo model's random weights (with --demo)")
     w.add_argument("--out", "-o", required=True, help="repository folder to create")
-    w.add_argument("--force", action="store_true",
-                   help="replace --out if it is a repository dash-triton wrote (or an empty folder)")
-    w.add_argument("--name", default=P.DEFAULT_NAME,
-                   help="model name: NAME (unary), NAME_stream (streaming), NAME_plan (default %(default)s)")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the generation models run (KIND_CPU / KIND_GPU instances)")
-    w.add_argument("--gpus", help="with --device cuda: comma-separated GPU ids, one generation engine and KV pool "
-                   "on each (data parallel; default: every GPU the server sees)")
+    w.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out if it is a repository dash-triton wrote (or an empty folder)",
+    )
+    w.add_argument(
+        "--name",
+        default=P.DEFAULT_NAME,
+        help="model name: NAME (unary), NAME_stream (streaming), NAME_plan (default %(default)s)",
+    )
+    w.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the generation models run (KIND_CPU / KIND_GPU instances)",
+    )
+    w.add_argument(
+        "--gpus",
+        help="with --device cuda: comma-separated GPU ids, one generation engine and KV pool "
+        "on each (data parallel; default: every GPU the server sees)",
+    )
     w.add_argument("--no-stream-model", action="store_true", help="do not write the decoupled streaming model")
     w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
-    w.add_argument("--model", metavar="MODULE:CLASS", dest="model_class",
-                   help="the checkpoint's model class (as dash-export --model). A path/to/file.py:Class is copied "
-                        "into the repository; a package.module:Class must be importable by the server's Python")
+    w.add_argument(
+        "--model",
+        metavar="MODULE:CLASS",
+        dest="model_class",
+        help="the checkpoint's model class (as dash-export --model). A path/to/file.py:Class is copied "
+        "into the repository; a package.module:Class must be importable by the server's Python",
+    )
     e = w.add_argument_group("generation engine (per model instance)")
     d = EngineConfig()
     e.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks in the pool (%(default)s)")
-    e.add_argument("--kv-block-size", type=int, default=None,
-                   help=f"tokens per KV block (default: the ONNX file's, else {d.kv_block_size})")
+    e.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=None,
+        help=f"tokens per KV block (default: the ONNX file's, else {d.kv_block_size})",
+    )
     e.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="(%(default)s)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="(%(default)s)")
     e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(%(default)s)")
-    e.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens,
-                   help="default per request (%(default)s)")
+    e.add_argument(
+        "--max-new-tokens", type=int, default=d.default_max_new_tokens, help="default per request (%(default)s)"
+    )
     e.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit, help="(%(default)s)")
     e.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at model load")
-    e.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share completed document blocks between requests (docs/triton.md, Prefix caching)")
-    e.add_argument("--allow-engine-control", action="store_true",
-                   help="serve engine_control requests (pause/resume the engine's model steps; any client that "
-                        "reaches the server can then pause it, so leave this off on shared endpoints)")
+    e.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not share completed document blocks between requests (docs/triton.md, Prefix caching)",
+    )
+    e.add_argument(
+        "--allow-engine-control",
+        action="store_true",
+        help="serve engine_control requests (pause/resume the engine's model steps; any client that "
+        "reaches the server can then pause it, so leave this off on shared endpoints)",
+    )
     e.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads in the model (0: default)")
     w.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     t = w.add_argument_group("TensorRT model")
     t.add_argument("--onnx", help="the exported model.onnx (inputs, outputs and dims of the plan model)")
     t.add_argument("--plan", help="TensorRT engine built from --onnx")
-    t.add_argument("--plugin", help="build/plugins/trt/libdash_trt_plugin_static.so of the plugin build the engine was "
-                   "built with (libdash_trt_plugin.so beside it is copied too; default: the plugin in this installation)")
+    t.add_argument(
+        "--plugin",
+        help="build/plugins/trt/libdash_trt_plugin_static.so of the plugin build the engine was "
+        "built with (libdash_trt_plugin.so beside it is copied too; default: the plugin in this installation)",
+    )
     t.add_argument("--plan-instances", type=int, default=1, help="instances per GPU (%(default)s)")
     t.add_argument("--plan-gpus", help="comma-separated GPU ids (default: all)")
 
     s = sub.add_parser(
         "serve",
         epilog="Exit codes: 0 stopped cleanly (Ctrl-C / SIGTERM, every request answered), 2 bad input (no "
-               "repository, a port in use), 3 the server could not start, a model's worker died, or the "
-               "shutdown was not clean, " + EXIT_CODES_NOTE, help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
+        "repository, a port in use), 3 the server could not start, a model's worker died, or the "
+        "shutdown was not clean, " + EXIT_CODES_NOTE,
+        help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
         description="Start the Triton server shipped in the nvidia-pytriton wheel on a repository, bound to "
-                    "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
-                    "the repository's README.md).")
+        "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
+        "the repository's README.md).",
+    )
     s.add_argument("repository")
     s.add_argument("--http-port", type=_port, default=8000)
     s.add_argument("--grpc-port", type=_port, default=8001)
     s.add_argument("--metrics-port", type=_port, default=None, help="enable metrics on this port")
     s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
-    s.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level (any value: also the traceback of an unexpected error)")
+    s.add_argument(
+        "--verbose",
+        type=int,
+        default=0,
+        help="tritonserver --log-verbose level (any value: also the traceback of an unexpected error)",
+    )
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the models to load")
-    s.add_argument("--grace", type=float, default=5.0,
-                   help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
-                        "UNAVAILABLE (default %(default)s)")
+    s.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="on Ctrl-C / SIGTERM, seconds the running requests may still take before they are answered "
+        "UNAVAILABLE (default %(default)s)",
+    )
     r = sub.add_parser(
-        "probe", help="check that every generation model on a running server answers (a liveness probe)",
+        "probe",
+        help="check that every generation model on a running server answers (a liveness probe)",
         epilog="Exit codes: 0 every generation model answered, 2 bad arguments, 3 the server cannot be reached, "
-               "has no generation model, or one did not answer (a dead worker, a stopped engine); "
-               + EXIT_CODES_NOTE,
+        "has no generation model, or one did not answer (a dead worker, a stopped engine); " + EXIT_CODES_NOTE,
         description="Send a statistics request to each generation model of a running Triton server and say "
-                    "which answer. Triton 2.51 keeps reporting a model ready after its worker process died (its "
-                    "readiness endpoint cannot see the Python backend's stub); this probe exercises the worker, "
-                    "so use it as the liveness check of a tritonserver that dash-triton serve does not watch "
-                    "(docs/triton.md, A dead model worker).")
+        "which answer. Triton 2.51 keeps reporting a model ready after its worker process died (its "
+        "readiness endpoint cannot see the Python backend's stub); this probe exercises the worker, "
+        "so use it as the liveness check of a tritonserver that dash-triton serve does not watch "
+        "(docs/triton.md, A dead model worker).",
+    )
     r.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (%(default)s)")
-    r.add_argument("--model", action="append", default=[],
-                   help="check only this model (repeatable; default: every generation model the server has loaded)")
+    r.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="check only this model (repeatable; default: every generation model the server has loaded)",
+    )
     r.add_argument("--timeout", type=float, default=10.0, help="seconds each model has to answer (%(default)s)")
     r.add_argument("--json", action="store_true", help="print each model's statistics as one JSON object")
     r.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -152,10 +203,16 @@ def _gpu_list(flag: str, text: str | None) -> list[int] | None:
 
 
 def _engine_config(a, kv_block_size: int) -> EngineConfig:
-    return EngineConfig(num_blocks=a.num_blocks, kv_block_size=kv_block_size, prefill_chunk=a.prefill_chunk,
-                        max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
-                        default_max_new_tokens=a.max_new_tokens, max_new_tokens_limit=a.max_new_tokens_limit,
-                        prefix_caching=not a.no_prefix_caching)
+    return EngineConfig(
+        num_blocks=a.num_blocks,
+        kv_block_size=kv_block_size,
+        prefill_chunk=a.prefill_chunk,
+        max_batch_tokens=a.max_batch_tokens,
+        max_num_seqs=a.max_num_seqs,
+        default_max_new_tokens=a.max_new_tokens,
+        max_new_tokens_limit=a.max_new_tokens_limit,
+        prefix_caching=not a.no_prefix_caching,
+    )
 
 
 def write_main(a, out: TextIO, err: TextIO) -> int:
@@ -169,22 +226,50 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         engine = _engine_config(a, kv or EngineConfig().kv_block_size)
         if a.demo and a.model_class:
             raise RepositoryError("--demo is the built-in DashForCausalLM; --model goes with a checkpoint")
-        model = demo_model(seed=a.seed) if a.demo else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load,
-                                                                       model_class=a.model_class)
+        model = (
+            demo_model(seed=a.seed)
+            if a.demo
+            else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
+        )
         gpus = _gpu_list("--plan-gpus", a.plan_gpus)
         engine_gpus = _gpu_list("--gpus", a.gpus)
         # A model.pt is copied as it is; a Hugging Face folder or safetensors file (and a
         # pickled checkpoint) is written into the repository as a model.pt of the loaded model.
-        copy = (a.checkpoint if a.checkpoint and not a.unsafe_load and os.path.isfile(a.checkpoint)
-                and not a.checkpoint.endswith(".safetensors") else None)
+        copy = (
+            a.checkpoint
+            if a.checkpoint
+            and not a.unsafe_load
+            and os.path.isfile(a.checkpoint)
+            and not a.checkpoint.endswith(".safetensors")
+            else None
+        )
         written = write_repository(
-            a.out, model, checkpoint=copy, engine=engine,
-            name=a.name, device=a.device, streaming=not a.no_stream_model, onnx=a.onnx, plan=a.plan,
-            plugin=a.plugin, plan_instances=a.plan_instances, plan_gpus=gpus, warmup=not a.no_warmup,
-            torch_num_threads=a.torch_threads, allow_engine_control=a.allow_engine_control, force=a.force,
-            gpus=engine_gpus)
-    except (RepositoryError, EngineConfigError, CheckpointError, ModelConfigError, DashConfigError,
-            ModelContractError) as exc:
+            a.out,
+            model,
+            checkpoint=copy,
+            engine=engine,
+            name=a.name,
+            device=a.device,
+            streaming=not a.no_stream_model,
+            onnx=a.onnx,
+            plan=a.plan,
+            plugin=a.plugin,
+            plan_instances=a.plan_instances,
+            plan_gpus=gpus,
+            warmup=not a.no_warmup,
+            torch_num_threads=a.torch_threads,
+            allow_engine_control=a.allow_engine_control,
+            force=a.force,
+            gpus=engine_gpus,
+        )
+    except (
+        RepositoryError,
+        EngineConfigError,
+        CheckpointError,
+        ModelConfigError,
+        DashConfigError,
+        ModelContractError,
+    ) as exc:
         print(f"dash-triton write: error: {exc}", file=err)
         return EXIT_BAD_INPUT
     except (OSError, ValueError) as exc:
@@ -192,9 +277,11 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         return EXIT_BAD_INPUT
     for m in written.messages:
         print(f"note: {m}", file=err)
-    print(f"wrote {written.path}: models {', '.join(written.models)}; KV pool per generation model "
-          f"{engine.num_blocks} blocks x {engine.kv_block_size} tokens ({pool_bytes(model, engine) / 2**20:.1f} MiB)",
-          file=out)
+    print(
+        f"wrote {written.path}: models {', '.join(written.models)}; KV pool per generation model "
+        f"{engine.num_blocks} blocks x {engine.kv_block_size} tokens ({pool_bytes(model, engine) / 2**20:.1f} MiB)",
+        file=out,
+    )
     print(f"serve it: dash-triton serve {written.path}", file=out)
     return EXIT_OK
 
@@ -218,8 +305,14 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         print(f"dash-triton serve: error: {exc}", file=err)
         return EXIT_BAD_INPUT
     try:
-        server = TritonServer(a.repository, http_port=a.http_port, grpc_port=a.grpc_port,
-                              metrics_port=a.metrics_port, log_path=a.log, verbose=a.verbose)
+        server = TritonServer(
+            a.repository,
+            http_port=a.http_port,
+            grpc_port=a.grpc_port,
+            metrics_port=a.metrics_port,
+            log_path=a.log,
+            verbose=a.verbose,
+        )
     except FileNotFoundError as exc:
         print(f"dash-triton serve: error: {exc}", file=err)
         return EXIT_BAD_INPUT
@@ -235,9 +328,13 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         except TritonStartError as exc:
             print(f"dash-triton serve: error: {exc}", file=err)
             return EXIT_SERVER
-        print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}"
-              + (f", metrics 127.0.0.1:{server.metrics_port}" if server.metrics_port else "")
-              + "; Ctrl-C stops", file=out, flush=True)
+        print(
+            f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}"
+            + (f", metrics 127.0.0.1:{server.metrics_port}" if server.metrics_port else "")
+            + "; Ctrl-C stops",
+            file=out,
+            flush=True,
+        )
         # The models' workers (Python-backend stubs): when one dies, Triton keeps reporting the
         # model ready while failing every request, so serve stops and exits non-zero instead
         # (a supervisor then restarts it with a fresh server).
@@ -248,15 +345,24 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
                 # Triton 2.51's Python backend can abort the whole server (an uncaught exception
                 # in its stub-health thread) within moments of a stub's death, so both may be
                 # seen gone in one poll: the worker is named then too.
-                died = "".join(f"a model worker died (pid {pid}, {where or 'a model'}) and " for pid, where in gone.items())
-                print(f"dash-triton serve: error: {died}tritonserver exited ({_exit_status(server.returncode)}):\n"
-                      f"{server.log_tail()}", file=err)
+                died = "".join(
+                    f"a model worker died (pid {pid}, {where or 'a model'}) and " for pid, where in gone.items()
+                )
+                print(
+                    f"dash-triton serve: error: {died}tritonserver exited ({_exit_status(server.returncode)}):\n"
+                    f"{server.log_tail()}",
+                    file=err,
+                )
                 return EXIT_SERVER
             if gone:
                 pid, where = next(iter(gone.items()))
-                print(f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "
-                      f"cannot answer any more; stopping the server (exit {EXIT_SERVER}) so that a supervisor can "
-                      f"start a fresh one", file=err, flush=True)
+                print(
+                    f"dash-triton serve: error: a model worker died (pid {pid}, {where or 'a model'}): its model "
+                    f"cannot answer any more; stopping the server (exit {EXIT_SERVER}) so that a supervisor can "
+                    f"start a fresh one",
+                    file=err,
+                    flush=True,
+                )
                 # The other models drain as on Ctrl-C; then the server is killed rather than
                 # stopped: Triton would wait for the requests the dead worker holds, which it
                 # never answers, and killing it answers their clients UNAVAILABLE at once.
@@ -268,15 +374,21 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
                 return EXIT_SERVER
         # Graceful: the models answer what they hold while the server still serves, then
         # the server stops (Triton then has nothing in flight and exits at once).
-        print(f"stopping: new requests refused, queued ones answered UNAVAILABLE, running ones given "
-              f"{a.grace:g} s ...", file=err, flush=True)
+        print(
+            f"stopping: new requests refused, queued ones answered UNAVAILABLE, running ones given {a.grace:g} s ...",
+            file=err,
+            flush=True,
+        )
         drained, notes = server.drain(grace=a.grace)
         for note in notes:
             print(f"dash-triton serve: {note}", file=err, flush=True)
         code = server.stop()
         if not drained or code not in (0, None):
-            print(f"dash-triton serve: error: the shutdown was not clean (tritonserver exit code {code})",
-                  file=err, flush=True)
+            print(
+                f"dash-triton serve: error: the shutdown was not clean (tritonserver exit code {code})",
+                file=err,
+                flush=True,
+            )
             return EXIT_SERVER
         print("stopped", file=err, flush=True)
     finally:
@@ -285,8 +397,12 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         server.cleanup()
         left = server.leftovers
         if left["workers"] or left["shm"]:
-            print(f"dash-triton serve: cleaned up after the server: {len(left['workers'])} orphaned model worker(s) "
-                  f"stopped, {len(left['shm'])} shared-memory region(s) removed", file=err, flush=True)
+            print(
+                f"dash-triton serve: cleaned up after the server: {len(left['workers'])} orphaned model worker(s) "
+                f"stopped, {len(left['shm'])} shared-memory region(s) removed",
+                file=err,
+                flush=True,
+            )
     return EXIT_OK
 
 
@@ -324,8 +440,12 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
         for name, decoupled in models.items():
             if decoupled is None:
                 failed += 1
-                print(f"FAIL {name}: not a generation model the server has loaded (loaded: "
-                      f"{', '.join(served) or 'none'})", file=out, flush=True)
+                print(
+                    f"FAIL {name}: not a generation model the server has loaded (loaded: "
+                    f"{', '.join(served) or 'none'})",
+                    file=out,
+                    flush=True,
+                )
                 continue
             try:
                 stats = _probe_model(grpcclient, a.url, name, decoupled, a.timeout)
@@ -336,12 +456,20 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
             report[name] = stats
             if stats.get("engine_alive") is False or stats.get("closed"):
                 failed += 1
-                print(f"FAIL {name}: its generation engine is "
-                      f"{'closed (shutting down)' if stats.get('closed') else 'not running'}", file=out, flush=True)
+                print(
+                    f"FAIL {name}: its generation engine is "
+                    f"{'closed (shutting down)' if stats.get('closed') else 'not running'}",
+                    file=out,
+                    flush=True,
+                )
             elif not a.json:
-                print(f"ok {name}: {stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, KV blocks "
-                      f"{stats.get('kv_blocks_free', '?')} of {stats.get('kv_blocks_total', '?')} free"
-                      + (", paused" if stats.get("paused") else ""), file=out, flush=True)
+                print(
+                    f"ok {name}: {stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, KV blocks "
+                    f"{stats.get('kv_blocks_free', '?')} of {stats.get('kv_blocks_total', '?')} free"
+                    + (", paused" if stats.get("paused") else ""),
+                    file=out,
+                    flush=True,
+                )
         if a.json:
             print(json.dumps(report), file=out, flush=True)
     return EXIT_SERVER if failed else EXIT_OK

@@ -17,13 +17,13 @@ exactly :func:`dash_trt.model.tokenize` and needs no local files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -88,8 +88,16 @@ def _error(exc: Exception) -> DashClientError:
 class DashClient:
     """One connection to a Triton server holding the DASH generation models."""
 
-    def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = P.DEFAULT_NAME,
-                 stream_model: str | None = None, timeout: float = 600.0, concurrency: int = 1):
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        protocol: str = "http",
+        model: str = P.DEFAULT_NAME,
+        stream_model: str | None = None,
+        timeout: float = 600.0,
+        concurrency: int = 1,
+    ):
         self.protocol = protocol
         self.mod = _module(protocol)
         self.url = url or DEFAULT_URLS[protocol]
@@ -98,8 +106,9 @@ class DashClient:
         self.timeout = timeout
         try:
             if protocol == "http":
-                self.client = self.mod.InferenceServerClient(self.url, concurrency=concurrency,
-                                                             connection_timeout=timeout, network_timeout=timeout)
+                self.client = self.mod.InferenceServerClient(
+                    self.url, concurrency=concurrency, connection_timeout=timeout, network_timeout=timeout
+                )
             else:
                 self.client = self.mod.InferenceServerClient(self.url)
         except Exception as exc:
@@ -123,15 +132,16 @@ class DashClient:
         """The served model's config.json (cached)."""
         if self._config is None:
             try:
-                raw = self.client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc"
-                                                                   else {}))
+                raw = self.client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc" else {}))
             except Exception as exc:
                 raise _error(exc) from None
             raw = raw.get("config", raw)
             params = raw.get("parameters", {})
             if P.PARAM_MODEL_CONFIG not in params:
-                raise DashClientError(f"model '{self.model}' at {self.url} is not a DASH generation model "
-                                      f"(no '{P.PARAM_MODEL_CONFIG}' parameter)")
+                raise DashClientError(
+                    f"model '{self.model}' at {self.url} is not a DASH generation model "
+                    f"(no '{P.PARAM_MODEL_CONFIG}' parameter)"
+                )
             text = params[P.PARAM_MODEL_CONFIG].get("string_value", params[P.PARAM_MODEL_CONFIG].get("stringValue"))
             self._config = DashModelConfig.from_dict(json.loads(text), source=f"model '{self.model}'")
         return self._config
@@ -176,8 +186,18 @@ class DashClient:
     def _timeout_kw(self) -> dict:
         return {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
 
-    def _inputs(self, ids, max_new_tokens, stop_at_eos, *, stats=False, ids_dtype="INT64", stop_token_ids=None,
-                sampling=None, image_features=None):
+    def _inputs(
+        self,
+        ids,
+        max_new_tokens,
+        stop_at_eos,
+        *,
+        stats=False,
+        ids_dtype="INT64",
+        stop_token_ids=None,
+        sampling=None,
+        image_features=None,
+    ):
         mod = self.mod
         arr = np.asarray(ids, dtype=np.int64 if ids_dtype == "INT64" else None)
         if arr.ndim == 1 and arr.size == 0:
@@ -225,12 +245,22 @@ class DashClient:
         return inputs
 
     def _outputs(self):
-        return [self.mod.InferRequestedOutput(P.OUTPUT_IDS), self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE),
-                self.mod.InferRequestedOutput(P.PROMPT_TOKENS_CACHED)]
+        return [
+            self.mod.InferRequestedOutput(P.OUTPUT_IDS),
+            self.mod.InferRequestedOutput(P.PROMPT_TOKENS_DONE),
+            self.mod.InferRequestedOutput(P.PROMPT_TOKENS_CACHED),
+        ]
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
-                 stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
-                 sampling: Any = None, image_features: Any = None) -> Generation:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        *,
+        stop_at_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        sampling: Any = None,
+        image_features: Any = None,
+    ) -> Generation:
         """One request to the unary model; blocks until the tokens come back. ``sampling``: a
         ``dash_trt.sampling.SamplingParams`` or a dict of its fields (temperature, top_k,
         top_p, seed); default greedy. ``image_features``: [image tokens, image_feature_dim]
@@ -238,18 +268,34 @@ class DashClient:
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         try:
-            res = self.client.infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
-                                                             stop_token_ids=stop_token_ids, sampling=sampling,
-                                                             image_features=image_features),
-                                    outputs=self._outputs(), **self._timeout_kw())
+            res = self.client.infer(
+                self.model,
+                self._inputs(
+                    ids,
+                    max_new_tokens,
+                    stop_at_eos,
+                    stop_token_ids=stop_token_ids,
+                    sampling=sampling,
+                    image_features=image_features,
+                ),
+                outputs=self._outputs(),
+                **self._timeout_kw(),
+            )
         except Exception as exc:
             raise _error(exc) from None
         tokens = [int(t) for t in res.as_numpy(P.OUTPUT_IDS).reshape(-1)]
         return Generation(len(ids), tokens, self._text(tokens), time.perf_counter() - t0, _cached(res))
 
-    def generate_async(self, ids: Sequence[int], max_new_tokens: int | None, callback: Callable[[Any], None], *,
-                       stop_at_eos: bool | None = None, stop_token_ids: Sequence[int] | None = None,
-                       sampling: Any = None) -> None:
+    def generate_async(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int | None,
+        callback: Callable[[Any], None],
+        *,
+        stop_at_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        sampling: Any = None,
+    ) -> None:
         """gRPC only: send without waiting; ``callback(Generation | DashClientError)``
         runs on the client's thread when the answer arrives (used by the load test)."""
         if self.protocol != "grpc":
@@ -266,37 +312,60 @@ class DashClient:
                 callback(Generation(len(ids), tokens, "", dt, _cached(result)))
 
         try:
-            self.client.async_infer(self.model, self._inputs(ids, max_new_tokens, stop_at_eos,
-                                                             stop_token_ids=stop_token_ids, sampling=sampling), done,
-                                    outputs=self._outputs(), client_timeout=self.timeout)
+            self.client.async_infer(
+                self.model,
+                self._inputs(ids, max_new_tokens, stop_at_eos, stop_token_ids=stop_token_ids, sampling=sampling),
+                done,
+                outputs=self._outputs(),
+                client_timeout=self.timeout,
+            )
         except Exception as exc:
             raise _error(exc) from None
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
-               stop_at_eos: bool | None = None, on_progress: Callable[[int, int], None] | None = None,
-               on_token: Callable[[int], None] | None = None, stop_token_ids: Sequence[int] | None = None,
-               sampling: Any = None, image_features: Any = None) -> Generation:
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        *,
+        stop_at_eos: bool | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        sampling: Any = None,
+        image_features: Any = None,
+    ) -> Generation:
         """gRPC streaming through the decoupled model: ``on_progress(done, total)`` after each
         prefill chunk, ``on_token(id)`` for each new token; returns when the final response
         arrives."""
         if self.protocol != "grpc":
-            raise DashClientError("streaming needs protocol='grpc' (Triton's HTTP endpoint does not serve "
-                                  "decoupled models)")
+            raise DashClientError(
+                "streaming needs protocol='grpc' (Triton's HTTP endpoint does not serve decoupled models)"
+            )
         ids = self.encode(prompt)
         answers: queue.Queue = queue.Queue()
         t0 = time.perf_counter()
         try:
-            self.client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                                     stream_timeout=self.timeout)
+            self.client.start_stream(
+                callback=lambda result, error: answers.put((result, error)), stream_timeout=self.timeout
+            )
         except Exception as exc:
             raise _error(exc) from None
         tokens: list[int] = []
         cached = 0
         try:
-            self.client.async_stream_infer(self.stream_model,
-                                           self._inputs(ids, max_new_tokens, stop_at_eos, stop_token_ids=stop_token_ids,
-                                                        sampling=sampling, image_features=image_features),
-                                           outputs=self._outputs(), enable_empty_final_response=True)
+            self.client.async_stream_infer(
+                self.stream_model,
+                self._inputs(
+                    ids,
+                    max_new_tokens,
+                    stop_at_eos,
+                    stop_token_ids=stop_token_ids,
+                    sampling=sampling,
+                    image_features=image_features,
+                ),
+                outputs=self._outputs(),
+                enable_empty_final_response=True,
+            )
             while True:
                 try:
                     result, error = answers.get(timeout=self.timeout)
@@ -350,17 +419,20 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-client",
         description="Send a document prompt to the DASH generation model on a Triton server and print the "
-                    "generated tokens.",
+        "generated tokens.",
         epilog="Prompt text: bytes, <PAGE> (a page marker), <image> or <image*N> (N image tokens), e.g. "
-               "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
-               "2 bad arguments, 3 server not reachable, " + EXIT_CODES_NOTE,
+        "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
+        "2 bad arguments, 3 server not reachable, " + EXIT_CODES_NOTE,
     )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http")
     p.add_argument("--model", default=P.DEFAULT_NAME, help="generation model name (default %(default)s)")
-    p.add_argument("--stream", action="store_true",
-                   help="stream prefill progress and tokens from the decoupled MODEL_stream model (implies grpc)")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream prefill progress and tokens from the decoupled MODEL_stream model (implies grpc)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text with <PAGE> and <image*N> tokens")
     src.add_argument("--pages", help="comma-separated image tokens per page, e.g. 64,64,32 (with --question)")
@@ -376,16 +448,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed (reproducible tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stats", action="store_true", help="print the engine's pool statistics and exit")
-    p.add_argument("--engine-control", choices=P.CONTROL_ACTIONS,
-                   help="pause or resume the engine's model steps (a model written with --allow-engine-control), "
-                        "print the statistics and exit")
+    p.add_argument(
+        "--engine-control",
+        choices=P.CONTROL_ACTIONS,
+        help="pause or resume the engine's model steps (a model written with --allow-engine-control), "
+        "print the statistics and exit",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    p.add_argument("--wait", type=float, default=0.0,
-                   help="first wait up to this many seconds for the server and model to be ready (a server "
-                        "just started takes a while to load the models)")
-    p.add_argument("--progress-threshold", type=int, default=512,
-                   help="prompts of at least this many tokens show progress while waiting (default %(default)s)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="first wait up to this many seconds for the server and model to be ready (a server "
+        "just started takes a while to load the models)",
+    )
+    p.add_argument(
+        "--progress-threshold",
+        type=int,
+        default=512,
+        help="prompts of at least this many tokens show progress while waiting (default %(default)s)",
+    )
     return p
 
 
@@ -399,11 +482,18 @@ class _Ticker:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        print(f"  waiting for the answer to a {self.n}-token prompt (the unary model answers once; --stream shows "
-              f"prefill progress)", file=self.stream, flush=True)
+        print(
+            f"  waiting for the answer to a {self.n}-token prompt (the unary model answers once; --stream shows "
+            f"prefill progress)",
+            file=self.stream,
+            flush=True,
+        )
         while not self._stop.wait(self.every):
-            print(f"  ... {time.perf_counter() - self._t0:.0f} s, prompt of {self.n} tokens being processed",
-                  file=self.stream, flush=True)
+            print(
+                f"  ... {time.perf_counter() - self._t0:.0f} s, prompt of {self.n} tokens being processed",
+                file=self.stream,
+                flush=True,
+            )
 
     def __enter__(self):
         self._thread.start()
@@ -420,8 +510,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     protocol = "grpc" if a.stream else a.protocol
-    if a.max_new_tokens is not None and not 1 <= a.max_new_tokens <= 2 ** 31 - 1:
-        print(f"dash-client: error: --max-new-tokens must be 1..{2 ** 31 - 1}, got {a.max_new_tokens}", file=err)
+    if a.max_new_tokens is not None and not 1 <= a.max_new_tokens <= 2**31 - 1:
+        print(f"dash-client: error: --max-new-tokens must be 1..{2**31 - 1}, got {a.max_new_tokens}", file=err)
         return 2
     try:
         client = DashClient(a.url, protocol=protocol, model=a.model, timeout=a.timeout)
@@ -458,8 +548,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                 try:
                     pages = [int(x) for x in a.pages.split(",") if x.strip()]
                 except ValueError:
-                    print(f"dash-client: error: --pages must be comma-separated integers, got {a.pages!r}",
-                          file=err)
+                    print(f"dash-client: error: --pages must be comma-separated integers, got {a.pages!r}", file=err)
                     return 2
                 ids = document_prompt(pages, a.question, client.model_config(), preamble=a.preamble)
             elif a.prompt is not None:
@@ -469,19 +558,29 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                 return 2
             stop = False if a.no_stop_at_eos else None
             try:
-                stop_ids = None if a.stop_token_ids is None else [int(x) for x in a.stop_token_ids.split(",") if x.strip()]
+                stop_ids = (
+                    None if a.stop_token_ids is None else [int(x) for x in a.stop_token_ids.split(",") if x.strip()]
+                )
             except ValueError:
-                print(f"dash-client: error: --stop-token-ids must be comma-separated integers, got {a.stop_token_ids!r}",
-                      file=err)
+                print(
+                    f"dash-client: error: --stop-token-ids must be comma-separated integers, got {a.stop_token_ids!r}",
+                    file=err,
+                )
                 return 2
-            sampling = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p),
-                                          ("seed", a.seed)) if v is not None} or None
+            sampling = {
+                k: v
+                for k, v in (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p), ("seed", a.seed))
+                if v is not None
+            } or None
             opts = {"stop_token_ids": stop_ids, "sampling": sampling}
             cfg = client.model_config()
             pages = sum(1 for i in ids if i == cfg.page_token_id)
             served_by = client.stream_model if a.stream else client.model
-            print(f"prompt: {len(ids)} tokens, {pages} page(s); model '{served_by}' at {client.url} "
-                  f"({protocol})", file=err, flush=True)
+            print(
+                f"prompt: {len(ids)} tokens, {pages} page(s); model '{served_by}' at {client.url} ({protocol})",
+                file=err,
+                flush=True,
+            )
             if a.stream:
                 state = {"last": -1, "first": True}
 
@@ -498,8 +597,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                             state["first"] = False
                         print(f" {t}", end="", file=out, flush=True)
 
-                gen = client.stream(ids, a.max_new_tokens, stop_at_eos=stop, on_progress=progress, on_token=token,
-                                    **opts)
+                gen = client.stream(
+                    ids, a.max_new_tokens, stop_at_eos=stop, on_progress=progress, on_token=token, **opts
+                )
                 if not a.json:
                     print(file=out)
             elif len(ids) >= a.progress_threshold:
@@ -511,8 +611,17 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             print(f"dash-client: error: {exc}", file=err)
             return 1
     if a.json:
-        print(json.dumps({"prompt_tokens": gen.prompt_tokens, "tokens": gen.tokens, "text": gen.text,
-                          "seconds": round(gen.seconds, 4)}), file=out)
+        print(
+            json.dumps(
+                {
+                    "prompt_tokens": gen.prompt_tokens,
+                    "tokens": gen.tokens,
+                    "text": gen.text,
+                    "seconds": round(gen.seconds, 4),
+                }
+            ),
+            file=out,
+        )
     else:
         if not a.stream:
             print("tokens: " + " ".join(map(str, gen.tokens)), file=out)

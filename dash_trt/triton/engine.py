@@ -87,11 +87,11 @@ class RequestError(ValueError):
 class EngineConfig:
     """Sizes of the pool and of a step."""
 
-    num_blocks: int = 512           #: KV blocks in the pool (shared by all layers' caches)
-    kv_block_size: int = 16         #: tokens per KV block
-    prefill_chunk: int = 256        #: most prompt tokens of one sequence in one step
-    max_batch_tokens: int = 512     #: most new tokens in one step (decode tokens + prefill chunks)
-    max_num_seqs: int = 64          #: most sequences running at once (the rest wait)
+    num_blocks: int = 512  #: KV blocks in the pool (shared by all layers' caches)
+    kv_block_size: int = 16  #: tokens per KV block
+    prefill_chunk: int = 256  #: most prompt tokens of one sequence in one step
+    max_batch_tokens: int = 512  #: most new tokens in one step (decode tokens + prefill chunks)
+    max_num_seqs: int = 64  #: most sequences running at once (the rest wait)
     default_max_new_tokens: int = 32  #: when a request does not say
     max_new_tokens_limit: int = 4096  #: the most a request may ask for
     #: most tokens (prompt + generated) of one request; 0: the pool's size, at most 131072. On the
@@ -107,21 +107,40 @@ class EngineConfig:
 
     #: Upper bounds (checked when the config is made, not when a pool of that size fails to
     #: allocate at serve time): 2^24 blocks, blocks of 4096 tokens, 2^20-token steps.
-    _LIMITS = {"num_blocks": 1 << 24, "kv_block_size": 4096, "prefill_chunk": 1 << 20, "max_batch_tokens": 1 << 20,
-               "max_num_seqs": 1 << 16, "default_max_new_tokens": 1 << 20, "max_new_tokens_limit": 1 << 20}
+    _LIMITS = {
+        "num_blocks": 1 << 24,
+        "kv_block_size": 4096,
+        "prefill_chunk": 1 << 20,
+        "max_batch_tokens": 1 << 20,
+        "max_num_seqs": 1 << 16,
+        "default_max_new_tokens": 1 << 20,
+        "max_new_tokens_limit": 1 << 20,
+    }
 
     def __post_init__(self) -> None:
-        for f in ("num_blocks", "kv_block_size", "prefill_chunk", "max_batch_tokens", "max_num_seqs",
-                  "default_max_new_tokens", "max_new_tokens_limit"):
+        for f in (
+            "num_blocks",
+            "kv_block_size",
+            "prefill_chunk",
+            "max_batch_tokens",
+            "max_num_seqs",
+            "default_max_new_tokens",
+            "max_new_tokens_limit",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"engine config '{f}' must be a positive integer, got {v!r}")
             if v > self._LIMITS[f]:
                 raise EngineConfigError(f"engine config '{f}' is {v}, more than the supported {self._LIMITS[f]}")
-        if (not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 0
-                or self.max_model_len > 1 << 24):
-            raise EngineConfigError(f"engine config 'max_model_len' must be an integer in 0..{1 << 24}, got "
-                                    f"{self.max_model_len!r}")
+        if (
+            not isinstance(self.max_model_len, int)
+            or isinstance(self.max_model_len, bool)
+            or self.max_model_len < 0
+            or self.max_model_len > 1 << 24
+        ):
+            raise EngineConfigError(
+                f"engine config 'max_model_len' must be an integer in 0..{1 << 24}, got {self.max_model_len!r}"
+            )
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise EngineConfigError(f"engine config 'gpu_memory_fraction' must be a number in [0, 1], got {f!r}")
@@ -129,8 +148,10 @@ class EngineConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise EngineConfigError(f"engine config '{flag}' must be true or false, got {getattr(self, flag)!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
-            raise EngineConfigError(f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
-                                    f"max_new_tokens_limit ({self.max_new_tokens_limit})")
+            raise EngineConfigError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens_limit ({self.max_new_tokens_limit})"
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -228,9 +249,16 @@ class GenerationEngine:
     backend object (:class:`dash_trt.trt_runtime.TensorRTBackend`).
     """
 
-    def __init__(self, model: DashModel, config: EngineConfig | None = None, *,
-                 forward: ForwardFn | None = None, cancel_poll_interval: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic, backend: Any = None):
+    def __init__(
+        self,
+        model: DashModel,
+        config: EngineConfig | None = None,
+        *,
+        forward: ForwardFn | None = None,
+        cancel_poll_interval: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+        backend: Any = None,
+    ):
         self.model = model
         # Asking Triton whether a request was cancelled is a round trip to the server
         # process: do it at most this often (seconds of ``clock``), not on every step.
@@ -242,13 +270,22 @@ class GenerationEngine:
         self.model_config = model.config
         num_blocks = ecfg.num_blocks
         if ecfg.gpu_memory_fraction > 0 and model.device.type == "cuda" and forward is None and backend is None:
-            num_blocks = size_pool_for_memory(model, ecfg.kv_block_size, ecfg.gpu_memory_fraction,
-                                              ecfg.max_batch_tokens)
+            num_blocks = size_pool_for_memory(
+                model, ecfg.kv_block_size, ecfg.gpu_memory_fraction, ecfg.max_batch_tokens
+            )
         #: KV blocks in the pool (``config.num_blocks``, or what ``gpu_memory_fraction`` gave)
         self.num_blocks = num_blocks
-        self.runtime = PagedRuntime(model, num_blocks, ecfg.kv_block_size, forward=forward, backend=backend,
-                                    max_model_len=ecfg.max_model_len or None, max_num_seqs=ecfg.max_num_seqs,
-                                    cuda_graphs=ecfg.cuda_graphs, prefix_caching=ecfg.prefix_caching)
+        self.runtime = PagedRuntime(
+            model,
+            num_blocks,
+            ecfg.kv_block_size,
+            forward=forward,
+            backend=backend,
+            max_model_len=ecfg.max_model_len or None,
+            max_num_seqs=ecfg.max_num_seqs,
+            cuda_graphs=ecfg.cuda_graphs,
+            prefix_caching=ecfg.prefix_caching,
+        )
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Request] = deque()
@@ -259,9 +296,20 @@ class GenerationEngine:
         self._drain_deadline: float | None = None  #: drain(): running requests fail from then on
         self._step_no = 0  # steps run so far (not reset with the counters)
         self._ids = itertools.count()
-        self.counters = {"submitted": 0, "refused": 0, "done": 0, "failed": 0, "steps": 0, "tokens_generated": 0,
-                         "prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "peak_running": 0, "peak_waiting": 0, "waited": 0,
-                         "peak_blocks_in_use": 0}
+        self.counters = {
+            "submitted": 0,
+            "refused": 0,
+            "done": 0,
+            "failed": 0,
+            "steps": 0,
+            "tokens_generated": 0,
+            "prompt_tokens_computed": 0,
+            "prompt_tokens_cached": 0,
+            "peak_running": 0,
+            "peak_waiting": 0,
+            "waited": 0,
+            "peak_blocks_in_use": 0,
+        }
 
     # ----------------------------------------------------------------- requests
     def check(self, prompt: Any, max_new_tokens: Any = None) -> tuple[list[int], int, tuple]:
@@ -278,35 +326,43 @@ class GenerationEngine:
             raise RequestError(f"max_new_tokens must be 1..{ecfg.max_new_tokens_limit}, got {max_new}")
         length = _prompt_length(prompt)
         if length == 0:
-            raise RequestError("input_ids is empty: a prompt needs at least one document page "
-                               f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})")
+            raise RequestError(
+                "input_ids is empty: a prompt needs at least one document page "
+                f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})"
+            )
         need = ecfg.blocks_for(length + max_new - 1)
         if need > self.num_blocks:
             raise RequestError(
                 f"request too long for the KV pool: a prompt of {length} tokens plus up to {max_new} new tokens "
                 f"needs {need} KV blocks of {ecfg.kv_block_size} tokens, the pool has {self.num_blocks} in all "
                 f"({self.num_blocks * ecfg.kv_block_size} tokens); shorten the prompt or max_new_tokens, or give "
-                f"the model a larger pool (dash-triton write --num-blocks)")
+                f"the model a larger pool (dash-triton write --num-blocks)"
+            )
         if length + max_new - 1 > self.runtime.max_model_len:
             raise RequestError(
                 f"request too long: a prompt of {length} tokens plus up to {max_new} new tokens exceeds the "
-                f"model's max_model_len of {self.runtime.max_model_len} tokens (dash-triton write --max-model-len)")
+                f"model's max_model_len of {self.runtime.max_model_len} tokens (dash-triton write --max-model-len)"
+            )
         arr = _as_id_array(prompt)
         outside = (arr < 0) | (arr >= cfg.vocab_size)
         if outside.any():
             bad = arr[outside]
-            raise RequestError(f"input_ids holds {bad.size} id(s) outside the vocabulary 0..{cfg.vocab_size - 1}: "
-                               f"{bad[:5].tolist()}")
+            raise RequestError(
+                f"input_ids holds {bad.size} id(s) outside the vocabulary 0..{cfg.vocab_size - 1}: {bad[:5].tolist()}"
+            )
         ids = arr.tolist()
         try:
             coords = PageCoordState.from_prompt(token_roles(torch.from_numpy(arr), cfg))
         except ValueError as exc:
-            raise RequestError(f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
-                               f"<image> is id {cfg.image_token_id})") from None
+            raise RequestError(
+                f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
+                f"<image> is id {cfg.image_token_id})"
+            ) from None
         return ids, max_new, coords
 
-    def check_options(self, stop_token_ids: Any = None, sampling: Any = None) -> tuple[frozenset[int],
-                                                                                       SamplingParams | None]:
+    def check_options(
+        self, stop_token_ids: Any = None, sampling: Any = None
+    ) -> tuple[frozenset[int], SamplingParams | None]:
         """Validate a request's stop tokens (ids in the vocabulary, at most
         :data:`MAX_STOP_IDS`) and sampling (a :class:`~dash_trt.sampling.SamplingParams` or a
         dict of its fields); raises :class:`RequestError` naming the bad value."""
@@ -340,24 +396,36 @@ class GenerationEngine:
             return None
         cfg = self.model_config
         if cfg.image_feature_dim is None:
-            raise RequestError("this model takes no image_features (its config sets no image_feature_dim): send "
-                               "input_ids only; image tokens are embedded from the token table")
+            raise RequestError(
+                "this model takes no image_features (its config sets no image_feature_dim): send "
+                "input_ids only; image tokens are embedded from the token table"
+            )
         arr = np.asarray(features)
         if arr.ndim != 2 or arr.shape[1] != cfg.image_feature_dim:
-            raise RequestError(f"image_features must be [image tokens, {cfg.image_feature_dim}], got "
-                               f"{list(arr.shape)}")
+            raise RequestError(f"image_features must be [image tokens, {cfg.image_feature_dim}], got {list(arr.shape)}")
         n_img = ids.count(cfg.image_token_id)
         if arr.shape[0] != n_img:
-            raise RequestError(f"image_features has {arr.shape[0]} rows, the prompt has {n_img} <image> tokens "
-                               f"(id {cfg.image_token_id}): give one row per image token, in order")
+            raise RequestError(
+                f"image_features has {arr.shape[0]} rows, the prompt has {n_img} <image> tokens "
+                f"(id {cfg.image_token_id}): give one row per image token, in order"
+            )
         if arr.dtype.kind != "f" or not np.isfinite(arr).all():
             raise RequestError("image_features must be finite floating-point values")
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
-    def submit(self, prompt: Any, max_new_tokens: Any = None, *, stop_at_eos: bool = True,
-               on_event: Callable[[Event], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
-               tag: Any = None, stop_token_ids: Any = None, sampling: Any = None,
-               image_features: Any = None) -> Request:
+    def submit(
+        self,
+        prompt: Any,
+        max_new_tokens: Any = None,
+        *,
+        stop_at_eos: bool = True,
+        on_event: Callable[[Event], None] | None = None,
+        is_cancelled: Callable[[], bool] | None = None,
+        tag: Any = None,
+        stop_token_ids: Any = None,
+        sampling: Any = None,
+        image_features: Any = None,
+    ) -> Request:
         """Queue a request (any thread). Raises :class:`RequestError` (nothing queued) if it
         is invalid or the engine is closed; otherwise its events follow from
         :meth:`step` and ``request.result()`` gives the tokens. ``stop_token_ids``: generating
@@ -372,10 +440,20 @@ class GenerationEngine:
             with self._lock:
                 self.counters["refused"] += 1
             raise
-        req = Request(id=-1, prompt=ids, max_new_tokens=max_new, stop_at_eos=bool(stop_at_eos),
-                      blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1), on_event=on_event,
-                      is_cancelled=is_cancelled, tag=tag, t_submit=time.perf_counter(), stop_ids=stops,
-                      sampling=params, image_features=feats)
+        req = Request(
+            id=-1,
+            prompt=ids,
+            max_new_tokens=max_new,
+            stop_at_eos=bool(stop_at_eos),
+            blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1),
+            on_event=on_event,
+            is_cancelled=is_cancelled,
+            tag=tag,
+            t_submit=time.perf_counter(),
+            stop_ids=stops,
+            sampling=params,
+            image_features=feats,
+        )
         req._coords = coords
         if self.runtime.prefix_caching:  # hashed here, on the caller's thread, not the engine's
             req._hashes = prefix_block_hashes(ids, self.model_config.image_token_id, self.config.kv_block_size, feats)
@@ -455,14 +533,30 @@ class GenerationEngine:
                 break
         return n
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
-                 stop_at_eos: bool = True, stop_token_ids: Any = None, sampling: Any = None,
-                 image_features: Sequence[Any] | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | None = None,
+        *,
+        stop_at_eos: bool = True,
+        stop_token_ids: Any = None,
+        sampling: Any = None,
+        image_features: Sequence[Any] | None = None,
+    ) -> list[list[int]]:
         """Offline convenience: submit every prompt (with its image features, if given), run
         until done, return the tokens."""
         feats = list(image_features) if image_features is not None else [None] * len(prompts)
-        reqs = [self.submit(p, max_new_tokens, stop_at_eos=stop_at_eos, stop_token_ids=stop_token_ids,
-                            sampling=sampling, image_features=f) for p, f in zip(prompts, feats)]
+        reqs = [
+            self.submit(
+                p,
+                max_new_tokens,
+                stop_at_eos=stop_at_eos,
+                stop_token_ids=stop_token_ids,
+                sampling=sampling,
+                image_features=f,
+            )
+            for p, f in zip(prompts, feats)
+        ]
         self.run_until_idle()
         return [r.result(timeout=0) for r in reqs]
 
@@ -537,9 +631,16 @@ class GenerationEngine:
             self._waiting.popleft()
             req.blocks_reserved = own
             self._reserved += own
-            seq = self.runtime.add(req.id, req.prompt, len(req.prompt) + req.max_new_tokens - 1, coords=req._coords,
-                                   sampling=req.sampling, image_features=req.image_features,
-                                   block_hashes=req._hashes, cached_blocks=cached)
+            seq = self.runtime.add(
+                req.id,
+                req.prompt,
+                len(req.prompt) + req.max_new_tokens - 1,
+                coords=req._coords,
+                sampling=req.sampling,
+                image_features=req.image_features,
+                block_hashes=req._hashes,
+                cached_blocks=cached,
+            )
             req.prompt_cached = req.prompt_done = seq.cached_tokens
             self.counters["prompt_tokens_cached"] += seq.cached_tokens
             req._coords = req.image_features = req._hashes = None  # the runtime holds them now
@@ -575,8 +676,9 @@ class GenerationEngine:
         self.counters["steps"] += 1
         self._step_no += 1
         pool = self.runtime.pool
-        self.counters["peak_blocks_in_use"] = max(self.counters["peak_blocks_in_use"],
-                                                  pool.num_blocks - pool.num_free_blocks)
+        self.counters["peak_blocks_in_use"] = max(
+            self.counters["peak_blocks_in_use"], pool.num_blocks - pool.num_free_blocks
+        )
         try:
             result = self.runtime.step([(r.id, n) for r, n in plan])
         except Exception as exc:

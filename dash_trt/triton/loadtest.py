@@ -36,8 +36,14 @@ from .engine import EngineConfig
 
 __all__ = ["LoadCase", "LoadReport", "make_cases", "expected_tokens", "run_load", "main"]
 
-QUESTIONS = ("", "Title?", "What is on page 2?", "Summarise the table.", "Who signed it?",
-             "List every date mentioned in the document.")
+QUESTIONS = (
+    "",
+    "Title?",
+    "What is on page 2?",
+    "Summarise the table.",
+    "Who signed it?",
+    "List every date mentioned in the document.",
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,15 @@ class LoadCase:
     max_new_tokens: int
 
 
-def make_cases(config: DashModelConfig, n: int, seed: int = 0, *, pages: tuple[int, int] = (1, 4),
-               images: tuple[int, int] = (4, 48), max_new_tokens: tuple[int, int] = (1, 8)) -> list[LoadCase]:
+def make_cases(
+    config: DashModelConfig,
+    n: int,
+    seed: int = 0,
+    *,
+    pages: tuple[int, int] = (1, 4),
+    images: tuple[int, int] = (4, 48),
+    max_new_tokens: tuple[int, int] = (1, 8),
+) -> list[LoadCase]:
     """``n`` document prompts of mixed lengths (pages, image tokens per page, question)
     and mixed ``max_new_tokens``, reproducible from ``seed``."""
     rng = random.Random(seed)
@@ -68,8 +81,7 @@ def expected_tokens(model: DashModel, cases: Sequence[LoadCase], *, kv_block_siz
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [generate(model, [list(c.ids)], c.max_new_tokens, kv_block_size=kv_block_size).tokens[0]
-                for c in cases]
+        return [generate(model, [list(c.ids)], c.max_new_tokens, kv_block_size=kv_block_size).tokens[0] for c in cases]
     finally:
         torch.set_num_threads(threads)
 
@@ -90,13 +102,18 @@ class LoadReport:
     @property
     def pool_free(self) -> bool:
         s = self.stats_after
-        return bool(s) and s.get("kv_blocks_free") == s.get("kv_blocks_total") and not s.get("running") \
+        return (
+            bool(s)
+            and s.get("kv_blocks_free") == s.get("kv_blocks_total")
+            and not s.get("running")
             and not s.get("waiting")
+        )
 
     @property
     def ok(self) -> bool:
-        return self.correct == self.requests and not self.wrong and not self.errors and not self.missing \
-            and self.pool_free
+        return (
+            self.correct == self.requests and not self.wrong and not self.errors and not self.missing and self.pool_free
+        )
 
     def percentile(self, q: float) -> float:
         xs = sorted(self.latencies)
@@ -127,8 +144,13 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def run_load(client: DashClient, cases: Sequence[LoadCase], expected: Sequence[Sequence[int]] | None = None, *,
-             timeout: float = 600.0) -> LoadReport:
+def run_load(
+    client: DashClient,
+    cases: Sequence[LoadCase],
+    expected: Sequence[Sequence[int]] | None = None,
+    *,
+    timeout: float = 600.0,
+) -> LoadReport:
     """Send every case at once (gRPC async) and wait for all answers."""
     if client.protocol != "grpc":
         raise ValueError("run_load needs a gRPC DashClient (async requests with completion callbacks)")
@@ -140,6 +162,7 @@ def run_load(client: DashClient, cases: Sequence[LoadCase], expected: Sequence[S
         def done(res):
             results[i] = res
             left.release()
+
         return done
 
     t0 = time.perf_counter()
@@ -167,23 +190,43 @@ def run_load(client: DashClient, cases: Sequence[LoadCase], expected: Sequence[S
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m dash_trt.triton.loadtest", description=__doc__.split("\n\n")[0],
-                                epilog="Exit codes: 0 every request answered correctly and the pool free, 1 not "
-                                       "(wrong, failed or missing answers, blocks held), 2 bad input, 3 the server "
-                                       "could not start or be reached, " + EXIT_CODES_NOTE)
+    p = argparse.ArgumentParser(
+        prog="python3 -m dash_trt.triton.loadtest",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 every request answered correctly and the pool free, 1 not "
+        "(wrong, failed or missing answers, blocks held), 2 bad input, 3 the server "
+        "could not start or be reached, " + EXIT_CODES_NOTE,
+    )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--url", help="gRPC host:port of a running server (default: start one on a demo repository)")
-    p.add_argument("--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)")
-    p.add_argument("--random-init", metavar="CONFIG_JSON", help="a model of this config.json with random weights "
-                   "(seed --demo-seed) instead of the demo model")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="dtype of the --random-init model (default: its config's)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the server it starts runs the model (KIND_GPU for cuda); the offline generation "
-                        "that checks the answers runs there too")
-    p.add_argument("--demo-seed", type=int, default=2,
-                   help="seed of the demo model's random weights (default 2: its greedy outputs vary from prompt "
-                        "to prompt, so a wrong answer shows)")
+    p.add_argument(
+        "--checkpoint", help="model.pt or Hugging Face folder the server runs (default: the built-in demo model)"
+    )
+    p.add_argument(
+        "--random-init",
+        metavar="CONFIG_JSON",
+        help="a model of this config.json with random weights (seed --demo-seed) instead of the demo model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="dtype of the --random-init model (default: its config's)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the server it starts runs the model (KIND_GPU for cuda); the offline generation "
+        "that checks the answers runs there too",
+    )
+    p.add_argument(
+        "--demo-seed",
+        type=int,
+        default=2,
+        help="seed of the demo model's random weights (default 2: its greedy outputs vary from prompt "
+        "to prompt, so a wrong answer shows)",
+    )
     p.add_argument("--model", default="dash")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -194,9 +237,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
-    p.add_argument("--model-class", metavar="MODULE:CLASS", dest="model_class",
-                   help="the model class of --checkpoint / --random-init (dash-export's --model; --model here is "
-                        "the Triton model's name)")
+    p.add_argument(
+        "--model-class",
+        metavar="MODULE:CLASS",
+        dest="model_class",
+        help="the model class of --checkpoint / --random-init (dash-export's --model; --model here is "
+        "the Triton model's name)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the offline generation (no correctness check)")
     p.add_argument("--server-log", help="the started server's log file (default: a scratch file)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
@@ -234,20 +281,34 @@ def _run(a, out: TextIO) -> int:
     elif a.random_init:
         from ..model import DTYPES, load_model_config, random_model
 
-        model = random_model(load_model_config(a.random_init), seed=a.demo_seed,
-                             dtype=DTYPES[a.dtype] if a.dtype else None, model_class=a.model_class)
+        model = random_model(
+            load_model_config(a.random_init),
+            seed=a.demo_seed,
+            dtype=DTYPES[a.dtype] if a.dtype else None,
+            model_class=a.model_class,
+        )
     else:
         model = demo_model(seed=a.demo_seed)
     if a.device == "cuda":
         model = model.cuda()
-    cases = make_cases(model.config, a.requests, a.seed, pages=_pair(a.pages), images=_pair(a.images),
-                       max_new_tokens=_pair(a.max_new_tokens))
+    cases = make_cases(
+        model.config,
+        a.requests,
+        a.seed,
+        pages=_pair(a.pages),
+        images=_pair(a.images),
+        max_new_tokens=_pair(a.max_new_tokens),
+    )
     expected = None
     if not a.no_check:
         t = time.perf_counter()
         expected = expected_tokens(model, cases, kv_block_size=a.kv_block_size)
-        print(f"offline greedy generation (dash_trt.model.generate) of {len(cases)} prompts: "
-              f"{time.perf_counter() - t:.1f} s", file=out, flush=True)
+        print(
+            f"offline greedy generation (dash_trt.model.generate) of {len(cases)} prompts: "
+            f"{time.perf_counter() - t:.1f} s",
+            file=out,
+            flush=True,
+        )
     server = scratch = None
     try:
         url = a.url
@@ -257,15 +318,24 @@ def _run(a, out: TextIO) -> int:
 
             scratch = tempfile.mkdtemp(prefix="dash-loadtest-")
             repo = os.path.join(scratch, "repo")
-            engine = EngineConfig(num_blocks=a.num_blocks, kv_block_size=a.kv_block_size, prefill_chunk=a.prefill_chunk,
-                                  max_batch_tokens=a.max_batch_tokens, max_num_seqs=max(a.requests, 1),
-                                  default_max_new_tokens=_pair(a.max_new_tokens)[1],
-                                  max_new_tokens_limit=max(_pair(a.max_new_tokens)[1], 1))
+            engine = EngineConfig(
+                num_blocks=a.num_blocks,
+                kv_block_size=a.kv_block_size,
+                prefill_chunk=a.prefill_chunk,
+                max_batch_tokens=a.max_batch_tokens,
+                max_num_seqs=max(a.requests, 1),
+                default_max_new_tokens=_pair(a.max_new_tokens)[1],
+                max_new_tokens_limit=max(_pair(a.max_new_tokens)[1], 1),
+            )
             write_repository(repo, model, engine=engine, streaming=False, device=a.device)
             t = time.perf_counter()
             server = TritonServer(repo, log_path=a.server_log).start(timeout=a.start_timeout)
-            print(f"tritonserver ready in {time.perf_counter() - t:.1f} s at {server.grpc_url} (KV pool "
-                  f"{a.num_blocks} x {a.kv_block_size}, model on {a.device})", file=out, flush=True)
+            print(
+                f"tritonserver ready in {time.perf_counter() - t:.1f} s at {server.grpc_url} (KV pool "
+                f"{a.num_blocks} x {a.kv_block_size}, model on {a.device})",
+                file=out,
+                flush=True,
+            )
             url = server.grpc_url
         with DashClient(url, protocol="grpc", model=a.model) as client:
             report = run_load(client, cases, expected)

@@ -55,8 +55,10 @@ class GenerationMetrics:
 
     def __init__(self, pb_utils: Any, model: str):
         kinds = {"COUNTER": pb_utils.MetricFamily.COUNTER, "GAUGE": pb_utils.MetricFamily.GAUGE}
-        self._families = {name: pb_utils.MetricFamily(name=PREFIX + name, description=desc, kind=kinds[kind])
-                          for name, kind, desc in FAMILIES}
+        self._families = {
+            name: pb_utils.MetricFamily(name=PREFIX + name, description=desc, kind=kinds[kind])
+            for name, kind, desc in FAMILIES
+        }
         labels = {"model": model}
         self._m = {name: fam.Metric(labels=labels) for name, fam in self._families.items() if name != "requests_total"}
         total = self._families["requests_total"]

@@ -43,18 +43,44 @@ from .client import DashClient, DashClientError
 __all__ = ["OpenAIServer", "CompletionError", "completion_request", "openai_main"]
 
 #: Request fields this server reads; anything else is refused (a typo must not pass silently).
-KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
-                "stop_token_ids", "ignore_eos", "image_features", "user", "n", "best_of", "echo", "logprobs",
-                "suffix", "stop", "presence_penalty", "frequency_penalty", "stream_options"}
-UNSUPPORTED = {"best_of": None, "echo": False, "logprobs": None, "suffix": None, "stop": None,
-               "presence_penalty": 0, "frequency_penalty": 0}
+KNOWN_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stream",
+    "stop_token_ids",
+    "ignore_eos",
+    "image_features",
+    "user",
+    "n",
+    "best_of",
+    "echo",
+    "logprobs",
+    "suffix",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream_options",
+}
+UNSUPPORTED = {
+    "best_of": None,
+    "echo": False,
+    "logprobs": None,
+    "suffix": None,
+    "stop": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+}
 
 
 class CompletionError(Exception):
     """A request this server refuses (OpenAI's error object; ``status`` is the HTTP status)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
 
@@ -71,8 +97,12 @@ def completion_request(body: Any, model_name: str) -> dict:
     if unknown:
         raise CompletionError(f"unknown field(s): {', '.join(unknown)}", unknown[0])
     if body.get("model", model_name) != model_name:
-        raise CompletionError(f"model {body.get('model')!r} is not served here (this endpoint serves "
-                              f"{model_name!r})", "model", 404, "not_found_error")
+        raise CompletionError(
+            f"model {body.get('model')!r} is not served here (this endpoint serves {model_name!r})",
+            "model",
+            404,
+            "not_found_error",
+        )
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in (neutral, None):
             hint = " (use stop_token_ids)" if name == "stop" else ""
@@ -84,8 +114,9 @@ def completion_request(body: Any, model_name: str) -> dict:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise CompletionError("prompt must be a string or a non-empty list of token ids (one prompt per "
-                                  "request)", "prompt")
+            raise CompletionError(
+                "prompt must be a string or a non-empty list of token ids (one prompt per request)", "prompt"
+            )
     elif not isinstance(prompt, str) or not prompt:
         raise CompletionError("prompt must be a non-empty string or a list of token ids", "prompt")
 
@@ -96,13 +127,17 @@ def completion_request(body: Any, model_name: str) -> dict:
         ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
         if not ok or isinstance(value, bool) or (lo is not None and value < lo) or (hi is not None and value > hi):
             bounds = f" in {lo}..{hi}" if hi is not None else (f" >= {lo}" if lo is not None else "")
-            raise CompletionError(f"{name} must be a{'n integer' if kind is int else ' number'}{bounds}, "
-                                  f"got {value!r}", name)
+            raise CompletionError(
+                f"{name} must be a{'n integer' if kind is int else ' number'}{bounds}, got {value!r}", name
+            )
         return kind(value)
 
-    sampling = {"temperature": number("temperature", float, 1.0, 0.0, 100.0),
-                "top_p": number("top_p", float, 1.0, 0.0, 1.0), "top_k": number("top_k", int, 0, 0),
-                "seed": number("seed", int, None)}
+    sampling = {
+        "temperature": number("temperature", float, 1.0, 0.0, 100.0),
+        "top_p": number("top_p", float, 1.0, 0.0, 1.0),
+        "top_k": number("top_k", int, 0, 0),
+        "seed": number("seed", int, None),
+    }
     stops = body.get("stop_token_ids")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) for t in stops)):
         raise CompletionError("stop_token_ids must be a list of token ids", "stop_token_ids")
@@ -116,10 +151,15 @@ def completion_request(body: Any, model_name: str) -> dict:
             raise CompletionError("image_features must be a list of rows of numbers", "image_features") from None
         if feats.ndim != 2:
             raise CompletionError("image_features must be a list of rows (one per <image> token)", "image_features")
-    return {"prompt": prompt, "max_tokens": number("max_tokens", int, 16, 1),
-            "stop_at_eos": not bool(body.get("ignore_eos", False)), "stop_token_ids": stops,
-            "sampling": {k: v for k, v in sampling.items() if v is not None}, "image_features": feats,
-            "stream": bool(body.get("stream", False))}
+    return {
+        "prompt": prompt,
+        "max_tokens": number("max_tokens", int, 16, 1),
+        "stop_at_eos": not bool(body.get("ignore_eos", False)),
+        "stop_token_ids": stops,
+        "sampling": {k: v for k, v in sampling.items() if v is not None},
+        "image_features": feats,
+        "stream": bool(body.get("stream", False)),
+    }
 
 
 def _finish_reason(tokens: list[int], req: dict, eos: int | None) -> str:
@@ -132,8 +172,16 @@ class OpenAIServer:
     """The HTTP server (``ThreadingHTTPServer``): one thread per connection, each with its own
     Triton clients (tritonclient's are not shared across threads)."""
 
-    def __init__(self, triton_http: str, triton_grpc: str | None = None, *, host: str = "127.0.0.1",
-                 port: int = 9000, model: str = P.DEFAULT_NAME, timeout: float = 600.0):
+    def __init__(
+        self,
+        triton_http: str,
+        triton_grpc: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 9000,
+        model: str = P.DEFAULT_NAME,
+        timeout: float = 600.0,
+    ):
         self.triton_http, self.triton_grpc = triton_http, triton_grpc
         self.model, self.timeout = model, timeout
         probe = DashClient(triton_http, protocol="http", model=model, timeout=timeout)
@@ -184,8 +232,14 @@ class OpenAIServer:
 
     def _get(self, h) -> None:
         if h.path == "/v1/models":
-            self._send(h, 200, {"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": 0, "owned_by": "dash-trt"}]})
+            self._send(
+                h,
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "dash-trt"}],
+                },
+            )
         elif h.path == "/health":
             try:
                 with self._client("http") as c:
@@ -220,27 +274,48 @@ class OpenAIServer:
             self._send(h, exc.status, exc.body())
         except DashClientError as exc:
             status = 400 if (exc.status or "") in ("400", "StatusCode.INVALID_ARGUMENT") else 503
-            self._send(h, status, CompletionError(str(exc), status=status,
-                                                  kind="invalid_request_error" if status == 400 else
-                                                  "service_unavailable").body())
+            self._send(
+                h,
+                status,
+                CompletionError(
+                    str(exc), status=status, kind="invalid_request_error" if status == 400 else "service_unavailable"
+                ).body(),
+            )
 
     def _response(self, rid: str, text: str, finish: str | None, usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        out = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
         if usage is not None:
             out["usage"] = usage
         return out
 
     def _complete(self, req: dict) -> dict:
         with self._client("http") as c:
-            g = c.generate(req["prompt"], req["max_tokens"], stop_at_eos=req["stop_at_eos"],
-                           stop_token_ids=req["stop_token_ids"], sampling=req["sampling"],
-                           image_features=req["image_features"])
-        usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": len(g.tokens),
-                 "total_tokens": g.prompt_tokens + len(g.tokens),
-                 "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
-        return self._response(f"cmpl-{uuid.uuid4().hex}", c.decode(g.tokens),
-                              _finish_reason(g.tokens, req, self.config.eos_token_id), usage)
+            g = c.generate(
+                req["prompt"],
+                req["max_tokens"],
+                stop_at_eos=req["stop_at_eos"],
+                stop_token_ids=req["stop_token_ids"],
+                sampling=req["sampling"],
+                image_features=req["image_features"],
+            )
+        usage = {
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": len(g.tokens),
+            "total_tokens": g.prompt_tokens + len(g.tokens),
+            "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+        }
+        return self._response(
+            f"cmpl-{uuid.uuid4().hex}",
+            c.decode(g.tokens),
+            _finish_reason(g.tokens, req, self.config.eos_token_id),
+            usage,
+        )
 
     def _stream(self, h, req: dict) -> None:
         with self._client("grpc") as c:
@@ -271,7 +346,7 @@ class OpenAIServer:
             text = c.decode(tokens)
             if not final and text.endswith("\ufffd"):
                 return ""
-            out, sent[0] = text[len(sent[0]):], text
+            out, sent[0] = text[len(sent[0]) :], text
             return out
 
         def on_token(t: int) -> None:
@@ -281,19 +356,36 @@ class OpenAIServer:
                 event(json.dumps(self._response(rid, piece, None)))
 
         try:
-            g = c.stream(req["prompt"], req["max_tokens"], stop_at_eos=req["stop_at_eos"],
-                         stop_token_ids=req["stop_token_ids"], sampling=req["sampling"],
-                         image_features=req["image_features"], on_token=on_token)
+            g = c.stream(
+                req["prompt"],
+                req["max_tokens"],
+                stop_at_eos=req["stop_at_eos"],
+                stop_token_ids=req["stop_token_ids"],
+                sampling=req["sampling"],
+                image_features=req["image_features"],
+                on_token=on_token,
+            )
         except DashClientError as exc:
             if not started:
                 raise
             event(json.dumps(CompletionError(str(exc), status=503, kind="service_unavailable").body()))
             h.close_connection = True
             return
-        event(json.dumps(self._response(rid, delta(True), _finish_reason(g.tokens, req, self.config.eos_token_id), {
-            "prompt_tokens": g.prompt_tokens, "completion_tokens": len(g.tokens),
-            "total_tokens": g.prompt_tokens + len(g.tokens),
-            "prompt_tokens_details": {"cached_tokens": g.cached_tokens}})))
+        event(
+            json.dumps(
+                self._response(
+                    rid,
+                    delta(True),
+                    _finish_reason(g.tokens, req, self.config.eos_token_id),
+                    {
+                        "prompt_tokens": g.prompt_tokens,
+                        "completion_tokens": len(g.tokens),
+                        "total_tokens": g.prompt_tokens + len(g.tokens),
+                        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+                    },
+                )
+            )
+        )
         event("[DONE]")
         h.close_connection = True
 
@@ -314,12 +406,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o = sub.add_parser(
         "openai",
         epilog="Exit codes: 0 stopped (Ctrl-C), 2 the Triton model cannot be reached or the port cannot be bound, "
-               + EXIT_CODES_NOTE, help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
+        + EXIT_CODES_NOTE,
+        help="serve an OpenAI-style /v1/completions endpoint in front of a Triton server",
         description="An OpenAI-style completions endpoint (POST /v1/completions, GET /v1/models, GET /health) "
-                    "that forwards to the DASH generation model on a running Triton server.")
+        "that forwards to the DASH generation model on a running Triton server.",
+    )
     o.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP endpoint (%(default)s)")
-    o.add_argument("--grpc-url", default="127.0.0.1:8001",
-                   help="Triton's gRPC endpoint, for stream=true (%(default)s)")
+    o.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint, for stream=true (%(default)s)")
     o.add_argument("--model", default=P.DEFAULT_NAME, help="the generation model's name (%(default)s)")
     o.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
     o.add_argument("--port", type=int, default=9000, help="port to bind (%(default)s)")
@@ -339,8 +432,11 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
     except OSError as exc:
         print(f"dash-triton openai: error: cannot bind {a.host}:{a.port}: {exc.strerror or exc}", file=err)
         return 2
-    print(f"OpenAI-style endpoint for '{a.model}' on {server.url}/v1/completions (Triton {a.url}); Ctrl-C stops",
-          file=out, flush=True)
+    print(
+        f"OpenAI-style endpoint for '{a.model}' on {server.url}/v1/completions (Triton {a.url}); Ctrl-C stops",
+        file=out,
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -58,8 +58,12 @@ MAX_NEW_TOKENS = "max_new_tokens"
 STOP_AT_EOS = "stop_at_eos"
 STOP_TOKEN_IDS = "stop_token_ids"
 #: Sampling inputs: ``dash_trt.sampling.SamplingParams`` field -> (input name, Triton type).
-SAMPLING_INPUTS = {"temperature": ("temperature", "TYPE_FP32"), "top_k": ("top_k", "TYPE_INT32"),
-                   "top_p": ("top_p", "TYPE_FP32"), "seed": ("seed", "TYPE_INT64")}
+SAMPLING_INPUTS = {
+    "temperature": ("temperature", "TYPE_FP32"),
+    "top_k": ("top_k", "TYPE_INT32"),
+    "top_p": ("top_p", "TYPE_FP32"),
+    "seed": ("seed", "TYPE_INT64"),
+}
 IMAGE_FEATURES = "image_features"
 GET_STATS = "get_stats"
 ENGINE_CONTROL = "engine_control"
@@ -98,12 +102,12 @@ OUTPUTS = (
 )
 
 #: Keys of the generation models' ``parameters`` (all strings in config.pbtxt).
-PARAM_CHECKPOINT = "checkpoint"          # file name of model.pt in the version folder
-PARAM_MODEL_CLASS = "model_class"        # module:Class, or file.py:Class in the version folder ("": built-in)
-PARAM_DEVICE = "device"                  # cpu | cuda | auto
-PARAM_ENGINE = "engine_config"           # JSON of EngineConfig
+PARAM_CHECKPOINT = "checkpoint"  # file name of model.pt in the version folder
+PARAM_MODEL_CLASS = "model_class"  # module:Class, or file.py:Class in the version folder ("": built-in)
+PARAM_DEVICE = "device"  # cpu | cuda | auto
+PARAM_ENGINE = "engine_config"  # JSON of EngineConfig
 PARAM_MODEL_CONFIG = "dash_model_config"  # JSON of the model's config.json (the client tokenizes with it)
-PARAM_WARMUP = "warmup"                  # "true": one tiny generation before the model reports ready
+PARAM_WARMUP = "warmup"  # "true": one tiny generation before the model reports ready
 PARAM_TORCH_THREADS = "torch_num_threads"  # "0": torch's default
 PARAM_ALLOW_CONTROL = "allow_engine_control"  # "true": engine_control requests are served
 

@@ -45,8 +45,10 @@ def _check_tensor_interop(torch):
         raise RuntimeError(f"the Triton Python backend stub corrupts DLPack tensors: {want.tolist()} -> {back}")
     got = pb_utils.Tensor.from_dlpack("probe", want).as_numpy().tolist()
     if got != want.tolist():
-        return (f"the backend stub's numpy interop is broken with numpy {np.__version__} ({want.tolist()} -> {got}); "
-                "this model exchanges tensors through DLPack, so requests are not affected")
+        return (
+            f"the backend stub's numpy interop is broken with numpy {np.__version__} ({want.tolist()} -> {got}); "
+            "this model exchanges tensors through DLPack, so requests are not affected"
+        )
     return None
 
 
@@ -117,7 +119,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"{self.name}: {'decoupled' if self.decoupled else 'unary'} DASH generation on {device}; "
             f"KV pool {engine_config.num_blocks} blocks x {engine_config.kv_block_size} tokens; "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
 
     # ------------------------------------------------------------------ requests
     def execute(self, requests):
@@ -131,19 +134,28 @@ class TritonPythonModel:
                 if control is not None or self._flag(request, P.GET_STATS, False):
                     stats = dict(self.engine.stats(), engine_alive=self.runner.alive)
                     blob = bytearray(json.dumps(stats).encode())
-                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
-                        P.STATS, self.torch.frombuffer(blob, dtype=self.torch.uint8))]),
-                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    sender.send(
+                        pb_utils.InferenceResponse(
+                            [pb_utils.Tensor.from_dlpack(P.STATS, self.torch.frombuffer(blob, dtype=self.torch.uint8))]
+                        ),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    )
                     continue
                 ids = self._optional(request, P.INPUT_IDS)
                 if ids is None:
                     raise self.RequestError(f"{P.INPUT_IDS} is required (the prompt's token ids, INT64 [n])")
                 max_new = self._optional(request, P.MAX_NEW_TOKENS)
-                self.engine.submit(ids, max_new, stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
-                                   on_event=self._on_event, is_cancelled=request.is_cancelled, tag=sender,
-                                   stop_token_ids=self._optional(request, P.STOP_TOKEN_IDS),
-                                   sampling=self._sampling(request),
-                                   image_features=self._optional(request, P.IMAGE_FEATURES))
+                self.engine.submit(
+                    ids,
+                    max_new,
+                    stop_at_eos=self._flag(request, P.STOP_AT_EOS, True),
+                    on_event=self._on_event,
+                    is_cancelled=request.is_cancelled,
+                    tag=sender,
+                    stop_token_ids=self._optional(request, P.STOP_TOKEN_IDS),
+                    sampling=self._sampling(request),
+                    image_features=self._optional(request, P.IMAGE_FEATURES),
+                )
             except self.RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
             except Exception as exc:  # never let one request take the model down
@@ -157,26 +169,32 @@ class TritonPythonModel:
         token = os.environ.get(P.DRAIN_TOKEN_ENV, "")
         if len(words) == 3 and words[0] == P.DRAIN_ACTION:  # from dash-triton serve, with its token
             if not token or not hmac.compare_digest(words[1], token):
-                raise self.RequestError(f"{P.ENGINE_CONTROL}: drain is reserved for the process that started the "
-                                        f"server")
+                raise self.RequestError(
+                    f"{P.ENGINE_CONTROL}: drain is reserved for the process that started the server"
+                )
             try:
                 grace = float(words[2])
             except ValueError:
                 raise self.RequestError(f"{P.ENGINE_CONTROL}: drain needs a grace in seconds") from None
             failed = self.engine.drain(f"{self.name} is shutting down", grace)
-            pb_utils.Logger.log_info(f"{self.name}: draining for shutdown ({failed} queued request(s) answered "
-                                     f"UNAVAILABLE, {grace:g} s for the running ones)")
+            pb_utils.Logger.log_info(
+                f"{self.name}: draining for shutdown ({failed} queued request(s) answered "
+                f"UNAVAILABLE, {grace:g} s for the running ones)"
+            )
             return
         if not self.allow_control:
-            raise self.RequestError(f"{P.ENGINE_CONTROL} is disabled for this model (write the repository with "
-                                    f"dash-triton write --allow-engine-control to enable it)")
+            raise self.RequestError(
+                f"{P.ENGINE_CONTROL} is disabled for this model (write the repository with "
+                f"dash-triton write --allow-engine-control to enable it)"
+            )
         if action == "pause":
             self.engine.pause()
         elif action == "resume":
             self.engine.resume()
         else:
-            raise self.RequestError(f"{P.ENGINE_CONTROL} must be one of {', '.join(P.CONTROL_ACTIONS)}, "
-                                    f"got {action[:40]!r}")
+            raise self.RequestError(
+                f"{P.ENGINE_CONTROL} must be one of {', '.join(P.CONTROL_ACTIONS)}, got {action[:40]!r}"
+            )
         pb_utils.Logger.log_info(f"{self.name}: engine {action}d by a request")
 
     def _read(self, tensor):
@@ -214,10 +232,11 @@ class TritonPythonModel:
         P, torch = self.P, self.torch
         # torch tensors through DLPack (never a numpy array: the stub renames the capsule,
         # which numpy's destructor rejects)
-        return [pb_utils.Tensor.from_dlpack(P.OUTPUT_IDS, torch.tensor(list(tokens), dtype=torch.int64)),
-                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_DONE, torch.tensor([req.prompt_done], dtype=torch.int64)),
-                pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_CACHED,
-                                            torch.tensor([req.prompt_cached], dtype=torch.int64))]
+        return [
+            pb_utils.Tensor.from_dlpack(P.OUTPUT_IDS, torch.tensor(list(tokens), dtype=torch.int64)),
+            pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_DONE, torch.tensor([req.prompt_done], dtype=torch.int64)),
+            pb_utils.Tensor.from_dlpack(P.PROMPT_TOKENS_CACHED, torch.tensor([req.prompt_cached], dtype=torch.int64)),
+        ]
 
     def _send_error(self, sender, message, code):
         error = pb_utils.TritonError(f"{self.name}: {message}", self.codes.get(code, pb_utils.TritonError.INTERNAL))

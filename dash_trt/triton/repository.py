@@ -80,7 +80,8 @@ PLUGIN_DEPENDENCY = "libdash_trt_plugin.so"
 PLAN_MODEL_NOTE = (
     "Triton's TensorRT backend gives every input and output its own buffer, so present.* cannot be bound to "
     "past.*: every request ships the whole KV cache in and out. This model is for inspecting and checking the "
-    "engine; serving runs the generation models, which keep the pool in place.")
+    "engine; serving runs the generation models, which keep the pool in place."
+)
 
 
 class RepositoryError(ValueError):
@@ -161,10 +162,20 @@ class TensorSpec:
 
 #: ONNX TensorProto element type name -> Triton data type.
 ONNX_TO_TRITON = {
-    "FLOAT": "TYPE_FP32", "FLOAT16": "TYPE_FP16", "BFLOAT16": "TYPE_BF16", "DOUBLE": "TYPE_FP64",
-    "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
-    "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32", "UINT64": "TYPE_UINT64",
-    "BOOL": "TYPE_BOOL", "STRING": "TYPE_STRING",
+    "FLOAT": "TYPE_FP32",
+    "FLOAT16": "TYPE_FP16",
+    "BFLOAT16": "TYPE_BF16",
+    "DOUBLE": "TYPE_FP64",
+    "INT8": "TYPE_INT8",
+    "INT16": "TYPE_INT16",
+    "INT32": "TYPE_INT32",
+    "INT64": "TYPE_INT64",
+    "UINT8": "TYPE_UINT8",
+    "UINT16": "TYPE_UINT16",
+    "UINT32": "TYPE_UINT32",
+    "UINT64": "TYPE_UINT64",
+    "BOOL": "TYPE_BOOL",
+    "STRING": "TYPE_STRING",
 }
 
 
@@ -193,8 +204,9 @@ def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]
             raise RepositoryError(f"{path}: '{v.name}' has ONNX type {elem}, which Triton cannot serve")
         if not t.tensor_type.HasField("shape"):
             raise RepositoryError(f"{path}: '{v.name}' has no shape (rank unknown); Triton needs dims")
-        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
-                     for d in t.tensor_type.shape.dim)
+        dims = tuple(
+            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.tensor_type.shape.dim
+        )
         return TensorSpec(v.name, ONNX_TO_TRITON[elem], dims)
 
     inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
@@ -204,8 +216,9 @@ def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]
     return inputs, outputs
 
 
-def _check_onnx_matches(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                        model: DashModel, kv_block_size: int, onnx_path: str) -> None:
+def _check_onnx_matches(
+    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], model: DashModel, kv_block_size: int, onnx_path: str
+) -> None:
     """The ONNX graph and the checkpoint must be the same model (layers, cache shapes,
     vocabulary: :func:`dash_trt.export.graph_mismatches`) with the generation models' KV block size."""
     from ..export import graph_mismatches
@@ -214,10 +227,13 @@ def _check_onnx_matches(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSp
     key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
     graph_kv = key.dims[1] if key is not None and len(key.dims) > 1 and key.dims[1] > 0 else kv_block_size
     if graph_kv != kv_block_size:
-        problems.append(f"KV blocks of {graph_kv} tokens, the generation models use {kv_block_size} "
-                        f"(pass --kv-block-size {graph_kv})")
-    problems += graph_mismatches({s.name: list(s.dims) for s in inputs}, {s.name: list(s.dims) for s in outputs},
-                                 model, graph_kv)
+        problems.append(
+            f"KV blocks of {graph_kv} tokens, the generation models use {kv_block_size} "
+            f"(pass --kv-block-size {graph_kv})"
+        )
+    problems += graph_mismatches(
+        {s.name: list(s.dims) for s in inputs}, {s.name: list(s.dims) for s in outputs}, model, graph_kv
+    )
     if problems:
         raise RepositoryError(f"{onnx_path} does not match the checkpoint: " + "; ".join(problems))
 
@@ -236,15 +252,28 @@ def _check_gpus(device: str, gpus: Sequence[int] | None) -> None:
         return
     if device != "cuda":
         raise RepositoryError("--gpus needs --device cuda (it picks the GPUs of KIND_GPU instances)")
-    if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) \
-            or len(set(gpus)) != len(gpus):
+    if (
+        not gpus
+        or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus)
+        or len(set(gpus)) != len(gpus)
+    ):
         raise RepositoryError(f"--gpus must list distinct GPU ids >= 0, got {list(gpus)!r}")
 
 
-def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, streaming: bool,
-                        device: str = "cpu", checkpoint: str = "model.pt", model_class: str = "", warmup: bool = True,
-                        torch_num_threads: int = 0, allow_engine_control: bool = False,
-                        gpus: Sequence[int] | None = None) -> dict[str, Any]:
+def python_model_config(
+    name: str,
+    model: DashModel,
+    engine: EngineConfig,
+    *,
+    streaming: bool,
+    device: str = "cpu",
+    checkpoint: str = "model.pt",
+    model_class: str = "",
+    warmup: bool = True,
+    torch_num_threads: int = 0,
+    allow_engine_control: bool = False,
+    gpus: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """config.pbtxt (as a dict) of a Python-backend generation model. ``gpus`` (with
     ``device="cuda"``): the GPUs that get an instance, each with its own engine and KV pool
     (data parallel; default every GPU Triton sees)."""
@@ -259,12 +288,17 @@ def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, st
         inputs.append(spec)
     outputs = [{"name": oname, "data_type": Enum(dtype), "dims": list(dims)} for oname, dtype, dims in P.OUTPUTS]
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
-    mode = ("decoupled: progress and each new token are sent as they come (gRPC streaming only)" if streaming
-            else "unary: one response per request (HTTP and gRPC)")
+    mode = (
+        "decoupled: progress and each new token are sent as they come (gRPC streaming only)"
+        if streaming
+        else "unary: one response per request (HTTP and gRPC)"
+    )
     return {
-        "# ": (f"DASH generation service ({mode}), written by dash-triton.\n"
-               "One instance owns one paged KV pool; its engine thread batches every request in flight\n"
-               "(continuous batching), so requests are not batched by Triton (max_batch_size 0)."),
+        "# ": (
+            f"DASH generation service ({mode}), written by dash-triton.\n"
+            "One instance owns one paged KV pool; its engine thread batches every request in flight\n"
+            "(continuous batching), so requests are not batched by Triton (max_batch_size 0)."
+        ),
         "name": name,
         "backend": "python",
         "max_batch_size": 0,
@@ -281,8 +315,10 @@ def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, st
             {"key": P.PARAM_MODEL_CLASS, "value": {"string_value": model_class}},
             {"key": P.PARAM_DEVICE, "value": {"string_value": device}},
             {"key": P.PARAM_ENGINE, "value": {"string_value": engine.to_json()}},
-            {"key": P.PARAM_MODEL_CONFIG, "value": {"string_value": json.dumps(model.config.to_dict(),
-                                                                               sort_keys=True)}},
+            {
+                "key": P.PARAM_MODEL_CONFIG,
+                "value": {"string_value": json.dumps(model.config.to_dict(), sort_keys=True)},
+            },
             {"key": P.PARAM_WARMUP, "value": {"string_value": "true" if warmup else "false"}},
             {"key": P.PARAM_TORCH_THREADS, "value": {"string_value": str(int(torch_num_threads))}},
             {"key": P.PARAM_ALLOW_CONTROL, "value": {"string_value": "true" if allow_engine_control else "false"}},
@@ -290,8 +326,14 @@ def python_model_config(name: str, model: DashModel, engine: EngineConfig, *, st
     }
 
 
-def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], *,
-                      instances: int = 1, gpus: Sequence[int] | None = None) -> dict[str, Any]:
+def plan_model_config(
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    instances: int = 1,
+    gpus: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """config.pbtxt (as a dict) of the ``tensorrt_plan`` model: one forward step of
     the exported graph; the caller owns the cache (it passes ``past.*`` in and gets
     ``present.*`` back) and the block tables."""
@@ -301,15 +343,18 @@ def plan_model_config(name: str, inputs: Sequence[TensorSpec], outputs: Sequence
     if gpus:
         group["gpus"] = [int(g) for g in gpus]
     return {
-        "# ": ("TensorRT engine of the exported DASH graph, written by dash-triton. The DASH plugin must be\n"
-               f"loaded into tritonserver: {PLUGIN_LIBRARY} (in the version folder, beside\n"
-               f"{PLUGIN_DEPENDENCY}) registers its creator when the TensorRT backend opens it:\n"
-               f"  tritonserver --model-repository=<repo> --backend-config=tensorrt,plugins=<repo>/{name}/1/"
-               f"{PLUGIN_LIBRARY}\n"
-               "Build plan and plugin against the TensorRT version of the server.\n"
-               + "\n".join(_wrap(PLAN_MODEL_NOTE)) + "\n"
-               "Inputs/outputs and dims come from the ONNX graph (dynamic axes are -1); no batch\n"
-               "dimension: the graph takes ragged batches of tokens with their block tables."),
+        "# ": (
+            "TensorRT engine of the exported DASH graph, written by dash-triton. The DASH plugin must be\n"
+            f"loaded into tritonserver: {PLUGIN_LIBRARY} (in the version folder, beside\n"
+            f"{PLUGIN_DEPENDENCY}) registers its creator when the TensorRT backend opens it:\n"
+            f"  tritonserver --model-repository=<repo> --backend-config=tensorrt,plugins=<repo>/{name}/1/"
+            f"{PLUGIN_LIBRARY}\n"
+            "Build plan and plugin against the TensorRT version of the server.\n"
+            + "\n".join(_wrap(PLAN_MODEL_NOTE))
+            + "\n"
+            "Inputs/outputs and dims come from the ONNX graph (dynamic axes are -1); no batch\n"
+            "dimension: the graph takes ragged batches of tokens with their block tables."
+        ),
         "name": name,
         "platform": "tensorrt_plan",
         "max_batch_size": 0,
@@ -339,7 +384,8 @@ def plugin_libraries(plugin: str) -> tuple[str, str]:
             raise RepositoryError(
                 f"plugin library not found or empty: {path}. Triton's TensorRT backend loads {PLUGIN_LIBRARY} (which "
                 f"registers the DashAttention creator when it is opened) and that needs {PLUGIN_DEPENDENCY} beside "
-                f"it: pass --plugin build/plugins/trt/{PLUGIN_LIBRARY} from a plugin build (plugins/trt/README.md)")
+                f"it: pass --plugin build/plugins/trt/{PLUGIN_LIBRARY} from a plugin build (plugins/trt/README.md)"
+            )
     return pair
 
 
@@ -370,7 +416,9 @@ def check_served_path(path: str) -> None:
     if bad:
         raise RepositoryError(
             f"the repository path {path!r} holds {''.join(bad)!r}: Triton's Python backend starts its models through "
-            f"a shell, which would run or split such characters; use a path of letters, digits and . _ / + @ : , = ~ % -")
+            "a shell, which would run or split such characters; "
+            "use a path of letters, digits and . _ / + @ : , = ~ % -"
+        )
 
 
 def model_class_source(model: DashModel) -> tuple[str | None, str]:
@@ -388,8 +436,10 @@ def model_class_source(model: DashModel) -> tuple[str | None, str]:
     path = getattr(module, "__file__", None)
     if cls.__module__.startswith(USER_MODULE_PREFIX) and path and os.path.isfile(path):
         if os.path.basename(path) in ("model.py",):
-            raise RepositoryError(f"the model class's file is named {os.path.basename(path)}, which is the Python "
-                                  f"backend's own file in the repository: rename it")
+            raise RepositoryError(
+                f"the model class's file is named {os.path.basename(path)}, which is the Python "
+                f"backend's own file in the repository: rename it"
+            )
         return path, f"{os.path.basename(path)}:{cls.__qualname__}"
     return None, model_class_spec(cls)
 
@@ -398,12 +448,26 @@ def model_class_source(model: DashModel) -> tuple[str | None, str]:
 MARKER = ".dash-trt-repository"
 
 
-def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: str | None = None,
-                     engine: EngineConfig | None = None, name: str = P.DEFAULT_NAME, device: str = "cpu",
-                     streaming: bool = True, onnx: str | None = None, plan: str | None = None,
-                     plugin: str | None = None, plan_instances: int = 1, plan_gpus: Sequence[int] | None = None,
-                     warmup: bool = True, torch_num_threads: int = 0, allow_engine_control: bool = False,
-                     force: bool = False, gpus: Sequence[int] | None = None) -> WrittenRepository:
+def write_repository(
+    out: str | os.PathLike,
+    model: DashModel,
+    *,
+    checkpoint: str | None = None,
+    engine: EngineConfig | None = None,
+    name: str = P.DEFAULT_NAME,
+    device: str = "cpu",
+    streaming: bool = True,
+    onnx: str | None = None,
+    plan: str | None = None,
+    plugin: str | None = None,
+    plan_instances: int = 1,
+    plan_gpus: Sequence[int] | None = None,
+    warmup: bool = True,
+    torch_num_threads: int = 0,
+    allow_engine_control: bool = False,
+    force: bool = False,
+    gpus: Sequence[int] | None = None,
+) -> WrittenRepository:
     """Write the repository at ``out``.
 
     ``model`` is the loaded checkpoint (its config goes into the parameters);
@@ -424,7 +488,8 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
         if os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
             raise RepositoryError(
                 f"--force replaces only a repository that dash-triton wrote (a folder with {MARKER}) or an empty "
-                f"folder; {out} is neither, so nothing was changed: choose another --out, or remove it yourself")
+                f"folder; {out} is neither, so nothing was changed: choose another --out, or remove it yourself"
+            )
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise RepositoryError(f"cannot write {out}: folder {parent} does not exist")
@@ -440,8 +505,10 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
         plugin = str(found) if found else None
     if plan is not None or plugin is not None:
         if plan is None or onnx is None or plugin is None:
-            raise RepositoryError("the tensorrt_plan model needs --plan, --onnx (for its inputs and outputs) and "
-                                  "--plugin (the DASH plugin library the engine was built with) together")
+            raise RepositoryError(
+                "the tensorrt_plan model needs --plan, --onnx (for its inputs and outputs) and "
+                "--plugin (the DASH plugin library the engine was built with) together"
+            )
         if not os.path.isfile(plan) or os.path.getsize(plan) == 0:
             raise RepositoryError(f"plan not found or empty: {plan}")
         libraries = plugin_libraries(plugin)
@@ -449,8 +516,9 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
         inputs, outputs = onnx_io(onnx)
         _check_onnx_matches(inputs, outputs, model, engine.kv_block_size, onnx)
         if plan is not None:
-            plan_cfg = plan_model_config(name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances,
-                                         gpus=plan_gpus)
+            plan_cfg = plan_model_config(
+                name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances, gpus=plan_gpus
+            )
     if plan_cfg is None:
         messages.append(NO_PLAN_MESSAGE)
 
@@ -474,9 +542,18 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
             else:
                 save_checkpoint(model, ckpt)
             first_ckpt = first_ckpt or ckpt
-            cfg = python_model_config(model_name, model, engine, streaming=stream, device=device,
-                                      model_class=class_spec, warmup=warmup, torch_num_threads=torch_num_threads,
-                                      allow_engine_control=allow_engine_control, gpus=gpus)
+            cfg = python_model_config(
+                model_name,
+                model,
+                engine,
+                streaming=stream,
+                device=device,
+                model_class=class_spec,
+                warmup=warmup,
+                torch_num_threads=torch_num_threads,
+                allow_engine_control=allow_engine_control,
+                gpus=gpus,
+            )
             _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
             models.append(model_name)
         if plan_cfg is not None:
@@ -487,11 +564,16 @@ def write_repository(out: str | os.PathLike, model: DashModel, *, checkpoint: st
                 shutil.copy2(lib, os.path.join(vdir, target))
             _write(os.path.join(tmp, plan_cfg["name"], "config.pbtxt"), to_pbtxt(plan_cfg))
             models.append(plan_cfg["name"])
-            messages.append(f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
-                            f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}")
+            messages.append(
+                f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
+                f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}"
+            )
         _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
-        _write(os.path.join(tmp, MARKER), "A Triton model repository written by `dash-triton write`; "
-                                          "`dash-triton write --force` may replace this folder.\n")
+        _write(
+            os.path.join(tmp, MARKER),
+            "A Triton model repository written by `dash-triton write`; "
+            "`dash-triton write --force` may replace this folder.\n",
+        )
         old = None
         if os.path.exists(out):  # the old repository moves aside first: a failure leaves one of the two
             old = tempfile.mkdtemp(prefix=".dash-triton-old-", dir=parent)
@@ -517,8 +599,9 @@ def pool_bytes(model: DashModel, engine: EngineConfig) -> int:
     return pool_block_bytes(model, engine.kv_block_size) * engine.num_blocks
 
 
-def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model: DashModel,
-            plan_cfg: dict | None) -> str:
+def _readme(
+    out: str, name: str, models: list[str], engine: EngineConfig, model: DashModel, plan_cfg: dict | None
+) -> str:
     c = model.config
     lines = [
         "# DASH model repository (written by dash-triton)",
@@ -528,11 +611,14 @@ def _readme(out: str, name: str, models: list[str], engine: EngineConfig, model:
         f"| `{name}` | python | greedy generation, one response per request (HTTP and gRPC) |",
     ]
     if name + P.STREAM_SUFFIX in models:
-        lines.append(f"| `{name}{P.STREAM_SUFFIX}` | python, decoupled | the same, streaming prefill progress and "
-                     f"tokens (gRPC streaming) |")
+        lines.append(
+            f"| `{name}{P.STREAM_SUFFIX}` | python, decoupled | the same, streaming prefill progress and "
+            f"tokens (gRPC streaming) |"
+        )
     if plan_cfg is not None:
-        lines.append(f"| `{plan_cfg['name']}` | tensorrt_plan | one forward step of the exported graph (caller owns "
-                     f"the cache) |")
+        lines.append(
+            f"| `{plan_cfg['name']}` | tensorrt_plan | one forward step of the exported graph (caller owns the cache) |"
+        )
     lines += [
         "",
         f"Model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "

@@ -40,8 +40,16 @@ from dataclasses import dataclass
 
 from .protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, INPUT_IDS, PARAM_ENGINE, STATS
 
-__all__ = ["TritonUnavailable", "TritonStartError", "TritonDist", "find_tritonserver", "free_ports", "TritonServer",
-           "stats_request", "served_generation_models"]
+__all__ = [
+    "TritonUnavailable",
+    "TritonStartError",
+    "TritonDist",
+    "find_tritonserver",
+    "free_ports",
+    "TritonServer",
+    "stats_request",
+    "served_generation_models",
+]
 
 HOST = "127.0.0.1"
 
@@ -74,8 +82,10 @@ def find_tritonserver() -> TritonDist:
     # server stack (gevent, zmq, aiohttp, ...), none of which the binary needs.
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise TritonUnavailable("the 'nvidia-pytriton' package (which ships the tritonserver binary) is not "
-                                "installed: pip install nvidia-pytriton")
+        raise TritonUnavailable(
+            "the 'nvidia-pytriton' package (which ships the tritonserver binary) is not "
+            "installed: pip install nvidia-pytriton"
+        )
     if not sys.platform.startswith("linux"):
         raise TritonUnavailable(f"the bundled tritonserver runs on Linux only, this is {sys.platform}")
     pkg = os.path.abspath(list(spec.submodule_search_locations)[0])
@@ -88,8 +98,11 @@ def find_tritonserver() -> TritonDist:
         stub=os.path.join(root, "python_backend_stubs", version, "triton_python_backend_stub"),
         libs=os.path.join(os.path.dirname(pkg), "nvidia_pytriton.libs"),
     )
-    for what, path in (("tritonserver binary", dist.binary), ("Python backend", dist.python_backend),
-                       (f"Python backend stub for Python {version}", dist.stub)):
+    for what, path in (
+        ("tritonserver binary", dist.binary),
+        ("Python backend", dist.python_backend),
+        (f"Python backend stub for Python {version}", dist.stub),
+    ):
         if not os.path.exists(path):
             raise TritonUnavailable(f"nvidia-pytriton has no {what} at {path}")
     if not os.access(dist.binary, os.X_OK):
@@ -165,8 +178,10 @@ def model_load_errors(log: str, limit: int = 400) -> list[str]:
         if m and (m.group(1), m.group(2)) not in seen:
             seen.add((m.group(1), m.group(2)))
             reason = m.group(3).replace('\\"', '"')
-            out.append(f"model '{m.group(1)}' version {m.group(2)} failed to load: "
-                       f"{reason if len(reason) <= limit else reason[:limit] + '...'}")
+            out.append(
+                f"model '{m.group(1)}' version {m.group(2)} failed to load: "
+                f"{reason if len(reason) <= limit else reason[:limit] + '...'}"
+            )
     return out
 
 
@@ -267,9 +282,18 @@ class TritonServer:
     a scratch folder by default; :meth:`log_tail` reads it).
     """
 
-    def __init__(self, repository: str, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int | None = None,
-                 log_path: str | None = None, verbose: int = 0, exit_timeout: int = 10,
-                 extra_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        repository: str,
+        *,
+        http_port: int = 0,
+        grpc_port: int = 0,
+        metrics_port: int | None = None,
+        log_path: str | None = None,
+        verbose: int = 0,
+        exit_timeout: int = 10,
+        extra_args: Sequence[str] = (),
+    ):
         self.repository = os.path.abspath(repository)
         if not os.path.isdir(self.repository):
             raise FileNotFoundError(f"model repository not found: {self.repository}")
@@ -306,16 +330,22 @@ class TritonServer:
             self.dist.binary,
             f"--model-repository={self.repository}",
             f"--backend-directory={self.backends}",
-            f"--http-address={HOST}", f"--http-port={self.http_port}",
-            f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+            f"--http-address={HOST}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={HOST}",
+            f"--grpc-port={self.grpc_port}",
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.verbose}",
         ]
         if self.metrics_port is None:
             cmd.append("--allow-metrics=false")
         else:
-            cmd += ["--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={HOST}",
-                    f"--metrics-port={self.metrics_port}"]
+            cmd += [
+                "--allow-metrics=true",
+                "--allow-gpu-metrics=false",
+                f"--metrics-address={HOST}",
+                f"--metrics-port={self.metrics_port}",
+            ]
         return cmd + self.extra_args
 
     # ------------------------------------------------------------- lifecycle
@@ -334,13 +364,18 @@ class TritonServer:
             if taken_now:
                 raise TritonStartError(
                     f"port {', '.join(map(str, taken_now))} on {HOST} is already in use (another server, or one "
-                    f"left running by a killed dash-triton serve: stop it, or pick other ports)")
+                    f"left running by a killed dash-triton serve: stop it, or pick other ports)"
+                )
             self._log = open(self.log_path, "ab")
-            self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL,
-                                         env={**server_env(self.dist), DRAIN_TOKEN_ENV: self.drain_token},
-                                         start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**server_env(self.dist), DRAIN_TOKEN_ENV: self.drain_token},
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
             try:
                 self.wait_ready(timeout)
                 # what to clean up should the server die without doing it itself (kill -9, a
@@ -510,8 +545,9 @@ class TritonServer:
         for entry in filter(str.isdigit, os.listdir("/proc")):
             info = process_info(int(entry))
             if info is not None and info[0] == self.proc.pid and b"stub" in os.path.basename(info[1][0]):
-                found[int(entry)] = next((c.decode(errors="replace") for c in info[1][1:] if c.endswith(b"/model.py")),
-                                         "")
+                found[int(entry)] = next(
+                    (c.decode(errors="replace") for c in info[1][1:] if c.endswith(b"/model.py")), ""
+                )
         return found
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -6,7 +6,7 @@ bf16, random weights built on the GPU. Cases (``--cases``, default ``32x32768,8x
 B document prompts of L tokens each (pages of 1023 image tokens and a question), greedy, no
 EOS stop; ``--new-tokens`` (32) decode steps of the whole batch are measured.
 
-- **DASH, the serving path**: :class:`dash_trt.triton.engine.GenerationEngine`'s step loop
+- **DASH, the serving path**: :class:`dash_trt.serving.engine.GenerationEngine`'s step loop
   (the Triton service's engine) over one paged pool of KV blocks of 64 tokens: prefill in
   chunks of ``--prefill-chunk`` tokens (one step each, with the decode tokens of the
   sequences already prefilled: continuous batching), decode steps replayed from the
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dash_trt import model as M  # noqa: E402
 from dash_trt.paged import PageCoordState, sequence_coords  # noqa: E402
 from dash_trt.reference import ROLE_PAGE, ROLE_TEXT, page_rope  # noqa: E402
-from dash_trt.triton.engine import EngineConfig, GenerationEngine  # noqa: E402
+from dash_trt.serving.engine import EngineConfig, GenerationEngine  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "export", "configs", "benchmark.json")
 KV_BLOCK = 64
@@ -366,7 +366,7 @@ DASH_NAMES = ("dash", "route", "attend", "summar", "write_kernel", "items_kernel
 def profile_prefill(model, length: int) -> list[tuple[str, float]]:
     """GPU time of one serving prefill step of ``length`` tokens (one sequence), by kind of
     kernel: the projections' and MLP's GEMMs, the DASH attention kernels, the rest."""
-    from dash_trt.runtime import PagedRuntime
+    from dash_trt.serving.runner import PagedRuntime
 
     rt = PagedRuntime(
         model, -(-length // KV_BLOCK) + 2, KV_BLOCK, max_model_len=length, max_num_seqs=1, cuda_graphs=False

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import DashConfig
+from .versions import PLUGIN_VERSION
 
 __all__ = [
     "Attribute",
@@ -52,11 +53,6 @@ __all__ = [
     "torch_schema_args",
 ]
 
-#: Version string of the DASH attention node/plugin contract (ONNX attribute
-#: ``plugin_version``; the TensorRT plugin creator registers the same version). "2": the
-#: function is Unlimited-OCR-2's DASH (entmax prior routing) and the attributes its keys;
-#: a node of version "1" computed the withdrawn routing and finds no plugin.
-PLUGIN_VERSION = "2"
 
 #: Namespace the TensorRT plugin creator registers in (ONNX attribute ``plugin_namespace``).
 #: TensorRT's ONNX parser from 10.15 on imports a node whose op also has a model-local

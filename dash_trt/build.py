@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
-from .cliutil import version_line as _version_line
+from .versions import version_line as _version_line
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
 
 __all__ = [

@@ -9,11 +9,12 @@ import time
 import torch
 
 from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from .cliutil import version_line as _version_line
 from .config import DashConfig
-from .paged import DashKVCache, KVBlockPool, paged_dash_attention, sequence_coords
+from .paged import DashKVCache, paged_dash_attention, sequence_coords
 from .reference import Routing, dash_attention
+from .serving.block_pool import KVBlockPool, blocks_for
 from .testing import compare_outputs, random_inputs, random_roles
+from .versions import version_line as _version_line
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,7 +62,7 @@ def run_demo(
         )
         seqs.append((x, sequence_coords(roles)))
     total = sum(x.length for x, _ in seqs)
-    num_blocks = sum(-(-x.length // kv_block_size) for x, _ in seqs) + 4
+    num_blocks = sum(blocks_for(x.length, kv_block_size) for x, _ in seqs) + 4
     print(
         f"DASH demo: {sequences} sequences, {total} tokens, H={heads} Hkv={kv_heads} D={head_dim} "
         f"Di={index_dim}, {dtype}, {device}",

@@ -80,10 +80,3 @@ def cli_main(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
         return run
 
     return wrap
-
-
-def version_line() -> str:
-    """The line every command's ``--version`` prints (:func:`dash_trt.info.version_line`)."""
-    from .info import version_line as line
-
-    return line()

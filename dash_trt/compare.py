@@ -37,8 +37,12 @@ import numpy as np
 import torch
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
-from .cliutil import version_line as _version_line
-from .model import DashModel, check_prompts, demo_model, generate, load_checkpoint
+from .modeling import DashModel
+from .models.checkpoint import load_checkpoint
+from .models.prompts import check_prompts
+from .models.registry import demo_model
+from .serving.generate import generate
+from .versions import version_line as _version_line
 
 __all__ = ["CompareReport", "compare", "main", "TorchRunner", "InPlaceTorchRunner"]
 

@@ -28,6 +28,7 @@ import torch
 from .config import as_config
 from .paged import DashKVCache, _check_paged_inputs
 from .reference import FLOAT_DTYPES, SpLike, check_heads, check_shape
+from .versions import KERNEL_ABI_VERSION
 
 __all__ = [
     "DashKernelsNotFound",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
-ABI_VERSION = 8
+ABI_VERSION = KERNEL_ABI_VERSION
 #: Routing rules a kernel library reports (``DASH_ROUTING_*``, plugins/include/dash/params.h).
 ROUTING_WITHDRAWN, ROUTING_UNLIMITED_OCR2 = 1, 2
 #: Why the kernels are not used while they route by another rule than the function's.

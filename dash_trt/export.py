@@ -48,30 +48,15 @@ import torch
 
 from . import onnx_ops
 from .cliutil import EXIT_INTERNAL, cli_main
-from .cliutil import version_line as _version_line
 from .config import DashConfigError
-from .model import (
-    DTYPES,
-    MODEL_INPUTS,
-    CheckpointError,
-    DashModel,
-    ExportGraph,
-    ModelConfigError,
-    ModelContractError,
-    PagedState,
-    check_prompts,
-    demo_model,
-    document_prompt,
-    generate,
-    image_feature_rows,
-    load_checkpoint,
-    load_model_config,
-    random_model,
-    save_checkpoint,
-    save_pretrained,
-    token_roles,
-)
+from .modeling import MODEL_INPUTS, DashModel, ExportGraph, ModelContractError, image_feature_rows, token_roles
+from .models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
+from .models.config import DTYPES, ModelConfigError, load_model_config
+from .models.prompts import check_prompts, document_prompt
+from .models.registry import demo_model, random_model
 from .paged import sequence_coords
+from .serving.generate import PagedState, generate
+from .versions import version_line as _version_line
 
 __all__ = [
     "EXIT_OK",

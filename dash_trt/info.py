@@ -20,17 +20,9 @@ from typing import Any, TextIO
 
 from . import __version__
 from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from .versions import version_line
 
-__all__ = ["version_line", "collect", "main"]
-
-
-def version_line() -> str:
-    """``dash-trt X (kernel ABI N, plugin V)``: the versions that must agree between the
-    package, its kernel library and the TensorRT plugin an engine was built with."""
-    from .attributes import PLUGIN_VERSION
-    from .cuda import ABI_VERSION
-
-    return f"dash-trt {__version__} (kernel ABI {ABI_VERSION}, plugin {PLUGIN_VERSION})"
+__all__ = ["collect", "main"]
 
 
 def _dist_version(name: str) -> str | None:

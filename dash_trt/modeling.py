@@ -39,8 +39,12 @@ from . import attributes as A
 from .config import DashConfig
 from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
 from .paged import DashBatch, DashKVCache
+from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
 __all__ = [
+    "token_role",
+    "token_roles",
+    "image_feature_rows",
     "DashAttention",
     "DashContext",
     "DashModel",
@@ -64,6 +68,39 @@ MODEL_INPUTS = ("input_ids", "coords", "block_tables", "seq_lens", "query_start_
 #: ``image_feature_index`` [T] int64, for each new token its row of ``image_features`` or -1
 #: (embedded from the token table).
 IMAGE_INPUTS = ("image_features", "image_feature_index")
+
+
+def token_role(token: int, config: Any) -> int:
+    """The role of one token id (:func:`token_roles` for one token; ``config`` a model config)."""
+    return ROLE_PAGE if token == config.page_token_id else ROLE_IMAGE if token == config.image_token_id else ROLE_TEXT
+
+
+def token_roles(ids: Sequence[int] | torch.Tensor, config: Any) -> torch.Tensor:
+    """Roles [S] (text 0, image 1, ``<PAGE>`` 2) of token ids."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    roles = torch.full_like(ids, ROLE_TEXT)
+    roles[ids == config.image_token_id] = ROLE_IMAGE
+    roles[ids == config.page_token_id] = ROLE_PAGE
+    return roles
+
+
+def image_feature_rows(ids: Sequence[int], config: Any, num_features: int) -> list[int]:
+    """For each token of ``ids``, the row of the sequence's image features it takes: the i-th
+    ``<image>`` token row i, every other token -1 (its token embedding). ``num_features`` must
+    equal the number of image tokens (a feature for each, in order)."""
+    rows, n = [], 0
+    for t in ids:
+        if t == config.image_token_id:
+            rows.append(n)
+            n += 1
+        else:
+            rows.append(-1)
+    if n != num_features:
+        raise ValueError(
+            f"the prompt has {n} image tokens and {num_features} image feature rows: give one row "
+            f"per <image> token, in order"
+        )
+    return rows
 
 
 class ModelContractError(ValueError):
@@ -155,8 +192,6 @@ class DashContext:
             return paged_attention_inplace(
                 q, k, v, iq, ik, self.coords, head_cls, self.caches[i], self.batch, module.dash, i, module.attrs()
             )
-        from .reference import dash_attention
-
         return dash_attention(q, k, v, iq, ik, self.roles, head_cls, module.dash, i, self.prompt_length)
 
     def check_complete(self) -> None:
@@ -440,8 +475,6 @@ class DashModel(nn.Module):
         """Logits [S, vocab] of a whole sequence without a cache (dense reference attention,
         :func:`dash_trt.reference.dash_attention`); ``image_features`` [M, F] go to the
         sequence's image tokens in order (all of them, or none)."""
-        from .model import image_feature_rows, token_roles
-
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         roles = token_roles(ids.cpu(), self.config).to(self.device)
         index = None

@@ -6,7 +6,7 @@
 - ``torch.ops.dash_trt.paged_attention_`` (:func:`paged_attention_inplace`): **in place,
   for serving**. The six caches are declared mutated (``Tensor(a!)``) and written where
   they are; nothing is copied, so a step costs what its tokens cost, not the pool's size.
-  It also takes the step's ``max_query_len``. :mod:`dash_trt.runtime` runs every model step
+  It also takes the step's ``max_query_len``. :mod:`dash_trt.serving.runner` runs every model step
   through it.
 
 Why a *functional* op (the cache tensors go in, updated copies come out) when the paged

@@ -105,7 +105,7 @@ def shard_model(model, rank: int, world: int, group=None):
     kernels and the model contract see the local sizes), the split weights, and the
     all-reducing output projections. ``world == 1`` returns ``model`` itself. The shard lives
     where ``model`` does; move it with ``.to(device)``."""
-    from .model import DashForCausalLM
+    from .models.decoder import DashForCausalLM
 
     if world == 1:
         return model

@@ -223,7 +223,7 @@ def test_model_config_values_are_checked(change, match):
     ],
 )
 def test_engine_config_sizes_are_bounded(change, match):
-    from dash_trt.triton.engine import EngineConfig, EngineConfigError
+    from dash_trt.serving.engine import EngineConfig, EngineConfigError
 
     with pytest.raises(EngineConfigError, match=match):
         EngineConfig(**change)

@@ -11,6 +11,7 @@ from conftest import DTYPES, require_kernels
 
 from dash_trt import paged as P
 from dash_trt.config import DashConfig
+from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import (
     CONFIG_VARIANTS,
     assert_caches_match,
@@ -89,7 +90,7 @@ def run_both(
     ref_cache = P.DashKVCache.allocate(num_blocks, block_size, hkv, d, di, cfg.sparse_block_size, dtype, "cuda")
     fill_garbage(ref_cache, gen)  # garbage in unwritten slots must not matter
     ker_cache = ref_cache.clone()
-    pool = P.KVBlockPool(num_blocks, block_size)
+    pool = KVBlockPool(num_blocks, block_size)
     # scatter the free list so block tables are not the identity
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     pool._free = perm
@@ -378,7 +379,7 @@ def test_cuda_graph_replay_matches_eager():
     x1, c1 = seqs[1]
     num_blocks = 64
     cache = P.DashKVCache.allocate(num_blocks, 32, 2, 64, 64, 16, dtype, "cuda")
-    pool = P.KVBlockPool(num_blocks, 32)
+    pool = KVBlockPool(num_blocks, 32)
     pool.add(0), pool.add(1)
     n0, n1 = x0.length - 4, x1.length - 4
     batch = pool.schedule([(0, n0), (1, n1)], device="cuda")
@@ -420,7 +421,7 @@ def _small_call(**change):
         gen, 1, heads=4, kv_heads=2, head_dim=64, index_dim=32, dtype=torch.float16, response=0
     )
     cache = P.DashKVCache.allocate(16, 32, 2, 64, 32, 16, torch.float16, "cuda")
-    pool = P.KVBlockPool(16, 32)
+    pool = KVBlockPool(16, 32)
     pool.add(0)
     batch = pool.schedule([(0, x.length)], device="cuda")
     args = dict(
@@ -593,7 +594,7 @@ def prompts_written(gen, n, cfg, dtype):
     seqs = build_sequences(gen, n, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=1)
     num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
     cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
-    pool = P.KVBlockPool(num_blocks, 32)
+    pool = KVBlockPool(num_blocks, 32)
     lens = [x.length - 1 for x, _ in seqs]
     for i, (x, c) in enumerate(seqs):
         pool.add(i)
@@ -704,7 +705,7 @@ def test_queries_at_an_unaligned_address_give_the_same_result():
         plans = [[x.length - 3, 1, 1, 1] for x, _ in seqs]
         num_blocks = sum(-(-x.length // 32) for x, _ in seqs) + 2
         cache = P.DashKVCache.allocate(num_blocks, 32, 2, 128, 64, 16, dtype, "cuda")
-        pool = P.KVBlockPool(num_blocks, 32)
+        pool = KVBlockPool(num_blocks, 32)
         for i in range(len(seqs)):
             pool.add(i)
         done, outs = [0] * len(seqs), []
@@ -1026,7 +1027,7 @@ def test_block_major_prefill_graph_replays_match_eager():
     tuning = cuda.Tuning(block_major_min_tokens=64, block_major_chunk=1024, block_major_ctas=1)
     cache = P.DashKVCache.allocate(-(-x.length // 128) + 1, 128, 2, 128, 64, 64, dtype, "cuda")
     fill_garbage(cache, gen)
-    pool = P.KVBlockPool(cache.key.shape[0], 128)
+    pool = KVBlockPool(cache.key.shape[0], 128)
     pool.add(0)
     batch = pool.schedule([(0, x.length)], device="cuda")
     assert x.length > 2 * 1024  # several passes
@@ -1099,7 +1100,7 @@ def test_torch_op_runs_the_kernels_on_cuda():
     cfg = make_config(16)
     ((x, coords),) = build_sequences(gen, 1, heads=8, kv_heads=2, head_dim=128, index_dim=64, dtype=dtype, response=0)
     cache = P.DashKVCache.allocate(32, 32, 2, 128, 64, 16, dtype, "cuda")
-    pool = P.KVBlockPool(32, 32)
+    pool = KVBlockPool(32, 32)
     pool.add(0)
     batch = pool.schedule([(0, x.length)], device="cuda")
     before = cache.clone()

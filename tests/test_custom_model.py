@@ -306,7 +306,7 @@ def test_custom_model_on_the_cuda_kernels(dtype):
     """The example at kernel sizes (head dim 64) on the GPU: the serving runtime (kernels,
     image features in the eager prefill, decode from CUDA graphs) against the dense reference
     of the same weights on the GPU."""
-    from dash_trt.runtime import PagedRuntime
+    from dash_trt.serving.runner import PagedRuntime
 
     cfg = M.load_model_config(CONFIG).replace(
         head_dim=64, index_head_dim=64, num_attention_heads=4, hidden_size=256, intermediate_size=512

@@ -154,7 +154,7 @@ def test_pickled_module_needs_opt_in(tmp_path, small):
     torch.save(small, path)  # a whole pickled nn.Module
     with pytest.raises(M.CheckpointError, match="--unsafe-load") as e:
         M.load_checkpoint(path)
-    assert "weights_only=True" in str(e.value) and "dash_trt.model.DashForCausalLM" in str(e.value)
+    assert "weights_only=True" in str(e.value) and "dash_trt.models.decoder.DashForCausalLM" in str(e.value)
     # a damaged pickle is not mistaken for one
     (tmp_path / "bad.pt").write_bytes(b"\x80\x02garbage that is no pickle")
     with pytest.raises(M.CheckpointError, match="not a readable PyTorch checkpoint"):

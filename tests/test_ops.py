@@ -8,7 +8,8 @@ import torch
 from dash_trt import attributes as A
 from dash_trt import ops
 from dash_trt.config import DashConfig, DashConfigError
-from dash_trt.paged import DashKVCache, KVBlockPool, paged_dash_attention, sequence_coords
+from dash_trt.paged import DashKVCache, paged_dash_attention, sequence_coords
+from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import TOLERANCES, random_config, random_inputs, random_roles
 
 HEADS, KV_HEADS, D, DI = 4, 2, 16, 16

@@ -50,13 +50,9 @@ import pytest
 import torch
 
 from dash_trt.config import DashConfig
-from dash_trt.paged import (
-    DashKVCache,
-    KVBlockPool,
-    paged_dash_attention,
-    sequence_coords,
-)
+from dash_trt.paged import DashKVCache, paged_dash_attention, sequence_coords
 from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
+from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import random_config, random_inputs, random_roles
 
 NOT_REMOTE = -1e9  # docs/spec.md step 4: the score of a block that is not remote

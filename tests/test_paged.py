@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dash_trt import paged as P
 from dash_trt import reference as R
 from dash_trt.config import DashConfig
+from dash_trt.serving.block_pool import CacheFullError, KVBlockPool
 from dash_trt.testing import compare_outputs, fill_garbage, random_config, random_inputs, random_roles
 
 HEADS, KV_HEADS, D, DI = 4, 2, 16, 16
@@ -223,7 +224,7 @@ def test_decode_reads_summaries_not_index_keys():
     seq = make_seq(gen, 4, 0, "none", 1, 10_000)
     x, s = seq.x, seq.x.length
     prefill = s - 12
-    pool = P.KVBlockPool(64, 16)
+    pool = KVBlockPool(64, 16)
     cache = P.DashKVCache.allocate(64, 16, KV_HEADS, D, DI, 8)
     pool.add(0)
 
@@ -263,7 +264,7 @@ def test_decode_reads_summaries_not_index_keys():
 
 # ---------------------------------------------------------------------- the pool
 def test_pool_allocates_atomically_and_frees():
-    pool = P.KVBlockPool(num_blocks=6, block_size=4)
+    pool = KVBlockPool(num_blocks=6, block_size=4)
     pool.add("a", prompt_length=5)
     pool.add("b")
     batch = pool.schedule([("a", 9), ("b", 4)])  # a: 3 blocks, b: 1 block
@@ -272,7 +273,7 @@ def test_pool_allocates_atomically_and_frees():
     assert batch.prompt_lens.tolist() == [5, -1]
     assert batch.block_tables.tolist() == [[0, 1, 2], [3, -1, -1]]
     assert pool.num_free_blocks == 2
-    with pytest.raises(P.CacheFullError, match="needs 3 more KV blocks, only 2"):
+    with pytest.raises(CacheFullError, match="needs 3 more KV blocks, only 2"):
         pool.schedule([("a", 4), ("b", 5)])  # a needs 1, b needs 2
     assert pool.num_free_blocks == 2 and pool.length("a") == 9 and pool.length("b") == 4
     pool.free("a")

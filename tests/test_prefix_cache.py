@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from dash_trt import model as M
-from dash_trt.paged import CacheFullError, KVBlockPool
-from dash_trt.runtime import prefix_block_hashes
-from dash_trt.triton.engine import EngineConfig, GenerationEngine
+from dash_trt.serving.block_pool import CacheFullError, KVBlockPool, prefix_block_hashes
+from dash_trt.serving.engine import EngineConfig, GenerationEngine
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -193,7 +192,7 @@ def test_turning_the_cache_off():
     model = M.demo_model(seed=2)
     _, plain = _engines(model)
     assert plain.runtime.prefix_caching is False and plain.stats()["prefix_caching"] is False
-    from dash_trt.triton.engine import EngineConfigError
+    from dash_trt.serving.engine import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="'prefix_caching' must be true or false, got 'yes'"):
         EngineConfig(prefix_caching="yes")

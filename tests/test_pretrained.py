@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint folders (dash_trt.pretrained) wherever a model.pt is accepted."""
+"""Hugging Face checkpoint folders (dash_trt.models.checkpoint) wherever a model.pt is accepted."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The serving runtime (dash_trt.runtime): the in-place op, one plan per step, O(1) page
+"""The serving runtime (dash_trt.serving.runner): the in-place op, one plan per step, O(1) page
 coordinates, logits only where a token is chosen, no copy of the pool; on a GPU, decode
 steps replayed from CUDA graphs bit for bit like the same steps run eagerly."""
 
@@ -12,9 +12,10 @@ from test_ops import _batch
 from dash_trt import attributes as A
 from dash_trt import model as M
 from dash_trt import ops
-from dash_trt.paged import CacheFullError, DashBatch, KVBlockPool, PageCoordState, flat_cache_tensors, sequence_coords
+from dash_trt.paged import DashBatch, PageCoordState, flat_cache_tensors, sequence_coords
 from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
-from dash_trt.runtime import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
+from dash_trt.serving.block_pool import CacheFullError, KVBlockPool
+from dash_trt.serving.runner import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
 
 SEEDS = [0, 1, 2]
 
@@ -371,7 +372,7 @@ def test_cuda_runtime_tokens_equal_cpu_generation():
 
 
 def _gpu_engine_config(**kw):
-    from dash_trt.triton.engine import EngineConfig
+    from dash_trt.serving.engine import EngineConfig
 
     return EngineConfig(
         **{
@@ -392,8 +393,8 @@ def _gpu_engine_config(**kw):
 def test_engine_on_cuda_replays_graphs_like_eager_steps_and_sizes_its_pool_from_memory():
     """The serving engine with decode graphs gives the tokens of the same engine with every
     step eager (same plans, same shapes: the same bits); its pool can be sized from free memory."""
-    from dash_trt.runtime import PoolTooSmallError
-    from dash_trt.triton.engine import EngineConfig, GenerationEngine
+    from dash_trt.serving.engine import EngineConfig, GenerationEngine
+    from dash_trt.serving.runner import PoolTooSmallError
 
     model = _gpu_model(torch.bfloat16)
     prompts = _documents(model.config, 6, seed=6)
@@ -427,7 +428,7 @@ def test_seeded_sampling_on_cuda_graphs_equals_eager_steps():
     """Per-request sampling on the GPU path: a seeded request draws from the rows of the
     decode graphs' logits, which are the eager steps' bits, so graphs and eager steps give the
     same sampled tokens (and the greedy requests batched with them the same greedy tokens)."""
-    from dash_trt.triton.engine import GenerationEngine
+    from dash_trt.serving.engine import GenerationEngine
 
     model = _gpu_model(torch.bfloat16)
     prompts = _documents(model.config, 4, seed=8)

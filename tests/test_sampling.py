@@ -1,4 +1,4 @@
-"""Per-request sampling (dash_trt.sampling) and stop tokens, in the sampler and the engine."""
+"""Per-request sampling (dash_trt.serving.sampling) and stop tokens, in the sampler and the engine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dash_trt import model as M
-from dash_trt.sampling import Sampler, SamplingError, SamplingParams
-from dash_trt.triton.engine import EngineConfig, GenerationEngine, RequestError
+from dash_trt.serving.engine import EngineConfig, GenerationEngine, RequestError
+from dash_trt.serving.sampling import Sampler, SamplingError, SamplingParams
 
 IMAGE = 7
 

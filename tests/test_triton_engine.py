@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dash_trt import model as M
-from dash_trt.triton.engine import (
+from dash_trt.serving.engine import (
     CANCELLED,
     INTERNAL,
     INVALID_ARGUMENT,

@@ -21,9 +21,9 @@ import torch
 from conftest import running_triton, triton_unavailable
 
 from dash_trt import model as M
+from dash_trt.serving.engine import EngineConfig
 from dash_trt.triton import client as C
 from dash_trt.triton import protocol as P
-from dash_trt.triton.engine import EngineConfig
 from dash_trt.triton.loadtest import expected_tokens, make_cases, run_load
 from dash_trt.triton.repository import write_repository
 
@@ -491,7 +491,7 @@ def test_sampling_with_a_seed_is_reproducible_and_stop_lists_end_generation(http
     """Through the real server: a seeded sampling request gives the same tokens over HTTP,
     gRPC and the streaming model, and the same as the engine offline; a stop list ends the
     generation at its first stop token; a request without sampling stays greedy."""
-    from dash_trt.triton.engine import GenerationEngine
+    from dash_trt.serving.engine import GenerationEngine
 
     s = {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 1234}
     got = [c.generate(prompts[0], 8, stop_at_eos=False, sampling=s).tokens for c in (http, grpc, http)]

@@ -30,6 +30,7 @@ from dash_trt import ops
 from dash_trt import paged as P
 from dash_trt.attributes import PLUGIN_VERSION
 from dash_trt.config import DashConfig
+from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import (
     CONFIG_VARIANTS,
     assert_caches_match,
@@ -821,7 +822,7 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
     binding = _kernel_binding()
     ker_cache = ref_cache.clone() if binding else None
 
-    pool = P.KVBlockPool(num_blocks, block_size)
+    pool = KVBlockPool(num_blocks, block_size)
     pool._free = torch.randperm(num_blocks, generator=gen).tolist()  # block tables are not the identity
     prompts = prompts(seqs) if callable(prompts) else (prompts or [None] * len(seqs))
     for i, pl in enumerate(prompts):

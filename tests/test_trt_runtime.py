@@ -11,8 +11,8 @@ import pytest
 
 from dash_trt import model as M
 from dash_trt.ops import CACHE_FIELDS
-from dash_trt.runtime import PagedRuntime
-from dash_trt.trt_runtime import TensorRTBackend, TensorRTBackendError, TensorRTNotFound
+from dash_trt.serving.runner import PagedRuntime
+from dash_trt.serving.tensorrt import TensorRTBackend, TensorRTBackendError, TensorRTNotFound
 
 CHOSEN = 65  # the token the stand-in engine's logits make greedy decoding pick
 
@@ -172,7 +172,7 @@ def test_plugin_and_package_problems_are_named(monkeypatch, tmp_path, demo):
 
 
 def test_runtime_device_is_only_for_backends(demo):
-    from dash_trt.runtime import RuntimeConfigError
+    from dash_trt.serving.runner import RuntimeConfigError
 
     with pytest.raises(RuntimeConfigError, match="only a backend"):
         PagedRuntime(demo, 8, 16, device="meta")

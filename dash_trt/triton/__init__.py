@@ -1,6 +1,6 @@
 """Triton Inference Server deployment of a DASH model.
 
-- :mod:`~dash_trt.triton.engine`: the generation engine (continuous batching of greedy
+- :mod:`~dash_trt.serving.engine`: the generation engine (continuous batching of greedy
   generation over one paged KV pool); no Triton needed.
 - :mod:`~dash_trt.triton.repository`: ``dash-triton write``, the model repository (Python
   backend generation models, the ``tensorrt_plan`` model of the exported graph).

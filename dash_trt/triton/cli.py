@@ -21,11 +21,14 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..cliutil import version_line as _version_line
 from ..config import DashConfigError
-from ..model import CheckpointError, ModelConfigError, ModelContractError, demo_model, load_checkpoint
+from ..modeling import ModelContractError
+from ..models.checkpoint import CheckpointError, load_checkpoint
+from ..models.config import ModelConfigError
+from ..models.registry import demo_model
+from ..serving.engine import EngineConfig, EngineConfigError
+from ..versions import version_line as _version_line
 from . import protocol as P
-from .engine import EngineConfig, EngineConfigError
 from .repository import RepositoryError, check_served_path, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3

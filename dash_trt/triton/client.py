@@ -30,8 +30,9 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..cliutil import version_line as _version_line
-from ..model import DashModelConfig, detokenize, document_prompt, tokenize
+from ..models.config import DashModelConfig
+from ..models.prompts import detokenize, document_prompt, tokenize
+from ..versions import version_line as _version_line
 from . import protocol as P
 
 __all__ = ["DashClient", "DashClientError", "Generation", "main"]
@@ -262,7 +263,7 @@ class DashClient:
         image_features: Any = None,
     ) -> Generation:
         """One request to the unary model; blocks until the tokens come back. ``sampling``: a
-        ``dash_trt.sampling.SamplingParams`` or a dict of its fields (temperature, top_k,
+        ``dash_trt.serving.sampling.SamplingParams`` or a dict of its fields (temperature, top_k,
         top_p, seed); default greedy. ``image_features``: [image tokens, image_feature_dim]
         float32, one row per ``<image>`` token of the prompt (models that take them)."""
         ids = self.encode(prompt)

@@ -29,10 +29,15 @@ from typing import TextIO
 import torch
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..cliutil import version_line as _version_line
-from ..model import DashModel, DashModelConfig, demo_model, document_prompt, generate, load_checkpoint
+from ..modeling import DashModel
+from ..models.checkpoint import load_checkpoint
+from ..models.config import DashModelConfig
+from ..models.prompts import document_prompt
+from ..models.registry import demo_model
+from ..serving.engine import EngineConfig
+from ..serving.generate import generate
+from ..versions import version_line as _version_line
 from .client import DashClient, DashClientError, Generation
-from .engine import EngineConfig
 
 __all__ = ["LoadCase", "LoadReport", "make_cases", "expected_tokens", "run_load", "main"]
 
@@ -261,7 +266,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout
     from ..config import DashConfigError
-    from ..model import CheckpointError, ModelConfigError, ModelContractError
+    from ..modeling import ModelContractError
+    from ..models.checkpoint import CheckpointError
+    from ..models.config import ModelConfigError
     from .client import DashClientError
     from .server import TritonStartError, TritonUnavailable
 
@@ -279,7 +286,8 @@ def _run(a, out: TextIO) -> int:
     if a.checkpoint:
         model = load_checkpoint(a.checkpoint, model_class=a.model_class)
     elif a.random_init:
-        from ..model import DTYPES, load_model_config, random_model
+        from ..models.config import DTYPES, load_model_config
+        from ..models.registry import random_model
 
         model = random_model(
             load_model_config(a.random_init),

@@ -57,7 +57,7 @@ INPUT_IDS = "input_ids"
 MAX_NEW_TOKENS = "max_new_tokens"
 STOP_AT_EOS = "stop_at_eos"
 STOP_TOKEN_IDS = "stop_token_ids"
-#: Sampling inputs: ``dash_trt.sampling.SamplingParams`` field -> (input name, Triton type).
+#: Sampling inputs: ``dash_trt.serving.sampling.SamplingParams`` field -> (input name, Triton type).
 SAMPLING_INPUTS = {
     "temperature": ("temperature", "TYPE_FP32"),
     "top_k": ("top_k", "TYPE_INT32"),

@@ -6,8 +6,8 @@ checkpoint ``model.pt``; it is not imported as part of the package (it needs Tri
 The Python that runs it needs ``dash-trt`` and ``torch`` installed.
 
 How it works: :meth:`TritonPythonModel.initialize` loads the checkpoint and starts a
-:class:`~dash_trt.triton.engine.GenerationEngine` with its own paged KV pool and an
-:class:`~dash_trt.triton.engine.EngineRunner` thread. :meth:`execute` only validates
+:class:`~dash_trt.serving.engine.GenerationEngine` with its own paged KV pool and an
+:class:`~dash_trt.serving.engine.EngineRunner` thread. :meth:`execute` only validates
 each request and hands it to the engine, then returns ``None`` at once; responses go
 out through each request's response sender from the engine thread when the engine
 reports them. Because ``execute`` never waits for generation, Triton keeps delivering
@@ -56,9 +56,8 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        from dash_trt.model import load_checkpoint
-        from dash_trt.triton import protocol as P
-        from dash_trt.triton.engine import (
+        from dash_trt.models.checkpoint import load_checkpoint
+        from dash_trt.serving.engine import (
             CANCELLED,
             INTERNAL,
             INVALID_ARGUMENT,
@@ -68,6 +67,7 @@ class TritonPythonModel:
             GenerationEngine,
             RequestError,
         )
+        from dash_trt.triton import protocol as P
 
         self.P = P
         self.torch = torch

@@ -37,10 +37,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import USER_MODULE_PREFIX, DashModel, save_checkpoint
+from ..modeling import DashModel
+from ..models.checkpoint import save_checkpoint
+from ..models.registry import USER_MODULE_PREFIX
 from ..ops import CACHE_FIELDS
+from ..serving.engine import EngineConfig
 from . import protocol as P
-from .engine import EngineConfig
 
 __all__ = [
     "RepositoryError",
@@ -427,7 +429,8 @@ def model_class_source(model: DashModel) -> tuple[str | None, str]:
     path/file.py:Class``) is served from a copy of that file ("file.py:Class"); any other class
     as ``module:Class``, which the server's Python must import (PYTHONPATH or an installed
     package)."""
-    from ..model import DashForCausalLM, model_class_spec
+    from ..models.decoder import DashForCausalLM
+    from ..models.registry import model_class_spec
 
     cls = type(model)
     if cls is DashForCausalLM:
@@ -594,7 +597,7 @@ def _write(path: str, text: str) -> None:
 
 def pool_bytes(model: DashModel, engine: EngineConfig) -> int:
     """Memory of the KV pool of one generation model instance (``num_blocks`` blocks)."""
-    from ..runtime import pool_block_bytes
+    from ..serving.runner import pool_block_bytes
 
     return pool_block_bytes(model, engine.kv_block_size) * engine.num_blocks
 

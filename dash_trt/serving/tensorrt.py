@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .ops import CACHE_FIELDS
+from ..modeling import IMAGE_INPUTS, MODEL_INPUTS
+from ..ops import CACHE_FIELDS
 
 __all__ = ["TensorRTNotFound", "TensorRTBackendError", "TensorRTBackend"]
 
@@ -50,7 +51,7 @@ class TensorRTBackend:
                 "TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to run a "
                 "plan; the PyTorch runtime (no backend) needs no TensorRT"
             ) from None
-        from .build import load_plugin_library
+        from ..build import load_plugin_library
 
         self.trt = trt
         self.device = torch.device(device)
@@ -81,8 +82,6 @@ class TensorRTBackend:
 
     def _check(self, runtime) -> None:
         """The engine's interface is the model's: its inputs, one past/present pair per cache."""
-        from .model import MODEL_INPUTS
-
         layers = len(runtime.caches)
         past = [f"past.{i}.{f}" for i in range(layers) for f in CACHE_FIELDS]
         present = [f"present.{i}.{f}" for i in range(layers) for f in CACHE_FIELDS]
@@ -109,8 +108,6 @@ class TensorRTBackend:
         """One step: bind every tensor (caches in place) and execute; returns the logits [N, V].
         ``images``: the step's ``(image_features, image_feature_index)`` for an engine of a model
         that takes image features."""
-        from .model import IMAGE_INPUTS, MODEL_INPUTS
-
         if not self._checked:
             self._check(runtime)
         dev = self.device

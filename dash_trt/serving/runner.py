@@ -1,7 +1,7 @@
 """The serving runtime: paged generation over one KV pool, caches written in place.
 
 Every path that generates tokens runs on it: :func:`dash_trt.model.generate`, the Triton
-service's :class:`~dash_trt.triton.engine.GenerationEngine`, the benchmark
+service's :class:`~dash_trt.serving.engine.GenerationEngine`, the benchmark
 (``bench/bench_generate.py``). One step is one call of the model over a ragged batch,
 each sequence contributing its next prefill chunk or its next decode token:
 
@@ -32,33 +32,37 @@ paged operator and no graph is used.
 
 Backends: the model in PyTorch (default); a functional ``forward(inputs, caches) ->
 (logits, new_caches)`` (ONNX Runtime in the export check and dash-compare), whose new
-caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.trt_runtime`) whose
+caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.serving.tensorrt`) whose
 ``present.*`` outputs are bound to the ``past.*`` buffers.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .model import ForwardFn, token_role  # ForwardFn: forward(inputs, caches) -> (logits [N, V], new caches)
-from .paged import (
+from .. import cuda as dcuda
+from ..modeling import IMAGE_INPUTS, MODEL_INPUTS, image_feature_rows, token_role, token_roles
+from ..models.prompts import document_prompt
+from ..paged import (
     BatchHost,
-    CacheFullError,
     DashBatch,
     DashKVCache,
-    KVBlockPool,
     PageCoordState,
     assign_flat_cache_tensors,
     flat_cache_tensors,
 )
+from .block_pool import CacheFullError, KVBlockPool, blocks_for, prefix_block_hashes
 from .sampling import Sampler, SamplingParams
+
+#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches): a
+#: functional backend (the exported graph's interface).
+ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
 
 __all__ = [
     "GRAPH_BATCH_SIZES",
@@ -90,38 +94,6 @@ class RuntimeConfigError(ValueError):
 
 class PoolTooSmallError(RuntimeConfigError):
     """The model, its activations and the KV pool do not fit the device memory allowed."""
-
-
-def prefix_block_hashes(
-    prompt: Sequence[int], image_token_id: int, block_size: int, image_features: torch.Tensor | None = None
-) -> list[bytes]:
-    """Prefix-cache hashes of a prompt's cacheable KV blocks, chained (each covers its block
-    and everything before it). Cacheable: whole blocks of tokens at or before the prompt's
-    last image token, whose page coordinates, and so every cache field, depend on no later
-    token (a text token after the last image is coordinated as the question); at most up to
-    the prompt's second-to-last token, so at least one token is computed. ``image_features``
-    (a row per image token, in order) enter the hash of the blocks that read them."""
-    ids = np.asarray(prompt, dtype=np.int64)
-    images = np.flatnonzero(ids == image_token_id)
-    if not images.size:
-        return []
-    n = min((int(images[-1]) + 1) // block_size, (ids.size - 1) // block_size)
-    feats = None
-    if image_features is not None:
-        feats = np.ascontiguousarray(torch.as_tensor(image_features).detach().float().cpu().numpy())
-        rows = np.cumsum(ids == image_token_id) - 1
-    out, h = [], b"dash-trt prefix v1 %d" % block_size
-    for i in range(n):
-        d = hashlib.blake2b(h, digest_size=16)
-        chunk = ids[i * block_size : (i + 1) * block_size]
-        d.update(chunk.tobytes())
-        if feats is not None:
-            sel = rows[i * block_size : (i + 1) * block_size][chunk == image_token_id]
-            if sel.size:
-                d.update(feats[sel].tobytes())
-        h = d.digest()
-        out.append(h)
-    return out
 
 
 def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -175,8 +147,6 @@ def size_pool_for_memory(model, kv_block_size: int, memory_fraction: float, max_
     """KV blocks for a pool that takes ``memory_fraction`` of the model's GPU: one step of
     ``max_batch_tokens`` prompt tokens is run on a scratch pool to measure the activations'
     peak (as vLLM profiles a step), then what is left of the fraction goes to the pool."""
-    from .model import document_prompt
-
     device = model.device
     if device.type != "cuda":
         raise RuntimeConfigError("gpu_memory_fraction needs the model on a CUDA device")
@@ -186,7 +156,7 @@ def size_pool_for_memory(model, kv_block_size: int, memory_fraction: float, max_
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    blocks = -(-len(prompt) // kv_block_size) + 1
+    blocks = blocks_for(len(prompt), kv_block_size) + 1
     probe = PagedRuntime(model, blocks, kv_block_size, max_model_len=len(prompt), max_num_seqs=1, cuda_graphs=False)
     probe.add(0, prompt, len(prompt))
     probe.step([(0, len(prompt))])
@@ -270,7 +240,7 @@ class PagedRuntime:
     ``max_model_len`` the tokens of one sequence. ``decode_padding`` (default: where the
     kernels run) pads decode steps to the graph sizes, graphs or not. ``backend``: an object
     with ``run(ids, coords, host_batch, rows, max_query_len, runtime) -> logits`` that runs
-    the model on the runtime's caches in place (:class:`dash_trt.trt_runtime.TensorRTBackend`).
+    the model on the runtime's caches in place (:class:`dash_trt.serving.tensorrt.TensorRTBackend`).
     """
 
     def __init__(
@@ -289,8 +259,6 @@ class PagedRuntime:
         device: str | torch.device | None = None,
         prefix_caching: bool = False,
     ):
-        from . import cuda as dcuda
-
         self.model = model
         self.config = model.config
         #: Where the caches and step tensors live: the model's device, or ``device`` (a backend
@@ -344,15 +312,12 @@ class PagedRuntime:
         # Every batch up to max_num_seqs has a bucket: the sizes below it, and it.
         self.graph_batch_sizes = tuple(b for b in sizes if b < self.max_num_seqs) + (self.max_num_seqs,)
         #: Block-table width of every call (None: each step's own, the longest sequence's).
-        self.table_width = -(-self.max_model_len // self.kv_block_size) if self.decode_padding else None
+        self.table_width = blocks_for(self.max_model_len, self.kv_block_size) if self.decode_padding else None
         # Blocks past the pool's, never handed out: idle row j of a padded decode step is a
         # one-token-deep sequence at slot j of them (every idle row writes its own slot).
         self._scratch = self.pool.num_blocks
-        scratch = -(-self.graph_batch_sizes[-1] // self.kv_block_size) if self.decode_padding else 0
-        self.caches: list[DashKVCache] = model.allocate_cache(
-            self.pool.num_blocks + scratch, self.kv_block_size, device=self.device
-        )
-        if self.kernels:
+        scratch = blocks_for(self.graph_batch_sizes[-1], self.kv_block_size) if self.decode_padding else 0
+        if self.kernels:  # the kernels' own limits, before any memory is taken
             dcuda.check_sizes(
                 c.num_attention_heads,
                 c.num_key_value_heads,
@@ -365,6 +330,9 @@ class PagedRuntime:
                 model.dtype,
                 c.num_hidden_layers,
             )
+        self.caches: list[DashKVCache] = model.allocate_cache(
+            self.pool.num_blocks + scratch, self.kv_block_size, device=self.device
+        )
         self.cuda_graphs = self.kernels and self.decode_padding and (cuda_graphs is None or bool(cuda_graphs))
         self._static: dict[int, _Static] = {}
         self._last_decode: tuple | None = None  # (bucket, sequence ids) of the last decode step
@@ -397,7 +365,7 @@ class PagedRuntime:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
         ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
-        draws its tokens instead of the greedy choice (:mod:`dash_trt.sampling`);
+        draws its tokens instead of the greedy choice (:mod:`dash_trt.serving.sampling`);
         ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
         order, replace those tokens' embeddings (models that take image features). With
         prefix caching, ``block_hashes`` (:func:`prefix_block_hashes`, computed if None) find
@@ -405,8 +373,6 @@ class PagedRuntime:
         the caller made already); its completed prompt blocks are registered as it runs. Raises
         :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
-        from .model import token_roles
-
         prompt = list(prompt)
         if not set(map(type, prompt)) <= {int}:  # numpy or torch integers: plain ints (a C-speed check first)
             prompt = [int(t) for t in prompt]
@@ -459,8 +425,6 @@ class PagedRuntime:
 
     def _image_inputs(self, prompt: list[int], features) -> tuple[torch.Tensor, np.ndarray]:
         """A sequence's image features on the device and its prompt tokens' rows of them."""
-        from .model import image_feature_rows
-
         dim = self.config.image_feature_dim
         if dim is None:
             raise ValueError(
@@ -626,8 +590,6 @@ class PagedRuntime:
         return feats, torch.from_numpy(np.concatenate(index)).to(self.device)
 
     def _functional(self, ids, coords, host: BatchHost, rows, most, images=None):
-        from .model import IMAGE_INPUTS, MODEL_INPUTS
-
         dev = self.device
         batch = DashBatch.from_host(host, dev, max_query_len=most)
         values = [

@@ -5,7 +5,7 @@ runs (and is tested) in a plain Python process; the Python-backend ``model.py`` 
 parses requests, calls :meth:`GenerationEngine.submit` and turns :class:`Event` s into
 responses, while an :class:`EngineRunner` thread calls :meth:`GenerationEngine.step`.
 
-One step is one step of the serving runtime (:class:`~dash_trt.runtime.PagedRuntime`:
+One step is one step of the serving runtime (:class:`~dash_trt.serving.runner.PagedRuntime`:
 the model with its caches written in place, logits only for the chosen tokens, decode
 steps from CUDA graphs on the kernels), the runtime :func:`dash_trt.model.generate` uses
 too, so the served tokens are the tokens offline generation gives: every running
@@ -44,10 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import DashModel, ForwardFn, token_roles
+from ..modeling import DashModel, token_roles
+from ..models.prompts import document_prompt
 from ..paged import PageCoordState
-from ..runtime import PagedRuntime, prefix_block_hashes, size_pool_for_memory
-from ..sampling import SamplingError, SamplingParams
+from .block_pool import blocks_for, prefix_block_hashes
+from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
+from .sampling import SamplingError, SamplingParams
 
 __all__ = [
     "EngineConfig",
@@ -170,7 +172,8 @@ class EngineConfig:
         return cls(**data)
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-int(tokens) // self.kv_block_size)
+        """KV blocks of this config's size for ``tokens`` tokens."""
+        return blocks_for(tokens, self.kv_block_size)
 
 
 @dataclass(eq=False)  # requests compare by identity (the queues hold them)
@@ -241,12 +244,12 @@ class Event:
 
 class GenerationEngine:
     """Greedy generation for many requests at once over one
-    :class:`~dash_trt.runtime.PagedRuntime` (one paged KV pool).
+    :class:`~dash_trt.serving.runner.PagedRuntime` (one paged KV pool).
 
     ``forward`` replaces the model call, as in :func:`dash_trt.model.generate`
     (``forward(inputs, caches) -> (logits, new_caches)``), so another runtime
     (ONNX Runtime, a TensorRT engine) can run the same steps; ``backend`` is a runtime
-    backend object (:class:`dash_trt.trt_runtime.TensorRTBackend`).
+    backend object (:class:`dash_trt.serving.tensorrt.TensorRTBackend`).
     """
 
     def __init__(
@@ -364,7 +367,7 @@ class GenerationEngine:
         self, stop_token_ids: Any = None, sampling: Any = None
     ) -> tuple[frozenset[int], SamplingParams | None]:
         """Validate a request's stop tokens (ids in the vocabulary, at most
-        :data:`MAX_STOP_IDS`) and sampling (a :class:`~dash_trt.sampling.SamplingParams` or a
+        :data:`MAX_STOP_IDS`) and sampling (a :class:`~dash_trt.serving.sampling.SamplingParams` or a
         dict of its fields); raises :class:`RequestError` naming the bad value."""
         vocab = self.model_config.vocab_size
         stops: frozenset[int] = frozenset()
@@ -430,7 +433,7 @@ class GenerationEngine:
         is invalid or the engine is closed; otherwise its events follow from
         :meth:`step` and ``request.result()`` gives the tokens. ``stop_token_ids``: generating
         any of them ends the request (the token is kept, as EOS is); ``sampling``: temperature,
-        top_k, top_p and seed (:mod:`dash_trt.sampling`; default greedy); ``image_features``:
+        top_k, top_p and seed (:mod:`dash_trt.serving.sampling`; default greedy); ``image_features``:
         one row per ``<image>`` token (:meth:`check_image_features`)."""
         try:
             stops, params = self.check_options(stop_token_ids, sampling)
@@ -564,8 +567,6 @@ class GenerationEngine:
         """One tiny generation (the op's first call pays torch's compile-machinery import) and,
         on the CUDA kernels, the decode graphs' capture: paid before serving, not in the
         first requests' latency. Counters are reset afterwards."""
-        from ..model import document_prompt
-
         self.generate([document_prompt([1], "", self.model_config)], 2, stop_at_eos=False)
         self.runtime.capture_decode_graphs()
         self.reset_counters()

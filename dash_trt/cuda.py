@@ -14,6 +14,7 @@ checkout.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import os
 import sysconfig
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .config import as_config
-from .paged import DashKVCache, _check_paged_inputs
+from .paged import OperatorCall, _check_paged_inputs, paged_dash_attention
 from .reference import FLOAT_DTYPES, SpLike, check_heads, check_shape
 from .versions import KERNEL_ABI_VERSION
 
@@ -429,28 +430,18 @@ def check_sizes(
 
 
 def paged_dash_attention_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    coords: torch.Tensor,
-    head_cls: torch.Tensor,
-    cache: DashKVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    sp: SpLike,
-    layer_idx: int,
-    *,
+    *args,
     validate: bool = True,
     check_errors: bool | None = None,
     return_selected: bool = False,
     max_query_len: int | None = None,
     tuning: Tuning | None = None,
+    **kwargs,
 ):
-    """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels (same arguments).
+    """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels: the same arguments
+    (``q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc,
+    prompt_lens, sp, layer_idx``, bound by :meth:`~dash_trt.paged.OperatorCall.bind`; a
+    :class:`~dash_trt.paged.DashBatch` may stand for the four batch tensors).
 
     ``validate=True`` checks the batch metadata on the host first (a device sync);
     ``check_errors`` (default: ``validate``) reads the kernels' data-error flag afterwards
@@ -467,15 +458,16 @@ def paged_dash_attention_cuda(
     shape (sizes, layer configuration, tuning) is made once and kept (a small LRU), so every
     layer of a step with the same shape only fills pointers and launches.
     """
-    cfg = as_config(sp)
+    call = OperatorCall.bind(*args, **kwargs)
+    q, k, v, iq, ik, coords, head_cls = call.token_tensors()
+    cache, cfg, layer_idx = call.cache, call.cfg, call.layer_idx
+    block_tables, seq_lens, query_start_loc, prompt_lens = call.batch.tensors()
     lib = _library()
     fence = routing_fence()
     if fence is not None:  # the library refuses the launch too; say why before any work
         raise DashKernelError(f"DASH_ERR_UNSUPPORTED: {fence}")
     if validate:
-        _check_paged_inputs(
-            q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc, prompt_lens, cfg
-        )
+        _check_paged_inputs(*call.args()[:-1])
     else:
         check_shape("q", q, (None, None, None), FLOAT_DTYPES)
         check_shape("k", k, (q.shape[0], None, q.shape[2]), (q.dtype,))
@@ -635,153 +627,31 @@ def supports(
     return None
 
 
-def op_impl_inplace(
-    q,
-    k,
-    v,
-    iq,
-    ik,
-    coords,
-    head_cls,
-    key,
-    value,
-    index_key,
-    image_page,
-    summary,
-    summary_pages,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    prompt_lens,
-    cfg,
-    layer_idx,
-    max_query_len,
-):
+def _kernels_or_fallback(call: OperatorCall, **options) -> torch.Tensor:
+    """``call`` on the kernels; where they do not run it (``DASH_ERR_UNSUPPORTED``: sizes they
+    do not support, a routing rule other than the function's) the PyTorch paged operator, with a
+    warning the first time. Either way the cache is written in place."""
+    try:
+        return paged_dash_attention_cuda(*call.args(), **options)
+    except DashKernelError as exc:
+        if "DASH_ERR_UNSUPPORTED" not in str(exc):
+            raise
+        _warn_fallback(exc)
+        return paged_dash_attention(*call.args())
+
+
+def op_impl_inplace(call: OperatorCall, max_query_len: int) -> torch.Tensor:
     """The CUDA implementation of the in-place op ``dash_trt::paged_attention_`` (see
     :func:`dash_trt.ops.register_cuda_impl`): the kernels write the caches where they are,
     with no host validation and no sync (the runtime's metadata is built by its own pool),
-    so the call can be captured in a CUDA graph. Sizes the kernels do not support run the
-    PyTorch paged operator in place instead (which does synchronise), with a warning the
-    first time."""
-    cache = DashKVCache(
-        key, value, index_key, image_page, summary, summary_pages, sparse_block_size=cfg.sparse_block_size
-    )
-    try:
-        return paged_dash_attention_cuda(
-            q,
-            k,
-            v,
-            iq,
-            ik,
-            coords,
-            head_cls,
-            cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            prompt_lens,
-            cfg,
-            layer_idx,
-            validate=False,
-            check_errors=False,
-            max_query_len=int(max_query_len),
-        )
-    except DashKernelError as exc:
-        if "DASH_ERR_UNSUPPORTED" not in str(exc):
-            raise
-        _warn_fallback(exc)
-        from .paged import paged_dash_attention
-
-        return paged_dash_attention(
-            q,
-            k,
-            v,
-            iq,
-            ik,
-            coords,
-            head_cls,
-            cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            prompt_lens,
-            cfg,
-            layer_idx,
-        )
+    so the call can be captured in a CUDA graph."""
+    return _kernels_or_fallback(call, validate=False, check_errors=False, max_query_len=int(max_query_len))
 
 
-def op_impl(
-    q,
-    k,
-    v,
-    iq,
-    ik,
-    coords,
-    head_cls,
-    key,
-    value,
-    index_key,
-    image_page,
-    summary,
-    summary_pages,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    prompt_lens,
-    cfg,
-    layer_idx,
-):
+def op_impl(call: OperatorCall) -> tuple[torch.Tensor, ...]:
     """The CUDA implementation of the functional torch op ``dash_trt::paged_attention``
     (see :func:`dash_trt.ops.register_cuda_impl`): the kernels write into clones of the
-    caches, which are returned. Sizes the kernels do not support (a KV block that is not a
-    whole multiple of the sparse block, a head dim outside :func:`supported_head_dims`) run
-    the PyTorch paged operator instead, with a warning the first time."""
-    cache = DashKVCache(
-        key.clone(),
-        value.clone(),
-        index_key.clone(),
-        image_page.clone(),
-        summary.clone(),
-        summary_pages.clone(),
-        sparse_block_size=cfg.sparse_block_size,
-    )
-    try:
-        out = paged_dash_attention_cuda(
-            q,
-            k,
-            v,
-            iq,
-            ik,
-            coords,
-            head_cls,
-            cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            prompt_lens,
-            cfg,
-            layer_idx,
-        )
-    except DashKernelError as exc:
-        if "DASH_ERR_UNSUPPORTED" not in str(exc):
-            raise
-        _warn_fallback(exc)
-        from .paged import paged_dash_attention
-
-        out = paged_dash_attention(
-            q,
-            k,
-            v,
-            iq,
-            ik,
-            coords,
-            head_cls,
-            cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            prompt_lens,
-            cfg,
-            layer_idx,
-        )
-    return (out, cache.key, cache.value, cache.index_key, cache.image_page, cache.summary, cache.summary_pages)
+    caches, which are returned."""
+    cache = call.cache.clone()
+    out = _kernels_or_fallback(dataclasses.replace(call, cache=cache))
+    return (out, *cache.tensors().values())

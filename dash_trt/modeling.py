@@ -190,7 +190,7 @@ class DashContext:
             return out
         if self.mode == PAGED:
             return paged_attention_inplace(
-                q, k, v, iq, ik, self.coords, head_cls, self.caches[i], self.batch, module.dash, i, module.attrs()
+                q, k, v, iq, ik, self.coords, head_cls, self.caches[i], self.batch, module.dash, i, attrs=module.attrs()
             )
         return dash_attention(q, k, v, iq, ik, self.roles, head_cls, module.dash, i, self.prompt_length)
 

@@ -41,14 +41,14 @@ paged PyTorch operator. CUDA kernels plug in through :func:`register_cuda_impl`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from . import attributes as A
-from .config import DashConfig
-from .paged import DashBatch, DashKVCache, paged_dash_attention
+from .paged import DashBatch, DashKVCache, OperatorCall, paged_dash_attention
 
 __all__ = [
     "OP_NAMESPACE",
@@ -131,18 +131,16 @@ def register_cuda_impl(
 ) -> None:
     """Plug the CUDA kernels into the op (``None`` restores the PyTorch fallback).
 
-    ``fn(q, k, v, iq, ik, coords, head_cls, key, value, index_key, image_page, summary,
-    summary_pages, block_tables, seq_lens, query_start_loc, prompt_lens, cfg, layer_idx)``
-    receives the op's 17 tensors (all on one CUDA device, layouts as in
-    ``docs/api.md``), the decoded :class:`~dash_trt.config.DashConfig` and the layer
-    index, and returns ``(out, key, value, index_key, image_page, summary,
-    summary_pages)``. The returned caches must be new tensors (the op is functional:
-    it may not return or modify its inputs); the usual kernel writes into clones.
+    ``fn(call)`` receives the op's arguments as a :class:`~dash_trt.paged.OperatorCall` (its
+    tensors all on one CUDA device, layouts as in ``docs/api.md``; the decoded
+    :class:`~dash_trt.config.DashConfig` and the layer index) and returns ``(out, key, value,
+    index_key, image_page, summary, summary_pages)``. The returned caches must be new tensors
+    (the op is functional: it may not return or modify its inputs); the usual kernel writes
+    into clones.
 
-    ``inplace(..., cfg, layer_idx, max_query_len)`` (same tensors) implements the in-place
-    op: it writes the six caches where they are and returns ``out``; it must not synchronise
-    the host (the runtime captures it in CUDA graphs). Without it, the in-place op runs the
-    PyTorch paged operator on CUDA.
+    ``inplace(call, max_query_len)`` implements the in-place op: it writes the six caches where
+    they are and returns ``out``; it must not synchronise the host (the runtime captures it in
+    CUDA graphs). Without it, the in-place op runs the PyTorch paged operator on CUDA.
 
     A C++ binding that registers its own torch ops should use
     ``TORCH_LIBRARY_FRAGMENT(dash_trt, m)`` (this module defines ``dash_trt`` ops from
@@ -161,10 +159,6 @@ def cuda_impls() -> tuple[Callable | None, Callable | None]:
     """The registered CUDA implementations (functional, in place): what
     ``register_cuda_impl(*cuda_impls())`` restores."""
     return _cuda_impl, _cuda_inplace_impl
-
-
-def _split(args: tuple) -> tuple[tuple, tuple, tuple]:
-    return args[:7], args[7:13], args[13:]
 
 
 #: Why the kernel library was not registered at import (None: it was, or it is being tested
@@ -187,27 +181,24 @@ def _warn_cuda_without_kernels() -> None:
 
 @torch.library.register_kernel(QUALNAME, ("cpu", "cuda"))
 def _paged_attention_impl(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
-    cfg, layer_idx = A.decode(attrs)
-    inputs, caches, batch = _split(args)
-    if inputs[0].device.type == "cuda" and _cuda_impl is not None:
-        return tuple(_cuda_impl(*inputs, *caches, *batch, cfg, layer_idx))
-    if inputs[0].device.type == "cuda":
+    call = _call(args, attrs)
+    if call.q.device.type == "cuda" and _cuda_impl is not None:
+        return tuple(_cuda_impl(call))
+    if call.q.device.type == "cuda":
         _warn_cuda_without_kernels()
-    cache = DashKVCache(*(c.clone() for c in caches), sparse_block_size=cfg.sparse_block_size)
-    out = paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
-    return (out, *(getattr(cache, f) for f in CACHE_FIELDS))
+    cache = call.cache.clone()
+    out = paged_dash_attention(*dataclasses.replace(call, cache=cache).args())
+    return (out, *cache.tensors().values())
 
 
 @torch.library.register_kernel(INPLACE_QUALNAME, ("cpu", "cuda"))
 def _paged_attention_inplace_impl(*args: torch.Tensor, max_query_len: int, **attrs: Any) -> torch.Tensor:
-    cfg, layer_idx = A.decode(attrs)
-    inputs, caches, batch = _split(args)
-    if inputs[0].device.type == "cuda" and _cuda_inplace_impl is not None:
-        return _cuda_inplace_impl(*inputs, *caches, *batch, cfg, layer_idx, max_query_len)
-    if inputs[0].device.type == "cuda":
+    call = _call(args, attrs, max_query_len)
+    if call.q.device.type == "cuda" and _cuda_inplace_impl is not None:
+        return _cuda_inplace_impl(call, max_query_len)
+    if call.q.device.type == "cuda":
         _warn_cuda_without_kernels()
-    cache = DashKVCache(*caches, sparse_block_size=cfg.sparse_block_size)
-    return paged_dash_attention(*inputs, cache, *batch, sp=cfg, layer_idx=layer_idx)
+    return paged_dash_attention(*call.args())
 
 
 @torch.library.register_fake(INPLACE_QUALNAME)
@@ -221,8 +212,7 @@ def _paged_attention_inplace_fake(*args: torch.Tensor, max_query_len: int, **att
 @torch.library.register_fake(QUALNAME)
 def _paged_attention_fake(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
     # Shapes only: the output has q's shape and dtype, each cache keeps its own.
-    inputs, caches, _ = _split(args)
-    q = inputs[0]
+    q, caches = args[0], args[7:13]
     if q.dim() != 3 or len(caches) != len(CACHE_FIELDS):
         raise ValueError(f"{QUALNAME}: q must be [T, H, D], got {q.dim()} dims")
     return (torch.empty_like(q), *(torch.empty_like(c) for c in caches))
@@ -234,46 +224,13 @@ def paged_attention_op() -> torch._ops.OpOverload:
     return torch.ops.dash_trt.paged_attention.default
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    coords: torch.Tensor,
-    head_cls: torch.Tensor,
-    cache: DashKVCache | tuple[torch.Tensor, ...],
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    sp: DashConfig | Mapping[str, Any],
-    layer_idx: int,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Call the op with a :class:`DashKVCache` (or its six tensors in
-    :data:`CACHE_FIELDS` order) and a config; returns ``(out, new_cache_tensors)``.
-
-    Same inputs and result as :func:`dash_trt.paged.paged_dash_attention`, except that
-    the cache is returned updated instead of written in place.
-    """
-    tensors = tuple(getattr(cache, f) for f in CACHE_FIELDS) if isinstance(cache, DashKVCache) else tuple(cache)
-    if len(tensors) != len(CACHE_FIELDS):
-        raise ValueError(f"cache must hold {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), got {len(tensors)}")
-    res = paged_attention_op()(
-        q,
-        k,
-        v,
-        iq,
-        ik,
-        coords,
-        head_cls,
-        *tensors,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        prompt_lens,
-        **A.encode(sp, layer_idx),
-    )
+def paged_attention(*args, **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Call the functional op with :func:`dash_trt.paged.paged_dash_attention`'s arguments
+    (bound by :meth:`~dash_trt.paged.OperatorCall.bind`; the cache may also be its six
+    tensors in :data:`CACHE_FIELDS` order); returns ``(out, new_cache_tensors)``: the cache
+    returned updated instead of written in place."""
+    call = OperatorCall.bind(*args, **kwargs)
+    res = paged_attention_op()(*_flat(call), **A.encode(call.cfg, call.layer_idx))
     return res[0], tuple(res[1:])
 
 
@@ -282,40 +239,29 @@ def paged_attention_inplace_op() -> torch._ops.OpOverload:
     return torch.ops.dash_trt.paged_attention_.default
 
 
-def paged_attention_inplace(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    coords: torch.Tensor,
-    head_cls: torch.Tensor,
-    cache: DashKVCache,
-    batch: DashBatch,
-    sp: DashConfig | Mapping[str, Any],
-    layer_idx: int,
-    attrs: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    """The in-place op: writes the new tokens into ``cache`` and returns ``out`` [T, H, D].
+def paged_attention_inplace(*args, attrs: Mapping[str, Any] | None = None, **kwargs) -> torch.Tensor:
+    """The in-place op with :func:`dash_trt.paged.paged_dash_attention`'s arguments (the
+    batch as the step's :class:`~dash_trt.paged.DashBatch`, the same object for every layer):
+    writes the new tokens into the cache and returns ``out`` [T, H, D]. ``attrs``
+    (``dash_trt.attributes.encode(sp, layer_idx)``) may be passed in to skip encoding the
+    config on every call."""
+    call = OperatorCall.bind(*args, **kwargs)
+    most = call.batch.max_query_len if call.batch.max_query_len is not None else call.q.shape[0]
+    attrs = attrs if attrs is not None else A.encode(call.cfg, call.layer_idx)
+    return paged_attention_inplace_op()(*_flat(call), max_query_len=int(most), **attrs)
 
-    ``batch`` is the step's :class:`~dash_trt.paged.DashBatch`, the same object for every
-    layer; ``attrs`` (``dash_trt.attributes.encode(sp, layer_idx)``) may be passed in to
-    skip encoding the config on every call.
-    """
-    most = batch.max_query_len if batch.max_query_len is not None else q.shape[0]
-    return paged_attention_inplace_op()(
-        q,
-        k,
-        v,
-        iq,
-        ik,
-        coords,
-        head_cls,
-        *(getattr(cache, f) for f in CACHE_FIELDS),
-        *batch.tensors(),
-        max_query_len=int(most),
-        **(attrs if attrs is not None else A.encode(sp, layer_idx)),
-    )
+
+def _flat(call: OperatorCall) -> tuple[torch.Tensor, ...]:
+    """The op's 17 tensors (:data:`TENSOR_INPUTS` order) of a call."""
+    return (*call.token_tensors(), *call.cache.tensors().values(), *call.batch.tensors())
+
+
+def _call(args: tuple, attrs: Mapping[str, Any], max_query_len: int | None = None) -> OperatorCall:
+    """The call of the op's 17 tensors and encoded attributes."""
+    cfg, layer_idx = A.decode(attrs)
+    tokens, caches, batch = args[:7], args[7:13], args[13:]
+    cache = DashKVCache.of(caches, cfg.sparse_block_size)
+    return OperatorCall(*tokens, cache, DashBatch(*batch, max_query_len=max_query_len), cfg, layer_idx)
 
 
 def _register_kernels_if_built() -> None:

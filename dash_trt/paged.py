@@ -93,6 +93,9 @@ __all__ = [
     "sequence_coords",
     "slot_mapping",
     "paged_dash_attention",
+    "OperatorCall",
+    "TOKEN_FIELDS",
+    "OPERATOR_ARGS",
 ]
 
 #: Columns of ``coords``.
@@ -222,6 +225,15 @@ class DashKVCache:
             summary_pages=torch.full((num_blocks, per, 3), -1, dtype=torch.int32, device=device),
             sparse_block_size=int(sparse_block_size),
         )
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], sparse_block_size: int) -> DashKVCache:
+        """A cache of its six tensors in field order (:data:`dash_trt.ops.CACHE_FIELDS`)."""
+        tensors = tuple(tensors)
+        names = [f.name for f in fields(cls) if f.name != "sparse_block_size"]
+        if len(tensors) != len(names):
+            raise ValueError(f"a cache holds {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
+        return cls(*tensors, sparse_block_size=int(sparse_block_size))
 
     @property
     def num_blocks(self) -> int:
@@ -354,6 +366,70 @@ def slot_mapping(
 
 
 # ----------------------------------------------------------------------- operator
+#: The new tokens' tensors of one call, in argument order.
+TOKEN_FIELDS = ("q", "k", "v", "iq", "ik", "coords", "head_cls")
+#: The arguments every front end of the operator takes: :func:`paged_dash_attention`'s.
+OPERATOR_ARGS = (*TOKEN_FIELDS, "cache", *BATCH_FIELDS, "sp", "layer_idx")
+
+
+@dataclass
+class OperatorCall:
+    """The arguments of one call of the paged operator, bound once: the new tokens' tensors
+    (:data:`TOKEN_FIELDS`), the cache, the batch and the layer's config. Every front end
+    (:func:`paged_dash_attention`, the CUDA binding, the torch ops) takes the operator's
+    arguments as :func:`paged_dash_attention` declares them and reads them through
+    :meth:`bind`, so the list is written once."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    iq: torch.Tensor
+    ik: torch.Tensor
+    coords: torch.Tensor
+    head_cls: torch.Tensor
+    cache: DashKVCache
+    batch: DashBatch
+    cfg: DashConfig
+    layer_idx: int
+
+    @classmethod
+    def bind(cls, *args, **kwargs) -> OperatorCall:
+        """:data:`OPERATOR_ARGS`, positional or by name; the four batch tensors may also come
+        as one :class:`DashBatch` (positional in their place, or ``batch=``)."""
+        args, batch = list(args), kwargs.pop("batch", None)
+        if len(args) > 8 and isinstance(args[8], DashBatch):  # (..., cache, batch, sp, layer_idx)
+            batch = args[8]
+            args[8:9] = batch.tensors()
+        elif batch is not None:
+            kwargs.update(batch.kwargs())
+        if len(args) > len(OPERATOR_ARGS):
+            raise TypeError(f"the operator takes {len(OPERATOR_ARGS)} arguments, got {len(args)}")
+        values = dict(zip(OPERATOR_ARGS, args))
+        for name, value in kwargs.items():
+            if name not in OPERATOR_ARGS:
+                raise TypeError(f"the operator has no argument {name!r} (it takes {', '.join(OPERATOR_ARGS)})")
+            if name in values:
+                raise TypeError(f"argument {name!r} given twice")
+            values[name] = value
+        missing = [n for n in OPERATOR_ARGS if n not in values]
+        if missing:
+            raise TypeError(f"the operator's argument(s) {', '.join(missing)} are missing")
+        cfg = as_config(values["sp"])
+        if batch is None:
+            batch = DashBatch(*(values[f] for f in BATCH_FIELDS))
+        cache = values["cache"]
+        if not isinstance(cache, DashKVCache):  # its six tensors, in field order
+            cache = DashKVCache.of(cache, cfg.sparse_block_size)
+        return cls(*(values[f] for f in TOKEN_FIELDS), cache, batch, cfg, values["layer_idx"])
+
+    def token_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in TOKEN_FIELDS)
+
+    def args(self) -> tuple:
+        """The positional arguments of :func:`paged_dash_attention` for this call."""
+        return (*self.token_tensors(), self.cache, *self.batch.tensors(), self.cfg, self.layer_idx)
+
+
 def paged_dash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

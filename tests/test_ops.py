@@ -226,9 +226,9 @@ def test_op_on_cuda_uses_the_registered_kernel_and_falls_back_without_one():
     torch.testing.assert_close(out.cpu(), want, atol=atol, rtol=rtol)
     seen = []
 
-    def fake_kernel(*a):
-        seen.append(a[-1])
-        return (torch.zeros_like(a[0]), *(t.clone() for t in a[7:13]))
+    def fake_kernel(call):
+        seen.append(call.layer_idx)
+        return (torch.zeros_like(call.q), *(t.clone() for t in call.cache.tensors().values()))
 
     saved = ops.cuda_impls()
     ops.register_cuda_impl(fake_kernel)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .config import as_config
-from .paged import OperatorCall, _check_paged_inputs, paged_dash_attention
+from .paged import CACHE_FIELDS, OperatorCall, paged_dash_attention
 from .reference import FLOAT_DTYPES, SpLike, check_heads, check_shape
 from .versions import KERNEL_ABI_VERSION
 
@@ -69,66 +69,67 @@ class DashKernelError(RuntimeError):
     """The kernel library refused the call or a launch failed."""
 
 
-class DashParams(ctypes.Structure):
-    """ctypes mirror of ``DashParams`` (plugins/include/dash/params.h); checked field by
-    field against the library's ``dash_params_offset`` when it is loaded."""
+#: ``dash_params_field`` type codes (plugins/include/dash/dash.h) as ctypes types.
+_FIELD_TYPES = {0: ctypes.c_int32, 1: ctypes.c_float, 2: ctypes.c_void_p, 3: ctypes.c_uint64}
+#: ``DashParamGroup`` (plugins/include/dash/params.h) by name.
+FIELD_GROUPS = ("SIZE", "CONFIG", "INPUT", "CACHE", "OUTPUT", "SCRATCH", "DEBUG", "TUNE")
 
-    _fields_ = [
-        ("num_tokens", ctypes.c_int32),
-        ("num_seqs", ctypes.c_int32),
-        ("num_heads", ctypes.c_int32),
-        ("num_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("index_dim", ctypes.c_int32),
-        ("num_blocks", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("table_width", ctypes.c_int32),
-        ("max_new_tokens", ctypes.c_int32),
-        ("dtype", ctypes.c_int32),
-        ("sparse_block_size", ctypes.c_int32),
-        ("sparse_local_block", ctypes.c_int32),
-        ("topk", ctypes.c_int32),
-        ("route_scale", ctypes.c_float),
-        ("prior_floor", ctypes.c_float),
-        ("sigma", ctypes.c_float),
-        ("rope_page_pairs", ctypes.c_int32),
-        ("rope_tok_theta", ctypes.c_float),
-        ("rope_page_theta", ctypes.c_float),
-        ("main_truncate", ctypes.c_int32),
-        ("index_truncate", ctypes.c_int32),
-        ("rope_page_mod", ctypes.c_int32),
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("iq", ctypes.c_void_p),
-        ("ik", ctypes.c_void_p),
-        ("coords", ctypes.c_void_p),
-        ("head_cls", ctypes.c_void_p),
-        ("block_tables", ctypes.c_void_p),
-        ("seq_lens", ctypes.c_void_p),
-        ("query_start_loc", ctypes.c_void_p),
-        ("prompt_lens", ctypes.c_void_p),
-        ("key_cache", ctypes.c_void_p),
-        ("value_cache", ctypes.c_void_p),
-        ("index_key_cache", ctypes.c_void_p),
-        ("image_page_cache", ctypes.c_void_p),
-        ("summary_cache", ctypes.c_void_p),
-        ("summary_pages_cache", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_size", ctypes.c_size_t),
-        ("selected_out", ctypes.c_void_p),
-        ("tune_block_major_min_tokens", ctypes.c_int32),
-        ("tune_block_major_chunk", ctypes.c_int32),
-        ("tune_attend_ctas", ctypes.c_int32),
-        ("tune_fused_front", ctypes.c_int32),
-        ("tune_front_writer", ctypes.c_int32),
-        ("tune_tile_share_min", ctypes.c_int32),
-        ("tune_warpgroup_mma", ctypes.c_int32),
-        ("tune_block_major_warpgroups", ctypes.c_int32),
-        ("tune_block_major_ctas", ctypes.c_int32),
-        ("tune_tile_overlap", ctypes.c_int32),
+
+def _params_layout(lib: ctypes.CDLL, path) -> tuple[type[ctypes.Structure], dict[str, str]]:
+    """The ctypes mirror of ``DashParams`` built from the library's own field table
+    (``dash_params_field``, generated from plugins/include/dash/params.def), checked against its
+    size and offsets, and each field's group."""
+    lib.dash_params_field.restype = ctypes.c_int32
+    lib.dash_params_field.argtypes = [
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_char_p),
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int32),
     ]
+    rows, groups = [], {}
+    for i in range(lib.dash_params_field(0, None, None, None, None)):
+        name, kind, offset, group = ctypes.c_char_p(), ctypes.c_int32(), ctypes.c_int64(), ctypes.c_int32()
+        lib.dash_params_field(i, ctypes.byref(name), ctypes.byref(kind), ctypes.byref(offset), ctypes.byref(group))
+        if kind.value not in _FIELD_TYPES or not 0 <= group.value < len(FIELD_GROUPS):
+            raise DashKernelError(f"{path}: DashParams field {i} has type {kind.value}, group {group.value}")
+        rows.append((name.value.decode(), _FIELD_TYPES[kind.value], offset.value))
+        groups[rows[-1][0]] = FIELD_GROUPS[group.value]
+    mirror = type(
+        "DashParams",
+        (ctypes.Structure,),
+        {
+            "_fields_": [(n, t) for n, t, _ in rows],
+            "__doc__": "ctypes mirror of DashParams, built from the kernel library's field table.",
+        },
+    )
+    if ctypes.sizeof(mirror) != lib.dash_params_size():
+        raise DashKernelError(
+            f"{path}: DashParams is {lib.dash_params_size()} bytes, its fields make {ctypes.sizeof(mirror)}"
+        )
+    for name, _, offset in rows:
+        if getattr(mirror, name).offset != offset:
+            laid = getattr(mirror, name).offset
+            raise DashKernelError(f"{path}: DashParams.{name} at offset {offset}, ctypes lays it at {laid}")
+    written = {
+        "SIZE": set(_SIZE_FIELDS),
+        "CONFIG": set(_CONFIG_FIELDS),
+        "INPUT": set(_INPUT_FIELDS),
+        "CACHE": {f"{name}_cache" for name in CACHE_FIELDS},
+        "OUTPUT": {"out"},
+        "SCRATCH": {"workspace", "workspace_size"},
+        "DEBUG": {"selected_out"},
+        "TUNE": set(Tuning().params()),
+    }
+    for group, names in written.items():
+        have = {n for n, g in groups.items() if g == group}
+        # every field the binding writes exists; every size, configuration, input, cache and
+        # output field of the library is written (scratch, debug and tuning fields may stay 0)
+        if names - have or (group not in ("SCRATCH", "DEBUG", "TUNE") and have - names):
+            raise DashKernelError(
+                f"{path}: DashParams {group} fields are {sorted(have)}, this binding writes {sorted(names)}"
+            )
+    return mirror, groups
 
 
 class DashPlan(ctypes.Structure):
@@ -220,7 +221,8 @@ def library_path() -> Path | None:
 
 
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL:
+def _loaded() -> tuple[ctypes.CDLL, type[ctypes.Structure]]:
+    """The kernel library, its ABI checked, and the ctypes mirror of its ``DashParams``."""
     path = library_path()
     if path is None:
         raise DashKernelsNotFound(
@@ -229,12 +231,15 @@ def _library() -> ctypes.CDLL:
             "or point DASH_TRT_LIBRARY at it."
         )
     lib = ctypes.CDLL(str(path))
-    lib.dash_abi_version.restype = ctypes.c_int32
     lib.dash_params_size.restype = ctypes.c_size_t
     lib.dash_params_offset.restype = ctypes.c_int64
     lib.dash_params_offset.argtypes = [ctypes.c_char_p]
     lib.dash_supported_head_dims.restype = ctypes.c_int32
     lib.dash_supported_head_dims.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
+    lib.dash_abi_version.restype = ctypes.c_int32
+    if lib.dash_abi_version() != ABI_VERSION:
+        raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
+    DashParams, _ = _params_layout(lib, path)
     lib.dash_max_selected.restype = ctypes.c_int32
     lib.dash_max_selected.argtypes = [ctypes.POINTER(DashParams)]
     lib.dash_workspace_size.restype = ctypes.c_int
@@ -252,19 +257,22 @@ def _library() -> ctypes.CDLL:
     lib.dash_status_string.restype = ctypes.c_char_p
     lib.dash_status_string.argtypes = [ctypes.c_int]
     lib.dash_last_error_message.restype = ctypes.c_char_p
-    lib.dash_abi_version.restype = ctypes.c_int32
-    if lib.dash_abi_version() != ABI_VERSION:
-        raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
-    if lib.dash_params_size() != ctypes.sizeof(DashParams):
-        raise DashKernelError(
-            f"{path}: DashParams is {lib.dash_params_size()} bytes, binding has {ctypes.sizeof(DashParams)}"
-        )
-    for name, _ in DashParams._fields_:
-        want = getattr(DashParams, name).offset
-        got = lib.dash_params_offset(name.encode())
-        if got != want:
-            raise DashKernelError(f"{path}: DashParams.{name} at offset {got}, binding has {want}")
-    return lib
+    return lib, DashParams
+
+
+def _library() -> ctypes.CDLL:
+    return _loaded()[0]
+
+
+def _mirror() -> type[ctypes.Structure]:
+    """The ctypes ``DashParams`` of the loaded library (:func:`_params_layout`)."""
+    return _loaded()[1]
+
+
+def __getattr__(name: str):
+    if name == "DashParams":  # built from the library's field table when it is first loaded
+        return _mirror()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def routing_rule() -> int:
@@ -367,23 +375,68 @@ def _config_fields_cached(cfg, layer_idx: int) -> tuple:
     return tuple(_config_fields(cfg, layer_idx).items())
 
 
+#: The DashParams fields this binding writes, by group (plugins/include/dash/params.def; checked
+#: against the library's table when it is loaded).
+_SIZE_FIELDS = (
+    "num_tokens",
+    "num_seqs",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "index_dim",
+    "num_blocks",
+    "block_size",
+    "table_width",
+    "max_new_tokens",
+    "dtype",
+)
+_CONFIG_FIELDS = (
+    "sparse_block_size",
+    "sparse_local_block",
+    "topk",
+    "route_scale",
+    "prior_floor",
+    "sigma",
+    "rope_page_pairs",
+    "rope_tok_theta",
+    "rope_page_theta",
+    "main_truncate",
+    "index_truncate",
+    "rope_page_mod",
+)
+_INPUT_FIELDS = (
+    "q",
+    "k",
+    "v",
+    "iq",
+    "ik",
+    "coords",
+    "head_cls",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "prompt_lens",
+)
+
+
 def _config_fields(cfg, layer_idx: int) -> dict:
     """The configuration fields of DashParams for one layer (its routing values resolved)."""
     r = cfg.routing(layer_idx)
-    return dict(
-        sparse_block_size=cfg.sparse_block_size,
-        sparse_local_block=cfg.sparse_local_block,
-        topk=r.topk,
-        route_scale=r.scale,
-        prior_floor=r.floor,
-        sigma=r.sigma,
-        rope_page_pairs=cfg.sparse_rope_page_pairs,
-        rope_tok_theta=float(cfg.sparse_rope_tok_theta),
-        rope_page_theta=float(cfg.sparse_rope_page_theta),
-        main_truncate=int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
-        index_truncate=int(cfg.sparse_rope_tok_freq_mode == "truncate"),
-        rope_page_mod=cfg.sparse_rope_page_mod,
+    values = (
+        cfg.sparse_block_size,
+        cfg.sparse_local_block,
+        r.topk,
+        r.scale,
+        r.floor,
+        r.sigma,
+        cfg.sparse_rope_page_pairs,
+        float(cfg.sparse_rope_tok_theta),
+        float(cfg.sparse_rope_page_theta),
+        int(cfg.sparse_main_rope_tok_freq_mode == "truncate"),
+        int(cfg.sparse_rope_tok_freq_mode == "truncate"),
+        cfg.sparse_rope_page_mod,
     )
+    return dict(zip(_CONFIG_FIELDS, values, strict=True))
 
 
 def check_sizes(
@@ -467,7 +520,7 @@ def paged_dash_attention_cuda(
     if fence is not None:  # the library refuses the launch too; say why before any work
         raise DashKernelError(f"DASH_ERR_UNSUPPORTED: {fence}")
     if validate:
-        _check_paged_inputs(*call.args()[:-1])
+        call.check()
     else:
         check_shape("q", q, (None, None, None), FLOAT_DTYPES)
         check_shape("k", k, (q.shape[0], None, q.shape[2]), (q.dtype,))
@@ -518,13 +571,14 @@ def paged_dash_attention_cuda(
         cfg,
         layer_idx,
         tune,
+        device,
     )
-    p.q, p.k, p.v, p.iq, p.ik, p.coords = _ptr(q), _ptr(k), _ptr(v), _ptr(iq), _ptr(ik), _ptr(coords32)
-    p.head_cls, p.block_tables, p.seq_lens = _ptr(head_cls), _ptr(tables32), _ptr(lens32)
-    p.query_start_loc, p.prompt_lens = _ptr(qsl32), _ptr(prompts32)
-    p.key_cache, p.value_cache, p.index_key_cache = _ptr(cache.key), _ptr(cache.value), _ptr(cache.index_key)
-    p.image_page_cache, p.summary_cache = _ptr(cache.image_page), _ptr(cache.summary)
-    p.summary_pages_cache, p.out = _ptr(cache.summary_pages), _ptr(out)
+    inputs = (q, k, v, iq, ik, coords32, head_cls, tables32, lens32, qsl32, prompts32)
+    for name, tensor in zip(_INPUT_FIELDS, inputs, strict=True):
+        setattr(p, name, _ptr(tensor))
+    for name, tensor in cache.tensors().items():
+        setattr(p, f"{name}_cache", _ptr(tensor))
+    p.out = _ptr(out)
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
     p.workspace, p.workspace_size = workspace.data_ptr(), size
     selected = None
@@ -533,14 +587,15 @@ def paged_dash_attention_cuda(
         selected = torch.empty(t, kmax, dtype=torch.int32, device=device)
         p.selected_out = selected.data_ptr()
     stream = torch.cuda.current_stream(device).cuda_stream
-    _check(lib, lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), ctypes.c_void_p(stream)), "dash_run_plan")
-    if (validate if check_errors is None else check_errors) and t:
+    with torch.cuda.device(device):  # the library launches on the current device
+        _check(lib, lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), ctypes.c_void_p(stream)), "dash_run_plan")
         mask = ctypes.c_int32(0)
-        _check(
-            lib,
-            lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
-            "dash_read_data_errors",
-        )
+        if (validate if check_errors is None else check_errors) and t:
+            _check(
+                lib,
+                lib.dash_read_data_errors(ctypes.byref(p), ctypes.c_void_p(stream), ctypes.byref(mask)),
+                "dash_read_data_errors",
+            )
         if mask.value:
             bad = [msg for bit, msg in DATA_ERRORS.items() if mask.value & bit]
             raise DashKernelError("kernels skipped bad metadata: " + "; ".join(bad))
@@ -554,37 +609,25 @@ _PLANS: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 256
 
 
-def _shape_params(sizes: tuple, config: tuple, tune: Tuning) -> DashParams:
+def _shape_params(sizes: tuple, config: tuple, tune: Tuning) -> ctypes.Structure:
     """DashParams with every size, configuration (:func:`_config_fields_cached`) and tuning
     field set, no pointers."""
-    t, b, h, hkv, d, di, nb, bsz, w, most, dtype = sizes
-    return DashParams(
-        num_tokens=t,
-        num_seqs=b,
-        num_heads=h,
-        num_kv_heads=hkv,
-        head_dim=d,
-        index_dim=di,
-        num_blocks=nb,
-        block_size=bsz,
-        table_width=w,
-        max_new_tokens=most,
-        dtype=dtype,
-        **dict(config),
-        **tune.params(),
-    )
+    return _mirror()(**dict(zip(_SIZE_FIELDS, sizes, strict=True)), **dict(config), **tune.params())
 
 
-def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
+def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning, device: torch.device):
     """(params with every size, configuration and tuning field set, their plan, workspace
-    bytes) for this shape: planned on first use, then a copy of the kept params."""
+    bytes) for this shape on this GPU: planned on first use, then a copy of the kept params.
+    A plan depends on the GPU (its SM count, shared memory and architecture), so the cache is
+    keyed by the device too."""
     config = _config_fields_cached(cfg, layer_idx)
-    key = (sizes, config, tune)
+    key = (device.index, sizes, config, tune)
     hit = _PLANS.get(key)
     if hit is None:
         template = _shape_params(sizes, config, tune)
         plan = DashPlan()
-        _check(lib, lib.dash_plan(ctypes.byref(template), ctypes.byref(plan)), "dash_plan")
+        with torch.cuda.device(device):  # dash_plan reads the current device's properties
+            _check(lib, lib.dash_plan(ctypes.byref(template), ctypes.byref(plan)), "dash_plan")
         hit = (template, plan, int(lib.dash_plan_workspace_size(ctypes.byref(plan))))
         _PLANS[key] = hit
         if len(_PLANS) > _PLAN_CACHE_SIZE:
@@ -592,7 +635,7 @@ def _planned(lib, sizes: tuple, cfg, layer_idx: int, tune: Tuning):
     else:
         _PLANS.move_to_end(key)
     template, plan, size = hit
-    return DashParams.from_buffer_copy(template), plan, size
+    return _mirror().from_buffer_copy(template), plan, size
 
 
 _warned_fallback = False

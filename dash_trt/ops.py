@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from . import attributes as A
-from .paged import DashBatch, DashKVCache, OperatorCall, paged_dash_attention
+from .paged import CACHE_FIELDS, DashBatch, DashKVCache, OperatorCall, paged_dash_attention
 
 __all__ = [
     "OP_NAMESPACE",
@@ -68,8 +68,6 @@ OP_NAMESPACE = "dash_trt"
 OP_NAME = "paged_attention"
 QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 
-#: The six cache tensors, in op argument order (``DashKVCache`` field names).
-CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_pages")
 
 #: Tensor inputs of the op (and of the ONNX node), in order.
 TENSOR_INPUTS = (

@@ -84,6 +84,7 @@ __all__ = [
     "COORD_QUERY_PAGE",
     "NUM_COORDS",
     "DashKVCache",
+    "CACHE_FIELDS",
     "DashBatch",
     "BatchHost",
     "BATCH_FIELDS",
@@ -93,6 +94,7 @@ __all__ = [
     "sequence_coords",
     "slot_mapping",
     "paged_dash_attention",
+    "check_paged_inputs",
     "OperatorCall",
     "TOKEN_FIELDS",
     "OPERATOR_ARGS",
@@ -179,6 +181,11 @@ class PageCoordState:
 
 
 # ------------------------------------------------------------------------ the cache
+#: The six cache tensors, in operator argument order (``DashKVCache`` field names; the kernels'
+#: ``<name>_cache`` fields and the ONNX node's ``<name>_cache`` inputs).
+CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_pages")
+
+
 @dataclass
 class DashKVCache:
     """One layer's paged DASH cache (see the module docstring for the layout)."""
@@ -228,12 +235,13 @@ class DashKVCache:
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], sparse_block_size: int) -> DashKVCache:
-        """A cache of its six tensors in field order (:data:`dash_trt.ops.CACHE_FIELDS`)."""
+        """A cache of its six tensors in :data:`CACHE_FIELDS` order."""
         tensors = tuple(tensors)
-        names = [f.name for f in fields(cls) if f.name != "sparse_block_size"]
-        if len(tensors) != len(names):
-            raise ValueError(f"a cache holds {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
-        return cls(*tensors, sparse_block_size=int(sparse_block_size))
+        if len(tensors) != len(CACHE_FIELDS):
+            raise ValueError(
+                f"a cache holds {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), got {len(tensors)}"
+            )
+        return cls(**dict(zip(CACHE_FIELDS, tensors)), sparse_block_size=int(sparse_block_size))
 
     @property
     def num_blocks(self) -> int:
@@ -244,7 +252,7 @@ class DashKVCache:
         return self.key.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sparse_block_size"}
+        return {f: getattr(self, f) for f in CACHE_FIELDS}
 
     def clone(self) -> DashKVCache:
         return DashKVCache(
@@ -425,6 +433,11 @@ class OperatorCall:
     def token_tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f) for f in TOKEN_FIELDS)
 
+    def check(self) -> tuple[list[int], list[int], list[int]]:
+        """Check every argument once (shapes, dtypes, the cache's layout, the batch metadata against
+        the cache); return (query starts, sequence lengths, prompt lengths) as Python lists."""
+        return check_paged_inputs(*self.args()[:-1])
+
     def args(self) -> tuple:
         """The positional arguments of :func:`paged_dash_attention` for this call."""
         return (*self.token_tensors(), self.cache, *self.batch.tensors(), self.cfg, self.layer_idx)
@@ -460,7 +473,7 @@ def paged_dash_attention(
     sparse blocks, score and route, attend.
     """
     cfg = as_config(sp)
-    starts, lens, prompts = _check_paged_inputs(
+    starts, lens, prompts = check_paged_inputs(
         q,
         k,
         v,
@@ -616,7 +629,7 @@ def _candidates(cache, table, pages, qp, sbs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- validation
-def _check_paged_inputs(
+def check_paged_inputs(
     q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc, prompt_lens, cfg: DashConfig
 ):
     """Check every input once; return (starts, lens, prompts) as Python lists."""

@@ -76,6 +76,37 @@ def test_binding_matches_the_header():
     assert cuda.supported_head_dims() == (64, 128, 256)
 
 
+def test_the_mirror_is_the_field_table_of_params_def():
+    """The ctypes DashParams is built from the library's table, which is params.def row for row:
+    the same names in the same order, each offset the one the compiler laid out."""
+    import re
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[1] / "plugins" / "include" / "dash" / "params.def").read_text()
+    rows = re.findall(r"^DASH_PARAM\(([^,]+), (\w+), (\w+),", table, flags=re.M)
+    assert [name for name, _ in cuda.DashParams._fields_] == [name for _, name, _ in rows]
+    ctype = {"int32_t": ctypes.c_int32, "float": ctypes.c_float, "size_t": ctypes.c_uint64}
+    want = [ctypes.c_void_p if t.endswith("*") else ctype[t] for t, _, _ in rows]
+    assert [t for _, t in cuda.DashParams._fields_] == want
+    lib = cuda._library()
+    for name, _ in cuda.DashParams._fields_:
+        assert lib.dash_params_offset(name.encode()) == getattr(cuda.DashParams, name).offset
+    assert lib.dash_params_offset(b"no_such_field") == -1
+
+
+def test_a_library_whose_fields_the_binding_does_not_write_is_refused(monkeypatch):
+    """A size, configuration, input or cache field the binding would leave unset (a new row in
+    params.def the Python side does not know) stops the load with the group named."""
+    lib = cuda._library()
+    monkeypatch.setattr(cuda, "_CONFIG_FIELDS", cuda._CONFIG_FIELDS[:-1])
+    with pytest.raises(cuda.DashKernelError, match=r"CONFIG fields are .*rope_page_mod"):
+        cuda._params_layout(lib, "lib")
+    monkeypatch.undo()
+    monkeypatch.setattr(cuda, "_INPUT_FIELDS", (*cuda._INPUT_FIELDS, "no_such_input"))
+    with pytest.raises(cuda.DashKernelError, match=r"INPUT fields .*no_such_input"):
+        cuda._params_layout(lib, "lib")
+
+
 def test_workspace_and_selected_width():
     lib = cuda._library()
     p = _params()
@@ -154,6 +185,11 @@ def test_plan_gives_the_workspace_size_and_runs_only_its_own_shape():
         q = _params(**{**dict(num_tokens=3000, max_new_tokens=3000, num_blocks=64, table_width=8), **change})
         assert lib.dash_run_plan(ctypes.byref(q), ctypes.byref(plan), None) == 1
         assert "differ from the plan" in lib.dash_last_error_message().decode()
+    # dash_plan_matches says which params a plan serves (the plugin re-plans on a mismatch)
+    lib.dash_plan_matches.restype = ctypes.c_int32
+    assert lib.dash_plan_matches(ctypes.byref(p), ctypes.byref(plan)) == 1
+    assert lib.dash_plan_matches(ctypes.byref(_params(num_tokens=4)), ctypes.byref(plan)) == 0
+    assert lib.dash_plan_matches(ctypes.byref(p), ctypes.byref(cuda.DashPlan())) == 0
     # a plan that dash_plan did not fill
     assert lib.dash_run_plan(ctypes.byref(p), ctypes.byref(cuda.DashPlan()), None) == 1
     assert "not filled by dash_plan" in lib.dash_last_error_message().decode()
@@ -161,6 +197,28 @@ def test_plan_gives_the_workspace_size_and_runs_only_its_own_shape():
     e = _params(num_tokens=0, max_new_tokens=0)
     status, eplan, _ = _plan(e)
     assert status == 0 and lib.dash_run_plan(ctypes.byref(e), ctypes.byref(eplan), None) == 0
+
+
+def test_plans_are_kept_per_device(monkeypatch):
+    """A plan depends on the GPU it was made for (SM count, shared memory), so one shape on two
+    devices is planned twice, each under its own device, and a repeat on either is a hit."""
+    import contextlib
+
+    import torch
+    from conftest import demo_config
+
+    from dash_trt.config import CONFIG_SECTION, as_config
+
+    lib = cuda._library()
+    made_on = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(made_on.append(d.index)))
+    monkeypatch.setattr(cuda, "_PLANS", type(cuda._PLANS)())
+    sizes = (4, 1, 8, 2, 128, 64, 8, 64, 4, 4, 2)
+    cfg = as_config(demo_config(2)[CONFIG_SECTION])
+    for index in (0, 1, 0, 1):
+        p, plan, size = cuda._planned(lib, sizes, cfg, 0, cuda.Tuning(), torch.device("cuda", index))
+        assert p.num_tokens == 4 and size > 0
+    assert made_on == [0, 1] and [key[0] for key in cuda._PLANS] == [0, 1]
 
 
 def test_tuning_fields_reach_the_plan():

@@ -251,9 +251,9 @@ def test_one_name_per_tensor_from_the_op_to_the_plugin_and_the_params():
     assert table == list(ops.TENSOR_INPUTS)
     outputs = re.search(r"kOutputNames\[kNbOutputs\] = \{([^}]*)\}", plugin).group(1)
     assert re.findall(r'"(\w+)"', outputs) == list(ops.OUTPUTS)
-    params = (root / "plugins" / "include" / "dash" / "params.h").read_text()
+    params = (root / "plugins" / "include" / "dash" / "params.def").read_text()
     for f in ops.CACHE_FIELDS:
-        assert re.search(rf"\b{f}_cache;", params), f"DashParams has no field {f}_cache"
+        assert re.search(rf"DASH_PARAM\([^,]+, {f}_cache, CACHE,", params), f"DashParams has no field {f}_cache"
 
 
 def test_cuda_tensors_without_the_kernel_library_warn_once_and_loudly(monkeypatch):

@@ -316,24 +316,47 @@ struct PlanRecord {
 constexpr uint32_t kPlanMagic = 0x44415348u;  // "DASH"
 static_assert(sizeof(PlanRecord) <= sizeof(DashPlan), "DashPlan too small for the plan record");
 
-// The fields a plan depends on: every size, configuration and tuning field.
+// The fields a plan depends on: every SIZE, CONFIG and TUNE field of dash/params.def.
+#define DASH_PLAN_KEY_SIZE 1
+#define DASH_PLAN_KEY_CONFIG 1
+#define DASH_PLAN_KEY_TUNE 1
+#define DASH_PLAN_KEY_INPUT 0
+#define DASH_PLAN_KEY_CACHE 0
+#define DASH_PLAN_KEY_OUTPUT 0
+#define DASH_PLAN_KEY_SCRATCH 0
+#define DASH_PLAN_KEY_DEBUG 0
 DashParams plan_key(const DashParams& p) {
     DashParams k{};
-    k.num_tokens = p.num_tokens, k.num_seqs = p.num_seqs, k.num_heads = p.num_heads, k.num_kv_heads = p.num_kv_heads;
-    k.head_dim = p.head_dim, k.index_dim = p.index_dim, k.num_blocks = p.num_blocks, k.block_size = p.block_size;
-    k.table_width = p.table_width, k.max_new_tokens = p.max_new_tokens, k.dtype = p.dtype;
-    k.sparse_block_size = p.sparse_block_size, k.sparse_local_block = p.sparse_local_block, k.topk = p.topk;
-    k.route_scale = p.route_scale, k.prior_floor = p.prior_floor, k.sigma = p.sigma;
-    k.rope_page_pairs = p.rope_page_pairs;
-    k.rope_tok_theta = p.rope_tok_theta, k.rope_page_theta = p.rope_page_theta, k.main_truncate = p.main_truncate;
-    k.index_truncate = p.index_truncate, k.rope_page_mod = p.rope_page_mod;
-    k.tune_block_major_min_tokens = p.tune_block_major_min_tokens, k.tune_block_major_chunk = p.tune_block_major_chunk;
-    k.tune_attend_ctas = p.tune_attend_ctas, k.tune_fused_front = p.tune_fused_front;
-    k.tune_front_writer = p.tune_front_writer, k.tune_tile_share_min = p.tune_tile_share_min;
-    k.tune_warpgroup_mma = p.tune_warpgroup_mma, k.tune_block_major_warpgroups = p.tune_block_major_warpgroups;
-    k.tune_block_major_ctas = p.tune_block_major_ctas, k.tune_tile_overlap = p.tune_tile_overlap;
+#define DASH_PARAM(type, name, group, doc) \
+    if (DASH_PLAN_KEY_##group) std::memcpy(&k.name, &p.name, sizeof(k.name));
+#include "dash/params.def"
+#undef DASH_PARAM
     return k;
 }
+
+// The type code of a field for dash_params_field: the C type's kind and size.
+template <typename T>
+constexpr int32_t field_type_code() {
+    return std::is_pointer<T>::value          ? DASH_FIELD_POINTER
+           : std::is_floating_point<T>::value ? DASH_FIELD_FLOAT32
+           : sizeof(T) == 8                   ? DASH_FIELD_UINT64
+                                              : DASH_FIELD_INT32;
+}
+
+struct FieldRow {
+    const char* name;
+    int32_t type;
+    int64_t offset;
+    int32_t group;
+};
+
+const FieldRow kFieldRows[] = {
+#define DASH_PARAM(type, name, group, doc) \
+    {#name, field_type_code<type>(), (int64_t)offsetof(DashParams, name), DASH_GROUP_##group},
+#include "dash/params.def"
+#undef DASH_PARAM
+};
+constexpr int32_t kNbFieldRows = (int32_t)(sizeof(kFieldRows) / sizeof(kFieldRows[0]));
 
 bool same_key(const DashParams& a, const DashParams& b) {
     const DashParams ka = plan_key(a), kb = plan_key(b);
@@ -400,26 +423,19 @@ const char* dash_cuda_architectures(void) { return DASH_CUDA_ARCHITECTURES; }
 size_t dash_params_size(void) { return sizeof(DashParams); }
 
 int64_t dash_params_offset(const char* field) {
-#define DASH_FIELD(name) \
-    if (std::strcmp(field, #name) == 0) return (int64_t)offsetof(DashParams, name);
-    DASH_FIELD(num_tokens) DASH_FIELD(num_seqs) DASH_FIELD(num_heads) DASH_FIELD(num_kv_heads)
-    DASH_FIELD(head_dim) DASH_FIELD(index_dim) DASH_FIELD(num_blocks) DASH_FIELD(block_size)
-    DASH_FIELD(table_width) DASH_FIELD(max_new_tokens) DASH_FIELD(dtype) DASH_FIELD(sparse_block_size)
-    DASH_FIELD(sparse_local_block) DASH_FIELD(topk) DASH_FIELD(route_scale) DASH_FIELD(prior_floor)
-    DASH_FIELD(sigma)
-    DASH_FIELD(rope_page_pairs) DASH_FIELD(rope_tok_theta) DASH_FIELD(rope_page_theta)
-    DASH_FIELD(main_truncate) DASH_FIELD(index_truncate) DASH_FIELD(rope_page_mod) DASH_FIELD(q)
-    DASH_FIELD(k) DASH_FIELD(v) DASH_FIELD(iq) DASH_FIELD(ik) DASH_FIELD(coords) DASH_FIELD(head_cls)
-    DASH_FIELD(block_tables) DASH_FIELD(seq_lens) DASH_FIELD(query_start_loc) DASH_FIELD(prompt_lens)
-    DASH_FIELD(key_cache) DASH_FIELD(value_cache) DASH_FIELD(index_key_cache) DASH_FIELD(image_page_cache)
-    DASH_FIELD(summary_cache) DASH_FIELD(summary_pages_cache) DASH_FIELD(out) DASH_FIELD(workspace)
-    DASH_FIELD(workspace_size) DASH_FIELD(selected_out) DASH_FIELD(tune_block_major_min_tokens)
-    DASH_FIELD(tune_block_major_chunk) DASH_FIELD(tune_attend_ctas) DASH_FIELD(tune_fused_front)
-    DASH_FIELD(tune_front_writer) DASH_FIELD(tune_tile_share_min) DASH_FIELD(tune_warpgroup_mma)
-    DASH_FIELD(tune_block_major_warpgroups) DASH_FIELD(tune_block_major_ctas)
-    DASH_FIELD(tune_tile_overlap)
-#undef DASH_FIELD
+    if (field == nullptr) return -1;
+    for (const FieldRow& r : kFieldRows)
+        if (std::strcmp(field, r.name) == 0) return r.offset;
     return -1;
+}
+
+int32_t dash_params_field(int32_t index, const char** name, int32_t* type, int64_t* offset, int32_t* group) {
+    if (index < 0 || index >= kNbFieldRows) return kNbFieldRows;
+    if (name != nullptr) *name = kFieldRows[index].name;
+    if (type != nullptr) *type = kFieldRows[index].type;
+    if (offset != nullptr) *offset = kFieldRows[index].offset;
+    if (group != nullptr) *group = kFieldRows[index].group;
+    return kNbFieldRows;
 }
 
 int32_t dash_supported_head_dims(int32_t* dims, int32_t cap) {
@@ -550,6 +566,13 @@ DashStatus dash_run_plan(const DashParams* p, const DashPlan* plan, void* stream
                                                "(plan again for these params)");
     if (DashStatus s = check_pointers(*p); s != DASH_OK) return s;
     return launch(*p, rec.plan, stream_ptr);
+}
+
+int32_t dash_plan_matches(const DashParams* p, const DashPlan* plan) {
+    if (p == nullptr || plan == nullptr) return 0;
+    PlanRecord rec;
+    std::memcpy(&rec, plan, sizeof(rec));
+    return rec.magic == kPlanMagic && same_key(rec.params, *p) ? 1 : 0;
 }
 
 DashStatus dash_read_data_errors(const DashParams* p, void* stream_ptr, int32_t* mask) {

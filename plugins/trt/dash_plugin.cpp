@@ -1,4 +1,4 @@
-// DashAttention IPluginV3: shapes, formats, workspace, aliasing and enqueue over dash_run.
+// DashAttention IPluginV3: shapes, formats, workspace, aliasing and enqueue over dash_plan/dash_run_plan.
 #include "dash_plugin.h"
 
 #include <cuda_runtime_api.h>
@@ -594,8 +594,14 @@ int32_t DashAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         // Validate everything before touching any buffer.
         size_t dashBytes = 0;
         if (sizes.T > 0) {
-            DashStatus const status = dash_workspace_size(&p, &dashBytes);
-            if (status != DASH_OK) return fail("enqueue", dashError(status));
+            // Planned once per shape: the next enqueue of the same shapes (every decode step of
+            // a layer, every layer of a step) reuses the plan. A plugin instance serves one
+            // execution context (attachToContext clones it), so one device and one stream order.
+            if (!dash_plan_matches(&p, &mPlan)) {
+                DashStatus const status = dash_plan(&p, &mPlan);
+                if (status != DASH_OK) return fail("enqueue", dashError(status));
+            }
+            dashBytes = dash_plan_workspace_size(&mPlan);
             if (workspace == nullptr) return fail("enqueue", "no workspace (getWorkspaceSize failed?)");
             // Never write past the workspace TensorRT allocated (getWorkspaceSize's answer for
             // the profile): shapes outside it, or an engine built for other sizes, fail here.
@@ -646,7 +652,7 @@ int32_t DashAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         if (castErr != cudaSuccess)
             return fail("enqueue", std::string("int64 index conversion: ") + cudaGetErrorString(castErr));
 
-        DashStatus const status = dash_run(&p, stream);
+        DashStatus const status = dash_run_plan(&p, &mPlan, stream);
         if (status != DASH_OK) return fail("enqueue", dashError(status));
         return 0;
     } catch (std::exception const& e) {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "NvInferRuntime.h"
-#include "dash/params.h"
+#include "dash/dash.h"
 #include "dash_attributes.h"
 
 namespace dash {
@@ -130,6 +130,8 @@ private:
     // kWorkspaceField field; 0 while unknown. enqueue refuses a call that needs more.
     mutable size_t mWorkspaceBound{0};
     int64_t mSerializedBound{0};
+    // enqueue's plan for the shapes it last ran (dash_plan_matches decides whether to re-plan).
+    DashPlan mPlan{};
     std::vector<nvinfer1::PluginField> mSerializedFields;
     nvinfer1::PluginFieldCollection mSerializedCollection{};
 

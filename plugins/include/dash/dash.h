@@ -46,6 +46,16 @@ DASH_API size_t dash_params_size(void);
 /* Byte offset of a DashParams field by name, or -1 (lets bindings check their mirror). */
 DASH_API int64_t dash_params_offset(const char* field);
 
+/* Type codes of dash_params_field. */
+enum { DASH_FIELD_INT32 = 0, DASH_FIELD_FLOAT32 = 1, DASH_FIELD_POINTER = 2, DASH_FIELD_UINT64 = 3 };
+
+/* The DashParams layout, field by field in declaration order (dash/params.def): for 0 <= index < n
+ * writes the field's name, type code, byte offset and group (DashParamGroup) where the pointers are
+ * not NULL; returns n, the number of fields (any index). A binding builds its mirror from it.
+ * Added with ABI 8. */
+DASH_API int32_t dash_params_field(int32_t index, const char** name, int32_t* type, int64_t* offset,
+                                   int32_t* group);
+
 /* The GPU architectures the library was compiled for, as CMake's CUDA_ARCHITECTURES list with
  * commas: "80-real,89-real,90" is machine code for sm_80, sm_89 and sm_90 plus compute_90 PTX
  * (which newer GPUs JIT-compile). Added after ABI 3 was fixed: older libraries lack the symbol. */
@@ -85,6 +95,10 @@ DASH_API DashStatus dash_plan(const DashParams* p, DashPlan* plan);
 /* Workspace bytes of a plan (what dash_workspace_size gives for its params). */
 DASH_API size_t dash_plan_workspace_size(const DashPlan* plan);
 DASH_API DashStatus dash_run_plan(const DashParams* p, const DashPlan* plan, void* stream);
+/* 1 if `plan` was filled by dash_plan for params with the sizes, configuration and tuning of `p`
+ * (so dash_run_plan accepts it), else 0. A plan also depends on the device that was current
+ * when it was made (its SM count and shared memory): keep plans per device. Added with ABI 8. */
+DASH_API int32_t dash_plan_matches(const DashParams* p, const DashPlan* plan);
 
 /* Copies the data-error mask of the last run using this workspace to *mask, synchronising
  * `stream`, then clears it. For tests and eager front ends; not for capture. */

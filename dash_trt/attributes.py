@@ -45,6 +45,8 @@ __all__ = [
     "CALL_ATTRIBUTES",
     "OP_ATTRIBUTES",
     "NODE_ATTRIBUTES",
+    "ONNX_DOMAIN",
+    "PLUGIN_NAME",
     "PLUGIN_VERSION",
     "PLUGIN_NAMESPACE",
     "PLUGIN_FIELDS",
@@ -53,6 +55,11 @@ __all__ = [
     "torch_schema_args",
 ]
 
+
+#: The node: op type ``DashAttention`` of domain ``dash_trt``; the TensorRT plugin creator
+#: registers under the same name (plugins/trt/dash_plugin.h, kPluginName).
+ONNX_DOMAIN = "dash_trt"
+PLUGIN_NAME = "DashAttention"
 
 #: Namespace the TensorRT plugin creator registers in (ONNX attribute ``plugin_namespace``).
 #: TensorRT's ONNX parser from 10.15 on imports a node whose op also has a model-local

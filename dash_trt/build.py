@@ -66,7 +66,10 @@ from typing import Any
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
 from .versions import version_line as _version_line
+from . import attributes as A
+from .attributes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
+from .onnx_graph import GraphReadError, read_graph
 
 __all__ = [
     "DIM_ROLES",
@@ -84,8 +87,6 @@ __all__ = [
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE = 0, 1, 2
 MIN_TENSORRT = (10, 8)
-PLUGIN_NAME, PLUGIN_VERSION = "DashAttention", "1"
-ONNX_OP = ("dash_trt", "DashAttention")
 
 #: ONNX dim names -> role. The names ``dash-export`` gives its dynamic dims (plus aliases).
 DIM_ROLES: dict[str, str] = {
@@ -324,11 +325,7 @@ def trtexec_command(model: str, plugin: str, out: str,
 def nodes_carry_namespace(path: Path) -> bool:
     """Every DashAttention node of the ONNX file has a ``plugin_namespace`` attribute (what
     TensorRT >= 10.15's parser needs to import it as the plugin); needs the onnx package."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    nodes = [n for n in model.graph.node if (n.domain, n.op_type) == ONNX_OP]
-    return all(any(a.name == "plugin_namespace" for a in n.attribute) for n in nodes)
+    return all("plugin_namespace" in node for node in read_graph(path).dash_nodes)
 
 
 def load_plugin_library(registry, path: str) -> str | None:
@@ -340,7 +337,7 @@ def load_plugin_library(registry, path: str) -> str | None:
         return f"TensorRT could not load {path}: {exc}"
     if handle is None:
         return f"TensorRT could not load {path} (see the TensorRT log above)"
-    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, "") is None:
+    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None:
         return f"{path} is loaded but registers no {PLUGIN_NAME} v{PLUGIN_VERSION} creator"
     return None
 
@@ -394,26 +391,16 @@ def summarize_engine(info: Mapping[str, Any] | str) -> list[str]:
 
 # --------------------------------------------------------------------------------- ONNX side
 def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
-    """Inputs, the DASH configuration and the number of DashAttention nodes, read with the
-    ``onnx`` package (ImportError without it); weights are not loaded."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = []
-    for vi in model.graph.input:
-        if vi.name in initializers:
-            continue
-        dims = vi.type.tensor_type.shape.dim
-        shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
-        names = tuple(d.dim_param if d.HasField("dim_param") else None for d in dims)
-        inputs.append(InputSpec(vi.name, shape, names))
-    nodes = [n for n in model.graph.node if (n.domain, n.op_type) == ONNX_OP]
+    """Inputs, the DASH configuration and the number of DashAttention nodes
+    (:func:`dash_trt.onnx_graph.read_graph`: GraphReadError without the onnx package or for an
+    unreadable file); weights are not loaded."""
+    graph = read_graph(path)
+    inputs = [InputSpec(t.name, tuple(t.dims or ()), t.dim_names) for t in graph.inputs]
+    nodes = graph.dash_nodes
     config = None
-    meta = {p.key: p.value for p in model.metadata_props}
-    if CONFIG_SECTION in meta:
+    if CONFIG_SECTION in graph.metadata:
         try:
-            config = DashConfig.from_dict(json.loads(meta[CONFIG_SECTION]))
+            config = DashConfig.from_dict(json.loads(graph.metadata[CONFIG_SECTION]))
         except (json.JSONDecodeError, DashConfigError) as exc:
             raise DashConfigError(f"{path}: metadata '{CONFIG_SECTION}' is not a valid DASH config: {exc}") from None
     elif nodes:
@@ -421,15 +408,11 @@ def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
     return inputs, config, len(nodes)
 
 
-def _config_from_node(node) -> DashConfig | None:
+def _config_from_node(attributes: Mapping[str, Any]) -> DashConfig | None:
     """The DASH configuration of the layer a DashAttention node computes (its attributes, read by
     dash_trt.attributes, which needs neither torch nor TensorRT)."""
-    import onnx
-
-    from . import attributes as A
-
     try:
-        return A.decode({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute})[0]
+        return A.decode(dict(attributes))[0]
     except (ValueError, TypeError):
         return None  # the plugin validates the attributes itself; this copy is informational
 
@@ -547,12 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_trtexec:
         try:
             inputs, onnx_config, _ = read_onnx(args.model)
-        except ImportError:
-            return _fail("--print-trtexec reads the model's inputs with the onnx package: pip install onnx")
-        except DashConfigError as exc:
-            return _fail(str(exc))
-        except Exception as exc:  # onnx raises its own DecodeError types
-            return _fail(f"cannot read {args.model}: {exc}")
+        except (GraphReadError, DashConfigError) as exc:
+            return _fail(f"--print-trtexec reads the model's inputs: {exc}")
         try:
             limits = _limits_from_args(args, inputs, onnx_config or config)
             shapes = profile_shapes(inputs, limits, dict(args.shape))
@@ -642,7 +621,7 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         onnx_inputs, onnx_config, _ = read_onnx(args.model)
         config = onnx_config or config
         onnx_names = {spec.name: spec.dim_names for spec in onnx_inputs}
-    except Exception:  # onnx missing or unreadable: TensorRT parsed it, carry on without
+    except (GraphReadError, DashConfigError):  # onnx missing or unreadable: TensorRT parsed it, carry on
         pass
     inputs = []
     for i in range(network.num_inputs):

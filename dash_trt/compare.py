@@ -41,6 +41,7 @@ from .modeling import DashModel
 from .models.checkpoint import load_checkpoint
 from .models.prompts import check_prompts
 from .models.registry import demo_model
+from .onnx_graph import GraphReadError, read_graph
 from .serving.generate import generate
 from .versions import version_line as _version_line
 
@@ -55,13 +56,13 @@ class CompareError(Exception):
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    from .export import _to_numpy as conv
+    from .export import to_numpy as conv
 
     return conv(t.detach().cpu())
 
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
-    from .export import _to_torch as conv
+    from .export import to_torch as conv
 
     return conv(a)
 
@@ -161,42 +162,24 @@ class CompareReport:
 
 
 def _onnx_io(path: str):
-    import onnx
-
+    """(input names, output names, KV block size) of a dash-export file."""
     try:
-        m = onnx.load(path, load_external_data=False)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
-        raise CompareError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
-    ins = [i.name for i in m.graph.input]
-    outs = [o.name for o in m.graph.output]
-    key = next((i for i in m.graph.input if i.name.endswith(".key") and i.name.startswith("past.")), None)
-    if key is None or "input_ids" not in ins:
+        graph = read_graph(path)
+    except GraphReadError as exc:
+        raise CompareError(str(exc)) from None
+    ins = [t.name for t in graph.inputs]
+    if "input_ids" not in ins or not any(n.startswith("past.") and n.endswith(".key") for n in ins):
         raise CompareError(f"{path}: not a dash-export model (no input_ids / past.*.key inputs)")
-    dims = key.type.tensor_type.shape.dim
-    if len(dims) != 4 or not dims[1].HasField("dim_value"):
-        raise CompareError(f"{path}: {key.name} must have a fixed KV block size (dimension 1)")
-    return ins, outs, int(dims[1].dim_value)
-
-
-def _onnx_dims(path: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    """Input and output name -> dims (-1 where dynamic) of an ONNX graph."""
-    import onnx
-
-    m = onnx.load(path, load_external_data=False)
-
-    def dims(v) -> list[int]:
-        return [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]
-
-    return {v.name: dims(v) for v in m.graph.input}, {v.name: dims(v) for v in m.graph.output}
+    if graph.kv_block_size is None:
+        raise CompareError(f"{path}: past.*.key must have a fixed KV block size (dimension 1)")
+    return ins, [t.name for t in graph.outputs], graph.kv_block_size
 
 
 def check_model_matches(onnx_path: str, model: DashModel) -> None:
     """CompareError naming every way ``model`` is not the model the file was exported from
     (layers, cache shapes, vocabulary), before anything runs."""
-    from .export import graph_mismatches
-
-    _, _, kv_block_size = _onnx_io(onnx_path)
-    problems = graph_mismatches(*_onnx_dims(onnx_path), model, kv_block_size)
+    _onnx_io(onnx_path)  # a readable dash-export file
+    problems = read_graph(onnx_path).mismatches(model)
     if problems:
         raise CompareError(f"{onnx_path} was not exported from this checkpoint: " + "; ".join(problems))
 

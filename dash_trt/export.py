@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -54,6 +54,7 @@ from .models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .models.config import DTYPES, ModelConfigError, load_model_config
 from .models.prompts import check_prompts, document_prompt
 from .models.registry import demo_model, random_model
+from .onnx_graph import read_graph
 from .paged import sequence_coords
 from .serving.generate import PagedState, generate
 from .versions import version_line as _version_line
@@ -287,46 +288,6 @@ def export_onnx(
     return path
 
 
-def graph_mismatches(
-    inputs: Mapping[str, Sequence[int]], outputs: Mapping[str, Sequence[int]], model: DashModel, kv_block_size: int
-) -> list[str]:
-    """Where an exported graph's interface (input / output name -> dims, -1 where dynamic)
-    differs from what ``model`` exports with KV blocks of ``kv_block_size``: missing or
-    unexpected inputs, each cache's fixed dims (KV heads, head dim, indexer dim, block size),
-    the logits' vocabulary. One line per problem; empty when they match."""
-    problems: list[str] = []
-    want = [*model.input_names(), *model.cache_names("past")]
-    have_layers = len({n.split(".")[1] for n in inputs if n.startswith("past.") and n.count(".") == 2})
-    if have_layers != model.config.num_hidden_layers:
-        problems.append(
-            f"the graph has caches for {have_layers} layers, the checkpoint has {model.config.num_hidden_layers}"
-        )
-    missing = [n for n in want if n not in inputs]
-    extra = [n for n in inputs if n not in want]
-    if missing and have_layers == model.config.num_hidden_layers:
-        problems.append(f"the graph lacks the input(s) {', '.join(missing[:4])}")
-    if extra and have_layers == model.config.num_hidden_layers:
-        problems.append(f"the graph has unexpected input(s) {', '.join(extra[:4])}")
-    caches = model.allocate_cache(1, kv_block_size, device="meta")
-    for layer, cache in enumerate(caches):
-        for fname, tensor in cache.tensors().items():
-            dims = inputs.get(f"past.{layer}.{fname}")
-            if dims is None:
-                continue
-            exp = list(tensor.shape[1:])
-            got = list(dims[1:])
-            if len(got) != len(exp) or any(g not in (-1, e) for g, e in zip(got, exp)):
-                problems.append(
-                    f"past.{layer}.{fname} is [NB, {', '.join(map(str, got))}] in the graph, "
-                    f"[NB, {', '.join(map(str, exp))}] for the checkpoint"
-                )
-                break  # one line per layer is enough
-    logits = outputs.get("logits")
-    if logits is not None and logits and logits[-1] not in (-1, model.config.vocab_size):
-        problems.append(f"logits of {logits[-1]} classes, the checkpoint's vocab_size is {model.config.vocab_size}")
-    return problems
-
-
 def check_onnx(path: str | os.PathLike) -> None:
     """``onnx.checker`` full check (strict shape inference through the function), and
     the structural contract: DashAttention nodes and their local function."""
@@ -335,14 +296,11 @@ def check_onnx(path: str | os.PathLike) -> None:
     path = os.fspath(path)
     onnx_ops.register_schema()
     onnx.checker.check_model(path, full_check=True)
-    model = onnx.load(path, load_external_data=False)
-    nodes = [n for n in model.graph.node if n.domain == onnx_ops.DOMAIN]
-    if not nodes or any(n.op_type != onnx_ops.OP_TYPE for n in nodes):
-        raise ExportError(
-            f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found "
-            f"{sorted({(n.domain, n.op_type) for n in nodes})}"
-        )
-    if not any(f.domain == onnx_ops.DOMAIN and f.name == onnx_ops.OP_TYPE for f in model.functions):
+    graph = read_graph(path)
+    ops = {op for op, _ in graph.domain_nodes}
+    if not graph.domain_nodes or ops != {onnx_ops.OP_TYPE}:
+        raise ExportError(f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found {sorted(ops)}")
+    if not graph.has_dash_function:
         raise ExportError(f"the model has no local function {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE}")
 
 
@@ -374,7 +332,8 @@ def _ort_session(path: str):
     return ort.InferenceSession(path, onnx_ops.ort_session_options(), providers=["CPUExecutionProvider"])
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a NumPy array (bfloat16 as ml_dtypes.bfloat16, what ONNX Runtime takes)."""
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -382,7 +341,8 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _to_torch(a: np.ndarray) -> torch.Tensor:
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """The inverse of :func:`to_numpy`."""
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
@@ -425,20 +385,20 @@ def verify_onnx(
         with torch.no_grad():
             out = model.export_forward(*inputs.values(), *caches)
         if ort_caches is None:
-            ort_caches = [_to_numpy(c) for c in caches]
-        feed = dict(zip(in_names, [_to_numpy(v) for v in inputs.values()] + ort_caches))
+            ort_caches = [to_numpy(c) for c in caches]
+        feed = dict(zip(in_names, [to_numpy(v) for v in inputs.values()] + ort_caches))
         res = sess.run(None, feed)
         t, b = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
         report.shapes.append((t, b, caches[0].shape[0], inputs["block_tables"].shape[1]))
         report.steps += 1
         report.tokens += t
-        got = _to_torch(res[0]).float()
+        got = to_torch(res[0]).float()
         err = (got - out[0].float()).abs()
         report.max_logit_err = max(report.max_logit_err, float(err.max()))
         if not torch.allclose(got, out[0].float(), atol=atol, rtol=rtol):
             report.failures.append(f"step {report.steps}: logits differ by up to {float(err.max()):.3e}")
         for name, a, want in zip(names, res[1:], out[1:]):
-            got_c = _to_torch(a)
+            got_c = to_torch(a)
             kind = name.split(".")[-1]
             if got_c.shape != want.shape or got_c.dtype != want.dtype:
                 report.failures.append(
@@ -765,10 +725,7 @@ def _size(path: str, has_data: bool) -> str:
 
 
 def _count_dash_nodes(path: str) -> int:
-    import onnx
-
-    m = onnx.load(path, load_external_data=False)
-    return sum(1 for n in m.graph.node if n.domain == onnx_ops.DOMAIN and n.op_type == onnx_ops.OP_TYPE)
+    return len(read_graph(path).dash_nodes)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -94,8 +94,8 @@ __all__ = [
     "ort_session_options",
 ]
 
-DOMAIN = "dash_trt"
-OP_TYPE = "DashAttention"
+DOMAIN = A.ONNX_DOMAIN
+OP_TYPE = A.PLUGIN_NAME
 #: Default-domain opset of the exported model and of the function body.
 OPSET = 20
 #: Version of the ``dash_trt`` domain.

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -395,12 +396,15 @@ def test_loading_the_plugin_is_checked():
             return self.handle
 
         def get_creator(self, name, version, namespace):
-            return self.creator if (name, version, namespace) == ("DashAttention", "1", "") else None
+            # the creator plugins/trt/dash_plugin.h registers (kPluginName, kPluginVersion, no namespace)
+            return self.creator if (name, version, namespace) == ("DashAttention", "2", "") else None
 
     assert B.load_plugin_library(Registry(object(), object()), "p.so") is None
     assert "could not load p.so: dlopen failed" in B.load_plugin_library(Registry("raise", None), "p.so")
     assert "could not load p.so (see the TensorRT log" in B.load_plugin_library(Registry(None, None), "p.so")
-    assert "registers no DashAttention v1 creator" in B.load_plugin_library(Registry(object(), None), "p.so")
+    assert "registers no DashAttention v2 creator" in B.load_plugin_library(Registry(object(), None), "p.so")
+    header = (Path(__file__).resolve().parents[1] / "plugins" / "trt" / "dash_plugin.h").read_text()
+    assert 'kPluginVersion = "2";' in header and 'kPluginName = "DashAttention";' in header
 
 
 def test_image_feature_inputs_get_a_profile_from_zero_rows_to_one_per_token():

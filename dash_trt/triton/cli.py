@@ -29,7 +29,7 @@ from ..models.registry import demo_model
 from ..serving.engine import EngineConfig, EngineConfigError
 from ..versions import version_line as _version_line
 from . import protocol as P
-from .repository import RepositoryError, check_served_path, onnx_io, onnx_kv_block_size, pool_bytes, write_repository
+from .repository import RepositoryError, check_served_path, onnx_kv_block_size, pool_bytes, write_repository
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
 
@@ -225,7 +225,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
     try:
         kv = a.kv_block_size
         if a.onnx and kv is None:
-            kv = onnx_kv_block_size(onnx_io(a.onnx)[0])
+            kv = onnx_kv_block_size(a.onnx)
         engine = _engine_config(a, kv or EngineConfig().kv_block_size)
         if a.demo and a.model_class:
             raise RepositoryError("--demo is the built-in DashForCausalLM; --model goes with a checkpoint")

@@ -40,7 +40,7 @@ from typing import Any
 from ..modeling import DashModel
 from ..models.checkpoint import save_checkpoint
 from ..models.registry import USER_MODULE_PREFIX
-from ..ops import CACHE_FIELDS
+from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
 from . import protocol as P
 
@@ -182,70 +182,49 @@ ONNX_TO_TRITON = {
 
 
 def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Graph inputs and outputs of an ONNX file (weights are not loaded): names,
-    Triton data types, dims with every symbolic or unknown axis as -1."""
+    """Graph inputs and outputs of an ONNX file (:func:`dash_trt.onnx_graph.read_graph`; weights are
+    not loaded): names, Triton data types, dims with every symbolic or unknown axis as -1."""
     try:
-        import onnx
-    except ImportError:  # pragma: no cover - onnx is a dependency of the export and triton extras
-        raise RepositoryError("reading the ONNX file needs the 'onnx' package (pip install onnx)") from None
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise RepositoryError(f"ONNX file not found: {path}")
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as exc:
-        raise RepositoryError(f"{path} is not a readable ONNX model: {type(exc).__name__}: {exc}") from None
-    initializers = {t.name for t in model.graph.initializer}
+        graph = read_graph(path)
+    except GraphReadError as exc:
+        raise RepositoryError(str(exc)) from None
 
-    def spec(v) -> TensorSpec:
-        t = v.type
-        if t.WhichOneof("value") != "tensor_type":
-            raise RepositoryError(f"{path}: graph input/output '{v.name}' is not a tensor")
-        elem = onnx.TensorProto.DataType.Name(t.tensor_type.elem_type)
-        if elem not in ONNX_TO_TRITON:
-            raise RepositoryError(f"{path}: '{v.name}' has ONNX type {elem}, which Triton cannot serve")
-        if not t.tensor_type.HasField("shape"):
-            raise RepositoryError(f"{path}: '{v.name}' has no shape (rank unknown); Triton needs dims")
-        dims = tuple(
-            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.tensor_type.shape.dim
-        )
-        return TensorSpec(v.name, ONNX_TO_TRITON[elem], dims)
+    def spec(t: GraphTensor) -> TensorSpec:
+        if t.elem_type is None:
+            raise RepositoryError(f"{graph.path}: graph input/output '{t.name}' is not a tensor")
+        if t.elem_type not in ONNX_TO_TRITON:
+            raise RepositoryError(f"{graph.path}: '{t.name}' has ONNX type {t.elem_type}, which Triton cannot serve")
+        if t.dims is None:
+            raise RepositoryError(f"{graph.path}: '{t.name}' has no shape (rank unknown); Triton needs dims")
+        return TensorSpec(t.name, ONNX_TO_TRITON[t.elem_type], tuple(d if d > 0 else -1 for d in t.dims))
 
-    inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
-    outputs = [spec(v) for v in model.graph.output]
+    inputs = [spec(t) for t in graph.inputs]
+    outputs = [spec(t) for t in graph.outputs]
     if not inputs or not outputs:
-        raise RepositoryError(f"{path}: the graph has no inputs or no outputs")
+        raise RepositoryError(f"{graph.path}: the graph has no inputs or no outputs")
     return inputs, outputs
 
 
-def _check_onnx_matches(
-    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], model: DashModel, kv_block_size: int, onnx_path: str
-) -> None:
+def _check_onnx_matches(graph: GraphIO, model: DashModel, kv_block_size: int) -> None:
     """The ONNX graph and the checkpoint must be the same model (layers, cache shapes,
-    vocabulary: :func:`dash_trt.export.graph_mismatches`) with the generation models' KV block size."""
-    from ..export import graph_mismatches
-
+    vocabulary: :meth:`GraphIO.mismatches`) with the generation models' KV block size."""
     problems = []
-    key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
-    graph_kv = key.dims[1] if key is not None and len(key.dims) > 1 and key.dims[1] > 0 else kv_block_size
-    if graph_kv != kv_block_size:
+    if graph.kv_block_size not in (None, kv_block_size):
         problems.append(
-            f"KV blocks of {graph_kv} tokens, the generation models use {kv_block_size} "
-            f"(pass --kv-block-size {graph_kv})"
+            f"KV blocks of {graph.kv_block_size} tokens, the generation models use {kv_block_size} "
+            f"(pass --kv-block-size {graph.kv_block_size})"
         )
-    problems += graph_mismatches(
-        {s.name: list(s.dims) for s in inputs}, {s.name: list(s.dims) for s in outputs}, model, graph_kv
-    )
+    problems += graph.mismatches(model, kv_block_size)
     if problems:
-        raise RepositoryError(f"{onnx_path} does not match the checkpoint: " + "; ".join(problems))
+        raise RepositoryError(f"{graph.path} does not match the checkpoint: " + "; ".join(problems))
 
 
-def onnx_kv_block_size(inputs: Sequence[TensorSpec]) -> int | None:
-    """The KV block size fixed in an exported graph (dim 1 of ``past.0.key``), if any."""
-    key = next((s for s in inputs if s.name.endswith(f".{CACHE_FIELDS[0]}")), None)
-    if key is None or len(key.dims) < 2 or key.dims[1] < 1:
-        return None
-    return key.dims[1]
+def onnx_kv_block_size(path: str | os.PathLike) -> int | None:
+    """The KV block size fixed in an exported graph (:attr:`GraphIO.kv_block_size`), if any."""
+    try:
+        return read_graph(path).kv_block_size
+    except GraphReadError as exc:
+        raise RepositoryError(str(exc)) from None
 
 
 # ----------------------------------------------------------------- configs
@@ -517,7 +496,7 @@ def write_repository(
         libraries = plugin_libraries(plugin)
     if onnx is not None:
         inputs, outputs = onnx_io(onnx)
-        _check_onnx_matches(inputs, outputs, model, engine.kv_block_size, onnx)
+        _check_onnx_matches(read_graph(onnx), model, engine.kv_block_size)
         if plan is not None:
             plan_cfg = plan_model_config(
                 name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances, gpus=plan_gpus

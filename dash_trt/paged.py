@@ -63,18 +63,17 @@ from .reference import (
     ROLE_IMAGE,
     ROLE_PAGE,
     Routing,
-    SpLike,
-    _record_routing,
-    _route_chunk,
-    _stack_routing,
     block_summaries,
     check_heads,
     check_shape,
     page_coordinates,
     page_rope,
     query_chunk_size,
+    route_chunk,
     routed_width,
+    routing_rows,
     sparse_attend,
+    stack_routing,
 )
 
 __all__ = [
@@ -409,6 +408,9 @@ class OperatorCall:
             batch = args[8]
             args[8:9] = batch.tensors()
         elif batch is not None:
+            twice = [f for f in BATCH_FIELDS if f in kwargs]
+            if twice:
+                raise TypeError(f"argument(s) {', '.join(twice)} given twice (by name and in batch=)")
             kwargs.update(batch.kwargs())
         if len(args) > len(OPERATOR_ARGS):
             raise TypeError(f"the operator takes {len(OPERATOR_ARGS)} arguments, got {len(args)}")
@@ -443,51 +445,26 @@ class OperatorCall:
         return (*self.token_tensors(), self.cache, *self.batch.tensors(), self.cfg, self.layer_idx)
 
 
-def paged_dash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    coords: torch.Tensor,
-    head_cls: torch.Tensor,
-    cache: DashKVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    sp: SpLike,
-    layer_idx: int,
-    *,
-    return_routing: bool = False,
-):
+def paged_dash_attention(*args, return_routing: bool = False, **kwargs):
     """DASH attention for a ragged batch of new tokens over a paged cache.
 
-    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D], ``iq``/``ik`` [T, Di] (unrotated),
-    ``coords`` [T, 4], ``head_cls`` [Di]; batch metadata as in the module
-    docstring. Writes the new tokens' keys, values, index keys and image pages into
-    ``cache`` in place, summarises the sparse blocks they complete, and returns the
-    attention output [T, H, D] in ``q.dtype`` (and a :class:`Routing` if asked).
+    Arguments (:data:`OPERATOR_ARGS`, positional or by name): ``q`` [T, H, D], ``k``/``v``
+    [T, Hkv, D], ``iq``/``ik`` [T, Di] (unrotated), ``coords`` [T, 4], ``head_cls`` [Di],
+    ``cache`` (a :class:`DashKVCache`), the batch metadata ``block_tables``, ``seq_lens``,
+    ``query_start_loc``, ``prompt_lens`` as in the module docstring (or one :class:`DashBatch`
+    in their place), ``sp`` (a :class:`DashConfig` or its dict) and ``layer_idx``. Writes the
+    new tokens' keys, values, index keys and image pages into ``cache`` in place, summarises the
+    sparse blocks they complete, and returns the attention output [T, H, D] in ``q.dtype``
+    (and a :class:`Routing` if asked).
 
     Stages, the same as the kernels': write (with page RoPE), summarise completed
     sparse blocks, score and route, attend.
     """
-    cfg = as_config(sp)
-    starts, lens, prompts = check_paged_inputs(
-        q,
-        k,
-        v,
-        iq,
-        ik,
-        coords,
-        head_cls,
-        cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        prompt_lens,
-        cfg,
-    )
+    call = OperatorCall.bind(*args, **kwargs)
+    q, k, v, iq, ik, coords, head_cls = call.token_tensors()
+    cache, cfg, layer_idx = call.cache, call.cfg, call.layer_idx
+    block_tables, seq_lens, query_start_loc, prompt_lens = call.batch.tensors()
+    starts, lens, prompts = call.check()
     bsz, sbs = cache.block_size, cfg.sparse_block_size
     device = q.device
     coords = coords.long()
@@ -537,16 +514,16 @@ def paged_dash_attention(
             pos = torch.arange(length - n_new + c0, length - n_new + c1, device=device)
             qp = coords[rows, COORD_QUERY_PAGE]
             candidate = _candidates(cache, table, pages, qp, sbs)
-            scores, selected, bias, valid, values = _route_chunk(
+            scores, selected, bias, valid, values = route_chunk(
                 iq_rot[rows], summary, pos, candidate, cfg, layer_idx, prompt
             )
             out = sparse_attend(q_rot[rows], pos, selected, bias, valid, gather_kv, length, prompt, cfg)
             output[rows] = out.to(q.dtype)
             if return_routing:
-                parts.append(_record_routing(scores, selected, bias, valid, values, n_max))
+                parts.append(routing_rows(scores, selected, bias, valid, values, n_max))
     if return_routing:
         routing = (
-            _stack_routing(parts, k_width_all)
+            stack_routing(parts, k_width_all)
             if parts
             else Routing(torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0), torch.empty(0, 0), torch.empty(0, 0))
         )

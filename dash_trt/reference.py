@@ -360,7 +360,7 @@ class Routing:
     scores: torch.Tensor | None = None
 
 
-def _route_chunk(
+def route_chunk(
     iq: torch.Tensor,
     summary: torch.Tensor,
     pos: torch.Tensor,
@@ -369,13 +369,14 @@ def _route_chunk(
     layer_idx: int,
     prompt_length: int | None,
 ):
-    """Scores [c, N], then routing: ``(scores, selected, bias, valid, values)``."""
+    """One chunk of queries routed (shared by the reference and the paged operator): scores
+    [c, N], then ``(scores, selected, bias, valid, values)``."""
     scores = routing_scores(iq, summary, pos, cfg, prompt_length)
     selected, bias, valid, values = _route(scores, candidate, cfg, layer_idx)
     return scores, selected, bias, valid, values
 
 
-def _record_routing(scores, selected, bias, valid, values, width: int):
+def routing_rows(scores, selected, bias, valid, values, width: int):
     """One chunk's routing rows, padded to ``width`` blocks (for :class:`Routing`)."""
     c = scores.shape[0]
     sel = torch.where(valid, selected, torch.full_like(selected, -1))
@@ -387,7 +388,8 @@ def _record_routing(scores, selected, bias, valid, values, width: int):
     return sel, bias, padded_values, padded_scores
 
 
-def _stack_routing(parts, k_width: int) -> Routing:
+def stack_routing(parts, k_width: int) -> Routing:
+    """The chunks' :func:`routing_rows` as one :class:`Routing`, padded to ``k_width``."""
     sel = torch.cat([F.pad(p[0], (0, k_width - p[0].shape[1]), value=-1) for p in parts])
     bias = torch.cat([F.pad(p[1], (0, k_width - p[1].shape[1]), value=0.0) for p in parts])
     return Routing(sel, bias, torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))
@@ -456,7 +458,7 @@ def dash_attention(
         qp = query_page[-nq:][start:end]
         candidate = membership.T[(qp + 1).clamp(0, num_pages)]
         candidate &= (qp[:, None] >= 0) & (qp[:, None] < num_pages)
-        scores, selected, bias, valid, values = _route_chunk(
+        scores, selected, bias, valid, values = route_chunk(
             iq[start:end], summary, pos, candidate, cfg, layer_idx, prompt_length
         )
         out = sparse_attend(
@@ -472,9 +474,9 @@ def dash_attention(
         )
         output[start:end] = out.to(q.dtype)
         if return_routing:
-            parts.append(_record_routing(scores, selected, bias, valid, values, nblk))
+            parts.append(routing_rows(scores, selected, bias, valid, values, nblk))
     if return_routing:
-        return output, _stack_routing(parts, k_width)
+        return output, stack_routing(parts, k_width)
     return output
 
 

@@ -292,6 +292,10 @@ def test_pool_allocates_atomically_and_frees():
 
 # ---------------------------------------------------------------------- bad input
 def _one_step(**change):
+    return P.paged_dash_attention(**_one_step_args(**change))
+
+
+def _one_step_args(**change):
     gen = torch.Generator().manual_seed(0)
     cfg = random_config(gen, sparse_block_size=4)
     seq = make_seq(gen, 2, 0, "none", 1, 1000)
@@ -316,11 +320,38 @@ def _one_step(**change):
         layer_idx=0,
     )
     args.update({k: (v(args) if callable(v) else v) for k, v in change.items()})
-    return P.paged_dash_attention(**args)
+    return args
 
 
 def test_one_step_baseline_runs():
     assert _one_step().shape[1:] == (HEADS, D)
+
+
+def test_the_batch_may_come_as_one_dash_batch():
+    """The four batch tensors by name, one DashBatch in their place (positional or ``batch=``),
+    or every argument positional: the same output."""
+    base = _one_step()
+    fields, tokens = P.BATCH_FIELDS, P.TOKEN_FIELDS
+
+    def as_batch(a):
+        return P.DashBatch(*(a.pop(f) for f in fields))
+
+    def positional(a, middle):
+        return [*(a[n] for n in tokens), a["cache"], *middle, a["sp"], a["layer_idx"]]
+
+    a = _one_step_args()
+    assert torch.equal(P.paged_dash_attention(**a, batch=as_batch(a)), base)
+    a = _one_step_args()
+    assert torch.equal(P.paged_dash_attention(*positional(a, [as_batch(a)])), base)
+    a = _one_step_args()
+    assert torch.equal(P.paged_dash_attention(*positional(a, [a[f] for f in fields])), base)
+    a = _one_step_args()
+    with pytest.raises(TypeError, match="given twice"):
+        P.paged_dash_attention(**a, batch=P.DashBatch(*(a[f] for f in fields)))
+    a = _one_step_args()
+    a["block_table"] = a.pop("block_tables")
+    with pytest.raises(TypeError, match="no argument 'block_table'"):
+        P.paged_dash_attention(**a)
 
 
 @pytest.mark.parametrize(

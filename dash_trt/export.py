@@ -159,7 +159,7 @@ def _example_inputs(model: DashModel, kv_block_size: int):
     width += width == len(prompts) + 1  # keep W apart from B + 1
     state = PagedState(model, num_blocks=sum(need) + 5, kv_block_size=kv_block_size)
     for i, p in enumerate(prompts):
-        state.pool.add(i, prompt_length=len(p))
+        state.pool.add(i, prompt_length=cfg.prompt_length(len(p)))
     batch = state.pool.schedule([(0, n[0]), (1, n[1])], device=model.device, table_width=width)
     coords = torch.cat([sequence_coords(token_roles(p, cfg)) for p in prompts]).to(model.device)
     ids = torch.tensor(prompts[0] + prompts[1], dtype=torch.long, device=model.device)

@@ -1,6 +1,7 @@
 """``dash-trt``: what this installation has, and its versions.
 
     dash-trt info [--json]     # package, kernel library, GPU, TensorRT and plugin, ONNX Runtime, torch
+    dash-trt info CHECKPOINT   # a model's parameters, active parameters, KV bytes, pool sizes
     dash-trt --version         # the line every command's --version prints
 
 Nothing here needs a GPU, TensorRT or ONNX Runtime: what is missing is reported as missing.
@@ -207,6 +208,61 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
     )
 
 
+def _checkpoint_facts(a) -> dict[str, Any]:
+    import torch
+
+    from .models.config import DTYPES
+    from .models.facts import model_facts, read_config
+
+    config = read_config(a.checkpoint)
+    facts = model_facts(
+        config, dtype=DTYPES[a.dtype] if a.dtype else None, kv_block_size=a.kv_block_size, model_class=a.model
+    )
+    if a.gpu_memory_gib:
+        memories = [(f"{g:g} GiB", g * 2**30) for g in a.gpu_memory_gib]
+    elif torch.cuda.is_available():
+        memories = [
+            (f"GPU {i} ({torch.cuda.get_device_name(i)})", torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())
+        ]
+    else:
+        memories = [("80 GiB (H100)", 80 * 2**30), ("141 GiB (H200)", 141 * 2**30)]
+    reserve = a.reserve_gib * 2**30
+    pools = []
+    for name, mem in memories:
+        blocks, tokens = facts.pool(mem * a.memory_fraction, reserve)
+        pools.append({"memory": name, "bytes": int(mem), "kv_blocks": blocks, "kv_tokens": tokens})
+    return {
+        "checkpoint": str(a.checkpoint),
+        **facts.to_dict(),
+        "memory_fraction": a.memory_fraction,
+        "reserve_bytes": int(reserve),
+        "pools": pools,
+    }
+
+
+def _print_facts(f: dict[str, Any], out: TextIO) -> None:
+    gib = 2**30
+    print(f"{f['checkpoint']}: {f['architecture']}, {f['layers']} layers, {f['dtype']}", file=out)
+    print(
+        f"parameters: {f['parameters']:,} ({f['weight_bytes'] / gib:.2f} GiB); active per token: "
+        f"{f['active_parameters']:,}",
+        file=out,
+    )
+    fields = ", ".join(f"{k} {v / f['kv_block_size'] / f['layers']:g}" for k, v in f["cache_bytes_by_field"].items())
+    print(
+        f"KV cache: {f['kv_bytes_per_token_per_layer']:g} bytes a token a layer ({fields}); one block of "
+        f"{f['kv_block_size']} tokens in all layers {f['block_bytes'] / 2**20:.3f} MiB",
+        file=out,
+    )
+    for p in f["pools"]:
+        print(
+            f"pool on {p['memory']} x {f['memory_fraction']:g}, less the weights and {f['reserve_bytes'] / gib:g} "
+            f"GiB: {p['kv_blocks']:,} blocks, {p['kv_tokens']:,} tokens",
+            file=out,
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-trt",
@@ -220,6 +276,27 @@ def _parser() -> argparse.ArgumentParser:
         help="the package, kernel library, GPU, TensorRT, ONNX Runtime and torch found",
         epilog="Exit codes: 0 printed, 2 bad arguments, " + EXIT_CODES_NOTE,
     )
+    i.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="a model (checkpoint folder, config.json or model.pt): print its parameters, active parameters a "
+        "token, KV cache bytes a token a layer and the KV pool a GPU's memory holds, instead of the installation",
+    )
+    i.add_argument("--model", help="the model class (module:Class or file.py:Class), as dash-export takes it")
+    i.add_argument(
+        "--dtype", choices=("float32", "float16", "bfloat16"), help="weights and cache dtype (default: the config's)"
+    )
+    i.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (16)")
+    i.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        action="append",
+        help="device memory to size the pool for (repeatable; default: the visible GPUs, else 80 and 141)",
+    )
+    i.add_argument("--memory-fraction", type=float, default=0.9, help="share of that memory the server may use (0.9)")
+    i.add_argument(
+        "--reserve-gib", type=float, default=0.0, help="memory kept for activations and the CUDA context (0)"
+    )
     i.add_argument("--json", action="store_true", help="one JSON object")
     i.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
@@ -227,8 +304,24 @@ def _parser() -> argparse.ArgumentParser:
 
 @cli_main("dash-trt")
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     out = stdout if stdout is not None else sys.stdout
+    if a.checkpoint is not None:
+        from .modeling import ModelContractError
+        from .models.config import ModelConfigError
+
+        if a.kv_block_size < 1 or not 0 < a.memory_fraction <= 1 or a.reserve_gib < 0:
+            p.error("--kv-block-size must be >= 1, --memory-fraction in (0, 1], --reserve-gib >= 0")
+        if a.gpu_memory_gib and min(a.gpu_memory_gib) <= 0:
+            p.error("--gpu-memory-gib must be positive")
+        try:
+            facts = _checkpoint_facts(a)
+        except (ModelConfigError, ModelContractError, OSError) as exc:
+            print(f"dash-trt: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(facts, indent=1), file=out) if a.json else _print_facts(facts, out)
+        return 0
     info = collect()
     if a.json:
         print(json.dumps(info, indent=1), file=out)

@@ -346,6 +346,11 @@ class DashModel(nn.Module):
 
     #: Prefix of the Hugging Face checkpoint names for this class's own names ("" : the same).
     checkpoint_prefix = ""
+    #: Checkpoint tensors that are not this class's (regular expressions, searched in the
+    #: checkpoint's names): dropped when loading instead of being reported as unexpected.
+    checkpoint_ignore: tuple[str, ...] = ()
+    #: The ``architectures[0]`` a saved config.json names (None: the class's name).
+    architecture_name: str | None = None
 
     def __init__(self, config):
         super().__init__()

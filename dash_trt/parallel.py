@@ -1,4 +1,5 @@
-"""Tensor parallelism for the built-in decoder (:class:`~dash_trt.model.DashForCausalLM`).
+"""Tensor parallelism for the built-in decoders (:class:`~dash_trt.model.DashForCausalLM` and
+Unlimited-OCR-2's :class:`~dash_trt.models.unlimited_ocr2.UnlimitedOCR2ForCausalLM`).
 
 Megatron-style, over ``torch.distributed`` (NCCL on GPUs, one process per GPU launched by
 ``torchrun``; gloo on CPUs, which is how the tests run it):
@@ -8,7 +9,14 @@ Megatron-style, over ``torch.distributed`` (NCCL on GPUs, one process per GPU la
   (GQA keeps its mapping), its rows of ``q_proj``/``k_proj``/``v_proj``, its columns of
   ``o_proj``, and a KV cache of its own KV heads only;
 - the MLP's ``gate_proj``/``up_proj`` rows and ``down_proj`` columns split alike;
-- one all-reduce after ``o_proj`` and one after ``down_proj`` (:class:`RowParallelLinear`);
+- Unlimited-OCR-2's mixture of experts split the same way inside every expert (vLLM's tensor
+  parallelism without expert parallelism): each rank holds a ``1/tp`` slice of the intermediate
+  width of every routed expert and of the shared experts, the ``gate`` (router) is replicated,
+  so every rank picks the same experts for a token and computes its part of each; the partial
+  sums of all experts and the shared ones are added by one all-reduce after the layer
+  (:class:`AllReduced`), not one an expert;
+- one all-reduce after ``o_proj`` and one after ``down_proj`` (:class:`RowParallelLinear`) or
+  after the mixture of experts;
 - everything else replicated: embeddings, norms, ``lm_head``, and the DASH router
   (``dash_router``: its ``q_proj``, ``k_proj``, norms and ``head_cls``). The router is shared by
   all heads of a token, and
@@ -41,6 +49,7 @@ __all__ = [
     "ShardSizes",
     "shard_sizes",
     "RowParallelLinear",
+    "AllReduced",
     "shard_model",
     "init_from_env",
     "NVLS_OFF",
@@ -99,54 +108,105 @@ class RowParallelLinear(nn.Module):
         return y
 
 
+class AllReduced(nn.Module):
+    """``module``'s output summed over the ranks (one all-reduce): a mixture of experts whose
+    experts each hold a slice of their intermediate width gives every rank the full output."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        self.module = module
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        y = self.module(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _local_config(model, world: int):
+    """The shard's config: the rank's heads, KV heads, MLP width and (Unlimited-OCR-2) expert width."""
+    from .models.config import LANGUAGE_SECTION
+    from .models.unlimited_ocr2 import UnlimitedOCR2ForCausalLM
+
+    cfg = model.config
+    s = shard_sizes(cfg, 0, world)
+    local = dataclasses.replace(
+        cfg, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate
+    )
+    if isinstance(model, UnlimitedOCR2ForCausalLM):
+        moe = model.moe_config
+        for name, n in (
+            ("moe_intermediate_size", moe.moe_intermediate_size),
+            ("n_shared_experts x moe_intermediate_size", moe.n_shared_experts * moe.moe_intermediate_size),
+        ):
+            if n % world:
+                raise TensorParallelError(f"{name} ({n}) is not divisible by the tensor-parallel size {world}")
+        section = LANGUAGE_SECTION if cfg.nested else None
+        keys = {"moe_intermediate_size": moe.moe_intermediate_size // world}
+        if section:
+            extra = {**cfg.extra, section: {**cfg.language, **keys}}
+        else:
+            extra = {**cfg.extra, **keys}
+        local = dataclasses.replace(local, extra=extra)
+    return local, s
+
+
 def shard_model(model, rank: int, world: int, group=None):
-    """This rank's shard of ``model`` (a :class:`~dash_trt.model.DashForCausalLM`): a model of
-    the same class whose config holds the rank's heads, KV heads and MLP width (so its caches,
+    """This rank's shard of ``model`` (a :class:`~dash_trt.model.DashForCausalLM` or an
+    :class:`~dash_trt.models.unlimited_ocr2.UnlimitedOCR2ForCausalLM`): a model of the same
+    class whose config holds the rank's heads, KV heads, MLP and expert widths (so its caches,
     kernels and the model contract see the local sizes), the split weights, and the
-    all-reducing output projections. ``world == 1`` returns ``model`` itself. The shard lives
-    where ``model`` does; move it with ``.to(device)``."""
+    all-reducing outputs. ``world == 1`` returns ``model`` itself. The shard lives where
+    ``model`` does; move it with ``.to(device)``."""
     from .models.decoder import DashForCausalLM
+    from .models.unlimited_ocr2 import MoE, UnlimitedOCR2ForCausalLM
 
     if world == 1:
         return model
-    if type(model) is not DashForCausalLM:
+    if type(model) not in (DashForCausalLM, UnlimitedOCR2ForCausalLM):
         raise TensorParallelError(
-            f"tensor parallelism splits the built-in DashForCausalLM, not "
+            f"tensor parallelism splits the built-in DashForCausalLM and UnlimitedOCR2ForCausalLM, not "
             f"{type(model).__name__} (a model of your own splits its own projections)"
         )
     cfg = model.config
+    local_cfg, _ = _local_config(model, world)
     s = shard_sizes(cfg, rank, world)
     d = cfg.head_dim
-    local_cfg = dataclasses.replace(
-        cfg, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate
-    )
     with torch.device("meta"):
-        shard = DashForCausalLM(local_cfg)
+        shard = type(model)(local_cfg)
     shard = shard.to_empty(device=model.device).to(model.dtype)
-    # The split of each projection's weight [out, in], by the module that owns it: (dim, start, size);
-    # every other tensor is replicated.
-    split = {
+    # The split of each attention projection's weight [out, in]: (dim, start, size). The MLP's,
+    # the experts' and the shared experts' gate/up rows and down columns split evenly (each its
+    # own width); every other tensor is replicated.
+    heads = {
         "q_proj": (0, s.head0 * d, s.heads * d),
         "k_proj": (0, s.kv_head0 * d, s.kv_heads * d),
         "v_proj": (0, s.kv_head0 * d, s.kv_heads * d),
         "o_proj": (1, s.head0 * d, s.heads * d),
-        "gate_proj": (0, s.inter0, s.intermediate),
-        "up_proj": (0, s.inter0, s.intermediate),
-        "down_proj": (1, s.inter0, s.intermediate),
     }
+    width = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
     local = {}
     for name, w in model.state_dict().items():
         parts = name.split(".")
-        owner = parts[-2]  # "layers.0.self_attn.q_proj.weight" -> "q_proj"
-        # the router's own q_proj / k_proj ("...self_attn.dash_router.q_proj.weight") are replicated
-        sharded = owner in split and parts[-3] != "dash_router"
-        local[name] = w.narrow(*split[owner]).contiguous() if sharded else w
+        owner = parts[-2] if len(parts) > 1 else ""  # "layers.0.self_attn.q_proj.weight" -> "q_proj"
+        if "dash_router" in parts or not (owner in heads or owner in width):
+            local[name] = w  # the router's own q_proj / k_proj are replicated too
+        elif owner in heads:
+            local[name] = w.narrow(*heads[owner]).contiguous()
+        else:
+            n = w.shape[width[owner]] // world
+            local[name] = w.narrow(width[owner], rank * n, n).contiguous()
     shard.load_state_dict(local)  # copies; strict: a name the shard lacks is an error
     if cfg.tie_word_embeddings:  # to_empty gave lm_head a storage of its own
         shard.lm_head.weight = shard.embed_tokens.weight
     for layer in shard.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj.weight.data, group)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.weight.data, group)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = AllReduced(layer.mlp, group)
+        else:
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.weight.data, group)
     shard.dash_layers()  # the contract, at the local sizes
     return shard.eval()
 

@@ -144,10 +144,10 @@ def test_onnx_runtime_generates_the_pytorch_tokens_with_image_features(custom, c
     state: dict = {}
 
     def ort_forward(inputs: dict, caches: list):
-        past = state.get("caches") or [E._to_numpy(c) for c in caches]
-        res = sess.run(None, dict(zip(names, [E._to_numpy(v) for v in inputs.values()] + past)))
+        past = state.get("caches") or [E.to_numpy(c) for c in caches]
+        res = sess.run(None, dict(zip(names, [E.to_numpy(v) for v in inputs.values()] + past)))
         state["caches"] = res[1:]
-        return E._to_torch(res[0]), [E._to_torch(a) for a in res[1:]]
+        return E.to_torch(res[0]), [E.to_torch(a) for a in res[1:]]
 
     prompts, feats = cases
     want = M.generate(custom, prompts, 8, image_features=feats, prefill_chunk=40, stop_at_eos=False).tokens

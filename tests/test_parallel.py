@@ -52,28 +52,67 @@ def test_a_shard_holds_its_slices_and_reassembles_the_model():
     assert tied.lm_head.weight is tied.embed_tokens.weight  # the tie survives the split
 
 
-def _rank(rank: int, world: int, init_file: str, out: str) -> None:
+def _model(kind: str):
+    if kind == "demo":
+        return M.demo_model(seed=0)
+    from dash_trt.models.unlimited_ocr2 import tiny_config
+
+    return M.random_model(tiny_config(), seed=0)
+
+
+def _rank(rank: int, world: int, init_file: str, out: str, kind: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = M.demo_model(seed=0)
-        prompts, _ = M.check_prompts(model, seed=1)
-        gen = M.generate(TP.shard_model(model, rank, world), prompts, 6, prefill_chunk=40, cuda_graphs=False)
+        model = _model(kind)
+        prompts, feats = M.check_prompts(model, seed=1)
+        shard = TP.shard_model(model, rank, world)
+        gen = M.generate(shard, prompts, 6, prefill_chunk=40, cuda_graphs=False, image_features=feats)
         torch.save({"tokens": gen.tokens, "logits": gen.logits}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
+def test_unlimited_ocr2_shards_split_every_expert_and_replicate_the_router():
+    from dash_trt.models.unlimited_ocr2 import tiny_config
+
+    model = M.random_model(tiny_config(), seed=2)
+    shards = [TP.shard_model(model, r, 2) for r in range(2)]
+    full = model.state_dict()
+    rows = ("layers.1.mlp.experts.5.up_proj.weight", "layers.1.mlp.shared_experts.gate_proj.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.1.self_attn.v_proj.weight")  # fmt: skip
+    for name in rows:
+        assert torch.equal(
+            torch.cat(
+                [s.state_dict()[name.replace("mlp.", "mlp.module.", name.startswith("layers.1.mlp"))] for s in shards],
+                0,
+            ),
+            full[name],
+        ), name
+    cols = ("layers.1.mlp.experts.5.down_proj.weight", "layers.1.mlp.shared_experts.down_proj.weight")
+    for name in cols:
+        local = name.replace("mlp.", "mlp.module.")
+        assert torch.equal(torch.cat([s.state_dict()[local] for s in shards], 1), full[name]), name
+    for s in shards:
+        assert torch.equal(s.state_dict()["layers.1.mlp.module.gate.weight"], full["layers.1.mlp.gate.weight"])
+        assert s.moe_config.moe_intermediate_size == 32 and s.config.intermediate_size == 128
+        assert isinstance(s.layers[1].mlp, TP.AllReduced)
+    odd = M.random_model(tiny_config(overrides={"moe_intermediate_size": 66}))
+    with pytest.raises(TP.TensorParallelError, match=r"moe_intermediate_size \(66\) is not divisible by .* 4"):
+        TP.shard_model(odd, 0, 4)
+
+
 @pytest.mark.slow
-def test_tp2_on_two_cpu_processes_generates_the_unsharded_tokens(tmp_path):
-    model = M.demo_model(seed=0)
-    prompts, _ = M.check_prompts(model, seed=1)
-    want = M.generate(model, prompts, 6, prefill_chunk=40, cuda_graphs=False)
+@pytest.mark.parametrize("kind", ["demo", "unlimited_ocr2"])
+def test_tp2_on_two_cpu_processes_generates_the_unsharded_tokens(tmp_path, kind):
+    model = _model(kind)
+    prompts, feats = M.check_prompts(model, seed=1)
+    want = M.generate(model, prompts, 6, prefill_chunk=40, cuda_graphs=False, image_features=feats)
     out = str(tmp_path / "gen")
     env = {k: os.environ.get(k) for k in TP.NVLS_OFF}
-    mp.start_processes(_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(2, str(tmp_path / "init"), out, kind), nprocs=2, join=True, start_method="spawn")
     assert {k: os.environ.get(k) for k in TP.NVLS_OFF} == env
     got = [torch.load(f"{out}.{r}") for r in range(2)]
     assert got[0]["tokens"] == got[1]["tokens"], "the ranks disagree"
@@ -99,5 +138,5 @@ def test_launch_errors_are_clear(monkeypatch):
     spec.loader.exec_module(mod)
     cfg = M.DashModelConfig.from_dict({**M.DEMO_CONFIG, "architectures": ["TinyOCRDecoder"]})
     custom = M.random_model(cfg, model_class=mod.TinyOCRDecoder)
-    with pytest.raises(TP.TensorParallelError, match="splits the built-in DashForCausalLM, not TinyOCRDecoder"):
+    with pytest.raises(TP.TensorParallelError, match="splits the built-in .*, not TinyOCRDecoder"):
         TP.shard_model(custom, 0, 2)

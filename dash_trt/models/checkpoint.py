@@ -27,7 +27,7 @@ from torch import nn
 from ..fileio import atomic_write
 from ..modeling import DashModel, ModelContractError
 from .config import DTYPES, DashModelConfig, load_model_config
-from .registry import build_model
+from .registry import architecture_name, build_model
 
 __all__ = [
     "CheckpointError",
@@ -54,7 +54,7 @@ def saved_config(model: DashModel) -> dict[str, Any]:
     c = model.config
     return c.replace(
         torch_dtype=next(k for k, v in DTYPES.items() if v == model.dtype),
-        extra={**c.extra, "architectures": [type(model).__name__]},
+        extra={**c.extra, "architectures": [architecture_name(type(model))]},
     ).to_dict()
 
 
@@ -198,6 +198,9 @@ def _from_state(path: str, state: Mapping[str, torch.Tensor], config, model_clas
         model = build_model(config, model_class)
     except ModelContractError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+    ignore = [re.compile(p) for p in getattr(type(model), "checkpoint_ignore", ())]
+    if ignore:  # tensors of parts this class does not build (the class says which)
+        state = {k: v for k, v in state.items() if not any(p.search(k) for p in ignore)}
     expected = model.state_dict()
     try:
         state = match_names(state, set(expected), type(model).checkpoint_prefix)

@@ -3,6 +3,14 @@
 The usual Hugging Face keys, the ``sparse_attention_config`` section (a
 :class:`~dash_trt.config.DashConfig`, Unlimited-OCR-2's schema), and any keys of the model's
 own, kept in :attr:`DashModelConfig.extra`.
+
+Two layouts are read. Flat: the decoder's keys at the top (``vocab_size``, ``hidden_size``,
+...), as ``transformers`` writes a causal LM. Nested (DeepSeek-VL2 style, the Unlimited-OCR
+family): the language model's keys in a ``language_config`` section beside ``vision_config``
+and ``projector_config``, with ``sparse_attention_config`` and ``rswa_window`` at the top; there
+``head_dim`` is ``hidden_size / num_attention_heads`` and the image features a request carries
+are the projector's output, ``hidden_size`` values a row. Either layout is written back as it
+was read.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ ARCHITECTURE = "DashForCausalLM"
 MODEL_TYPE = "dash_decoder"
 
 
+#: The language model's section of a nested (DeepSeek-VL2 style) config.json.
+LANGUAGE_SECTION = "language_config"
+
+
 class ModelConfigError(ValueError):
     """A model ``config.json`` is missing a key or holds a bad value."""
 
@@ -56,7 +68,14 @@ class DashModelConfig:
     #: vision encoder produces; the model's ``embed_image_features`` maps them to hidden_size).
     #: None: the model takes none, image tokens are embedded from the token table.
     image_feature_dim: int | None = None
-    #: Every other key of the config.json (a user's model reads its own keys here).
+    #: Tokens of generated text that a generated token attends to besides the prompt (vLLM's
+    #: R-SWA ``rswa_window``): None or the local window (``sparse_local_block x
+    #: sparse_block_size``): each sequence's prompt length is passed to DASH attention, so
+    #: remote reads stop at the prompt and generated tokens are read through the local window
+    #: only; 0: no prompt length is passed (every past token may be routed to).
+    rswa_window: int | None = None
+    #: Every other key of the config.json (a user's model reads its own keys here; a nested
+    #: config's ``language_config`` section is here too).
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     _REQUIRED = (
@@ -133,6 +152,28 @@ class DashModelConfig:
                 raise ModelConfigError(f"{name} {tid} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.dash.image_token_id == self.dash.page_token_id:
             raise ModelConfigError("image_token_id and page_token_id must differ")
+        window = self.dash.sparse_local_block * self.dash.sparse_block_size
+        if self.rswa_window not in (None, 0, window) or isinstance(self.rswa_window, bool):
+            raise ModelConfigError(
+                f"rswa_window must be unset, 0 (no prompt length: generated tokens may be routed to) or "
+                f"{window} (sparse_local_block x sparse_block_size), got {self.rswa_window!r}"
+            )
+
+    def prompt_length(self, prompt_tokens: int) -> int | None:
+        """The ``prompt_length`` DASH attention gets for a prompt of ``prompt_tokens`` tokens
+        (:attr:`rswa_window`): the prompt's length, or None when ``rswa_window`` is 0."""
+        return None if self.rswa_window == 0 else int(prompt_tokens)
+
+    @property
+    def nested(self) -> bool:
+        """Read from (and written as) a nested, DeepSeek-VL2-style config.json."""
+        return isinstance(self.extra.get(LANGUAGE_SECTION), Mapping)
+
+    @property
+    def language(self) -> Mapping[str, Any]:
+        """The ``language_config`` section of a nested config (empty for a flat one)."""
+        section = self.extra.get(LANGUAGE_SECTION)
+        return section if isinstance(section, Mapping) else {}
 
     @property
     def index_head_dim(self) -> int:
@@ -158,19 +199,36 @@ class DashModelConfig:
         return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else ARCHITECTURE
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A config.json key: a field of this class, else one of :attr:`extra`."""
+        """A config.json key: a field of this class, else one of :attr:`extra`, else one of the
+        :attr:`language` section's."""
         if key in self._FIELDS:
             return getattr(self, key)
-        return self.extra.get(key, default)
+        if key in self.extra:
+            return self.extra[key]
+        return self.language.get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``config.json`` content."""
+        """The ``config.json`` content, in the layout it was read in."""
+        if self.nested:
+            out = dict(self.extra)
+            lang = dict(self.language)
+            for name in _LANGUAGE_KEYS:
+                value = getattr(self, name)
+                if name == "head_dim" and value == self.hidden_size // self.num_attention_heads:
+                    lang.pop(name, None)  # derived, as the nested layout has it
+                    continue
+                lang[name] = value
+            out[LANGUAGE_SECTION] = lang
+            if self.rswa_window is not None:
+                out["rswa_window"] = self.rswa_window
+            out[CONFIG_SECTION] = self.dash.to_dict()
+            return out
         builtin = self.architecture == ARCHITECTURE
         out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE} if builtin else {}
         out.update(self.extra)
         for f in dataclasses.fields(self):
             if f.name not in ("dash", "extra") and not (
-                f.name == "image_feature_dim" and self.image_feature_dim is None
+                f.name in ("image_feature_dim", "rswa_window") and getattr(self, f.name) is None
             ):
                 out[f.name] = getattr(self, f.name)
         out[CONFIG_SECTION] = self.dash.to_dict()
@@ -194,6 +252,8 @@ class DashModelConfig:
             dash = DashConfig.from_model_config(config)
         except DashConfigError as exc:
             raise ModelConfigError(f"{source}: {exc}") from None
+        if isinstance(config.get(LANGUAGE_SECTION), Mapping):
+            return cls._from_nested(config, dash, source)
         missing = [k for k in cls._REQUIRED if k not in config]
         if missing:
             raise ModelConfigError(f"{source} is missing key(s): {', '.join(missing)}")
@@ -209,6 +269,38 @@ class DashModelConfig:
         }
         return cls(dash=dash, extra=extra, **values)
 
+    @classmethod
+    def _from_nested(cls, config: Mapping[str, Any], dash: DashConfig, source: str) -> DashModelConfig:
+        lang = config[LANGUAGE_SECTION]
+        where = f"{source}: {LANGUAGE_SECTION}"
+        required = [k for k in cls._REQUIRED if k not in ("head_dim",)]
+        missing = [k for k in required if k not in lang]
+        if missing:
+            raise ModelConfigError(f"{where} is missing key(s): {', '.join(missing)}")
+        values = {k: lang[k] for k in _LANGUAGE_KEYS if k in lang}
+        values.setdefault("num_key_value_heads", lang["num_attention_heads"])
+        heads, hidden = lang["num_attention_heads"], lang["hidden_size"]
+        if "head_dim" not in values:
+            if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0):
+                raise ModelConfigError(
+                    f"{where}: hidden_size ({hidden!r}) must be a multiple of num_attention_heads ({heads!r})"
+                )
+            values["head_dim"] = hidden // heads
+        if "eos_token_id" not in values and isinstance(config.get("eos_token_id"), int):
+            values["eos_token_id"] = config["eos_token_id"]
+        if "torch_dtype" not in values:  # transformers 5 writes "dtype"; the top level may carry it
+            found = [d.get(k) for d in (lang, config) for k in ("dtype", "torch_dtype") if d.get(k) in DTYPES]
+            if found:
+                values["torch_dtype"] = found[0]
+        extra = {k: v for k, v in config.items() if k not in (CONFIG_SECTION, "rswa_window")}
+        return cls(
+            dash=dash,
+            extra=extra,
+            image_feature_dim=hidden if isinstance(hidden, int) else None,
+            rswa_window=config.get("rswa_window"),
+            **values,
+        )
+
     def replace(self, **changes) -> DashModelConfig:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
@@ -216,6 +308,21 @@ class DashModelConfig:
 
 #: The config.json keys that are fields of DashModelConfig (the others go to ``extra``).
 DashModelConfig._FIELDS = frozenset(f.name for f in dataclasses.fields(DashModelConfig)) - {"dash", "extra"}
+
+#: The fields a nested config keeps in its ``language_config`` section.
+_LANGUAGE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "eos_token_id",
+    "torch_dtype",
+)
 
 
 def load_model_config(path: str | os.PathLike) -> DashModelConfig:

@@ -16,6 +16,7 @@ from torch import nn
 from ..modeling import DashModel, ModelContractError
 from .config import ARCHITECTURE, DashModelConfig
 from .decoder import DEMO_CONFIG, DashForCausalLM
+from .unlimited_ocr2 import UnlimitedOCR2ForCausalLM
 
 __all__ = [
     "resolve_model_class",
@@ -26,6 +27,8 @@ __all__ = [
     "init_weights",
     "USER_MODULE_PREFIX",
     "MODEL_ENTRY_POINTS",
+    "BUILTIN_ARCHITECTURES",
+    "architecture_name",
 ]
 
 
@@ -37,6 +40,12 @@ USER_MODULE_PREFIX = "dash_trt_user_model_"
 #: Entry-point group under which installed packages register DASH model classes by name (the
 #: name is the config.json's ``architectures[0]``).
 MODEL_ENTRY_POINTS = "dash_trt.models"
+
+#: The model classes built in, by the ``architectures[0]`` their config.json names.
+BUILTIN_ARCHITECTURES: dict[str, type[DashModel]] = {
+    ARCHITECTURE: DashForCausalLM,
+    UnlimitedOCR2ForCausalLM.architecture_name: UnlimitedOCR2ForCausalLM,
+}
 
 
 def resolve_model_class(spec: str | type | None = None, config: DashModelConfig | None = None) -> type[DashModel]:
@@ -50,16 +59,16 @@ def resolve_model_class(spec: str | type | None = None, config: DashModelConfig 
         cls = _import_class(spec)
     else:
         arch = config.architecture if config is not None else ARCHITECTURE
-        if arch == ARCHITECTURE:
-            return DashForCausalLM
+        if arch in BUILTIN_ARCHITECTURES:
+            return BUILTIN_ARCHITECTURES[arch]
         from importlib.metadata import entry_points
 
         found = [ep for ep in entry_points(group=MODEL_ENTRY_POINTS) if ep.name == arch]
         if not found:
             raise ModelContractError(
-                f"the config names the architecture {arch!r}, which is neither {ARCHITECTURE} nor registered under "
-                f"the '{MODEL_ENTRY_POINTS}' entry points: pass the class (dash-export --model module:Class or "
-                f"path/to/file.py:Class)"
+                f"the config names the architecture {arch!r}, which is not built in "
+                f"({', '.join(BUILTIN_ARCHITECTURES)}) nor registered under the '{MODEL_ENTRY_POINTS}' entry "
+                f"points: pass the class (dash-export --model module:Class or path/to/file.py:Class)"
             )
         cls = found[0].load()
     if not (isinstance(cls, type) and issubclass(cls, DashModel)):
@@ -101,6 +110,12 @@ def _import_class(spec: str) -> type:
         return getattr(module, attr)
     except AttributeError:
         raise ModelContractError(f"--model {spec!r}: {module_name} has no {attr}") from None
+
+
+def architecture_name(cls: type) -> str:
+    """The ``architectures[0]`` a checkpoint of ``cls`` names (its ``architecture_name``, or
+    its class name)."""
+    return getattr(cls, "architecture_name", None) or cls.__name__
 
 
 def model_class_spec(cls: type) -> str:

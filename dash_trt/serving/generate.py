@@ -148,7 +148,7 @@ def reference_generate(
         hist, gen, lg = list(p), [], []
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                last = model.reference_logits(hist, len(p), f)[-1].float().cpu()
+                last = model.reference_logits(hist, cfg.prompt_length(len(p)), f)[-1].float().cpu()
                 tok = _greedy(last, cfg)
                 gen.append(tok)
                 lg.append(last)

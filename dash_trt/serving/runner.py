@@ -398,7 +398,12 @@ class PagedRuntime:
             cached = list(cached_blocks) if cached_blocks is not None else self.pool.match(hashes)
             if len(cached) > len(hashes):
                 raise ValueError(f"{len(cached)} cached blocks for {len(hashes)} cacheable ones")
-        self.pool.add(seq_id, prompt_length=len(prompt), reserve_tokens=reserve_tokens, cached_blocks=cached)
+        self.pool.add(
+            seq_id,
+            prompt_length=self.config.prompt_length(len(prompt)),
+            reserve_tokens=reserve_tokens,
+            cached_blocks=cached,
+        )
         buf = np.empty((max(reserve_tokens + 1, len(prompt)), 4), dtype=np.int32)
         buf[: len(prompt)] = prompt_coords.numpy()
         sampler = (

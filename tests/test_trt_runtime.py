@@ -164,7 +164,7 @@ def test_engine_that_does_not_fit_the_model(monkeypatch, tmp_path, demo):
 def test_plugin_and_package_problems_are_named(monkeypatch, tmp_path, demo):
     (tmp_path / "m.plan").write_bytes(b"plan")
     _install(monkeypatch, fake_tensorrt(io_of(demo), registers=False))
-    with pytest.raises(TensorRTBackendError, match="registers no DashAttention v1 creator"):
+    with pytest.raises(TensorRTBackendError, match="registers no DashAttention v2 creator"):
         TensorRTBackend(str(tmp_path / "m.plan"), "lib.so", device="cpu")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(TensorRTNotFound, match="TensorRT not found"):

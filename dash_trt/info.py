@@ -2,6 +2,7 @@
 
     dash-trt info [--json]     # package, kernel library, GPU, TensorRT and plugin, ONNX Runtime, torch
     dash-trt info CHECKPOINT   # a model's parameters, active parameters, KV bytes, pool sizes
+    dash-trt ocr FILES --server URL --out DIR   # PDFs and images to markdown (dash_trt.ocr)
     dash-trt --version         # the line every command's --version prints
 
 Nothing here needs a GPU, TensorRT or ONNX Runtime: what is missing is reported as missing.
@@ -299,6 +300,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--json", action="store_true", help="one JSON object")
     i.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    from .ocr import add_parser
+
+    add_parser(sub).add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 
@@ -307,6 +311,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     p = _parser()
     a = p.parse_args(argv)
     out = stdout if stdout is not None else sys.stdout
+    if a.command == "ocr":
+        from .ocr import ocr_main
+
+        return ocr_main(a, out, sys.stderr)
     if a.checkpoint is not None:
         from .modeling import ModelContractError
         from .models.config import ModelConfigError

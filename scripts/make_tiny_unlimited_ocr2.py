@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Write a random-weight Unlimited-OCR-2 checkpoint folder in the published layout: a nested
 config.json (language_config with DeepSeek-V2's MoE keys, sparse_attention_config, vision and
-projector sections), sharded safetensors with their index, the checkpoint's tensor names.
+projector sections), the decoder and a small vision tower in sharded safetensors with their
+index under the checkpoint's tensor names, and a trained byte-level BPE tokenizer.
 
     python3 scripts/make_tiny_unlimited_ocr2.py OUT [--layers 2] [--experts 8] [--seed 0]
 
-Its sizes are small (hidden 128, 4 heads of 32, byte-level text ids) so every tool runs it on a
-CPU in seconds: dash-export OUT --out model.onnx, dash-compare, dash-triton write OUT, dash-trt
-info OUT. The weights are random: the tokens it generates mean nothing."""
+Its sizes are small (hidden 128, 4 heads of 32; views of 256 and 160 pixels) so every tool runs
+it on a CPU in seconds: dash-export OUT --out model.onnx, dash-compare, dash-triton write OUT,
+dash-trt info OUT, dash-trt ocr. The weights are random: the text it generates means nothing."""
 
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dash_trt.models.checkpoint import save_pretrained  # noqa: E402
-from dash_trt.models.registry import random_model  # noqa: E402
-from dash_trt.models.unlimited_ocr2 import tiny_config  # noqa: E402
+from dash_trt.models.unlimited_ocr2 import write_tiny_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +36,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.experts_per_token > a.experts:
         p.error("--experts-per-token must be at most --experts")
-    config = tiny_config(
-        a.layers, experts=a.experts, experts_per_token=a.experts_per_token, shared_experts=a.shared_experts
+    files = write_tiny_checkpoint(
+        a.out,
+        seed=a.seed,
+        max_shard_bytes=a.shard_bytes,
+        layers=a.layers,
+        experts=a.experts,
+        experts_per_token=a.experts_per_token,
+        shared_experts=a.shared_experts,
     )
-    model = random_model(config, seed=a.seed)
-    files = save_pretrained(model, a.out, max_shard_bytes=a.shard_bytes)
-    print(f"wrote {a.out}: {len(files)} files ({', '.join(files[-2:])}, ...)")
+    print(f"wrote {a.out}: {len(files)} files ({', '.join(files[-4:])}, ...)")
     return 0
 
 

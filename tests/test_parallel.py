@@ -71,6 +71,9 @@ def _rank(rank: int, world: int, init_file: str, out: str, kind: str) -> None:
         shard = TP.shard_model(model, rank, world)
         gen = M.generate(shard, prompts, 6, prefill_chunk=40, cuda_graphs=False, image_features=feats)
         torch.save({"tokens": gen.tokens, "logits": gen.logits}, f"{out}.{rank}")
+        # Both ranks past their last collective before either tears gloo down: a rank that exits
+        # while its peer still talks to it aborts the peer's gloo thread ("terminate called").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

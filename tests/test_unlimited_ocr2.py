@@ -118,8 +118,8 @@ def test_nested_config_is_read_and_written_back_as_published():
     cfg = DashModelConfig.from_dict(raw)
     assert cfg.nested and cfg.architecture == U.ARCHITECTURE
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim) == (320, 128, 3, 32)
-    assert cfg.image_feature_dim == 128 and cfg.eos_token_id == 258
-    assert cfg.get("n_routed_experts") == 8 and cfg.get("vision_config")["layers"] == 24
+    assert cfg.image_feature_dim == 128 and cfg.eos_token_id == 1
+    assert cfg.get("n_routed_experts") == 8 and cfg.get("vision_config")["deepencoder"]["sam_layers"] == 3
     written = cfg.to_dict()
     section = written.pop("sparse_attention_config")  # every key of it written, defaults included
     assert written == {k: v for k, v in raw.items() if k != "sparse_attention_config"}
@@ -259,14 +259,16 @@ def test_partial_or_wrong_checkpoints_get_one_line_naming_the_tensor(folder, tmp
 
 
 def test_vision_tower_and_warm_up_indexer_tensors_are_not_the_decoder_s(tiny, folder, tmp_path):
+    """The folder holds the vision tower beside the decoder (the decoder leaves its tensors to it),
+    and the unused warm-up indexer and CLIP's position ids are dropped."""
+    names = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+    assert {"model.image_newline", "model.view_seperator", "model.projector.layers.weight"} <= names
+    assert any(n.startswith("model.sam_model.blocks.") for n in names)
+    assert any(n.startswith("model.vision_model.transformer.layers.") for n in names)
     extra = _copy(folder, tmp_path / "extra")
     shard = sorted(p.name for p in extra.glob("model-*.safetensors"))[0]
     added = {
-        "model.projector.layers.weight": torch.zeros(128, 2048),
-        "model.sam_model.blocks.0.attn.qkv.weight": torch.zeros(3, 3),
         "model.vision_model.embeddings.position_ids": torch.zeros(1, 4),
-        "model.image_newline": torch.zeros(128),
-        "model.view_seperator": torch.zeros(128),
         "model.layers.0.self_attn.indexer.wq.weight": torch.zeros(4, 4),
     }
     _rewrite_shard(extra / shard, lambda t: t.update(added))
@@ -275,6 +277,10 @@ def test_vision_tower_and_warm_up_indexer_tensors_are_not_the_decoder_s(tiny, fo
     (extra / "model.safetensors.index.json").write_text(json.dumps(idx))
     loaded = load_checkpoint(extra)
     assert torch.equal(loaded.lm_head.weight, tiny.lm_head.weight)
+    from dash_trt.models.deepencoder import load_vision_tower
+
+    tower = load_vision_tower(extra)
+    assert tower.image_newline.shape == (128,)
 
 
 def test_tied_embeddings_as_the_config_says(tmp_path):

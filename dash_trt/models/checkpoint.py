@@ -366,12 +366,20 @@ def read_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return state, config
 
 
-def save_pretrained(model: DashModel, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[str]:
+def save_pretrained(
+    model: DashModel,
+    folder: str | os.PathLike,
+    *,
+    max_shard_bytes: int | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+) -> list[str]:
     """Write ``model`` as a Hugging Face folder:
     ``config.json`` and ``model.safetensors``, or with ``max_shard_bytes`` shards of at most
     that size (a tensor larger than it gets a shard of its own) and their index. Each file is
     written whole and renamed into place, the index and config last; weight files of an
-    earlier save that the new one does not use are removed. Returns the files written."""
+    earlier save that the new one does not use are removed. ``extra_tensors`` (checkpoint names)
+    are stored beside the model's: parts of the checkpoint the model class does not build (a
+    vision tower). Returns the files written."""
     st = _safetensors()
     folder = os.fspath(folder)
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -386,6 +394,10 @@ def save_pretrained(model: DashModel, folder: str | os.PathLike, *, max_shard_by
         seen.add(id(tensor))
         hf = name if (name == LM_HEAD or not prefix) else prefix + name
         state[hf] = tensor.detach().cpu().contiguous()
+    for name, tensor in (extra_tensors or {}).items():
+        if name in state:
+            raise CheckpointError(f"extra tensor {name!r} has the name of one of the model's")
+        state[name] = tensor.detach().cpu().contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     if max_shard_bytes is not None:
         if max_shard_bytes < 1:

@@ -51,6 +51,7 @@ from ..config import CONFIG_SECTION
 from ..modeling import DashContext, DashModel
 from .config import LANGUAGE_SECTION, DashModelConfig, ModelConfigError
 from .decoder import DashSelfAttention, GatedMLP, RMSNorm
+from .deepencoder import tiny_deepencoder
 
 __all__ = [
     "ARCHITECTURE",
@@ -60,6 +61,9 @@ __all__ = [
     "route_experts",
     "UnlimitedOCR2ForCausalLM",
     "tiny_config",
+    "tiny_tokenizer",
+    "write_tiny_checkpoint",
+    "TINY_SPECIAL_TOKENS",
 ]
 
 #: ``architectures[0]`` and ``model_type`` of the published checkpoints.
@@ -395,8 +399,8 @@ def tiny_config(
         "kv_lora_rank": None,
         "q_lora_rank": None,
         "max_position_embeddings": 8192,
-        "bos_token_id": 259,
-        "eos_token_id": 258,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
@@ -407,8 +411,8 @@ def tiny_config(
         "tile_tag": "2D",
         "global_view_pos": "head",
         "candidate_resolutions": [[1024, 1024]],
-        "vision_config": {"image_size": 1024, "patch_size": 16, "width": 1024, "layers": 24, "heads": 16},
-        "projector_config": {"projector_type": "linear", "input_dim": 2048, "n_embed": hidden_size},
+        "vision_config": {"deepencoder": tiny_deepencoder(hidden_size)},
+        "projector_config": {"projector_type": "linear", "input_dim": 64, "n_embed": hidden_size},
         LANGUAGE_SECTION: lang,
         CONFIG_SECTION: {
             "training_stage": "dash",
@@ -428,8 +432,62 @@ def tiny_config(
             "sparse_rope_page_pairs": 1,
             "image_bucket_constraint": True,
             "dash_image_only": True,
-            "page_token_id": 256,
-            "image_token_id": 257,
+            "page_token_id": 2,
+            "image_token_id": 3,
         },
         "torch_dtype": "float32",
     }
+
+
+#: The tiny tokenizer's special tokens, ids 0-3 (DeepSeek's BOS and EOS spellings).
+TINY_SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<PAGE>", "<image>")
+
+_TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Invoice 2024-07 total: 1,234.56 EUR, due in 30 days.",
+    "# Annual report\n\n## Results\n\n| item | value |\n| --- | --- |\n| revenue | 12.5 |\n| cost | 7.25 |",
+    "Multi page parsing. Convert the document to markdown. Page 1 of 3. Table of contents.",
+    "naïve café – Zürich, Kraków, 東京, Ελλάδα: ✓ → € © ½",
+)
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on a fixed corpus (``tokenizers``): ids 0-3 the
+    :data:`TINY_SPECIAL_TOKENS`, every byte representable, ``vocab_size`` ids in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_TINY_CORPUS) * 40, trainer)
+    return tok
+
+
+def write_tiny_checkpoint(folder, *, seed: int = 0, max_shard_bytes: int | None = 400_000, **config) -> list[str]:
+    """A random-weight checkpoint folder in the published layout: :func:`tiny_config` (``config``
+    passed on), the decoder and a tiny vision tower in sharded safetensors with their index, and
+    the tokenizer (``tokenizer.json`` and ``tokenizer_config.json``). Returns the files written."""
+    import json
+    import os
+
+    from .checkpoint import save_pretrained
+    from .deepencoder import DeepEncoderConfig, VisionTower
+    from .registry import init_weights, random_model
+
+    raw = tiny_config(**config)
+    model = random_model(raw, seed=seed)
+    tower = VisionTower(DeepEncoderConfig.from_config(raw))
+    init_weights(tower, torch.Generator().manual_seed(seed + 1))
+    extra = {"model." + k: v for k, v in tower.state_dict().items()}
+    files = save_pretrained(model, folder, max_shard_bytes=max_shard_bytes, extra_tensors=extra)
+    tok = tiny_tokenizer(raw[LANGUAGE_SECTION]["vocab_size"])
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    bos, eos = TINY_SPECIAL_TOKENS[:2]
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump({"bos_token": bos, "eos_token": eos, "tokenizer_class": "LlamaTokenizerFast"}, fh, indent=2)
+    return files + ["tokenizer.json", "tokenizer_config.json"]

@@ -48,6 +48,7 @@ from ..modeling import DashModel, token_roles
 from ..models.prompts import document_prompt
 from ..paged import PageCoordState
 from .block_pool import blocks_for, prefix_block_hashes
+from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
 from .sampling import SamplingError, SamplingParams
 
@@ -190,6 +191,7 @@ class Request:
     tag: Any = None  #: caller's data (the Triton model keeps the response sender here)
     stop_ids: frozenset[int] = frozenset()  #: generating one of these ends the request (it is kept)
     sampling: SamplingParams | None = None  #: None: greedy
+    rules: DecodingRules | None = None  #: the page-count guard, no-repeat n-grams (None: none)
     image_features: torch.Tensor | None = None  #: [image tokens, image_feature_dim], float32 on the CPU
     prompt_cached: int = 0  #: prompt tokens found in the prefix cache (not computed)
     tokens: list[int] = field(default_factory=list)  #: generated so far
@@ -392,6 +394,25 @@ class GenerationEngine:
             raise RequestError(f"sampling must be a dict or SamplingParams, got {type(sampling).__name__}")
         return stops, params
 
+    def check_rules(self, rules: Any) -> DecodingRules | None:
+        """A request's decoding rules (a :class:`~dash_trt.serving.rules.DecodingRules` or a dict of
+        its fields; :class:`RequestError` naming the bad one)."""
+        if rules is None or isinstance(rules, DecodingRules):
+            out = rules
+        elif isinstance(rules, Mapping):
+            unknown = sorted(set(rules) - {f.name for f in dataclasses.fields(DecodingRules)})
+            if unknown:
+                raise RequestError(f"unknown decoding rule(s): {', '.join(map(str, unknown))}")
+            try:
+                out = DecodingRules(**rules)
+            except RulesError as exc:
+                raise RequestError(str(exc)) from None
+        else:
+            raise RequestError(f"rules must be a dict or DecodingRules, got {type(rules).__name__}")
+        if out is not None and out.page_guard and self.model_config.eos_token_id is None:
+            raise RequestError("the page-count guard needs an eos_token_id, and this model's config sets none")
+        return out
+
     def check_image_features(self, features: Any, ids: list[int]) -> torch.Tensor | None:
         """A request's image features as a float32 tensor [image tokens, image_feature_dim], or
         :class:`RequestError`: the model must take them, one finite row per ``<image>`` token."""
@@ -428,15 +449,18 @@ class GenerationEngine:
         stop_token_ids: Any = None,
         sampling: Any = None,
         image_features: Any = None,
+        rules: Any = None,
     ) -> Request:
         """Queue a request (any thread). Raises :class:`RequestError` (nothing queued) if it
         is invalid or the engine is closed; otherwise its events follow from
         :meth:`step` and ``request.result()`` gives the tokens. ``stop_token_ids``: generating
         any of them ends the request (the token is kept, as EOS is); ``sampling``: temperature,
         top_k, top_p and seed (:mod:`dash_trt.serving.sampling`; default greedy); ``image_features``:
-        one row per ``<image>`` token (:meth:`check_image_features`)."""
+        one row per ``<image>`` token (:meth:`check_image_features`); ``rules``: the page-count guard
+        and no-repeat n-grams (:meth:`check_rules`)."""
         try:
             stops, params = self.check_options(stop_token_ids, sampling)
+            checked_rules = self.check_rules(rules)
             ids, max_new, coords = self.check(prompt, max_new_tokens)
             feats = self.check_image_features(image_features, ids)
         except RequestError:
@@ -455,6 +479,7 @@ class GenerationEngine:
             t_submit=time.perf_counter(),
             stop_ids=stops,
             sampling=params,
+            rules=checked_rules,
             image_features=feats,
         )
         req._coords = coords
@@ -641,6 +666,7 @@ class GenerationEngine:
                 image_features=req.image_features,
                 block_hashes=req._hashes,
                 cached_blocks=cached,
+                rules=req.rules,
             )
             req.prompt_cached = req.prompt_done = seq.cached_tokens
             self.counters["prompt_tokens_cached"] += seq.cached_tokens

@@ -12,6 +12,7 @@ from ..modeling import DashModel
 from ..models.config import DashModelConfig
 from ..paged import assign_flat_cache_tensors, flat_cache_tensors
 from .block_pool import KVBlockPool, blocks_for
+from .rules import DecodingRules
 from .runner import ForwardFn, PagedRuntime, greedy_tokens
 
 __all__ = ["generate", "reference_generate", "Generation", "PagedState"]
@@ -64,6 +65,7 @@ def generate(
     cuda_graphs: bool | None = None,
     keep_logits: bool = True,
     image_features: Sequence[torch.Tensor | None] | None = None,
+    rules: DecodingRules | Sequence[DecodingRules | None] | None = None,
 ) -> Generation:
     """Greedy generation over the paged cache, on the serving runtime
     (:class:`~dash_trt.serving.runner.PagedRuntime`: caches written in place, logits only for the
@@ -77,7 +79,9 @@ def generate(
     functional one (the ONNX check runs another runtime on the same steps);
     ``cuda_graphs=False`` runs decode steps eagerly; ``keep_logits=False`` skips copying
     the chosen rows' logits to the host. ``image_features`` gives each prompt its image
-    features ([image tokens, image_feature_dim], or None for token embeddings).
+    features ([image tokens, image_feature_dim], or None for token embeddings). ``rules``
+    (:class:`~dash_trt.serving.rules.DecodingRules`, one for all prompts or one each) edit each
+    next token's logits: the page-count guard, no-repeat n-grams.
     """
     cfg = model.config
     prompts = [list(map(int, p)) for p in prompts]
@@ -101,8 +105,11 @@ def generate(
     feats = list(image_features) if image_features is not None else [None] * n
     if len(feats) != n:
         raise ValueError(f"image_features has {len(feats)} entries for {n} prompts")
+    each_rules = list(rules) if isinstance(rules, (list, tuple)) else [rules] * n
+    if len(each_rules) != n:
+        raise ValueError(f"rules has {len(each_rules)} entries for {n} prompts")
     for i, p in enumerate(prompts):
-        runtime.add(i, p, reserve[i], image_features=feats[i])
+        runtime.add(i, p, reserve[i], image_features=feats[i], rules=each_rules[i])
     finished = [max_new_tokens <= 0] * n
     result = Generation([[] for _ in range(n)], [])
     logits_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -138,17 +145,21 @@ def reference_generate(
     *,
     stop_at_eos: bool = True,
     image_features: Sequence[torch.Tensor | None] | None = None,
+    rules: DecodingRules | None = None,
 ) -> Generation:
     """Step-by-step reference for :func:`generate`: every token re-runs the whole
-    sequence through the dense reference attention, no cache."""
+    sequence through the dense reference attention, no cache (``rules`` edit each row first)."""
     cfg = model.config
     tokens, logits = [], []
     feats = list(image_features) if image_features is not None else [None] * len(prompts)
     for p, f in zip(prompts, feats):
         hist, gen, lg = list(p), [], []
+        procs = rules.processors(p, cfg.page_token_id, cfg.eos_token_id) if rules is not None else []
         with torch.no_grad():
             for _ in range(max_new_tokens):
                 last = model.reference_logits(hist, cfg.prompt_length(len(p)), f)[-1].float().cpu()
+                for process in procs:
+                    process(gen, last)
                 tok = _greedy(last, cfg)
                 gen.append(tok)
                 lg.append(last)

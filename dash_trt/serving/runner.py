@@ -58,6 +58,7 @@ from ..paged import (
     flat_cache_tensors,
 )
 from .block_pool import CacheFullError, KVBlockPool, blocks_for, prefix_block_hashes
+from .rules import DecodingRules
 from .sampling import Sampler, SamplingParams
 
 #: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches): a
@@ -103,6 +104,13 @@ def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
     masked = logits.clone()
     masked[:, image_token_id] = -math.inf  # a fill kernel: no host-to-device copy (graph capture)
     return masked.argmax(-1)
+
+
+def _greedy_row(row: torch.Tensor, image_token_id: int) -> int:
+    """:func:`greedy_tokens` of one float32 host row (after the logits processors edited it)."""
+    row = row.clone()
+    row[image_token_id] = -math.inf
+    return int(row.argmax())
 
 
 def pool_block_bytes(model, kv_block_size: int) -> int:
@@ -191,6 +199,9 @@ class SequenceState:
     image_features: torch.Tensor | None = None  #: [M, image_feature_dim] on the runtime's device
     image_rows: np.ndarray | None = None  #: [prompt_len] int64: each prompt token's feature row, -1 for none
     block_hashes: list[bytes] | None = None  #: prefix-cache hashes of its cacheable blocks (None: not cached)
+    #: logits processors (:mod:`dash_trt.serving.rules`): each edits the float32 row of its next
+    #: token in place, given its generated tokens, before the token is chosen
+    processors: tuple = ()
     registered: int = 0  #: leading blocks registered in (or found in) the prefix cache
     cached_tokens: int = 0  #: prompt tokens found in the prefix cache (not computed)
 
@@ -361,6 +372,7 @@ class PagedRuntime:
         image_features: torch.Tensor | None = None,
         block_hashes: Sequence[bytes] | None = None,
         cached_blocks: Sequence[int] | None = None,
+        rules: DecodingRules | None = None,
     ) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
         plus the generated tokens that will be written to the cache). ``coords`` is
@@ -370,7 +382,9 @@ class PagedRuntime:
         order, replace those tokens' embeddings (models that take image features). With
         prefix caching, ``block_hashes`` (:func:`prefix_block_hashes`, computed if None) find
         the cached blocks the sequence starts with (``cached_blocks``: a :meth:`KVBlockPool.match`
-        the caller made already); its completed prompt blocks are registered as it runs. Raises
+        the caller made already); its completed prompt blocks are registered as it runs.
+        ``rules`` (:class:`~dash_trt.serving.rules.DecodingRules`) edit each next token's logits
+        (the page-count guard, no-repeat n-grams). Raises
         :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         prompt = list(prompt)
@@ -409,6 +423,9 @@ class PagedRuntime:
         sampler = (
             Sampler(sampling, self.config.image_token_id) if sampling is not None and not sampling.greedy else None
         )
+        processors = ()
+        if rules is not None and rules.active:
+            processors = tuple(rules.processors(prompt, self.config.page_token_id, self.config.eos_token_id))
         seq = SequenceState(
             seq_id,
             prompt,
@@ -422,6 +439,7 @@ class PagedRuntime:
             image_rows=rows,
             block_hashes=hashes,
             registered=len(cached),
+            processors=processors,
         )
         seq.fed = seq.cached_tokens = len(cached) * self.kv_block_size
         self.prompt_tokens_cached += seq.cached_tokens
@@ -516,7 +534,13 @@ class PagedRuntime:
                 continue
             row = j if every_row else k
             k += 1
-            tok = int(chosen[row]) if s.sampler is None else s.sampler.choose(logits[row])
+            if s.processors:
+                x = logits[row].detach().float().cpu().clone()
+                for process in s.processors:
+                    process(s.generated, x)
+                tok = s.sampler.choose(x) if s.sampler is not None else _greedy_row(x, self.config.image_token_id)
+            else:
+                tok = int(chosen[row]) if s.sampler is None else s.sampler.choose(logits[row])
             if rows is not None:
                 out.logits[sid] = rows[row]
             out.tokens[sid] = tok

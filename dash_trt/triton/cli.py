@@ -79,6 +79,18 @@ def _parser() -> argparse.ArgumentParser:
         "on each (data parallel; default: every GPU the server sees)",
     )
     w.add_argument("--no-stream-model", action="store_true", help="do not write the decoupled streaming model")
+    w.add_argument(
+        "--no-document-model",
+        action="store_true",
+        help="do not write NAME_document (written when the checkpoint folder has a vision tower and a tokenizer: "
+        "a PDF or image in, one text section per page out)",
+    )
+    w.add_argument(
+        "--document-instances",
+        type=int,
+        default=2,
+        help="CPU instances of NAME_document, each a process serving documents in parallel (%(default)s)",
+    )
     w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
     w.add_argument(
         "--model",
@@ -218,6 +230,14 @@ def _engine_config(a, kv_block_size: int) -> EngineConfig:
     )
 
 
+def _document_folder(checkpoint: str | None) -> str | None:
+    """The checkpoint folder when it has what the document model needs (a tokenizer and a
+    vision tower), else None."""
+    from .repository import document_sources
+
+    return checkpoint if document_sources(checkpoint) is not None else None
+
+
 def write_main(a, out: TextIO, err: TextIO) -> int:
     if not (a.checkpoint or a.demo):
         print("dash-triton write: error: give a checkpoint (model.pt or a Hugging Face folder) or --demo", file=err)
@@ -264,6 +284,8 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             allow_engine_control=a.allow_engine_control,
             force=a.force,
             gpus=engine_gpus,
+            documents=None if a.no_document_model else _document_folder(a.checkpoint),
+            document_instances=a.document_instances,
         )
     except (
         RepositoryError,

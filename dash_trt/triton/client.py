@@ -245,6 +245,61 @@ class DashClient:
             inputs.append(g)
         return inputs
 
+    def ocr(
+        self,
+        document: bytes,
+        name: str = "document",
+        *,
+        model: str | None = None,
+        instruction: str | None = None,
+        crop: bool | None = None,
+        max_page_image_tokens: int | None = None,
+        max_new_tokens: int | None = None,
+        rules: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A document's file (PDF or image bytes) to the document model (``<model>_document``): its
+        JSON answer, ``{"pages": [{"page", "source", "text"}, ...], "prompt_tokens", ...}``.
+        ``crop``: None (tiles for a single page), False, True; ``rules``: decoding-rule overrides
+        (``page_guard``, ``max_page_tokens``, ``no_repeat_ngram``, ``no_repeat_window``)."""
+        mod = self.mod
+        inputs = []
+
+        def add(iname, arr, dtype):
+            x = mod.InferInput(iname, list(arr.shape), dtype)
+            x.set_data_from_numpy(arr)
+            inputs.append(x)
+
+        add(P.DOCUMENT, np.frombuffer(bytes(document), dtype=np.uint8), "UINT8")
+        add(P.DOCUMENT_NAME, np.frombuffer(name.encode("utf-8"), dtype=np.uint8), "UINT8")
+        if instruction is not None:
+            add(P.INSTRUCTION, np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8), "UINT8")
+        if crop is not None:
+            add(P.CROP_MODE, np.array([int(bool(crop))], dtype=np.int32), "INT32")
+        if max_page_image_tokens is not None:
+            add(P.MAX_PAGE_IMAGE_TOKENS, np.array([max_page_image_tokens], dtype=np.int32), "INT32")
+        if max_new_tokens is not None:
+            add(P.MAX_NEW_TOKENS, np.array([max_new_tokens], dtype=np.int32), "INT32")
+        for field, value in (rules or {}).items():
+            if field not in P.RULE_INPUTS:
+                raise DashClientError(f"unknown decoding rule {field!r} (known: {', '.join(P.RULE_INPUTS)})")
+            if value is None:
+                continue
+            iname, dtype = P.RULE_INPUTS[field]
+            if dtype == "TYPE_BOOL":
+                add(iname, np.array([bool(value)]), "BOOL")
+            else:
+                add(iname, np.array([int(value)], dtype=np.int32), "INT32")
+        try:
+            res = self.client.infer(
+                model or self.model + P.DOCUMENT_SUFFIX,
+                inputs,
+                outputs=[mod.InferRequestedOutput(P.RESULT)],
+                **self._timeout_kw(),
+            )
+        except Exception as exc:
+            raise _error(exc) from None
+        return json.loads(np.ascontiguousarray(res.as_numpy(P.RESULT), dtype=np.uint8).tobytes().decode("utf-8"))
+
     def _outputs(self):
         return [
             self.mod.InferRequestedOutput(P.OUTPUT_IDS),

@@ -18,6 +18,13 @@ name                Triton type  dims    optional  meaning
 ``top_p``           TYPE_FP32    [1]     yes       sample within the smallest set of probability >= top_p
 ``seed``            TYPE_INT64   [1]     yes       the request's generator seed: the same seed, prompt and
                                                    parameters give the same tokens (default: random)
+``page_guard``      TYPE_BOOL    [1]     yes       the page-count guard: exactly one ``<PAGE>`` in the answer
+                                                   for each one of the prompt (default false)
+``max_page_tokens`` TYPE_INT32   [1]     yes       with the guard: tokens a page may take before the guard
+                                                   moves on (default 20000; <= 0: no cap)
+``no_repeat_ngram`` TYPE_INT32   [1]     yes       mask tokens that would repeat an n-gram of this many
+                                                   tokens (default 0: off)
+``no_repeat_window`` TYPE_INT32  [1]     yes       ... among the last this many generated tokens (0: all)
 ``image_features``  TYPE_FP32    [-1,-1] yes       one row per ``<image>`` token of ``input_ids``, in order
                                                    ([image tokens, image_feature_dim]: the vision
                                                    encoder's output); only for models whose config sets
@@ -64,6 +71,13 @@ SAMPLING_INPUTS = {
     "top_p": ("top_p", "TYPE_FP32"),
     "seed": ("seed", "TYPE_INT64"),
 }
+#: Decoding-rule inputs: ``dash_trt.serving.rules.DecodingRules`` field -> (input name, Triton type).
+RULE_INPUTS = {
+    "page_guard": ("page_guard", "TYPE_BOOL"),
+    "max_page_tokens": ("max_page_tokens", "TYPE_INT32"),
+    "no_repeat_ngram": ("no_repeat_ngram", "TYPE_INT32"),
+    "no_repeat_window": ("no_repeat_window", "TYPE_INT32"),
+}
 IMAGE_FEATURES = "image_features"
 GET_STATS = "get_stats"
 ENGINE_CONTROL = "engine_control"
@@ -88,6 +102,7 @@ INPUTS = (
     (STOP_AT_EOS, "TYPE_BOOL", (1,), True),
     (STOP_TOKEN_IDS, "TYPE_INT64", (-1,), True),
     *((name, dtype, (1,), True) for name, dtype in SAMPLING_INPUTS.values()),
+    *((name, dtype, (1,), True) for name, dtype in RULE_INPUTS.values()),
     (IMAGE_FEATURES, "TYPE_FP32", (-1, -1), True),
     (GET_STATS, "TYPE_BOOL", (1,), True),
     (ENGINE_CONTROL, "TYPE_UINT8", (-1,), True),
@@ -115,3 +130,52 @@ PARAM_ALLOW_CONTROL = "allow_engine_control"  # "true": engine_control requests 
 DEFAULT_NAME = "dash"
 STREAM_SUFFIX = "_stream"
 PLAN_SUFFIX = "_plan"
+
+
+# ------------------------------------------------------------------ the document model
+#: ``<name>_document`` (Python backend, written when the checkpoint has a vision tower and a
+#: tokenizer): a document's file in, one text section per page out. It runs the processor and
+#: the vision tower in its own process and asks the generation model for the tokens (BLS).
+#:
+#: ==========================  ===========  ======  ========  =======================================================
+#: name                        Triton type  dims    optional  meaning
+#: ==========================  ===========  ======  ========  =======================================================
+#: ``document``                TYPE_UINT8   [-1]    no        the file's bytes: a PDF or an image (PNG, JPEG, TIFF...)
+#: ``document_name``           TYPE_UINT8   [-1]    yes       its name (UTF-8), used in messages (default "document")
+#: ``instruction``             TYPE_UINT8   [-1]    yes       the instruction after the pages (UTF-8; default
+#:                                                            "Multi page parsing." for several pages)
+#: ``crop_mode``               TYPE_INT32   [1]     yes       -1 (default): tiles for a single page; 0: global views
+#:                                                            only; 1: tiles for every page
+#: ``max_page_image_tokens``   TYPE_INT32   [1]     yes       image tokens a page may take (default: no limit but the
+#:                                                            model's context)
+#: ``max_new_tokens``          TYPE_INT32   [1]     yes       tokens to generate (default: the generation model's)
+#: ``page_guard`` ...          as the generation model's decoding-rule inputs, defaults upstream's recipe
+#: ==========================  ===========  ======  ========  =======================================================
+#:
+#: Output ``result`` (TYPE_UINT8 [-1]): UTF-8 JSON ``{"pages": [{"page": 1, "source": ..., "text": ...},
+#: ...], "prompt_tokens": N, "generated_tokens": M, "image_feature_cache": {"hits": .., "misses": ..}}``.
+DOCUMENT_SUFFIX = "_document"
+DOCUMENT = "document"
+DOCUMENT_NAME = "document_name"
+INSTRUCTION = "instruction"
+CROP_MODE = "crop_mode"
+MAX_PAGE_IMAGE_TOKENS = "max_page_image_tokens"
+RESULT = "result"
+
+DOCUMENT_INPUTS = (
+    (DOCUMENT, "TYPE_UINT8", (-1,), False),
+    (DOCUMENT_NAME, "TYPE_UINT8", (-1,), True),
+    (INSTRUCTION, "TYPE_UINT8", (-1,), True),
+    (CROP_MODE, "TYPE_INT32", (1,), True),
+    (MAX_PAGE_IMAGE_TOKENS, "TYPE_INT32", (1,), True),
+    (MAX_NEW_TOKENS, "TYPE_INT32", (1,), True),
+    *((name, dtype, (1,), True) for name, dtype in RULE_INPUTS.values()),
+)
+DOCUMENT_OUTPUTS = ((RESULT, "TYPE_UINT8", (-1,)),)
+
+#: Parameters of the document model.
+PARAM_GENERATION_MODEL = "generation_model"  # the generation model it calls
+PARAM_MAX_PROMPT_TOKENS = "max_prompt_tokens"  # the longest prompt the generation model admits
+#: Files of the document model's version folder.
+VISION_WEIGHTS = "vision.safetensors"
+DOCUMENT_CONFIG = "config.json"

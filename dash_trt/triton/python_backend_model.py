@@ -155,6 +155,7 @@ class TritonPythonModel:
                     stop_token_ids=self._optional(request, P.STOP_TOKEN_IDS),
                     sampling=self._sampling(request),
                     image_features=self._optional(request, P.IMAGE_FEATURES),
+                    rules=self._scalars(request, P.RULE_INPUTS),
                 )
             except self.RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
@@ -208,15 +209,25 @@ class TritonPythonModel:
 
     def _sampling(self, request):
         """The request's sampling inputs as SamplingParams fields (None: all absent, greedy)."""
-        P, values = self.P, {}
-        for field, (name, dtype) in P.SAMPLING_INPUTS.items():
+        return self._scalars(request, self.P.SAMPLING_INPUTS)
+
+    def _scalars(self, request, inputs):
+        """The request's one-value inputs of ``inputs`` (field -> (input name, Triton type)) as a
+        dict of fields (None: all absent)."""
+        values = {}
+        for field, (name, dtype) in inputs.items():
             arr = self._optional(request, name)
             if arr is None:
                 continue
             if arr.size != 1:
                 raise self.RequestError(f"{name} must hold one value, got shape {list(arr.shape)}")
             value = arr.reshape(-1)[0]
-            values[field] = float(value) if dtype == "TYPE_FP32" else int(value)
+            if dtype == "TYPE_FP32":
+                values[field] = float(value)
+            elif dtype == "TYPE_BOOL":
+                values[field] = bool(value)
+            else:
+                values[field] = int(value)
         return values or None
 
     def _flag(self, request, name, default):

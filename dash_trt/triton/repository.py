@@ -37,8 +37,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
 from ..modeling import DashModel
-from ..models.checkpoint import save_checkpoint
+from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
+from ..models.deepencoder import tower_state
 from ..models.registry import USER_MODULE_PREFIX
 from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
@@ -62,6 +66,9 @@ __all__ = [
 
 #: The Python-backend model file copied into each generation model's version folder.
 PYTHON_MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_backend_model.py")
+DOCUMENT_MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "document_model.py")
+#: Tokenizer files a document model carries from the checkpoint folder (those present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 NO_PLAN_MESSAGE = (
     "no --plan given: the tensorrt_plan model was not written. Build a TensorRT engine from the ONNX file "
@@ -307,6 +314,59 @@ def python_model_config(
     }
 
 
+def document_model_config(
+    name: str,
+    generation_model: str,
+    *,
+    max_prompt_tokens: int,
+    device: str = "cpu",
+    instances: int = 2,
+    torch_num_threads: int = 0,
+) -> dict[str, Any]:
+    """config.pbtxt (as a dict) of the document model (:mod:`dash_trt.triton.document_model`)."""
+    if instances < 1:
+        raise RepositoryError(f"document model instances must be >= 1, got {instances}")
+    inputs = []
+    for iname, dtype, dims, optional in P.DOCUMENT_INPUTS:
+        spec = {"name": iname, "data_type": Enum(dtype), "dims": list(dims)}
+        if optional:
+            spec["optional"] = True
+        inputs.append(spec)
+    outputs = [{"name": o, "data_type": Enum(t), "dims": list(d)} for o, t, d in P.DOCUMENT_OUTPUTS]
+    return {
+        "# ": (
+            "DASH documents: a PDF or image in, one text section per page out (JSON), written by dash-triton.\n"
+            f"Pages, views, the prompt and the vision tower run here; {generation_model} generates (BLS).\n"
+            "Each instance is a process of its own: instances serve documents in parallel."
+        ),
+        "name": name,
+        "backend": "python",
+        "max_batch_size": 0,
+        "input": inputs,
+        "output": outputs,
+        "instance_group": [{"kind": Enum("KIND_CPU"), "count": int(instances)}],
+        "parameters": [
+            {"key": P.PARAM_GENERATION_MODEL, "value": {"string_value": generation_model}},
+            {"key": P.PARAM_MAX_PROMPT_TOKENS, "value": {"string_value": str(int(max_prompt_tokens))}},
+            {"key": P.PARAM_DEVICE, "value": {"string_value": device}},
+            {"key": P.PARAM_TORCH_THREADS, "value": {"string_value": str(int(torch_num_threads))}},
+        ],
+    }
+
+
+def document_sources(folder: str | None) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """(the folder, its vision tower's tensors) when ``folder`` is a checkpoint folder with a
+    tokenizer and a vision tower (what the document model needs), else None."""
+    if folder is None or not os.path.isdir(folder) or not os.path.isfile(os.path.join(folder, TOKENIZER_FILES[0])):
+        return None
+    try:
+        state, _ = read_folder(folder)
+    except CheckpointError:
+        return None
+    tower = tower_state(state)
+    return (folder, tower) if tower else None
+
+
 def plan_model_config(
     name: str,
     inputs: Sequence[TensorSpec],
@@ -449,12 +509,16 @@ def write_repository(
     allow_engine_control: bool = False,
     force: bool = False,
     gpus: Sequence[int] | None = None,
+    documents: str | None = None,
+    document_instances: int = 2,
 ) -> WrittenRepository:
     """Write the repository at ``out``.
 
     ``model`` is the loaded checkpoint (its config goes into the parameters);
     ``checkpoint`` the ``model.pt`` to copy (written from ``model`` when None).
-    The plan model needs ``plan``, ``onnx`` and ``plugin`` together.
+    The plan model needs ``plan``, ``onnx`` and ``plugin`` together. ``documents``: the checkpoint
+    folder, when it holds a vision tower and a tokenizer: a ``<name>_document`` model is written
+    too (``document_instances`` CPU instances), documents in, text out.
     """
     out = os.path.abspath(os.fspath(out))
     check_served_path(out)
@@ -504,6 +568,15 @@ def write_repository(
     if plan_cfg is None:
         messages.append(NO_PLAN_MESSAGE)
 
+    docs = None
+    if documents is not None:
+        docs = document_sources(documents)
+        if docs is None:
+            raise RepositoryError(
+                f"{documents}: no document model without a tokenizer.json and a vision tower (model.sam_model., "
+                f"model.vision_model.) in the checkpoint folder"
+            )
+
     class_file, class_spec = model_class_source(model)
     tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
     try:
@@ -538,6 +611,28 @@ def write_repository(
             )
             _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
             models.append(model_name)
+        if docs is not None:
+            doc_name = name + P.DOCUMENT_SUFFIX
+            vdir = os.path.join(tmp, doc_name, "1")
+            os.makedirs(vdir)
+            shutil.copyfile(DOCUMENT_MODEL_SOURCE, os.path.join(vdir, "model.py"))
+            save_file({k: v.contiguous() for k, v in docs[1].items()}, os.path.join(vdir, P.VISION_WEIGHTS))
+            for fname in TOKENIZER_FILES:
+                src = os.path.join(docs[0], fname)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(vdir, fname))
+            _write(os.path.join(vdir, P.DOCUMENT_CONFIG), json.dumps(model.config.to_dict(), indent=2) + "\n")
+            limit = engine.max_model_len or min(engine.num_blocks * engine.kv_block_size, 131072)
+            dcfg = document_model_config(
+                doc_name,
+                name,
+                max_prompt_tokens=limit,
+                device=device,
+                instances=document_instances,
+                torch_num_threads=torch_num_threads,
+            )
+            _write(os.path.join(tmp, doc_name, "config.pbtxt"), to_pbtxt(dcfg))
+            models.append(doc_name)
         if plan_cfg is not None:
             vdir = os.path.join(tmp, plan_cfg["name"], "1")
             os.makedirs(vdir)
@@ -596,6 +691,11 @@ def _readme(
         lines.append(
             f"| `{name}{P.STREAM_SUFFIX}` | python, decoupled | the same, streaming prefill progress and "
             f"tokens (gRPC streaming) |"
+        )
+    if name + P.DOCUMENT_SUFFIX in models:
+        lines.append(
+            f"| `{name}{P.DOCUMENT_SUFFIX}` | python | a PDF or image in, one text section per page out "
+            f"(`dash-trt ocr FILE --server URL`) |"
         )
     if plan_cfg is not None:
         lines.append(

@@ -1,0 +1,165 @@
+"""A document's model inputs from its files, without torch: pages, views, the prompt's token ids,
+and the split of a generated answer into one section per page.
+
+:class:`DocumentProcessor` is the one processor every front end runs (offline
+:class:`~dash_trt.serving.documents.DocumentOCR`, the Triton document model, tests), so they
+build the same prompt for the same pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .pages import DocumentError, Page, load_pages
+from .prompt import document_prompt_ids
+from .views import PageViews, ViewSpec, page_views
+
+__all__ = ["DocumentOptions", "PreparedDocument", "DocumentProcessor", "split_pages", "CROP_AUTO"]
+
+#: ``crop``: tiles for a single page, the global view only for several (upstream's recipe).
+CROP_AUTO = None
+
+
+@dataclass(frozen=True)
+class DocumentOptions:
+    """What a user may choose for a document."""
+
+    #: True: tiles for every page larger than a tile; False: global views only; None: tiles for a
+    #: single page, global views for several (upstream's recipe)
+    crop: bool | None = CROP_AUTO
+    #: the instruction after the pages (None: "Multi page parsing." for several pages, a markdown
+    #: conversion instruction for one)
+    instruction: str | None = None
+    #: image tokens one page may take (None: no limit but the prompt's)
+    max_page_tokens: int | None = None
+    #: the longer side, in pixels, of a rendered PDF page
+    render_side: int | None = None
+
+    def crop_for(self, pages: int) -> bool:
+        return self.crop if self.crop is not None else pages == 1
+
+
+@dataclass
+class PreparedDocument:
+    pages: list[Page]
+    views: list[PageViews]
+    prompt_ids: list[int]
+    #: image tokens of each page, in order
+    page_tokens: list[int]
+    crop: bool
+    #: each page's view digest (sha256 of its pixels and grid): the key of its image features
+    page_keys: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.source for p in self.pages]
+
+
+def _digest(v: PageViews) -> str:
+    h = hashlib.sha256()
+    h.update(repr((v.grid, v.global_view.shape, v.crops.shape)).encode())
+    h.update(v.global_view.tobytes())
+    h.update(v.crops.tobytes())
+    return h.hexdigest()
+
+
+class DocumentProcessor:
+    """Files to model inputs for one model: its view sizes (:class:`ViewSpec` from its config),
+    its special tokens and its tokenizer."""
+
+    def __init__(self, tokenizer, *, image_token_id: int, page_token_id: int, spec: ViewSpec | None = None):
+        self.tokenizer = tokenizer
+        self.image_token_id = int(image_token_id)
+        self.page_token_id = int(page_token_id)
+        self.spec = spec or ViewSpec()
+
+    @classmethod
+    def for_config(cls, tokenizer, config) -> DocumentProcessor:
+        """For a model config (:class:`~dash_trt.models.config.DashModelConfig`)."""
+        return cls(
+            tokenizer,
+            image_token_id=config.image_token_id,
+            page_token_id=config.page_token_id,
+            spec=ViewSpec.from_config(config),
+        )
+
+    def render_side(self, options: DocumentOptions) -> int:
+        """PDF pages are rendered with their longer side this long: the tiles' grid at most
+        ``max_crops`` tiles a side in crop mode, the global view's size otherwise."""
+        if options.render_side is not None:
+            return int(options.render_side)
+        s = self.spec
+        return max(s.base_size, s.image_size * s.max_crops) if options.crop is not False else s.base_size
+
+    def prepare(
+        self,
+        sources: Iterable,
+        options: DocumentOptions | None = None,
+        *,
+        max_prompt_tokens: int | None = None,
+    ) -> PreparedDocument:
+        """Pages, views and prompt of ``sources`` (:func:`~dash_trt.documents.pages.load_pages`).
+        Raises :class:`DocumentError` naming the page and the arithmetic when a page takes more
+        than ``options.max_page_tokens`` image tokens or the prompt more than
+        ``max_prompt_tokens``."""
+        options = options or DocumentOptions()
+        pages = load_pages(sources, render_side=self.render_side(options))
+        crop = options.crop_for(len(pages))
+        spec = self.spec
+        if options.max_page_tokens is not None:
+            spec = ViewSpec(**{**spec.__dict__, "max_page_tokens": int(options.max_page_tokens)})
+        views = [page_views(p.image, spec, crop, p.source) for p in pages]
+        counts = [v.num_tokens for v in views]
+        ids = document_prompt_ids(
+            self.tokenizer,
+            counts,
+            image_token_id=self.image_token_id,
+            page_token_id=self.page_token_id,
+            instruction=options.instruction,
+        )
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            total, running = 0, 0
+            over = len(pages)
+            for i, n in enumerate(counts):
+                running += n
+                if running + (len(ids) - sum(counts)) > max_prompt_tokens:
+                    over = i + 1
+                    break
+            total = len(ids)
+            raise DocumentError(
+                f"the prompt of {len(pages)} page(s) is {total} tokens ({' + '.join(map(str, counts))} image tokens "
+                f"+ {total - sum(counts)} text tokens), more than the {max_prompt_tokens} this model serves; "
+                f"it is exceeded at {pages[over - 1].source}: send fewer pages a request"
+                + ("" if not crop else " or turn crop mode off")
+            )
+        return PreparedDocument(pages, views, ids, counts, crop, [_digest(v) for v in views])
+
+
+def split_pages(tokens: Sequence[int], page_token_id: int, eos_token_id: int | None, pages: int) -> list[list[int]]:
+    """An answer's tokens as one list per page. The answer marks each page with a ``<PAGE>`` token
+    before it (the page-count guard keeps exactly ``pages`` of them); text before the first marker
+    goes with the first page, EOS is dropped. An answer with fewer markers (no guard, or cut by
+    max_new_tokens) gives empty lists for the pages it did not reach; one with more puts the
+    surplus in the last page."""
+    body = [t for t in tokens if t != eos_token_id] if eos_token_id is not None else list(tokens)
+    sections: list[list[int]] = [[]]
+    for t in body:
+        if t == page_token_id:
+            sections.append([])
+        else:
+            sections[-1].append(t)
+    head, marked = sections[0], sections[1:]
+    if not marked:
+        marked = [[]]
+    marked[0] = head + marked[0]
+    if len(marked) > pages:
+        tail = [t for s in marked[pages - 1 :] for t in s]
+        marked = marked[: pages - 1] + [tail]
+    return marked + [[] for _ in range(pages - len(marked))]
+
+
+def check_sources(sources: Sequence) -> None:
+    if not sources:
+        raise DocumentError("no document given")

@@ -1,0 +1,240 @@
+"""``dash-trt ocr``: PDFs and images in, markdown out, one section per page.
+
+    dash-trt ocr report.pdf scans/*.png --server 127.0.0.1:8000 --out out/
+    dash-trt ocr report.pdf --checkpoint MODEL_FOLDER --out out/      # offline, in this process
+
+Each input file is one document (one request): with ``--server`` it goes to the Triton document
+model (``<model>_document``, written by ``dash-triton write`` for a checkpoint with a vision
+tower and a tokenizer); with ``--checkpoint`` the same steps run here
+(:class:`~dash_trt.serving.documents.DocumentOCR`). For ``NAME.pdf`` it writes ``OUT/NAME.md``
+(every page under a ``<!-- page N: source -->`` comment) and ``OUT/NAME/page-0001.md`` ... (one
+file a page), each written whole. Documents go out ``--concurrency`` at a time; a request the
+server could not take (UNAVAILABLE, a lost connection) is retried ``--retries`` times with a
+growing pause; a document that fails is reported with its reason (which names the page) and
+the others go on. A progress bar counts documents.
+
+Exit codes: 0 every document transcribed, 1 some failed (each listed), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .fileio import atomic_write
+
+__all__ = ["add_parser", "ocr_main", "DocumentOutcome"]
+
+#: Statuses of a request that may succeed when sent again.
+RETRYABLE = ("UNAVAILABLE", "StatusCode.UNAVAILABLE", "503", "connection")
+
+
+@dataclass
+class DocumentOutcome:
+    path: str
+    pages: list[dict[str, Any]] | None = None
+    error: str | None = None
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    o = sub.add_parser(
+        "ocr",
+        help="PDFs and images to markdown, one section per page (through a server or in this process)",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 every document transcribed, 1 some failed (each listed), 2 bad arguments.",
+    )
+    o.add_argument("files", nargs="+", help="PDF or image files; each is one document")
+    where = o.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", metavar="URL", help="a Triton server's HTTP address (host:port)")
+    where.add_argument("--checkpoint", metavar="FOLDER", help="run the model here, from its checkpoint folder")
+    o.add_argument("--out", "-o", required=True, help="folder for the markdown (created)")
+    o.add_argument("--model", default="dash", help="the repository's model name (NAME_document is called)")
+    o.add_argument("--prompt", help="the instruction after the pages (default: the model's recipe)")
+    o.add_argument(
+        "--crop", choices=("auto", "on", "off"), default="auto", help="tiles of each page: auto (single page only)"
+    )
+    o.add_argument("--max-new-tokens", type=int, help="tokens to generate a document (default: the server's)")
+    o.add_argument("--max-page-tokens", type=int, help="tokens a page may take before the next (default 20000)")
+    o.add_argument("--max-page-image-tokens", type=int, help="refuse a page that takes more image tokens")
+    o.add_argument("--no-page-guard", action="store_true", help="do not hold the answer to one section a page")
+    o.add_argument("--no-repeat-ngram", type=int, help="n-gram size the answer may not repeat (default 35; 0 off)")
+    o.add_argument("--no-repeat-window", type=int, help="... within this many tokens (default 128 / 1024)")
+    o.add_argument("--concurrency", type=int, default=4, help="documents in flight at once (%(default)s)")
+    o.add_argument("--retries", type=int, default=3, help="resends of a request the server could not take (3)")
+    o.add_argument("--timeout", type=float, default=3600.0, help="seconds a document may take (%(default)s)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--json", action="store_true", help="print one JSON line a document instead of the summary")
+    return o
+
+
+def _stems(paths: Sequence[str]) -> list[str]:
+    """Output names: each file's name without its extension, made unique."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in paths:
+        stem = os.path.splitext(os.path.basename(p))[0] or "document"
+        n = seen.get(stem, 0)
+        seen[stem] = n + 1
+        out.append(stem if n == 0 else f"{stem}-{n + 1}")
+    return out
+
+
+def _write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+    atomic_write(path, write)
+
+
+def write_outputs(out: str, stem: str, pages: list[dict[str, Any]]) -> None:
+    """``OUT/STEM.md`` and ``OUT/STEM/page-NNNN.md``."""
+    folder = os.path.join(out, stem)
+    os.makedirs(folder, exist_ok=True)
+    for p in pages:
+        _write_text(os.path.join(folder, f"page-{p['page']:04d}.md"), p["text"].rstrip() + "\n")
+    body = "\n\n".join(f"<!-- page {p['page']}: {p['source']} -->\n\n{p['text'].strip()}" for p in pages)
+    _write_text(os.path.join(out, stem + ".md"), body + "\n")
+
+
+def _options(a) -> tuple[dict[str, Any], dict[str, Any]]:
+    rules = {
+        "page_guard": False if a.no_page_guard else None,
+        "max_page_tokens": a.max_page_tokens,
+        "no_repeat_ngram": a.no_repeat_ngram,
+        "no_repeat_window": a.no_repeat_window,
+    }
+    crop = {"auto": None, "on": True, "off": False}[a.crop]
+    return {k: v for k, v in rules.items() if v is not None}, {"crop": crop}
+
+
+def _remote(a, rules: dict[str, Any], crop: bool | None):
+    from .triton.client import DashClient, DashClientError
+
+    client = DashClient(a.server, protocol="http", model=a.model, timeout=a.timeout, concurrency=a.concurrency)
+
+    def run(path: str) -> DocumentOutcome:
+        outcome = DocumentOutcome(path)
+        with open(path, "rb") as fh:
+            data = fh.read()
+        for attempt in range(a.retries + 1):
+            outcome.attempts = attempt + 1
+            try:
+                answer = client.ocr(
+                    data,
+                    os.path.basename(path),
+                    instruction=a.prompt,
+                    crop=crop,
+                    max_page_image_tokens=a.max_page_image_tokens,
+                    max_new_tokens=a.max_new_tokens,
+                    rules=rules,
+                )
+                outcome.pages = answer["pages"]
+                outcome.error = None
+                return outcome
+            except DashClientError as exc:
+                outcome.error = str(exc)
+                retry = any(s in str(exc.status or "") or s in str(exc) for s in RETRYABLE)
+                if not retry or attempt == a.retries:
+                    return outcome
+                time.sleep(min(30.0, 0.5 * 2**attempt))
+        return outcome
+
+    return run, client.close
+
+
+def _local(a, rules: dict[str, Any], crop: bool | None):
+    import threading
+
+    from .documents.pages import DocumentError
+    from .documents.processor import DocumentOptions
+    from .serving.documents import DocumentOCR
+
+    ocr = DocumentOCR(a.checkpoint)
+    lock = threading.Lock()  # one model in this process: documents in turn
+
+    def run(path: str) -> DocumentOutcome:
+        outcome = DocumentOutcome(path, attempts=1)
+        options = DocumentOptions(crop=crop, instruction=a.prompt, max_page_tokens=a.max_page_image_tokens)
+        try:
+            with open(path, "rb") as fh:
+                source = (os.path.basename(path), fh.read())  # named as the server names it
+            with lock:
+                result = ocr.transcribe([source], options, max_new_tokens=a.max_new_tokens or 2048, rules=rules)
+            outcome.pages = [{"page": p.page, "source": p.source, "text": p.text} for p in result.pages]
+        except DocumentError as exc:
+            outcome.error = str(exc)
+        return outcome
+
+    return run, lambda: None
+
+
+def ocr_main(a, out: TextIO, err: TextIO) -> int:
+    if a.concurrency < 1 or a.retries < 0:
+        print("dash-trt ocr: error: --concurrency must be >= 1 and --retries >= 0", file=err)
+        return 2
+    missing = [f for f in a.files if not os.path.isfile(f)]
+    if missing:
+        print(f"dash-trt ocr: error: no such file: {', '.join(missing)}", file=err)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    rules, opts = _options(a)
+    try:
+        run, close = (_remote if a.server else _local)(a, rules, opts["crop"])
+    except Exception as exc:  # noqa: BLE001 - a server that cannot be reached, a checkpoint that cannot load
+        print(f"dash-trt ocr: error: {exc}", file=err)
+        return 2
+    stems = dict(zip(a.files, _stems(a.files)))
+    outcomes: list[DocumentOutcome] = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a declared dependency of the documents extra
+        tqdm = None
+    bar = tqdm(total=len(a.files), unit="doc", file=err, disable=a.no_progress) if tqdm else None
+    try:
+        with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
+            futures = {pool.submit(run, f): f for f in a.files}
+            for fut in as_completed(futures):
+                o = fut.result()
+                if o.ok:
+                    write_outputs(a.out, stems[o.path], o.pages)
+                outcomes.append(o)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(failed=sum(not x.ok for x in outcomes))
+    finally:
+        if bar is not None:
+            bar.close()
+        close()
+    order = {f: i for i, f in enumerate(a.files)}
+    outcomes.sort(key=lambda o: order[o.path])
+    failed = [o for o in outcomes if not o.ok]
+    if a.json:
+        for o in outcomes:
+            out.write(json.dumps({"file": o.path, "ok": o.ok, "pages": len(o.pages or []), "error": o.error}) + "\n")
+    else:
+        pages = sum(len(o.pages) for o in outcomes if o.ok)
+        print(
+            f"{len(outcomes) - len(failed)} of {len(outcomes)} documents, {pages} pages, written to {a.out}", file=out
+        )
+        for o in failed:
+            print(f"FAILED {o.path}: {o.error}", file=out)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - dash-trt ocr is the entry point
+    from .info import main as trt_main
+
+    return trt_main(["ocr", *(argv if argv is not None else sys.argv[1:])])

@@ -1,0 +1,161 @@
+"""Documents in, text out, in one process: :class:`DocumentOCR` loads a checkpoint folder's
+decoder, vision tower and tokenizer, and turns PDFs and images into one text section per page.
+
+The steps are the ones the Triton document model runs (``dash-triton write`` puts it beside the
+generation model): :class:`~dash_trt.documents.processor.DocumentProcessor` (pages, views,
+prompt), the vision tower on each page's views (:func:`page_features`), generation with
+upstream's decoding rules (:func:`~dash_trt.serving.rules.document_rules`: the page-count guard,
+no-repeat n-grams), and :func:`~dash_trt.documents.processor.split_pages`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..documents.pages import DocumentError
+from ..documents.processor import DocumentOptions, DocumentProcessor, PreparedDocument, split_pages
+from ..documents.tokenizer import load_tokenizer
+from ..models.checkpoint import load_checkpoint
+from ..models.deepencoder import VisionTower, load_vision_tower
+from .generate import generate
+from .rules import DecodingRules, document_rules
+
+__all__ = ["DocumentOCR", "PageText", "OCRResult", "page_features", "FeatureCache"]
+
+
+@dataclass
+class PageText:
+    page: int  #: 1-based
+    source: str  #: ``file.pdf page 3``
+    text: str
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class OCRResult:
+    pages: list[PageText]
+    prompt_tokens: int
+    generated_tokens: int
+
+    def markdown(self) -> str:
+        """The pages as one markdown document, each under a ``<!-- page N: source -->`` comment."""
+        return "\n\n".join(f"<!-- page {p.page}: {p.source} -->\n\n{p.text.strip()}" for p in self.pages) + "\n"
+
+
+class FeatureCache:
+    """Image features of pages by their view digest (an LRU of ``capacity`` pages)."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        hit = self._items.get(key)
+        if hit is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(key)
+        return hit
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+
+def page_features(tower: VisionTower, doc: PreparedDocument, cache: FeatureCache | None = None) -> torch.Tensor:
+    """The image features of a prepared document's pages, in prompt order [image tokens, hidden]
+    (float32 on the CPU): each page's from the cache, or from the tower."""
+    parts = []
+    for v, key in zip(doc.views, doc.page_keys):
+        f = cache.get(key) if cache is not None else None
+        if f is None:
+            f = tower.page_features(v.global_view, v.crops, v.grid).float().cpu()
+            if f.shape[0] != v.num_tokens:  # the processor's arithmetic and the tower's layout agree
+                raise RuntimeError(f"the vision tower gave {f.shape[0]} features for {v.num_tokens} image tokens")
+            if cache is not None:
+                cache.put(key, f)
+        parts.append(f)
+    return torch.cat(parts)
+
+
+class DocumentOCR:
+    """A checkpoint folder's document OCR: decoder, vision tower, tokenizer and processor."""
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        model: Any = None,
+        tower: VisionTower | None = None,
+    ):
+        folder = os.fspath(folder)
+        self.model = model if model is not None else load_checkpoint(folder)
+        if dtype is not None:
+            self.model = self.model.to(dtype)
+        if device is not None:
+            self.model = self.model.to(device)
+        self.tower = tower if tower is not None else load_vision_tower(folder, self.model.config.to_dict())
+        self.tower = self.tower.to(device=self.model.device)
+        self.tokenizer = load_tokenizer(folder)
+        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model.config)
+        self.cache = FeatureCache()
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def rules_for(self, pages: int, **overrides) -> DecodingRules:
+        """Upstream's decoding rules for ``pages`` pages, with ``overrides``."""
+        return document_rules(pages, **overrides)
+
+    def prepare(self, sources: Sequence, options: DocumentOptions | None = None) -> PreparedDocument:
+        return self.processor.prepare(sources, options)
+
+    @torch.no_grad()
+    def transcribe(
+        self,
+        sources: Sequence,
+        options: DocumentOptions | None = None,
+        *,
+        max_new_tokens: int = 2048,
+        rules: DecodingRules | dict[str, Any] | None = None,
+    ) -> OCRResult:
+        """One text section per page of ``sources`` (paths, bytes or ``(name, bytes)``). ``rules``:
+        the decoding rules, or a dict of overrides of upstream's (:meth:`rules_for`)."""
+        if isinstance(sources, (str, os.PathLike, bytes)):
+            sources = [sources]
+        doc = self.prepare(sources, options)
+        feats = page_features(self.tower, doc, self.cache)
+        if not isinstance(rules, DecodingRules):
+            rules = self.rules_for(len(doc.pages), **(rules or {}))
+        out = generate(
+            self.model, [doc.prompt_ids], max_new_tokens, image_features=[feats], rules=rules, keep_logits=False
+        )
+        return self.result(doc, out.tokens[0])
+
+    def result(self, doc: PreparedDocument, tokens: Sequence[int]) -> OCRResult:
+        """An answer's tokens as one :class:`PageText` per page."""
+        cfg = self.config
+        sections = split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
+        pages = [
+            PageText(i + 1, page.source, self.tokenizer.decode(sec, skip_special_tokens=True), sec)
+            for i, (page, sec) in enumerate(zip(doc.pages, sections))
+        ]
+        return OCRResult(pages, len(doc.prompt_ids), len(tokens))
+
+
+def check_document(sources: Sequence) -> None:
+    if not sources:
+        raise DocumentError("no document given")

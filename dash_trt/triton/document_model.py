@@ -1,0 +1,185 @@
+"""Triton Python-backend model: a document's file in, one text section per page out.
+
+``dash-triton write`` copies this file to ``<repo>/<name>_document/1/model.py`` with the
+checkpoint's vision tower (``vision.safetensors``), tokenizer files and ``config.json`` beside
+it, when the checkpoint has a vision tower and a tokenizer. Like the generation model's
+``model.py`` it runs inside Triton's Python backend stub only.
+
+Each request: the processor (:class:`~dash_trt.documents.processor.DocumentProcessor`: PDF pages
+rendered with pypdfium2 or image files decoded, views, the prompt) and the vision tower run here
+(image features of a page already seen come from an LRU keyed by the page's pixels); the prompt
+and features go to the generation model through a BLS request with upstream's decoding rules
+(the page-count guard, no-repeat n-grams; a request may override them); the answer is split into
+one section per page and decoded. Errors: a document that cannot be read, a page over the
+budget, bad options are ``INVALID_ARG`` naming the page and the arithmetic; the generation model's
+errors are passed on with their code. Requests in one call are independent: one failing does
+not fail the others. Several CPU instances (``instance_group``) serve documents in parallel, and
+the generation model batches their prompts.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import torch
+
+        from dash_trt.documents.pages import DocumentError
+        from dash_trt.documents.processor import DocumentOptions, DocumentProcessor, split_pages
+        from dash_trt.documents.tokenizer import load_tokenizer
+        from dash_trt.models.config import load_model_config
+        from dash_trt.models.deepencoder import DeepEncoderConfig, VisionTower
+        from dash_trt.serving.documents import FeatureCache, page_features
+        from dash_trt.serving.rules import DecodingRules, RulesError, document_rules
+        from dash_trt.triton import protocol as P
+
+        self.torch, self.P = torch, P
+        self.DocumentError, self.DocumentOptions, self.split_pages = DocumentError, DocumentOptions, split_pages
+        self.DecodingRules, self.RulesError, self.document_rules = DecodingRules, RulesError, document_rules
+        self.page_features = page_features
+        config = json.loads(args["model_config"])
+        self.name = config["name"]
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.generation_model = params[P.PARAM_GENERATION_MODEL]
+        self.max_prompt_tokens = int(params.get(P.PARAM_MAX_PROMPT_TOKENS, "0") or 0)
+        threads = int(params.get(P.PARAM_TORCH_THREADS, "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        device = params.get(P.PARAM_DEVICE, "cpu")
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        folder = os.path.join(args["model_repository"], args["model_version"])
+        self.model_config = load_model_config(os.path.join(folder, P.DOCUMENT_CONFIG))
+        self.tokenizer = load_tokenizer(folder)
+        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model_config)
+        import safetensors.torch as st
+
+        state = st.load_file(os.path.join(folder, P.VISION_WEIGHTS))
+        tower = VisionTower(DeepEncoderConfig.from_config(self.model_config))
+        tower.load_state_dict(state)
+        self.tower = tower.to(device).eval()
+        self.cache = FeatureCache()
+        pb_utils.Logger.log_info(
+            f"{self.name}: documents for {self.generation_model}; vision tower on {device}; "
+            f"prompts up to {self.max_prompt_tokens or 'any number of'} tokens"
+        )
+
+    # ------------------------------------------------------------------ requests
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._one(request))
+            except self.DocumentError as exc:
+                responses.append(self._error(str(exc), pb_utils.TritonError.INVALID_ARG))
+            except _Refused as exc:
+                responses.append(self._error(exc.message, exc.code))
+            except Exception as exc:  # one request never takes the model down
+                responses.append(self._error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL))
+        return responses
+
+    def _one(self, request):
+        P = self.P
+        data = self._bytes(request, P.DOCUMENT)
+        if not data:
+            raise _Refused(f"{P.DOCUMENT} is required: the bytes of a PDF or an image file")
+        name = (self._bytes(request, P.DOCUMENT_NAME) or b"document").decode("utf-8", "replace")[:200]
+        instruction = self._bytes(request, P.INSTRUCTION)
+        crop = self._int(request, P.CROP_MODE, -1)
+        if crop not in (-1, 0, 1):
+            raise _Refused(f"{P.CROP_MODE} must be -1 (auto), 0 or 1, got {crop}")
+        max_page = self._int(request, P.MAX_PAGE_IMAGE_TOKENS, None)
+        options = self.DocumentOptions(
+            crop=None if crop == -1 else bool(crop),
+            instruction=None if instruction is None else instruction.decode("utf-8"),
+            max_page_tokens=max_page,
+        )
+        max_new = self._int(request, P.MAX_NEW_TOKENS, None)
+        budget = None
+        if self.max_prompt_tokens:
+            budget = self.max_prompt_tokens - (max_new if max_new is not None else 1) + 1
+        doc = self.processor.prepare([(name, data)], options, max_prompt_tokens=budget)
+        feats = self.page_features(self.tower, doc, self.cache)
+        overrides = {}
+        for field, (iname, dtype) in P.RULE_INPUTS.items():
+            arr = self._read(request, iname)
+            if arr is not None:
+                value = arr.reshape(-1)[0]
+                overrides[field] = bool(value) if dtype == "TYPE_BOOL" else int(value)
+        try:
+            rules = self.document_rules(len(doc.pages), **overrides)
+        except self.RulesError as exc:
+            raise _Refused(str(exc)) from None
+        tokens = self._generate(doc.prompt_ids, feats, max_new, rules)
+        cfg = self.model_config
+        sections = self.split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
+        result = {
+            "pages": [
+                {"page": i + 1, "source": p.source, "text": self.tokenizer.decode(sec, skip_special_tokens=True)}
+                for i, (p, sec) in enumerate(zip(doc.pages, sections))
+            ],
+            "prompt_tokens": len(doc.prompt_ids),
+            "generated_tokens": len(tokens),
+            "image_feature_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
+        }
+        blob = bytearray(json.dumps(result, ensure_ascii=False).encode("utf-8"))
+        torch = self.torch
+        return pb_utils.InferenceResponse(
+            [pb_utils.Tensor.from_dlpack(P.RESULT, torch.frombuffer(blob, dtype=torch.uint8))]
+        )
+
+    def _generate(self, ids, feats, max_new, rules):
+        P, torch = self.P, self.torch
+        inputs = [
+            pb_utils.Tensor.from_dlpack(P.INPUT_IDS, torch.tensor(ids, dtype=torch.int64)),
+            pb_utils.Tensor.from_dlpack(P.IMAGE_FEATURES, feats.float().contiguous()),
+        ]
+        if max_new is not None:
+            inputs.append(pb_utils.Tensor.from_dlpack(P.MAX_NEW_TOKENS, torch.tensor([max_new], dtype=torch.int32)))
+        for field, (iname, dtype) in P.RULE_INPUTS.items():
+            value = getattr(rules, field)
+            t = torch.tensor([value], dtype=torch.bool if dtype == "TYPE_BOOL" else torch.int32)
+            inputs.append(pb_utils.Tensor.from_dlpack(iname, t))
+        bls = pb_utils.InferenceRequest(
+            model_name=self.generation_model, inputs=inputs, requested_output_names=[P.OUTPUT_IDS]
+        )
+        response = bls.exec()
+        if response.has_error():
+            err = response.error()
+            code = err.code() if hasattr(err, "code") else pb_utils.TritonError.INTERNAL
+            raise _Refused(f"{self.generation_model}: {err.message()}", code)
+        out = pb_utils.get_output_tensor_by_name(response, P.OUTPUT_IDS)
+        return torch.utils.dlpack.from_dlpack(out.to_dlpack()).cpu().tolist()
+
+    # ------------------------------------------------------------------ tensors
+    def _read(self, request, name):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is None:
+            return None
+        return self.torch.utils.dlpack.from_dlpack(t.to_dlpack()).cpu().numpy()
+
+    def _bytes(self, request, name):
+        arr = self._read(request, name)
+        return None if arr is None else np.ascontiguousarray(arr, dtype=np.uint8).tobytes()
+
+    def _int(self, request, name, default):
+        arr = self._read(request, name)
+        if arr is None:
+            return default
+        if arr.size != 1:
+            raise _Refused(f"{name} must hold one value, got shape {list(arr.shape)}")
+        return int(arr.reshape(-1)[0])
+
+    def _error(self, message, code):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
+
+class _Refused(Exception):
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.message = message
+        self.code = code if code is not None else pb_utils.TritonError.INVALID_ARG

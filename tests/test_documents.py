@@ -1,0 +1,470 @@
+"""Documents in, text out: page images and PDFs (made here), views and image-token counts, the
+tokenizer (trained here) with incremental decoding, the prompt and chat templates, the decoding
+rules on hand-made logits, the vision tower's layout, and the whole pipeline (a PDF in, one
+section per page out) offline and through the real Triton server."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import running_triton
+from PIL import Image, ImageDraw
+
+from dash_trt.documents.pages import DocumentError, load_pages
+from dash_trt.documents.processor import DocumentOptions, split_pages
+from dash_trt.documents.prompt import PromptError, document_prompt_ids
+from dash_trt.documents.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
+from dash_trt.documents.views import ViewSpec, image_token_count, page_views, tile_grid
+from dash_trt.models import deepencoder as D
+from dash_trt.models.unlimited_ocr2 import TINY_SPECIAL_TOKENS, tiny_tokenizer
+from dash_trt.serving.rules import DecodingRules, NoRepeatNGram, PageCountGuard, document_rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def page_image(w: int, h: int, text: str = "page", color="white") -> Image.Image:
+    im = Image.new("RGB", (w, h), color)
+    ImageDraw.Draw(im).text((10, 10), text, fill="black")
+    return im
+
+
+def pdf_bytes(images) -> bytes:
+    buf = io.BytesIO()
+    images[0].save(buf, "PDF", save_all=True, append_images=list(images[1:]), resolution=72.0)
+    return buf.getvalue()
+
+
+def png_bytes(im: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "PNG", **kw)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------------------ pages
+def test_pdf_pages_are_rendered_to_the_view_size():
+    data = pdf_bytes([page_image(600, 800), page_image(800, 400), page_image(500, 500)])
+    pages = load_pages([("doc.pdf", data)], render_side=1024)
+    assert [p.size for p in pages] == [(768, 1024), (1024, 512), (1024, 1024)]
+    assert [p.source for p in pages] == ["doc.pdf page 1", "doc.pdf page 2", "doc.pdf page 3"]
+    assert all(p.image.mode == "RGB" for p in pages)
+
+
+def test_images_are_oriented_and_flattened(tmp_path):
+    rgba = Image.new("RGBA", (40, 20), (255, 0, 0, 0))  # fully transparent red: white after flattening
+    rgba.putpixel((0, 0), (0, 0, 255, 255))
+    (page,) = load_pages([("a.png", png_bytes(rgba))])
+    assert page.image.mode == "RGB" and page.image.getpixel((1, 1)) == (255, 255, 255)
+    assert page.image.getpixel((0, 0)) == (0, 0, 255)
+    im = page_image(40, 20)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", exif=exif)
+    (page,) = load_pages([("b.jpg", buf.getvalue())])
+    assert page.size == (20, 40)
+    grey = Image.new("L", (8, 8), 128)
+    (page,) = load_pages([("c.png", png_bytes(grey))])
+    assert page.image.getpixel((0, 0)) == (128, 128, 128)
+    path = tmp_path / "d.png"
+    path.write_bytes(png_bytes(im))
+    assert load_pages([str(path)])[0].source == str(path)
+
+
+def test_unreadable_documents_get_one_line_naming_them(tmp_path, monkeypatch):
+    with pytest.raises(DocumentError, match=r"^x\.pdf: not a readable PDF"):
+        load_pages([("x.pdf", b"%PDF-1.7 this is not a pdf")])
+    with pytest.raises(DocumentError, match=r"^notes\.txt: not a supported image .*send PNG, JPEG"):
+        load_pages([("notes.txt", b"hello, world")])
+    import pypdfium2 as pdfium
+
+    empty = pdfium.PdfDocument.new()
+    buf = io.BytesIO()
+    empty.save(buf)
+    empty.close()
+    with pytest.raises(DocumentError, match=r"^empty\.pdf: the PDF has 0 pages"):
+        load_pages([("empty.pdf", buf.getvalue())])
+    with pytest.raises(DocumentError, match=r"^e\.png: the file is empty"):
+        load_pages([("e.png", b"")])
+    with pytest.raises(DocumentError, match="(?i)no such file"):
+        load_pages([str(tmp_path / "missing.pdf")])
+    from dash_trt.documents import pages as pages_mod
+
+    monkeypatch.setattr(pages_mod, "MAX_PIXELS", 100)
+    with pytest.raises(DocumentError, match=r"^big\.png: image too large|^big\.png: image of 20x20 pixels"):
+        load_pages([("big.png", png_bytes(page_image(20, 20)))])
+
+
+# ------------------------------------------------------------------------------ views
+def test_image_token_counts_by_hand():
+    spec = ViewSpec()  # 1024 global, 640 tiles, 16 px patches, 4x downsampling: 16 and 10 features a side
+    assert image_token_count(500, 640, spec, crop=True) == 16 * 17 + 1  # fits one tile: the global view only
+    assert image_token_count(1700, 2200, spec, crop=False) == 273
+    # 1700 x 2200: aspect 0.77; among the grids of 2-16 tiles, 3 x 4 is the closest (0.75)
+    assert tile_grid(1700, 2200, spec) == (3, 4)
+    assert image_token_count(1700, 2200, spec, crop=True) == 273 + (10 * 3 + 1) * (10 * 4)
+    # a tie between 1 x 2 and 2 x 4 (both 0.5): the larger grid when the page has more than half its pixels
+    assert tile_grid(700, 1400, spec) == (1, 2)
+    assert tile_grid(1400, 2800, spec) == (2, 4)
+    tiny = ViewSpec(base_size=256, image_size=160, max_crops=6)  # 4 and 3 features a side
+    assert image_token_count(100, 100, tiny, crop=True) == 4 * 5 + 1
+    assert image_token_count(300, 500, tiny, crop=True) == 21 + (3 * 2 + 1) * (3 * 3)
+
+
+def test_views_pad_resize_cut_and_normalise():
+    spec = ViewSpec(base_size=256, image_size=160, max_crops=6)
+    im = Image.new("RGB", (300, 500), (255, 255, 255))
+    im.paste((0, 0, 0), (0, 0, 150, 250))  # top-left quarter black
+    v = page_views(im, spec, crop=True)
+    assert v.grid == (2, 3) and v.crops.shape == (6, 3, 160, 160) and v.global_view.shape == (3, 256, 256)
+    assert v.num_tokens == 84
+    assert v.global_view[:, 128, 0].tolist() == pytest.approx([(127 / 255 - 0.5) / 0.5] * 3)  # pad: the mean's grey
+    assert v.global_view[:, 200, 170].tolist() == [1.0, 1.0, 1.0]  # white inside the page
+    # tiles row by row: tile 0 (top-left) black at its corner, tile 1 (top-right) white there
+    assert v.crops[0, :, 5, 5].tolist() == [-1.0, -1.0, -1.0] and v.crops[1, :, 5, 150].tolist() == [1.0, 1.0, 1.0]
+    assert page_views(im, spec, crop=False).crops.shape == (0, 3, 160, 160)
+    budget = ViewSpec(base_size=256, image_size=160, max_crops=6, max_page_tokens=50)
+    with pytest.raises(DocumentError, match=r"scan\.png: 300x500 pixels take 84 image tokens \(4 x 5 \+ 1 .*"
+                       r"\+ \(3 x 2 \+ 1\) x \(3 x 3\) for 2 x 3 tiles\), more than the 50"):  # fmt: skip
+        page_views(im, budget, crop=True, source="scan.png")
+
+
+# ------------------------------------------------------------------------------ tokenizer
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = TextTokenizer(tiny_tokenizer(), {"bos_token": TINY_SPECIAL_TOKENS[0], "eos_token": TINY_SPECIAL_TOKENS[1]})
+    return tok
+
+
+TEXTS = ["naïve café – 東京 ✓ → € ½", "# Title\n\n| a | b |\n| --- | --- |", "Zürich, Kraków 🚀 and Ελλάδα"]
+
+
+def test_tokenizer_round_trips(tokenizer):
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.token_id("<PAGE>"), tokenizer.token_id("<image>")) == (
+        0,
+        1,
+        2,
+        3,
+    )
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("<PAGE>x")[0] == 2  # special tokens written in text are recognised
+
+
+def test_incremental_decoding_never_emits_half_a_character(tokenizer):
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        dec = IncrementalDecoder(tokenizer)
+        pieces = [dec.push(t) for t in ids] + [dec.flush()]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces)
+    # a stream cut inside a character: held back, then the full decode's replacement at the end
+    ids = tokenizer.encode("東")
+    dec = IncrementalDecoder(tokenizer)
+    got = "".join(dec.push(t) for t in ids[:-1])
+    assert got == "" and dec.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_a_folder_tokenizer_and_its_errors(tmp_path, tokenizer):
+    with pytest.raises(Exception, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": TINY_SPECIAL_TOKENS[0]}}))
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}User: {{ messages[0]['content'] }}\nAssistant:")
+    tok = load_tokenizer(tmp_path)
+    assert tok.bos_id == 0 and tok.chat_template.startswith("{{ bos_token }}")
+
+
+# ------------------------------------------------------------------------------ prompt
+def test_the_prompt_layout(tokenizer):
+    ids = document_prompt_ids(tokenizer, [5, 3], image_token_id=3, page_token_id=2)
+    instruction = tokenizer.encode("Multi page parsing.")
+    assert ids == [0, 2] + [3] * 5 + [2] + [3] * 3 + instruction
+    one = document_prompt_ids(tokenizer, [4], image_token_id=3, page_token_id=2, instruction="Read it.")
+    assert one == [0, 2, 3, 3, 3, 3] + tokenizer.encode("Read it.")
+    with pytest.raises(PromptError, match="may not contain '<image>'"):
+        document_prompt_ids(tokenizer, [4], image_token_id=3, page_token_id=2, instruction="<image>")
+    with pytest.raises(PromptError, match="2 page markers for 1 pages"):
+        document_prompt_ids(tokenizer, [4], image_token_id=3, page_token_id=2, instruction="<PAGE>")
+
+
+def test_chat_templates_render_in_a_sandbox(tokenizer):
+    tok = TextTokenizer(tokenizer.tokenizer, tokenizer.config, "{{ bos_token }}User: {{ messages[0]['content'] }}\nA:")
+    ids = document_prompt_ids(tok, [2], image_token_id=3, page_token_id=2, instruction="Go.")
+    assert ids == [0] + tokenizer.encode("User: ") + [2, 3, 3] + tokenizer.encode("Go.\nA:")
+    evil = TextTokenizer(tokenizer.tokenizer, tokenizer.config, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(PromptError, match="the chat template failed"):
+        document_prompt_ids(evil, [2], image_token_id=3, page_token_id=2)
+
+
+# ------------------------------------------------------------------------------ rules
+def row(n=8, **values) -> torch.Tensor:
+    x = torch.zeros(n)
+    for k, v in values.items():
+        x[int(k[1:])] = v
+    return x
+
+
+PAGE, EOS = 2, 1
+
+
+def test_page_guard_by_hand():
+    g = PageCountGuard(PAGE, EOS, expected_pages=2, max_page_tokens=3)
+    x = row(t1=5.0)  # EOS is the best token, but no page is marked yet: masked
+    g([4], x)
+    assert x[EOS] == -math.inf and x[4] == 0
+    x = row()
+    g([4, 5, 6], x)  # the first page (before any marker) reached 3 tokens: <PAGE> forced, its logit kept
+    assert x[PAGE] == 0 and torch.isinf(x[[0, 1, 3, 4, 5, 6, 7]]).all()
+    x = row(t1=5.0)
+    g([4, 5, 6, 2, 7], x)  # 1 of 2 markers: EOS still masked
+    assert x[EOS] == -math.inf
+    x = row(t1=5.0)
+    g([4, 5, 6, 2, 7, 2], x)  # 2 of 2: EOS allowed again
+    assert x[EOS] == 5.0
+    x = row()
+    g([4, 5, 6, 2, 7, 2, 4, 4, 4], x)  # the last page at its cap: EOS forced
+    assert x[EOS] == 0 and x[PAGE] == -math.inf
+    x = row()
+    g([4, 5, 6, 2, 7, 2, 2], x)  # one marker too many: EOS forced
+    assert x[EOS] == 0 and torch.isinf(x[[0, 2, 3]]).all()
+    blocked = row(t1=-math.inf)
+    PageCountGuard(PAGE, EOS, 1, 2)([2, 4, 4], blocked)  # EOS masked by another rule: not forced back
+    assert blocked[EOS] == -math.inf and blocked[4] == 0
+    only = torch.full((8,), -math.inf)
+    only[EOS] = 1.0
+    PageCountGuard(PAGE, EOS, 3, 0)([4], only)  # EOS the only finite token: kept
+    assert only[EOS] == 1.0
+    off = row(t1=5.0)
+    PageCountGuard(PAGE, EOS, 0, 3)([4, 4, 4, 4], off)  # a prompt without markers: no guard
+    assert off[EOS] == 5.0
+
+
+def test_no_repeat_ngram_by_hand():
+    r = NoRepeatNGram(3, window=0)
+    assert r.banned([1, 2, 3, 1, 2]) == {3}  # (1, 2) was followed by 3
+    assert r.banned([1, 2, 3, 1, 2, 4, 1, 2]) == {3, 4}
+    assert NoRepeatNGram(3, window=5).banned([1, 2, 3, 9, 9, 9, 1, 2]) == set()  # outside the last 5 tokens
+    assert NoRepeatNGram(3, window=0, whitelist={3}).banned([1, 2, 3, 1, 2]) == set()
+    x = row()
+    r([1, 2, 3, 1, 2], x)
+    assert x[3] == -math.inf and x[4] == 0
+    rules = document_rules(1)
+    assert (rules.page_guard, rules.no_repeat_ngram, rules.no_repeat_window) == (True, 35, 128)
+    assert document_rules(3).no_repeat_window == 1024
+    assert document_rules(3, no_repeat_ngram=0).no_repeat_ngram == 0
+    with pytest.raises(ValueError, match="no_repeat_ngram of 1"):
+        DecodingRules(no_repeat_ngram=1)
+
+
+def test_answers_split_into_one_section_a_page():
+    assert split_pages([2, 5, 6, 2, 7, 1], 2, 1, 2) == [[5, 6], [7]]
+    assert split_pages([9, 2, 5, 2, 7], 2, 1, 2) == [[9, 5], [7]]  # text before the first marker: page 1
+    assert split_pages([2, 5], 2, 1, 3) == [[5], [], []]  # cut short: empty pages
+    assert split_pages([2, 5, 2, 6, 2, 7], 2, 1, 2) == [[5], [6, 7]]  # surplus to the last page
+    assert split_pages([], 2, 1, 1) == [[]]
+
+
+# ------------------------------------------------------------------------------ vision tower
+def test_assemble_page_lays_tiles_and_newlines_out_as_the_tokens():
+    d = 2
+    g = torch.arange(4 * d, dtype=torch.float32).view(4, d) + 100  # a 2 x 2 global view
+    tiles = torch.arange(2 * 1 * 4 * d, dtype=torch.float32).view(2, 4, d)  # 2 x 1 tiles of 2 x 2 features
+    nl, sep = torch.full((d,), -1.0), torch.full((d,), -2.0)
+    out = D.assemble_page(g, tiles, (2, 1), nl, sep)
+    # the grid's feature row 0: tile 0's row 0 (0, 2), tile 1's row 0 (8, 10), a newline; then row 1;
+    # the global view's rows with their newlines; the separator
+    want = [0, 2, 8, 10, -1, 4, 6, 12, 14, -1, 100, 102, -1, 104, 106, -1, -2]
+    assert out[:, 0].tolist() == want
+
+
+def test_windowed_sam_block_is_global_attention_within_each_window():
+    torch.manual_seed(0)
+    blk = D.SamBlock(8, 2, window=3, size=6)
+    for p in blk.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 5, 4, 8)  # padded to 6 x 6, four 3 x 3 windows
+    rel = D.rel_table(blk.attn.rel_pos_h, 3), D.rel_table(blk.attn.rel_pos_w, 3)
+    got = blk(x, *rel)
+    normed = torch.nn.functional.pad(blk.norm1(x), (0, 0, 0, 2, 0, 1))
+    attn = torch.zeros(1, 6, 6, 8)
+    for i in range(2):
+        for j in range(2):
+            win = normed[:, 3 * i : 3 * i + 3, 3 * j : 3 * j + 3]
+            attn[:, 3 * i : 3 * i + 3, 3 * j : 3 * j + 3] = blk.attn(win, *rel)
+    y = x + attn[:, :5, :4]
+    want = y + blk.mlp(blk.norm2(y))
+    torch.testing.assert_close(got, want)
+
+
+def test_relative_position_tables_by_hand():
+    rel = torch.arange(5 * 2, dtype=torch.float32).view(5, 2)  # trained for size 3: offsets -2..2
+    t = D.rel_table(rel, 3)
+    for q in range(3):
+        for k in range(3):
+            assert t[q, k].tolist() == rel[q - k + 2].tolist()
+    assert D.rel_table(rel, 5).shape == (5, 5, 2)  # resized to 9 entries first
+
+
+def test_tower_state_fuses_separate_clip_projections():
+    q, k, v = (torch.full((4, 4), float(i)) for i in range(3))
+    state = {
+        "model.vision_model.transformer.layers.0.self_attn.q_proj.weight": q,
+        "model.vision_model.transformer.layers.0.self_attn.k_proj.weight": k,
+        "model.vision_model.transformer.layers.0.self_attn.v_proj.weight": v,
+        "model.vision_model.embeddings.position_ids": torch.zeros(1, 3),
+        "model.layers.0.mlp.gate.weight": torch.zeros(2, 2),
+    }
+    out = D.tower_state(state)
+    assert list(out) == ["vision_model.transformer.layers.0.self_attn.qkv_proj.weight"]
+    assert (
+        out["vision_model.transformer.layers.0.self_attn.qkv_proj.weight"][:, 0].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    )
+
+
+# ------------------------------------------------------------------------------ the pipeline
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("uocr2docs") / "hf"
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def ocr(folder):
+    from dash_trt.serving.documents import DocumentOCR
+
+    return DocumentOCR(folder)
+
+
+def three_pages() -> bytes:
+    return pdf_bytes([page_image(300, 400, "one"), page_image(400, 300, "two"), page_image(350, 350, "three")])
+
+
+def test_a_pdf_gives_one_section_a_page_offline(ocr):
+    doc = ocr.prepare([("doc.pdf", three_pages())])
+    assert doc.crop is False and doc.page_tokens == [21, 21, 21]  # several pages: global views only
+    assert doc.prompt_ids.count(ocr.config.page_token_id) == 3
+    result = ocr.transcribe([("doc.pdf", three_pages())], max_new_tokens=24, rules={"max_page_tokens": 6})
+    assert [p.page for p in result.pages] == [1, 2, 3]
+    assert [p.source for p in result.pages] == ["doc.pdf page 1", "doc.pdf page 2", "doc.pdf page 3"]
+    # the guard forced a <PAGE> after every 6 tokens (random weights never choose one): 3 markers in
+    # 24 tokens, the 6 before the first marker going with page 1, the answer cut in page 3
+    assert result.generated_tokens == 24 and [len(p.tokens) for p in result.pages] == [12, 6, 3]
+    assert ocr.cache.misses >= 3
+    again = ocr.transcribe([("doc.pdf", three_pages())], max_new_tokens=24, rules={"max_page_tokens": 6})
+    assert [p.text for p in again.pages] == [p.text for p in result.pages] and ocr.cache.hits >= 3
+    single = ocr.prepare([("one.png", png_bytes(page_image(300, 500)))])
+    assert single.crop is True and single.page_tokens == [84]  # a single page: tiles
+    with pytest.raises(DocumentError, match=r"one\.png: 300x500 pixels take 84 image tokens"):
+        ocr.prepare([("one.png", png_bytes(page_image(300, 500)))], DocumentOptions(max_page_tokens=40))
+
+
+def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_path):
+    """The Done-when of the documents issue on CPU: a 3-page PDF through dash-trt ocr and the real
+    Triton server gives 3 sections, equal to offline generation with the same processor; a page
+    over the budget, a corrupt PDF, an unsupported image and a PDF with 0 pages each get one line
+    naming them, while the good document sent beside them is answered."""
+    import pypdfium2 as pdfium
+
+    files = {
+        "report.pdf": three_pages(),
+        "corrupt.pdf": b"%PDF-1.7\n1 0 obj garbage",
+        "notes.txt": b"not an image",
+        "large.png": png_bytes(page_image(2000, 2600)),
+    }
+    empty = pdfium.PdfDocument.new()
+    buf = io.BytesIO()
+    empty.save(buf)
+    empty.close()
+    files["empty.pdf"] = buf.getvalue()
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    repo = tmp_path / "repo"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dash_trt.triton.cli",
+            "write",
+            str(folder),
+            "--out",
+            str(repo),
+            "--num-blocks",
+            "64",
+            "--torch-threads",
+            "1",
+            "--no-stream-model",
+            "--document-instances",
+            "2",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (repo / "dash_document" / "1" / "vision.safetensors").is_file()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = ocr.transcribe([("report.pdf", files["report.pdf"])], max_new_tokens=24, rules={"max_page_tokens": 6})
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path / "out"
+    with running_triton(repo, tmp_path / "tritonserver.log") as srv:
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dash_trt.info",
+                "ocr",
+                *(str(tmp_path / f) for f in files),
+                "--server",
+                srv.http_url,
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "24",
+                "--max-page-tokens",
+                "6",
+                "--max-page-image-tokens",
+                "50",
+                "--concurrency",
+                "5",
+                "--no-progress",
+                "--json",
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+    assert res.returncode == 1, res.stdout + res.stderr  # some documents failed, each named
+    lines = {os.path.basename(r["file"]): r for r in map(json.loads, res.stdout.splitlines())}
+    assert lines["report.pdf"]["ok"] and lines["report.pdf"]["pages"] == 3
+    assert "corrupt.pdf: not a readable PDF" in lines["corrupt.pdf"]["error"]
+    assert "notes.txt: not a supported image" in lines["notes.txt"]["error"]
+    assert "empty.pdf: the PDF has 0 pages" in lines["empty.pdf"]["error"]
+    assert re.search(
+        r"large\.png: 2000x2600 pixels take 84 image tokens .* more than the 50", lines["large.png"]["error"]
+    )
+    got = [(out / "report" / f"page-{i:04d}.md").read_text() for i in (1, 2, 3)]
+    assert got == [p.text.rstrip() + "\n" for p in want.pages]
+    combined = (out / "report.md").read_text()
+    assert combined.count("<!-- page ") == 3 and "<!-- page 2: report.pdf page 2 -->" in combined
+    assert not (out / "corrupt.md").exists()

@@ -365,6 +365,75 @@ def compare(
     return report
 
 
+class VisionRunner(_runner_base()):  # type: ignore[misc]
+    """A polygraphy runner over the PyTorch vision tower (:class:`dash_trt.export.VisionGraph`)."""
+
+    def __init__(self, graph, name: str = "pytorch"):
+        super().__init__(name=name)
+        self.graph = graph
+
+    def activate_impl(self):
+        pass
+
+    def deactivate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        from polygraphy.common import TensorMetadata
+
+        return TensorMetadata()
+
+    def infer_impl(self, feed_dict):
+        from .export import VISION_INPUT, VISION_OUTPUTS
+
+        with torch.no_grad():
+            out = self.graph(torch.from_numpy(np.asarray(feed_dict[VISION_INPUT])))
+        return OrderedDict((n, t.numpy()) for n, t in zip(VISION_OUTPUTS, out))
+
+
+#: Vision features against float32 PyTorch (the tower's sums run over thousands of terms).
+VISION_TOLERANCE = (2e-3, 2e-3)
+
+
+def compare_vision(onnx_path: str, checkpoint: str, *, seed: int = 0, views: int = 3, log=print) -> CompareReport:
+    """A vision tower graph (``dash-export --vision``) against the checkpoint's tower in PyTorch,
+    on ``views`` random views of the graph's size, through polygraphy's comparator."""
+    from polygraphy.comparator import Comparator, IterationResult, RunResults
+
+    from .export import VISION_INPUT, VISION_OUTPUTS, VisionGraph
+    from .models.deepencoder import load_vision_tower
+
+    graph = read_graph(onnx_path)
+    x = next((t for t in graph.inputs if t.name == VISION_INPUT), None)
+    if x is None or x.dims is None or len(x.dims) != 4 or x.dims[2] < 1:
+        raise CompareError(f"{onnx_path}: not a vision graph of dash-export --vision ({VISION_INPUT} [N, 3, S, S])")
+    try:
+        tower = load_vision_tower(checkpoint)
+    except Exception as exc:  # noqa: BLE001 - reported as bad input
+        raise CompareError(f"{checkpoint}: {exc}") from None
+    size = x.dims[2]
+    reference = VisionRunner(VisionGraph(tower.float().eval(), size))
+    runners = [reference, _onnxrt_runner(onnx_path)]
+    feed = {VISION_INPUT: torch.randn(views, 3, size, size, generator=torch.Generator().manual_seed(seed)).numpy()}
+    results = RunResults()
+    for r in runners:
+        with r:
+            results.append((r.name, [IterationResult(outputs=r.infer(feed, check_inputs=False), runner_name=r.name)]))
+    atol, rtol = VISION_TOLERANCE
+    passed = bool(Comparator.compare_accuracy(results, comparisons=[(0, 1)], compare_func=_simple_compare(atol, rtol)))
+    report = CompareReport(runners=[r.name for r in runners], steps=1, passed=passed)
+    got, want = results[runners[1].name][0], results[reference.name][0]
+    report.stats[runners[1].name] = {
+        n: {
+            "max_abs": float(np.abs(np.asarray(got[n], np.float64) - np.asarray(want[n], np.float64)).max()),
+            "passed": bool(np.allclose(got[n], want[n], atol=atol, rtol=rtol)),
+        }
+        for n in VISION_OUTPUTS
+    }
+    log(f"dash-compare: {onnx_path}: {views} views of {size} px against the vision tower in PyTorch")
+    return report
+
+
 def _simple_compare(atol: float, rtol: float):
     """polygraphy's element-wise comparison (SimpleCompareFunc from 0.53 on)."""
     try:
@@ -442,6 +511,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"{a.checkpoint}: {exc}") from None
         if a.engine is not None and not os.path.isfile(a.engine):
             raise CompareError(f"{a.engine}: no such file")
+        if _is_vision_graph(a.onnx):
+            if not a.checkpoint:
+                raise CompareError("a vision graph is compared with the checkpoint folder's tower: pass --checkpoint")
+            report = compare_vision(a.onnx, a.checkpoint, seed=a.seed)
+            return _finish(report, a)
         check_model_matches(a.onnx, model)
         print(f"dash-compare: {a.onnx} against the PyTorch reference")
         report = compare(
@@ -461,6 +535,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CompareError as exc:
         print(f"dash-compare: error: {exc}", file=sys.stderr)
         return 2
+    return _finish(report, a)
+
+
+def _is_vision_graph(path: str) -> bool:
+    from .export import VISION_INPUT
+
+    try:
+        return any(t.name == VISION_INPUT for t in read_graph(path).inputs)
+    except GraphReadError:
+        return False
+
+
+def _finish(report: CompareReport, a) -> int:
     for name, why in report.skipped.items():
         print(f"  {name}: not run ({why})")
     for runner, per in report.stats.items():

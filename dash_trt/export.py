@@ -326,6 +326,60 @@ class VerifyReport:
         )
 
 
+# ------------------------------------------------------------------------ vision tower
+#: The vision graph's input and outputs.
+VISION_INPUT = "pixel_values"
+VISION_OUTPUTS = ("features", "image_newline", "view_separator")
+
+
+class VisionGraph(torch.nn.Module):
+    """The vision tower for views of one size, as the exported graph computes it: views [N, 3,
+    S, S] (normalised) to features [N, (S/64)^2, hidden], plus the newline and separator vectors
+    that :func:`~dash_trt.models.deepencoder.assemble_page` lays between them."""
+
+    def __init__(self, tower, size: int):
+        super().__init__()
+        self.encoder = tower.views(size)
+        self.size = size
+
+    def forward(self, pixel_values: torch.Tensor):
+        t = self.encoder.tower
+        return self.encoder(pixel_values), t.image_newline * 1.0, t.view_seperator * 1.0
+
+
+def export_vision(tower, path: str, size: int, *, check: bool = True, seed: int = 0) -> float | None:
+    """Export the tower for ``size`` x ``size`` views to ``path`` (any number of views a call;
+    standard ONNX ops only: the position tables are resized in PyTorch first) and, with
+    ``check``, run it in ONNX Runtime on two random views: the largest difference from PyTorch
+    (ExportError above 1e-4 relative to the features' scale)."""
+    graph = VisionGraph(tower.float().eval(), size).eval()
+    example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    with _quiet_exporter(), torch.no_grad():
+        torch.onnx.export(
+            graph,
+            (example,),
+            path,
+            dynamo=True,
+            verbose=False,
+            input_names=[VISION_INPUT],
+            output_names=list(VISION_OUTPUTS),
+            dynamic_shapes=({0: torch.export.Dim("views", min=1, max=1024)},),
+            opset_version=onnx_ops.OPSET,
+        )
+    if not check:
+        return None
+    sess = _ort_session(path)
+    views = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(seed + 1))
+    got = sess.run(None, {VISION_INPUT: views.numpy()})
+    with torch.no_grad():
+        want = graph(views)
+    err = max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+    scale = max(1.0, float(want[0].abs().max()))
+    if err > 1e-4 * scale:
+        raise ExportError(f"ONNX Runtime's vision features differ from PyTorch's by {err:.3e}")
+    return err
+
+
 def _ort_session(path: str):
     ort = onnx_ops.import_onnxruntime()
 
@@ -466,7 +520,13 @@ def _parser() -> argparse.ArgumentParser:
         help="export a model of this config.json with random weights (for engine builds and "
         "benchmarks, see export/configs)",
     )
-    p.add_argument("--out", "-o", required=True, help="output .onnx path")
+    p.add_argument("--out", "-o", required=True, help="output .onnx path (with --vision: a folder)")
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="export the checkpoint's vision tower instead: OUT/vision_<S>.onnx for the global views and the "
+        "tiles (S their sizes), each checked against PyTorch in ONNX Runtime",
+    )
     p.add_argument(
         "--model",
         metavar="MODULE:CLASS",
@@ -585,7 +645,46 @@ class _Interrupted(BaseException):
     ordinary errors swallows it)."""
 
 
+def _run_vision(a, out_stream: TextIO, err: TextIO) -> int:
+    """``dash-export CHECKPOINT --vision --out DIR``."""
+    from .documents.views import ViewSpec
+    from .models.deepencoder import load_vision_tower
+
+    if not a.checkpoint or not os.path.isdir(a.checkpoint):
+        print("dash-export: error: --vision takes a checkpoint folder (its vision tower)", file=err)
+        return EXIT_BAD_INPUT
+    try:
+        tower = load_vision_tower(a.checkpoint)
+        spec = ViewSpec.from_config(load_model_config(os.path.join(a.checkpoint, "config.json")))
+    except (CheckpointError, ModelConfigError, ValueError) as exc:
+        print(f"dash-export: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    os.makedirs(a.out, exist_ok=True)
+    for size in sorted({spec.base_size, spec.image_size}, reverse=True):
+        path = os.path.join(a.out, f"vision_{size}.onnx")
+        try:
+            worst = export_vision(tower, path + ".tmp", size, check=not a.no_verify, seed=a.seed)
+        except Exception as exc:
+            if os.path.exists(path + ".tmp"):
+                os.unlink(path + ".tmp")
+            print(f"dash-export: error: the vision export failed: {type(exc).__name__}: {_short(exc)}", file=err)
+            return EXIT_EXPORT_FAILED
+        os.replace(path + ".tmp", path)
+        check = "not checked" if worst is None else f"ONNX Runtime vs PyTorch max |err| {worst:.2e}"
+        print(f"wrote {path} ({_size(path, False)}; views of {size} px; {check})", file=out_stream)
+        print(
+            f"  trtexec --onnx={path} --minShapes={VISION_INPUT}:1x3x{size}x{size} "
+            f"--optShapes={VISION_INPUT}:4x3x{size}x{size} --maxShapes={VISION_INPUT}:16x3x{size}x{size} "
+            f"--saveEngine={os.path.splitext(path)[0]}.plan",
+            file=out_stream,
+        )
+    print("RESULT: exported the vision tower", file=out_stream)
+    return EXIT_OK
+
+
 def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
+    if a.vision:
+        return _run_vision(a, out_stream, err)
     progress = Progress(total=4 if a.no_verify else 5, stream=err, enabled=not a.quiet)
 
     def fail(code: int, msg: str) -> int:

@@ -468,3 +468,37 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
     combined = (out / "report.md").read_text()
     assert combined.count("<!-- page ") == 3 and "<!-- page 2: report.pdf page 2 -->" in combined
     assert not (out / "corrupt.md").exists()
+
+
+def test_the_vision_tower_exports_and_compares(folder, tmp_path):
+    """dash-export --vision writes one graph a view size, each checked in ONNX Runtime, and
+    dash-compare checks a graph against the checkpoint's tower through polygraphy."""
+    out = tmp_path / "vision"
+    res = subprocess.run(
+        [sys.executable, "-m", "dash_trt.export", str(folder), "--vision", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["vision_160.onnx", "vision_256.onnx"]
+    assert "trtexec --onnx=" in res.stdout and "ONNX Runtime vs PyTorch max |err|" in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-m", "dash_trt.compare", str(out / "vision_160.onnx"), "--checkpoint", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all backends match the reference" in res.stdout
+    from dash_trt.export import VisionGraph
+    from dash_trt.models.deepencoder import load_vision_tower
+    from dash_trt.onnx_graph import read_graph
+
+    graph = read_graph(out / "vision_256.onnx")
+    assert [t.name for t in graph.outputs] == ["features", "image_newline", "view_separator"]
+    assert graph.inputs[0].dims == (-1, 3, 256, 256)
+    tower = load_vision_tower(folder)
+    assert VisionGraph(tower, 256)(torch.zeros(1, 3, 256, 256))[0].shape == (1, 16, 128)

@@ -82,7 +82,10 @@ def _error(exc: Exception) -> DashClientError:
     from tritonclient.utils import InferenceServerException
 
     if isinstance(exc, InferenceServerException):
-        return DashClientError(exc.message() or str(exc), exc.status())
+        message, status = exc.message() or str(exc), exc.status()
+        if status is None:  # a streamed error: its code is in the message
+            message, status = P.split_stream_code(message)
+        return DashClientError(message, status)
     return DashClientError(f"{type(exc).__name__}: {exc}")
 
 
@@ -247,7 +250,7 @@ class DashClient:
 
     def ocr(
         self,
-        document: bytes,
+        document: bytes | list[tuple[str, bytes]],
         name: str = "document",
         *,
         model: str | None = None,
@@ -257,8 +260,9 @@ class DashClient:
         max_new_tokens: int | None = None,
         rules: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A document's file (PDF or image bytes) to the document model (``<model>_document``): its
-        JSON answer, ``{"pages": [{"page", "source", "text"}, ...], "prompt_tokens", ...}``.
+        """A document's file (PDF or image bytes; or several ``(name, bytes)`` files whose pages form
+        one document) to the document model (``<model>_document``): its JSON answer,
+        ``{"pages": [{"page", "source", "text"}, ...], "prompt_tokens", ...}``.
         ``crop``: None (tiles for a single page), False, True; ``rules``: decoding-rule overrides
         (``page_guard``, ``max_page_tokens``, ``no_repeat_ngram``, ``no_repeat_window``)."""
         mod = self.mod
@@ -269,8 +273,13 @@ class DashClient:
             x.set_data_from_numpy(arr)
             inputs.append(x)
 
-        add(P.DOCUMENT, np.frombuffer(bytes(document), dtype=np.uint8), "UINT8")
-        add(P.DOCUMENT_NAME, np.frombuffer(name.encode("utf-8"), dtype=np.uint8), "UINT8")
+        files = [(name, bytes(document))] if isinstance(document, (bytes, bytearray, memoryview)) else list(document)
+        if not files:
+            raise DashClientError("a document needs at least one file")
+        add(P.DOCUMENT, np.frombuffer(b"".join(data for _, data in files), dtype=np.uint8), "UINT8")
+        add(P.DOCUMENT_SIZES, np.array([len(data) for _, data in files], dtype=np.int64), "INT64")
+        names = "\n".join(n.replace("\n", " ") for n, _ in files)
+        add(P.DOCUMENT_NAME, np.frombuffer(names.encode("utf-8"), dtype=np.uint8), "UINT8")
         if instruction is not None:
             add(P.INSTRUCTION, np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8), "UINT8")
         if crop is not None:

@@ -87,7 +87,21 @@ class TritonPythonModel:
         data = self._bytes(request, P.DOCUMENT)
         if not data:
             raise _Refused(f"{P.DOCUMENT} is required: the bytes of a PDF or an image file")
-        name = (self._bytes(request, P.DOCUMENT_NAME) or b"document").decode("utf-8", "replace")[:200]
+        sizes = self._read(request, P.DOCUMENT_SIZES)
+        sizes = [len(data)] if sizes is None else [int(x) for x in sizes.reshape(-1)]
+        if not sizes or len(sizes) > P.MAX_DOCUMENT_FILES or min(sizes) < 1 or sum(sizes) != len(data):
+            raise _Refused(
+                f"{P.DOCUMENT_SIZES} must be 1..{P.MAX_DOCUMENT_FILES} positive sizes adding up to the "
+                f"{len(data)} bytes of {P.DOCUMENT}, got {sizes[:8]}"
+            )
+        names = (self._bytes(request, P.DOCUMENT_NAME) or b"").decode("utf-8", "replace").split("\n")
+        names = [n[:200] for n in names] + [f"document {i + 1}" for i in range(len(names), len(sizes))]
+        if len(sizes) == 1 and not names[0]:
+            names[0] = "document"
+        files, start = [], 0
+        for i, n in enumerate(sizes):
+            files.append((names[i] or f"document {i + 1}", data[start : start + n]))
+            start += n
         instruction = self._bytes(request, P.INSTRUCTION)
         crop = self._int(request, P.CROP_MODE, -1)
         if crop not in (-1, 0, 1):
@@ -102,7 +116,7 @@ class TritonPythonModel:
         budget = None
         if self.max_prompt_tokens:
             budget = self.max_prompt_tokens - (max_new if max_new is not None else 1) + 1
-        doc = self.processor.prepare([(name, data)], options, max_prompt_tokens=budget)
+        doc = self.processor.prepare(files, options, max_prompt_tokens=budget)
         feats = self.page_features(self.tower, doc, self.cache)
         overrides = {}
         for field, (iname, dtype) in P.RULE_INPUTS.items():
@@ -123,7 +137,9 @@ class TritonPythonModel:
                 for i, (p, sec) in enumerate(zip(doc.pages, sections))
             ],
             "prompt_tokens": len(doc.prompt_ids),
+            "image_tokens": sum(doc.page_tokens),
             "generated_tokens": len(tokens),
+            "finish_reason": "stop" if tokens and tokens[-1] == cfg.eos_token_id else "length",
             "image_feature_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
         }
         blob = bytearray(json.dumps(result, ensure_ascii=False).encode("utf-8"))

@@ -116,6 +116,20 @@ OUTPUTS = (
     (STATS, "TYPE_UINT8", (-1,)),
 )
 
+#: Triton's gRPC streaming answer carries an error's message but not its code, so the decoupled
+#: model ends the message with the code, as the unary answer's gRPC status spells it:
+#: ``"dash_stream: max_new_tokens must be 1..4096 [StatusCode.INVALID_ARGUMENT]"``.
+STREAM_CODE_FORMAT = "{message} [{code}]"
+
+
+def split_stream_code(message: str) -> tuple[str, str | None]:
+    """``(message, code)`` of a streamed error (:data:`STREAM_CODE_FORMAT`; code None when absent)."""
+    import re
+
+    m = re.fullmatch(r"(.*) \[(StatusCode\.[A-Z_]+)\]", message, flags=re.S)
+    return (m.group(1), m.group(2)) if m else (message, None)
+
+
 #: Keys of the generation models' ``parameters`` (all strings in config.pbtxt).
 PARAM_CHECKPOINT = "checkpoint"  # file name of model.pt in the version folder
 PARAM_MODEL_CLASS = "model_class"  # module:Class, or file.py:Class in the version folder ("": built-in)
@@ -140,8 +154,11 @@ PLAN_SUFFIX = "_plan"
 #: ==========================  ===========  ======  ========  =======================================================
 #: name                        Triton type  dims    optional  meaning
 #: ==========================  ===========  ======  ========  =======================================================
-#: ``document``                TYPE_UINT8   [-1]    no        the file's bytes: a PDF or an image (PNG, JPEG, TIFF...)
-#: ``document_name``           TYPE_UINT8   [-1]    yes       its name (UTF-8), used in messages (default "document")
+#: ``document``                TYPE_UINT8   [-1]    no        the file's bytes: a PDF or an image (PNG, JPEG, TIFF...);
+#:                                                            several files one after the other with ``document_sizes``
+#: ``document_sizes``          TYPE_INT64   [-1]    yes       the bytes of each file in ``document``, in order (their
+#:                                                            pages form one document; default: one file)
+#: ``document_name``           TYPE_UINT8   [-1]    yes       the files' names (UTF-8, one a line), used in messages
 #: ``instruction``             TYPE_UINT8   [-1]    yes       the instruction after the pages (UTF-8; default
 #:                                                            "Multi page parsing." for several pages)
 #: ``crop_mode``               TYPE_INT32   [1]     yes       -1 (default): tiles for a single page; 0: global views
@@ -153,10 +170,14 @@ PLAN_SUFFIX = "_plan"
 #: ==========================  ===========  ======  ========  =======================================================
 #:
 #: Output ``result`` (TYPE_UINT8 [-1]): UTF-8 JSON ``{"pages": [{"page": 1, "source": ..., "text": ...},
-#: ...], "prompt_tokens": N, "generated_tokens": M, "image_feature_cache": {"hits": .., "misses": ..}}``.
+#: ...], "prompt_tokens": N, "image_tokens": I, "generated_tokens": M, "finish_reason": "stop" | "length",
+#: "image_feature_cache": {"hits": .., "misses": ..}}``.
 DOCUMENT_SUFFIX = "_document"
 DOCUMENT = "document"
 DOCUMENT_NAME = "document_name"
+DOCUMENT_SIZES = "document_sizes"
+#: Files a document request may hold.
+MAX_DOCUMENT_FILES = 256
 INSTRUCTION = "instruction"
 CROP_MODE = "crop_mode"
 MAX_PAGE_IMAGE_TOKENS = "max_page_image_tokens"
@@ -164,6 +185,7 @@ RESULT = "result"
 
 DOCUMENT_INPUTS = (
     (DOCUMENT, "TYPE_UINT8", (-1,), False),
+    (DOCUMENT_SIZES, "TYPE_INT64", (-1,), True),
     (DOCUMENT_NAME, "TYPE_UINT8", (-1,), True),
     (INSTRUCTION, "TYPE_UINT8", (-1,), True),
     (CROP_MODE, "TYPE_INT32", (1,), True),

@@ -81,6 +81,12 @@ class TritonPythonModel:
             CANCELLED: pb_utils.TritonError.CANCELLED,
             INTERNAL: pb_utils.TritonError.INTERNAL,
         }
+        self.grpc_status = {
+            INVALID_ARGUMENT: "StatusCode.INVALID_ARGUMENT",
+            UNAVAILABLE: "StatusCode.UNAVAILABLE",
+            CANCELLED: "StatusCode.CANCELLED",
+            INTERNAL: "StatusCode.INTERNAL",
+        }
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
@@ -250,7 +256,12 @@ class TritonPythonModel:
         ]
 
     def _send_error(self, sender, message, code):
-        error = pb_utils.TritonError(f"{self.name}: {message}", self.codes.get(code, pb_utils.TritonError.INTERNAL))
+        text = f"{self.name}: {message}"
+        if self.decoupled:  # the gRPC stream drops the code: carry it in the message
+            text = self.P.STREAM_CODE_FORMAT.format(
+                message=text, code=self.grpc_status.get(code, "StatusCode.INTERNAL")
+            )
+        error = pb_utils.TritonError(text, self.codes.get(code, pb_utils.TritonError.INTERNAL))
         sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _on_event(self, event):

@@ -28,7 +28,7 @@ import torch
 
 from .config import as_config
 from .paged import CACHE_FIELDS, OperatorCall, paged_dash_attention
-from .reference import FLOAT_DTYPES, SpLike, check_heads, check_shape
+from .reference import FLOAT_DTYPES, Routing, SpLike, check_heads, check_shape
 from .versions import KERNEL_ABI_VERSION
 
 __all__ = [
@@ -46,13 +46,9 @@ __all__ = [
 
 LIBRARY_NAME = "libdash_trt_kernels.so"
 ABI_VERSION = KERNEL_ABI_VERSION
-#: Routing rules a kernel library reports (``DASH_ROUTING_*``, plugins/include/dash/params.h).
+#: Routing rules a kernel library reports (``DASH_ROUTING_*``, plugins/include/dash/params.h);
+#: this binding loads only a library that routes by the function's, Unlimited-OCR-2's.
 ROUTING_WITHDRAWN, ROUTING_UNLIMITED_OCR2 = 1, 2
-#: Why the kernels are not used while they route by another rule than the function's.
-ROUTING_FENCE = (
-    "the DASH kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
-    "not Unlimited-OCR-2's"
-)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS_OK = 0
 DATA_ERRORS = {
@@ -118,7 +114,7 @@ def _params_layout(lib: ctypes.CDLL, path) -> tuple[type[ctypes.Structure], dict
         "CACHE": {f"{name}_cache" for name in CACHE_FIELDS},
         "OUTPUT": {"out"},
         "SCRATCH": {"workspace", "workspace_size"},
-        "DEBUG": {"selected_out"},
+        "DEBUG": {"selected_out", "bias_out"},
         "TUNE": set(Tuning().params()),
     }
     for group, names in written.items():
@@ -239,6 +235,9 @@ def _loaded() -> tuple[ctypes.CDLL, type[ctypes.Structure]]:
     lib.dash_abi_version.restype = ctypes.c_int32
     if lib.dash_abi_version() != ABI_VERSION:
         raise DashKernelError(f"{path}: ABI version {lib.dash_abi_version()}, this package expects {ABI_VERSION}")
+    lib.dash_routing_rule.restype = ctypes.c_int32
+    if lib.dash_routing_rule() != ROUTING_UNLIMITED_OCR2:
+        raise DashKernelError(f"{path}: routes by rule {lib.dash_routing_rule()}, not Unlimited-OCR-2's")
     DashParams, _ = _params_layout(lib, path)
     lib.dash_max_selected.restype = ctypes.c_int32
     lib.dash_max_selected.argtypes = [ctypes.POINTER(DashParams)]
@@ -276,16 +275,11 @@ def __getattr__(name: str):
 
 
 def routing_rule() -> int:
-    """The routing rule the kernel library implements (:data:`ROUTING_UNLIMITED_OCR2` is the
-    function's; :data:`ROUTING_WITHDRAWN`: every launch is refused)."""
+    """The routing rule the kernel library implements (:data:`ROUTING_UNLIMITED_OCR2`, the
+    function's: a library reporting another is not loaded)."""
     lib = _library()
     lib.dash_routing_rule.restype = ctypes.c_int32
     return int(lib.dash_routing_rule())
-
-
-def routing_fence() -> str | None:
-    """None if the kernels route by the function's rule, else why they are not used."""
-    return None if routing_rule() == ROUTING_UNLIMITED_OCR2 else ROUTING_FENCE
 
 
 def available() -> bool:
@@ -487,6 +481,7 @@ def paged_dash_attention_cuda(
     validate: bool = True,
     check_errors: bool | None = None,
     return_selected: bool = False,
+    return_routing: bool = False,
     max_query_len: int | None = None,
     tuning: Tuning | None = None,
     **kwargs,
@@ -500,7 +495,9 @@ def paged_dash_attention_cuda(
     ``check_errors`` (default: ``validate``) reads the kernels' data-error flag afterwards
     (another sync). Pass ``validate=False`` inside CUDA-graph capture: the kernels still
     never access memory out of bounds on bad metadata, they skip it and flag it.
-    ``return_selected`` also returns the selected sparse blocks [T, kmax] (-1 padded).
+    ``return_selected`` also returns the selected sparse blocks [T, kmax] (-1 padded);
+    ``return_routing`` a :class:`~dash_trt.reference.Routing` of them and their logit bias
+    [T, kmax] float32 (0 at the padding), what the attention stage added.
     ``max_query_len`` is the most new tokens any one sequence has in this call (vLLM's
     ``max_query_len``; ``None``: T). With 1, a decode-only step, the kernels fold the cache
     write and the block summary into the routing and attention launches (two launches fewer).
@@ -516,9 +513,6 @@ def paged_dash_attention_cuda(
     cache, cfg, layer_idx = call.cache, call.cfg, call.layer_idx
     block_tables, seq_lens, query_start_loc, prompt_lens = call.batch.tensors()
     lib = _library()
-    fence = routing_fence()
-    if fence is not None:  # the library refuses the launch too; say why before any work
-        raise DashKernelError(f"DASH_ERR_UNSUPPORTED: {fence}")
     if validate:
         call.check()
     else:
@@ -581,11 +575,14 @@ def paged_dash_attention_cuda(
     p.out = _ptr(out)
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
     p.workspace, p.workspace_size = workspace.data_ptr(), size
-    selected = None
-    if return_selected:
+    selected = bias = None
+    if return_selected or return_routing:
         kmax = lib.dash_max_selected(ctypes.byref(p))
         selected = torch.empty(t, kmax, dtype=torch.int32, device=device)
         p.selected_out = selected.data_ptr()
+    if return_routing:
+        bias = torch.empty(t, kmax, dtype=torch.float32, device=device)
+        p.bias_out = bias.data_ptr()
     stream = torch.cuda.current_stream(device).cuda_stream
     with torch.cuda.device(device):  # the library launches on the current device
         _check(lib, lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), ctypes.c_void_p(stream)), "dash_run_plan")
@@ -599,6 +596,8 @@ def paged_dash_attention_cuda(
         if mask.value:
             bad = [msg for bit, msg in DATA_ERRORS.items() if mask.value & bit]
             raise DashKernelError("kernels skipped bad metadata: " + "; ".join(bad))
+    if return_routing:
+        return out, Routing(selected.long(), bias)
     if return_selected:
         return out, selected.long()
     return out
@@ -657,8 +656,6 @@ def supports(
     operator, and a step can be captured in a CUDA graph), else the reason."""
     if not available():
         return "the kernel library or a CUDA device is not available"
-    if routing_fence() is not None:
-        return routing_fence()
     if head_dim not in supported_head_dims():
         return f"unsupported head dim: {head_dim} (supported: {', '.join(map(str, supported_head_dims()))})"
     if index_dim % 2 or index_dim > 512:

@@ -49,7 +49,7 @@ def _kernels() -> dict[str, Any]:
         out["head_dims"] = list(cuda.supported_head_dims())
         archs = cuda.compiled_architectures()
         out["architectures"] = list(archs) if archs is not None else None
-        out["routing"] = "unlimited-ocr-2" if cuda.routing_fence() is None else "withdrawn"
+        out["routing"] = "unlimited-ocr-2" if cuda.routing_rule() == cuda.ROUTING_UNLIMITED_OCR2 else "other"
         out["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         out["status"] = (
@@ -158,13 +158,6 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
             f"kernel library: {k['path']} (ABI {k['abi']}; {archs}; head dims {', '.join(map(str, k['head_dims']))})",
             file=out,
         )
-        if k.get("routing") == "withdrawn":
-            print(
-                "WARNING: the kernels route by a withdrawn rule, not Unlimited-OCR-2's: they refuse every launch, "
-                "CUDA tensors run the PyTorch paged operator and the TensorRT plugin builds no engine "
-                "(docs/spec.md, 'Which paths compute it')",
-                file=out,
-            )
     else:
         print(f"kernel library: {k['status']}" + (f" [{k['path']}]" if k.get("path") else ""), file=out)
     if g["available"]:

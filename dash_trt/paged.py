@@ -445,7 +445,7 @@ class OperatorCall:
         return (*self.token_tensors(), self.cache, *self.batch.tensors(), self.cfg, self.layer_idx)
 
 
-def paged_dash_attention(*args, return_routing: bool = False, **kwargs):
+def paged_dash_attention(*args, return_routing: bool = False, attend_routing: Routing | None = None, **kwargs):
     """DASH attention for a ragged batch of new tokens over a paged cache.
 
     Arguments (:data:`OPERATOR_ARGS`, positional or by name): ``q`` [T, H, D], ``k``/``v``
@@ -456,6 +456,10 @@ def paged_dash_attention(*args, return_routing: bool = False, **kwargs):
     new tokens' keys, values, index keys and image pages into ``cache`` in place, summarises the
     sparse blocks they complete, and returns the attention output [T, H, D] in ``q.dtype``
     (and a :class:`Routing` if asked).
+
+    ``attend_routing`` (a :class:`Routing` of T rows, such as a kernel's): attend each token's
+    blocks and biases from it instead of the ones routed here (-1 ids unused). For checking an
+    implementation's attention apart from its routing; the returned routing is still this one's.
 
     Stages, the same as the kernels': write (with page RoPE), summarise completed
     sparse blocks, score and route, attend.
@@ -517,7 +521,21 @@ def paged_dash_attention(*args, return_routing: bool = False, **kwargs):
             scores, selected, bias, valid, values = route_chunk(
                 iq_rot[rows], summary, pos, candidate, cfg, layer_idx, prompt
             )
-            out = sparse_attend(q_rot[rows], pos, selected, bias, valid, gather_kv, length, prompt, cfg)
+            if attend_routing is None:
+                out = sparse_attend(q_rot[rows], pos, selected, bias, valid, gather_kv, length, prompt, cfg)
+            else:
+                given = attend_routing.selected[rows].to(device).long()
+                out = sparse_attend(
+                    q_rot[rows],
+                    pos,
+                    given.clamp(min=0),
+                    attend_routing.bias[rows].to(device).float(),
+                    given >= 0,
+                    gather_kv,
+                    length,
+                    prompt,
+                    cfg,
+                )
             output[rows] = out.to(q.dtype)
             if return_routing:
                 parts.append(routing_rows(scores, selected, bias, valid, values, n_max))

@@ -8,7 +8,7 @@ from . import __version__
 __all__ = ["KERNEL_ABI_VERSION", "PLUGIN_VERSION", "version_line"]
 
 #: ``DASH_ABI_VERSION`` of plugins/include/dash/params.h that this package's binding mirrors.
-KERNEL_ABI_VERSION = 8
+KERNEL_ABI_VERSION = 9
 
 #: Version string of the DASH attention node/plugin contract (ONNX attribute
 #: ``plugin_version``; the TensorRT plugin creator registers the same version). "2": the

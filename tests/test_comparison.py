@@ -28,13 +28,16 @@ def test_swap_at_the_kth_rank_is_a_near_tie_only_when_values_are_close():
 
 
 def test_a_near_tie_at_the_16th_rank_excuses_the_output_only():
-    """Same selection, but the 16th and 17th routing values are 1e-6 apart: the entmax prior may
-    have seen either, so the bias (and the output) may differ; the token is a near tie. Apart by
-    1, its output is compared (and off by 1 here, so the comparison fails)."""
+    """Same selection, but the 16th and 17th routing values are 1e-6 apart and within 2 of the
+    largest: the entmax prior may have seen either, so the bias (and the output) may differ; the
+    token is a near tie. Apart by 1, or equal but more than 2 below the largest (no prior mass
+    either way), its output is compared (and off by 1 here, so the comparison fails)."""
     out, ref = torch.zeros(1, 1, 4) + 1.0, torch.zeros(1, 1, 4)
-    near = [20.0 - i for i in range(15)] + [3.0, 3.000001, 1.0]
-    far = [20.0 - i for i in range(15)] + [3.0, 2.0, 1.0]
-    for values, tie in ((near, True), (far, False)):
+    top = [20.0 - 0.1 * i for i in range(15)]
+    near = [*top, 18.4, 18.400001, 1.0]
+    far = [*top, 18.4, 17.4, 1.0]
+    out_of_reach = [20.0 - i for i in range(15)] + [3.0, 3.000001, 1.0]
+    for values, tie in ((near, True), (far, False), (out_of_reach, False)):
         report = compare_outputs(out, ref, Routing(torch.tensor([[0, 1]])), _ref([0, 1], values), dtype=torch.float32)
         assert (report.near_ties, report.ok) == ((1, True) if tie else (0, False)), str(report)
     # a 17th value of a block the token may not select is no tie

@@ -6,6 +6,7 @@ The commands are the ones docs/models.md shows."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -308,8 +309,13 @@ def test_custom_model_on_the_cuda_kernels(dtype):
     of the same weights on the GPU."""
     from dash_trt.serving.runner import PagedRuntime
 
-    cfg = M.load_model_config(CONFIG).replace(
-        head_dim=64, index_head_dim=64, num_attention_heads=4, hidden_size=256, intermediate_size=512
+    base = M.load_model_config(CONFIG)
+    cfg = base.replace(
+        head_dim=64,
+        num_attention_heads=4,
+        hidden_size=256,
+        intermediate_size=512,
+        dash=dataclasses.replace(base.dash, sparse_index_dim=64),
     )
     model = lively(M.random_model(cfg, model_class=SPEC, seed=3, dtype=dtype, device="cuda"))
     prompts = [M.document_prompt([40, 24], "Total:", cfg), M.document_prompt([70], "Title?", cfg)]

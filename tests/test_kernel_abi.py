@@ -140,8 +140,7 @@ def test_workspace_and_selected_width():
             {"table_width": 1000000},
             2,
             "context too long for the routing stage: 1000000 sparse blocks per sequence "
-            "(table_width * block_size / sparse_block_size); at most 443392 with "
-            "dash_topk_blocks 12",
+            "(table_width * block_size / sparse_block_size); at most 331520",
         ),
         ({"table_width": 10000, "topk": 20000}, 0, ""),  # K is at most 16: the routing stage's size is bounded
         (
@@ -306,19 +305,16 @@ def test_planning_needs_no_pointers_running_does():
     assert _validate(bare) == (1, "a tensor pointer is NULL")
 
 
-def test_launches_are_refused_while_the_routing_rule_is_withdrawn():
-    """The kernels select by a withdrawn rule: the library says so (dash_routing_rule), refuses
-    every launch with DASH_ERR_UNSUPPORTED before touching the device (no GPU needed to see it),
-    and the binding reports the reason its callers fall back on."""
+def test_the_library_routes_by_unlimited_ocr2s_rule():
+    """The kernels route by the function's rule (docs/spec.md, route_blocks): the library says so
+    (dash_routing_rule), and the bias rows (bias_out) are as wide as the selection rows."""
     lib = cuda._library()
-    assert cuda.routing_rule() == cuda.ROUTING_WITHDRAWN
-    assert cuda.routing_fence() == cuda.ROUTING_FENCE
+    assert cuda.routing_rule() == cuda.ROUTING_UNLIMITED_OCR2
     p = _params()
-    status, plan, text = _plan(p)
-    assert status == 0, text  # planning and workspace sizing still work (the plugin's build checks use them)
-    assert lib.dash_run_plan(ctypes.byref(p), ctypes.byref(plan), None) == 2
-    assert "withdrawn routing rule" in lib.dash_last_error_message().decode()
-    assert lib.dash_run(ctypes.byref(p), None) == 2
+    assert lib.dash_max_selected(ctypes.byref(p)) == 4  # min(topk 12, 16, the 4 blocks of a 4-wide table)
+    assert lib.dash_max_selected(ctypes.byref(_params(table_width=40))) == 12
+    fields = cuda._params_layout(lib, "lib")[1]
+    assert fields["bias_out"] == "DEBUG" and fields["selected_out"] == "DEBUG"
 
 
 def test_check_sizes_asks_the_library_for_every_layer():

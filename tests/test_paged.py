@@ -354,6 +354,25 @@ def test_the_batch_may_come_as_one_dash_batch():
         P.paged_dash_attention(**a)
 
 
+def test_attend_routing_replaces_the_routed_blocks_and_biases():
+    """``attend_routing``: the operator's own routing given back gives the same output; a
+    changed bias or a dropped block changes exactly the tokens it touches."""
+    out, routing = P.paged_dash_attention(**_one_step_args(), return_routing=True)
+    sel, bias = routing.selected, routing.bias
+    same = P.paged_dash_attention(**_one_step_args(), attend_routing=P.Routing(sel, bias))
+    assert torch.equal(same, out)
+    rows = (sel[:, 0] >= 0).nonzero().flatten()
+    assert len(rows) > 2
+    t = int(rows[len(rows) // 2])
+    bias2 = bias.clone()
+    bias2[t, 0] += 3.0
+    sel2 = sel.clone()
+    sel2[int(rows[-1]), 0] = -1
+    changed = P.paged_dash_attention(**_one_step_args(), attend_routing=P.Routing(sel2, bias2))
+    differs = (changed != out).flatten(1).any(1).nonzero().flatten().tolist()
+    assert differs == sorted({t, int(rows[-1])})
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -123,19 +123,6 @@ def dims_for(sizes: dict, index_types=None, dtype="float16") -> list[tuple[tuple
 
 BASE_SIZES = dict(T=5, H=8, D=64, Hkv=2, Di=32, NB=16, BSZ=32, sbs=16, B=2, W=4)
 
-#: What configurePlugin says while the kernels route by the withdrawn rule (dash_routing_rule).
-ROUTING_FENCE_TEXT = "implement a withdrawn routing rule, not Unlimited-OCR-2's"
-
-
-def skip_while_kernels_route_by_the_withdrawn_rule() -> None:
-    """The enqueue-vs-reference tests compare the kernels with the function; the kernels still
-    route by a withdrawn rule and refuse every launch (the plugin with them) until the GPU work
-    on the routing stage lands."""
-    from dash_trt import cuda
-
-    if cuda.library_path() is not None and cuda.routing_fence() is not None:
-        pytest.skip(f"{cuda.routing_fence()}: the plugin refuses to enqueue until they implement it")
-
 
 # ---------------------------------------------------------------------------------- binding
 class Tensor(ctypes.Structure):
@@ -663,11 +650,8 @@ def test_configure_and_workspace_from_profile_bounds(harness):
     sizes = dict(BASE_SIZES, T=32, B=2, W=4, NB=16)
     descs = io_descs(sizes, bounds=bounds)
     harness.clear()
-    # Every check of the profile passes; the last one refuses: the kernels route by a withdrawn
-    # rule, so the engine build stops here instead of computing another function.
-    assert p.configure(descs) != 0
-    assert harness.messages().count("[E]") == 1 and ROUTING_FENCE_TEXT in harness.messages(), harness.messages()
-    harness.clear()
+    assert p.configure(descs) == 0, harness.messages()
+    assert "[E]" not in harness.messages(), harness.messages()
     ws = p.workspace_size(descs)
     assert ws > 0
     # Enough for every shape of the profile: the workspace is not monotone in T (split-K scratch
@@ -714,21 +698,6 @@ def test_enqueue_validates_before_touching_memory(harness):
     assert p.enqueue(io_descs(dict(BASE_SIZES, T=0)), fake, outs, 0, 0) == 0
 
 
-def test_enqueue_is_refused_while_the_kernels_route_by_the_withdrawn_rule(harness):
-    """Needs no GPU: a well-formed call (int32 indices, caches in place, the workspace the
-    profile asks for) reaches dash_run_plan, which refuses it before any CUDA call."""
-    p = plugin_for(harness)
-    descs = io_descs(BASE_SIZES)
-    ws = p.workspace_size(descs)
-    fake = [4096 * (i + 1) for i in range(NB_IN)]
-    outs = [1 << 20] + [fake[i] for i in OUTPUT_OF[1:]]
-    harness.clear()
-    assert p.enqueue(descs, fake, outs, 1 << 22, 0) != 0 and ws > 0
-    assert (
-        "enqueue: DASH_ERR_UNSUPPORTED: routing: these kernels implement a withdrawn routing rule" in harness.messages()
-    ), harness.messages()
-
-
 def test_workspace_size_depends_on_every_dim_of_the_profile(harness):
     """The KV block count sizes the block-major prefill's buffers: two profiles that differ only
     in it get different answers (the cached answer must not be reused)."""
@@ -747,7 +716,7 @@ def test_enqueue_refuses_a_call_larger_than_its_workspace(harness):
     p = plugin_for(harness)
     bounds = {"T": (1, 8), "B": (1, 2), "W": (1, 4), "NB": (8, 16)}
     profile = io_descs(dict(BASE_SIZES, T=8, B=2, W=4, NB=16), bounds=bounds)
-    assert p.configure(profile) != 0 and ROUTING_FENCE_TEXT in harness.messages()  # the routing fence, last
+    assert p.configure(profile) == 0, harness.messages()
     ws = p.workspace_size(profile)
     big = io_descs(dict(BASE_SIZES, T=4000, B=2, W=4, NB=16))
     fake = [4096 * (i + 1) for i in range(NB_IN)]
@@ -804,9 +773,8 @@ def _kernel_binding():
 
 
 def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, layer=0, seed=0, prompts=None, response=8):
-    skip_while_kernels_route_by_the_withdrawn_rule()
     heads, kv_heads, head_dim, index_dim, multiple = shape
-    cfg = cfg or make_config(16)
+    cfg = dataclasses.replace(cfg or make_config(16), sparse_index_dim=index_dim)  # the case's indexer width
     gen = torch.Generator().manual_seed(seed + heads + head_dim + multiple)
     seqs = _build_sequences(
         gen, 3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, index_dim=index_dim, dtype=dtype, response=response
@@ -917,11 +885,16 @@ def _run_case(harness, *, dtype, shape, index_variant, cache_mode, cfg=None, lay
         routing = None
         if binding is not None:
             k_out, sel = binding.paged_dash_attention_cuda(
-                q, k, v, iq, ik, coords, head_cls, ker_cache, **meta, sp=cfg, layer_idx=layer, return_selected=True
+                q, k, v, iq, ik, coords, head_cls, ker_cache, **meta, sp=cfg, layer_idx=layer, return_routing=True
             )
             # Same kernels, same inputs: the plugin must add nothing of its own.
             assert torch.equal(out, k_out)
-            routing = P.Routing(sel.cpu())
+            routing = P.Routing(sel.selected.cpu(), sel.bias.cpu())
+            # The output against the reference's attention over the kernels' routing (as in
+            # tests/test_cuda.py); the routing against the reference's.
+            ref = P.paged_dash_attention(
+                q, k, v, iq, ik, coords, head_cls, ref_cache, **meta, sp=cfg, layer_idx=layer, attend_routing=sel
+            )
         report = compare_outputs(
             out,
             ref,

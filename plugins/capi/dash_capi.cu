@@ -5,6 +5,7 @@
 #include <cstring>
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <string>
 #include <type_traits>
 
@@ -13,11 +14,9 @@
 
 namespace {
 
-// NOTE: the routing stage still selects by the withdrawn rule (own-page blocks first, then by
-// score, every kept block with bias 0): it computes no entmax prior. Until it does, every launch is
-// refused (launch()), so no caller gets another function than the reference's; the Python binding
-// and the TensorRT plugin read dash_routing_rule() to say so up front.
-constexpr int32_t kKernelRouting = DASH_ROUTING_WITHDRAWN;
+// The routing rule the kernels implement (route.cu): Unlimited-OCR-2's, the reference's
+// (dash_routing_rule; the Python binding loads no library that reports another).
+constexpr int32_t kKernelRouting = DASH_ROUTING_UNLIMITED_OCR2;
 
 thread_local std::string g_last_error;
 
@@ -130,6 +129,10 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.max_blocks = (int)((long)p.table_width * p.block_size / p.sparse_block_size);
     plan.kmax = std::min({p.topk, (int32_t)DASH_ROUTE_TOP_M, (int32_t)plan.max_blocks});
     if (plan.kmax < 1) plan.kmax = 1;  // keep rows non-empty; -1 padded
+    plan.route_m = std::max(1, std::min((int)DASH_ROUTE_TOP_M, plan.max_blocks));
+    // The reference multiplies the float32 scores by the Python float scale / sqrt(Di), which
+    // torch rounds to float32 once.
+    plan.route_factor = (float)((double)p.route_scale / std::sqrt((double)p.index_dim));
     plan.pieces = plan.kmax + p.sparse_local_block;
     const long units = (long)p.num_tokens * p.num_kv_heads;
     const long target = attend_target_ctas(p);
@@ -138,12 +141,12 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     plan.pieces_per_split = (int)((plan.pieces + splits - 1) / splits);
     plan.splits = (plan.pieces + plan.pieces_per_split - 1) / plan.pieces_per_split;
     const int route_warps = dash::route_split_threads() / 32;
-    const size_t topk_slots = (size_t)std::max(plan.kmax, 1);
+    const size_t rank_slots = (size_t)plan.route_m;  // the keys routing ranks (the top M)
     // Split routing: route_split_rows() blocks per CTA, each CTA keeps its best
-    // min(topk, route_split_rows()) keys as candidates.
+    // min(route_m, route_split_rows()) keys as candidates.
     const int per_cta = dash::route_split_rows();
     const int split_ctas = std::max(1, (plan.max_blocks + per_cta - 1) / per_cta);
-    plan.route_cand = split_ctas * (int)std::min<size_t>(topk_slots, (size_t)per_cta);
+    plan.route_cand = split_ctas * (int)std::min<size_t>(rank_slots, (size_t)per_cta);
     // Few tokens (decode) take the split routing when a token has more blocks than one CTA
     // scores, and always on decode-only calls of the tensor-core path: the write and summary
     // stages then ride in the routing launch's writer CTAs and the attention launch, since no
@@ -164,15 +167,15 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
                           (long)dash::route_split_ctas_per_sm() * device_sm_count();
     const bool own_cta = p.tune_front_writer == 1 ? true : p.tune_front_writer == 2 ? false : one_wave;
     plan.front_writer_cta = plan.fused_front && own_cta ? 1 : 0;
-    // Fused: the blocks are scored route_chunk at a time (512, or 4 x topk where more, never
-    // past the table), each chunk merged into the tokens' running top-k. Shared memory: the
+    // Fused: the blocks are scored route_chunk at a time (512, never past the table), each chunk
+    // merged into the tokens' running top M. Shared memory: the
     // indexer queries of route_max_tile() tokens, then per token of the tile a chunk's keys
     // (route_key_stride: with room for its running best appended) and its running best.
     const size_t max_blocks32 = ((size_t)plan.max_blocks + 31) / 32 * 32;
-    plan.route_chunk = (int)std::max<size_t>(32, std::min(max_blocks32, std::max<size_t>(512, (4 * topk_slots + 31) / 32 * 32)));
+    plan.route_chunk = (int)std::max<size_t>(32, std::min(max_blocks32, std::max<size_t>(512, (4 * rank_slots + 31) / 32 * 32)));
     const size_t tile_iq = sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4) * dash::route_max_tile();
     const size_t per_token = sizeof(uint64_t) * ((size_t)dash::route_key_stride(plan.route_chunk, plan.max_blocks,
-                                                                                (int)topk_slots) + topk_slots);
+                                                                                (int)rank_slots) + rank_slots);
     // Tokens per fused routing CTA: up to route_max_tile() while kFusedRouteTokens CTAs remain.
     const size_t want_tile =
         std::max<size_t>(1, std::min<size_t>(dash::route_max_tile(), (size_t)p.num_tokens / kFusedRouteTokens));
@@ -181,7 +184,7 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     // Split: the last CTA of a token holds every candidate, then the best k (or select_topk's
     // per-warp lists and their merge).
     const size_t split_smem = dash::route_split_stage_bytes() +
-                              sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * topk_slots);
+                              sizeof(uint64_t) * ((size_t)plan.route_cand + (route_warps + 1) * rank_slots);
     plan.route_smem = plan.route_split ? split_smem : tile_fixed + per_token * (size_t)plan.route_tile;
     plan.summarize_smem = sizeof(int64_t) * (size_t)p.sparse_block_size +                 // slots
                           sizeof(float) * (size_t)p.sparse_block_size * (p.index_dim + 2) +  // keys, logits
@@ -199,16 +202,15 @@ DashStatus make_plan(const DashParams& p, dash::Plan& plan) {
     }
     // Both routing shapes must fit, whatever T is: the same context works for prefill and decode.
     if (plan.route_tile < 1)
-        return fail(DASH_ERR_UNSUPPORTED, "dash_topk_blocks " + std::to_string(p.topk) +
+        return fail(DASH_ERR_UNSUPPORTED, "index dim " + std::to_string(p.index_dim) +
                                               " too large for the routing stage's shared memory");
     const size_t split_keys = (kMaxSmem - dash::route_split_stage_bytes()) / 8;  // beside the staged rows
     if (split_smem > kMaxSmem)  // the split routing's candidates: min(topk, per_cta) per CTA of per_cta blocks
         return fail(DASH_ERR_UNSUPPORTED,
                     "context too long for the routing stage: " + std::to_string(plan.max_blocks) +
                         " sparse blocks per sequence (table_width * block_size / sparse_block_size); at most " +
-                        std::to_string((split_keys - std::min(split_keys, (route_warps + 1) * topk_slots)) /
-                                       std::min<size_t>(topk_slots, per_cta) * per_cta) +
-                        " with dash_topk_blocks " + std::to_string(p.topk));
+                        std::to_string((split_keys - std::min(split_keys, (route_warps + 1) * rank_slots)) /
+                                       std::min<size_t>(rank_slots, per_cta) * per_cta));
     if (plan.summarize_smem > kMaxSmem)
         return fail(DASH_ERR_UNSUPPORTED, "sparse_block_size * index_dim too large for the summary stage");
     if (plan.fused_front) plan.route_smem = std::max(plan.route_smem, plan.summarize_smem);  // writer CTAs
@@ -266,7 +268,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
     if (p.dtype != DASH_FLOAT32)  // the tensor-core attention's angles, or the block-major prefill's
         take(w.token_cs, t * sizeof(float2) * (size_t)(p.head_dim / 2));
     take(w.selected, t * plan.kmax * sizeof(int32_t));
-    take(w.forced, t * plan.kmax);
+    take(w.bias, t * plan.kmax * sizeof(float));
     take(w.iq_rot, t * sizeof(float) * (size_t)((p.index_dim + 3) / 4 * 4));
     if (plan.splits > 1) {
         const size_t rows = t * p.num_heads * plan.splits;
@@ -299,7 +301,7 @@ size_t lay_out(const DashParams& p, const dash::Plan& plan, char* base, dash::Wo
             take(w.qm_count, sizeof(int32_t) * plan.qm_tiles);
             take(w.qm_list, sizeof(int32_t) * plan.qm_tiles * dash::kQmBlocks);
             take(w.qm_mask, sizeof(uint32_t) * words);
-            take(w.qm_forced, sizeof(uint32_t) * words);
+            take(w.qm_bias, sizeof(float) * plan.qm_tiles * dash::kQmBlocks * plan.qm_tile);
             take(w.qm_sel, chunk * plan.kmax);
         }
     }
@@ -376,10 +378,6 @@ DashStatus check_pointers(const DashParams& p) {
 
 DashStatus launch(const DashParams& p, const dash::Plan& plan, void* stream_ptr) {
     if (p.num_tokens == 0) return DASH_OK;  // nothing is computed, so no rule is applied
-    if (kKernelRouting != DASH_ROUTING_UNLIMITED_OCR2)
-        return fail(DASH_ERR_UNSUPPORTED,
-                    "routing: these kernels implement a withdrawn routing rule (own-page blocks first, no entmax prior), "
-                    "not Unlimited-OCR-2's (docs/spec.md step 4); run the PyTorch paged operator until they do");
     if (p.workspace == nullptr || p.workspace_size < plan.bytes)
         return fail(DASH_ERR_WORKSPACE, "workspace of " + std::to_string(p.workspace_size) + " bytes, need " +
                                             std::to_string(plan.bytes));

@@ -45,21 +45,21 @@ struct TokenRows {
     int seq, pos, prompt, sbs, local, first, last, kmax;
 
     // First position of piece `pc` (kNoPiece: padding) and its logit bias, from its selection
-    // entry b and forced flag f (read by the caller; unused for the local window's pieces).
-    __device__ __forceinline__ void piece_of(const DashParams& p, int pc, int b, bool f, int& base,
-                                             float& bias) const {
+    // entry b and the routing's bias rb for it (read by the caller; unused for the local
+    // window's pieces, which get no bias).
+    __device__ __forceinline__ void piece_of(int pc, int b, float rb, int& base, float& bias) const {
         bias = 0.0f;
         if (pc < kmax) {
             base = b < 0 ? kNoPiece : b * sbs;
-            (void)b, (void)f;  // NOTE: no prior bias yet: the launches are refused (dash_routing_rule)
+            bias = b < 0 ? 0.0f : rb;
         } else {
             base = window_first(pos, local) + (pc - kmax) * sbs;
         }
     }
-    __device__ __forceinline__ void piece(const DashParams& p, const int32_t* sel, const uint8_t* forced,
-                                          int pc, int& base, float& bias) const {
+    __device__ __forceinline__ void piece(const int32_t* sel, const float* rbias, int pc, int& base,
+                                          float& bias) const {
         const bool remote = pc < kmax;  // both reads at once
-        piece_of(p, pc, remote ? sel[pc] : -1, remote && forced[pc] != 0, base, bias);
+        piece_of(pc, remote ? sel[pc] : -1, remote ? rbias[pc] : 0.0f, base, bias);
     }
     // Position of key row kp of piece pc if this token may read it, else -1: local tokens win
     // where a selected block overlaps the window; remote reads stop at prompt_length.
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     // with, all at once.
     const int group = p.num_heads / p.num_kv_heads, hkv = p.num_kv_heads;
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    const float* rbias = ws.bias + (int64_t)t * plan.kmax;
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);                   // [16, RS] rotated queries, rows >= G zero
     T* kv_w = q_s + S::q_elems + (size_t)warp * S::kStages * 2 * S::unit_elems;  // this warp's stages
@@ -136,12 +136,12 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
     tr.first = split * plan.pieces_per_split, tr.last = min(plan.pieces, tr.first + plan.pieces_per_split);
     const int npieces = tr.last - tr.first;
     // Thread i < min(pieces, kPieceCache) keeps piece i's base and bias in shared memory: its
-    // selection entry and forced flag are read here and used after the other reads are out.
+    // selection entry and bias are read here and used after the other reads are out.
     static_assert(kPieceCache <= 2 * 32, "a piece per thread (kernels of 2 or 4 warps)");
     const int tid = threadIdx.x, my_pc = tid < min(npieces, kPieceCache) ? tr.first + tid : -1;
     const bool my_remote = my_pc >= 0 && my_pc < plan.kmax;
     const int my_sel = my_remote ? sel[my_pc] : -1;
-    const uint8_t my_forced = my_remote ? forced[my_pc] : 0;
+    const float my_rbias = my_remote ? rbias[my_pc] : 0.0f;
     // Decode-only calls (plan.fused_front): the split holding the local window, which reads the
     // token's own position, first writes the token's K (rotated: the queries' angles) and V of
     // this KV head into the cache, the write stage's work for the head.
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         return;
     }
     DASH_MARK(g_attend_trace, 1);
-    if (my_pc >= 0) tr.piece_of(p, my_pc, my_sel, my_forced != 0, s_base[threadIdx.x], s_bias[threadIdx.x]);
+    if (my_pc >= 0) tr.piece_of(my_pc, my_sel, my_rbias, s_base[threadIdx.x], s_bias[threadIdx.x]);
     __syncthreads();  // s_base, s_bias
     DASH_MARK(g_attend_trace, 2);
 
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kMmaThreads) attend_mma_kernel(const DashParam
         const int i = r / tr.sbs;
         int base;
         if (i < kPieceCache) base = s_base[i], bias = s_bias[i];
-        else tr.piece(p, sel, forced, tr.first + i, base, bias);
+        else tr.piece(sel, rbias, tr.first + i, base, bias);
         return base == kNoPiece ? -1 : tr.readable(tr.first + i, base + r % tr.sbs);
     };
     const int nrows = npieces * tr.sbs;
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams 
 
     const float scale = __fdiv_rn(1.0f, sqrtf((float)D));
     const int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    const uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
+    const float* rbias = ws.bias + (int64_t)t * plan.kmax;
     const float* kc = static_cast<const float*>(p.key_cache);
     const float* vc = static_cast<const float*>(p.value_cache);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) attend_fp32_kernel(const DashParams 
     for (int piece = tr.first; piece < tr.last; ++piece) {
         int base;  // first position of the piece
         float bias;
-        tr.piece(p, sel, forced, piece, base, bias);
+        tr.piece(sel, rbias, piece, base, bias);
         if (base == kNoPiece) continue;  // padding: fewer remote blocks than kmax
         for (int tile = 0; tile < sbs; tile += L.tile) {
             const int n = min(L.tile, sbs - tile);

@@ -12,8 +12,8 @@
 // fit a fixed workspace. fp16/bf16 only; fp32 keeps the token-major path.
 //
 // Query-major tiles take the entries that many neighbouring tokens share. Consecutive tokens
-// of one sequence have the same local window blocks, and those of one document page mostly
-// the same forced page blocks (and, with a trained indexer, similar scored ones). A tile of
+// of one sequence have the same local window blocks, and those of one document page, routed
+// among that page's image blocks, mostly the same selected ones. A tile of
 // 128 / G such tokens (128 query rows of a KV head) reads each block it shares once, keeps
 // its rows' softmax state in registers across the blocks, then merges the block-major partials
 // of its tokens into them and writes the output (qm_prep_kernel, qm_attend_kernel): fewer
@@ -42,24 +42,21 @@ constexpr int kCombineCtas = 1024;
 __host__ __device__ constexpr int bm_threads(int wg) { return wg ? 128 * wg : kBmThreads; }
 
 // entry_block: the sparse block entry (t, j) reads (chunk token t = t0 + tl; slot j), or -1: for
-// j < kmax the j-th selected block of the token (forced: page-biased); for j = kmax + i the block
-// i blocks before the token's own, when its local window reaches it. slot_block: the same for a
-// token known to be valid (no token_seq read).
-__device__ __forceinline__ int slot_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
-                                          bool& forced) {
-    forced = false;
-    if (j < plan.kmax) {
-        forced = ws.forced[(int64_t)t * plan.kmax + j] != 0;
-        return ws.selected[(int64_t)t * plan.kmax + j];
-    }
+// j < kmax the j-th selected block of the token (its logit bias: slot_bias); for j = kmax + i the
+// block i blocks before the token's own, when its local window reaches it. slot_block: the same
+// for a token known to be valid (no token_seq read).
+__device__ __forceinline__ int slot_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j) {
+    if (j < plan.kmax) return ws.selected[(int64_t)t * plan.kmax + j];
     const int pos = ws.token_pos[t], sbs = p.sparse_block_size;
     const int b = pos / sbs - (j - plan.kmax);
     return (b + 1) * sbs <= window_first(pos, p.sparse_local_block * sbs) ? -1 : b;  // -1: ends before the window
 }
-__device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j,
-                                           bool& forced) {
-    forced = false;
-    return ws.token_seq[t] < 0 ? -1 : slot_block(p, plan, ws, t, j, forced);
+__device__ __forceinline__ int entry_block(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int j) {
+    return ws.token_seq[t] < 0 ? -1 : slot_block(p, plan, ws, t, j);
+}
+// The logit bias of slot j of token t: the routing's for a selected block, 0 for the local window.
+__device__ __forceinline__ float slot_bias(const Plan& plan, const Workspace& ws, int t, int j) {
+    return j < plan.kmax ? ws.bias[(int64_t)t * plan.kmax + j] : 0.0f;
 }
 
 // Whether entry (chunk-relative token tl, slot j) reading sparse block b is served by its
@@ -79,11 +76,11 @@ __device__ __forceinline__ bool qm_serves(const Plan& plan, const Workspace& ws,
 // Entry e = t * bm_slots + j of the chunk (chunk-relative token t): its key is the physical
 // sparse block it reads (summary_index), or -1 when it reads none or its query-major tile
 // serves it.
-// b and forced: entry_block's.
+// b: entry_block's.
 __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
-                                             int64_t e, int& b, bool& forced) {
+                                             int64_t e, int& b) {
     const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
-    b = entry_block(p, plan, ws, t, j, forced);
+    b = entry_block(p, plan, ws, t, j);
     if (b < 0 || qm_serves(plan, ws, tl, j, b)) return -1;
     return summary_index(p, ws.token_seq[t], b, ws.error);
 }
@@ -96,8 +93,7 @@ __device__ __forceinline__ int64_t entry_key(const DashParams& p, const Plan& pl
 __device__ __forceinline__ void count_entry(const DashParams& p, const Plan& plan, const Workspace& ws, int t0,
                                             int64_t e) {
     int b;
-    bool forced;
-    const int64_t key = entry_key(p, plan, ws, t0, e, b, forced);
+    const int64_t key = entry_key(p, plan, ws, t0, e, b);
     ws.bm_rank[e] = key >= 0 ? make_int2((int)key, atomicAdd(ws.bm_tally + key * kTallyStride, 1)) : make_int2(-1, 0);
 }
 
@@ -107,7 +103,7 @@ constexpr int kQmPrepThreads = 256;
 // sequence's (qm_base: its last token's own sparse block, else -1), and the blocks it reads
 // (qm_list, ascending; qm_count of them): those at least qm_min of its tokens select, anywhere
 // in the sequence, then the blocks its local windows may reach (lo..base). Per listed block,
-// which of its tokens the tile serves as a selected block (qm_mask; qm_forced: a forced one),
+// which of its tokens the tile serves as a selected block (qm_mask, and qm_bias: its logit bias),
 // and per token and selected slot whether the tile serves it (qm_sel, for qm_serves).
 // Shared memory: a byte per sparse block of the sequence (plan.max_blocks): its selectors among
 // the tile's tokens (at most 128), then its list position + 1 where the tile serves it, else 0.
@@ -117,12 +113,12 @@ constexpr int kQmPrepThreads = 256;
 __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParams p, const Plan plan, Workspace ws,
                                                                  int t0, int tn) {
     extern __shared__ uint32_t count_words[];  // plan.max_blocks bytes, rounded up to words
-    __shared__ uint32_t mask[kQmBlocks * kQmWords], forced_mask[kQmBlocks * kQmWords];
+    __shared__ uint32_t mask[kQmBlocks * kQmWords];
     __shared__ int s_base, s_lo, s_part[kQmPrepThreads / 32];
     uint8_t* count = reinterpret_cast<uint8_t*>(count_words);
     const int tile = blockIdx.x, ta = t0 + tile * plan.qm_tile, tb = min(ta + plan.qm_tile, t0 + tn);
     const int nt = tb - ta, words = (plan.max_blocks + 3) / 4;
-    for (int i = threadIdx.x; i < kQmBlocks * kQmWords; i += blockDim.x) mask[i] = forced_mask[i] = 0;
+    for (int i = threadIdx.x; i < kQmBlocks * kQmWords; i += blockDim.x) mask[i] = 0;
     for (int i = threadIdx.x; i < words; i += blockDim.x) count_words[i] = 0;
     if (threadIdx.x == 0) {
         const int seq = ws.token_seq[ta];
@@ -192,18 +188,15 @@ __global__ void __launch_bounds__(kQmPrepThreads) qm_prep_kernel(const DashParam
         const int b = ws.selected[at];
         const int u = b >= 0 && b <= base ? count[b] - 1 : -1;
         ws.qm_sel[at - (int64_t)t0 * plan.kmax] = u >= 0 ? 1 : 0;
-        if (u >= 0) {
+        if (u >= 0) {  // a token selects a block once: one (u, tl) writer
             atomicOr(&mask[u * kQmWords + tl / 32], 1u << (tl % 32));
-            if (ws.forced[at] != 0) atomicOr(&forced_mask[u * kQmWords + tl / 32], 1u << (tl % 32));
+            ws.qm_bias[((int64_t)tile * kQmBlocks + u) * plan.qm_tile + tl] = ws.bias[at];
         }
     }
     __syncthreads();
     const int n = nsel + nloc;
     if (threadIdx.x == 0) ws.qm_base[tile] = base, ws.qm_count[tile] = n;
-    for (int i = threadIdx.x; i < n * kQmWords; i += blockDim.x) {
-        ws.qm_mask[m0 + i] = mask[i];
-        ws.qm_forced[m0 + i] = forced_mask[i];
-    }
+    for (int i = threadIdx.x; i < n * kQmWords; i += blockDim.x) ws.qm_mask[m0 + i] = mask[i];
     __syncthreads();  // qm_base and every qm_sel of the tile (global stores of this CTA), for qm_serves
     for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) count_entry(p, plan, ws, t0, e);
 }
@@ -221,7 +214,7 @@ __global__ void count_kernel(const DashParams p, const Plan plan, Workspace ws, 
 // lo > hi still means none), w its logit bias (float bits). A selected block stops at the
 // local window and at prompt_length; a local-window block covers [pos - local + 1, pos].
 __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int tl,
-                                             int j, int b, bool forced) {
+                                             int j, int b, float bias) {
     const int sbs = p.sparse_block_size, local = p.sparse_local_block * sbs, pos = ws.token_pos[t], base = b * sbs;
     int lo, hi;
     if (j < plan.kmax) {
@@ -235,7 +228,7 @@ __device__ __forceinline__ int4 entry_record(const DashParams& p, const Plan& pl
     lo = min(max(lo, 0), sbs);
     hi = max(min(hi, sbs - 1), -1);
     return make_int4(tl * p.num_heads, (tl * plan.bm_slots + j) * p.num_heads, (lo & 0xffff) | (hi << 16),
-                     __float_as_int(forced ? 0.0f : 0.0f));  // no prior bias yet (dash_routing_rule)
+                     __float_as_int(bias));
 }
 
 // Each block-major entry's record at its block's offset plus the rank count_entry gave it. The
@@ -245,10 +238,10 @@ __global__ void fill_kernel(const DashParams p, const Plan plan, Workspace ws, i
     if (e >= (int64_t)tn * plan.bm_slots) return;
     const int tl = (int)(e / plan.bm_slots), j = (int)(e % plan.bm_slots), t = t0 + tl;
     const int2 kr = ws.bm_rank[e];
-    bool forced;
-    const int b = slot_block(p, plan, ws, t, j, forced);  // a block-major entry's token is valid
+    const int b = slot_block(p, plan, ws, t, j);  // a block-major entry's token is valid
+    const float bias = slot_bias(plan, ws, t, j);
     if (kr.x < 0) return;
-    ws.bm_entries[ws.bm_offsets[kr.x] + kr.y] = entry_record(p, plan, ws, t, tl, j, b, forced);
+    ws.bm_entries[ws.bm_offsets[kr.x] + kr.y] = entry_record(p, plan, ws, t, tl, j, b, bias);
 }
 
 // Work items: a block's entries are served by ceil(count / kEntriesPerCta) CTAs, so the early
@@ -690,7 +683,7 @@ static_assert(kQmWarps * 16 == kQmRows, "a warp per 16 query rows");
 // through two stages of K and V. Each warp keeps 16 rows' running max, sum and output in
 // registers across the blocks (FlashAttention-2's online softmax), with per-row masks: a row
 // reads a block when its token reads it (local window, or selected by enough of the tile's
-// tokens), over the keys [lo, hi] of that read, with the forced blocks' page bias. At the end
+// tokens), over the keys [lo, hi] of that read, with the routing's bias of that selection. At the end
 // the rows merge their tokens' block-major partials (written by block_attend_kernel, launched
 // first) and write the output; bm_combine_kernel serves only tokens outside such tiles.
 // WG (sm_90a, D = 128): the two warpgroups of the CTA serve 64 rows each, S = Q K^T with the
@@ -717,17 +710,15 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
     const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     T* q_s = reinterpret_cast<T*>(smem + (WG ? (1024 - smem_at % 1024) % 1024 : 0));
     T* kv_s = q_s + S::q_elems;  // stage s: K at kv_s + s * stage_elems, V 64 rows later
-    __shared__ uint32_t mask[kQmBlocks * kQmWords], forced_mask[kQmBlocks * kQmWords];
+    __shared__ uint32_t mask[kQmBlocks * kQmWords];
     __shared__ int list_b[kQmBlocks], list_first[kQmBlocks];  // blocks read, ascending; first cache slot
     __shared__ uint8_t list_wg[WG ? kQmBlocks : 1];          // WG: bit g, a row of warpgroup g reads the block
     __shared__ int tok_pos[kQmRows], tok_prompt[kQmRows];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n = ws.qm_count[tile];  // the blocks qm_prep_kernel listed for the tile
     const int64_t m0 = (int64_t)tile * kQmBlocks * kQmWords;
-    for (int i = threadIdx.x; i < n * kQmWords; i += kQmThreads) {
-        mask[i] = ws.qm_mask[m0 + i];
-        forced_mask[i] = ws.qm_forced[m0 + i];
-    }
+    for (int i = threadIdx.x; i < n * kQmWords; i += kQmThreads) mask[i] = ws.qm_mask[m0 + i];
+    const float* tile_bias = ws.qm_bias + (int64_t)tile * kQmBlocks * tt;  // [block of the list][token]
     for (int i = threadIdx.x; i < cnt; i += kQmThreads) {
         tok_pos[i] = ws.token_pos[t0 + ta + i];
         tok_prompt[i] = ws.token_prompt[t0 + ta + i];
@@ -792,7 +783,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
         return TokRead{pos, selected_last(pos, local, prompt)};
     };
     // The keys token tk (tr = tok_read(tk)) reads in block i: [0, sel_hi] as a selected block
-    // (bias: the page bias when forced) and [loc_lo, loc_hi] of its local window; both may be
+    // (bias: the routing's for that selection) and [loc_lo, loc_hi] of its local window; both may be
     // empty. True if any.
     auto reads = [&](int i, int tk, const TokRead& tr, int& sel_hi, int& loc_lo, int& loc_hi, float& bias) {
         const int bstart = list_b[i] * sbs;
@@ -805,7 +796,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             const uint32_t bit = 1u << (tk % 32);
             if (mask[i * kQmWords + tk / 32] & bit) {  // a selection the tile serves
                 sel_hi = min(tr.sel_last - bstart, sbs - 1);
-                bias = (forced_mask[i * kQmWords + tk / 32] & bit) ? 0.0f : 0.0f;  // no prior bias yet
+                bias = tile_bias[i * tt + tk];
             }
         }
         return sel_hi >= 0 || loc_lo <= loc_hi;
@@ -859,7 +850,7 @@ __global__ void __launch_bounds__(kQmThreads, 2) qm_attend_kernel(const DashPara
             qk_tile<T, D, S::RS>(s, q_b, k_s, lane);
         }
         // Logits in the log2 domain (x log2 e: one multiply-add, then exp2). Where every row of
-        // the warp reads the whole block or none of it (a forced page block before every
+        // the warp reads the whole block or none of it (a selected block before every
         // window), no per-key test.
         float mb[2] = {-INFINITY, -INFINITY};
         float add[2];

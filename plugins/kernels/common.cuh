@@ -258,7 +258,7 @@ struct Workspace {
     float2* token_cs;     // [T, D / 2] cos / sin of its main RoPE angles (T precision; fp16 / bf16:
                           // the tensor-core attention, and the block-major prefill's query rotation)
     int32_t* selected;    // [T, kmax] selected sparse blocks, -1 padded
-    uint8_t* forced;      // [T, kmax] 1 where the selected block is forced (page bias)
+    float* bias;          // [T, kmax] their logit bias (the routing's centred log prior over sigma), 0 at -1
     float* iq_rot;        // [T, Di rounded up to 4] rotated, finite indexer queries (write stage;
                           // unused with Plan::fused_front)
     float* part_acc;      // [T, H, splits, D] unnormalised partial outputs (splits > 1)
@@ -290,7 +290,7 @@ struct Workspace {
     int32_t* qm_count;    // [qm_tiles] blocks the tile reads (at most kQmBlocks)
     int32_t* qm_list;     // [qm_tiles, kQmBlocks] those blocks, ascending
     uint32_t* qm_mask;    // [qm_tiles, kQmBlocks, kQmWords] bit i: the tile serves token i's selection of list block u
-    uint32_t* qm_forced;  // [qm_tiles, kQmBlocks, kQmWords] bit i: ... and it is a forced (page-biased) block
+    float* qm_bias;       // [qm_tiles, kQmBlocks, qm_tile] the logit bias of that selection (where the bit is set)
     uint8_t* qm_sel;      // [bm_chunk, kmax] 1: the token's query-major tile serves its j-th selected block
 };
 
@@ -314,21 +314,23 @@ constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 1
 constexpr int kMaxIndexDimDevice = 512;
 
 // Fused routing: keys a token of the tile holds in shared memory, a chunk of route_chunk blocks'
-// and, where the blocks take more than one chunk, room for its running best of topk appended
+// and, where the blocks take more than one chunk, room for its running best of route_m appended
 // (route.cu's merge_chunk). The plan sizes the shared memory by it, the kernel lays it out.
-__host__ __device__ constexpr int route_key_stride(int chunk, int max_blocks, int topk) {
-    return chunk + (chunk < max_blocks ? topk : 0);
+__host__ __device__ constexpr int route_key_stride(int chunk, int max_blocks, int best) {
+    return chunk + (chunk < max_blocks ? best : 0);
 }
 
 struct Plan {
-    int kmax;             // selected row width
+    int kmax;             // selected row width: min(topk, DASH_ROUTE_TOP_M, max_blocks)
+    int route_m;          // blocks ranked before the entmax prior: min(DASH_ROUTE_TOP_M, max_blocks)
+    float route_factor;   // x = score * route_factor: route_scale / sqrt(index_dim), rounded once to float
     int max_blocks;       // sparse blocks a sequence can have: W * block_size / sbs
     int pieces;           // key pieces per token: kmax remote blocks + local window blocks
     int splits;           // split-K factor of the attention stage
     int pieces_per_split;
     int route_split;      // 1: split routing (route_split_kernel), else fused tiles (route_tile_kernel)
     int route_splits;     // split routing: CTAs scoring one token's blocks (1 with fused tiles)
-    int route_cand;       // candidates per token (split routing): CTAs * min(topk, blocks per CTA)
+    int route_cand;       // candidates per token (split routing): CTAs * min(route_m, blocks per CTA)
     int route_tile;       // tokens per fused routing CTA
     int route_chunk;      // fused routing: blocks scored between two merges into the running top-k
     int fused_front;      // 1: decode-only call; no write / summary launches: the routing launch's

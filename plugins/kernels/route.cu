@@ -1,18 +1,21 @@
-// Stage 3: score the complete sparse blocks each query may read remotely and pick its top-k by a
-// WITHDRAWN rule: forced (same-page image) blocks first, then score descending, ties to the lower
-// block index, with no entmax prior. docs/spec.md step 4 (Unlimited-OCR-2's rule) replaces it in the
-// GPU work on the routing stage; until then every launch is refused (dash_routing_rule). Output rows are fixed-size and padded with -1,
-// so nothing downstream depends on data read back to the host.
+// Stage 3: score the complete sparse blocks each query may read remotely and route them by
+// Unlimited-OCR-2's rule (docs/spec.md, route_blocks): where the query's page has a remote image
+// block, only those blocks compete (the own-page restriction), else every remote block; the
+// routing value is x = score * route_scale / sqrt(Di); the top M = min(16, N) values go through
+// entmax-1.5 (finish_route); the first K = min(topk, M) are kept, each with the logit bias
+// (log max(p, floor) - its mean over the kept blocks) / sigma that the attention adds to every
+// key of the block. Output rows (Workspace::selected, ::bias) are fixed-size and padded with -1
+// and 0, so nothing downstream depends on data read back to the host.
 //
 // Two shapes of launch, chosen by the plan (Plan::route_split):
 //   many tokens (prefill): one fused CTA per tile of plan.route_tile consecutive tokens scores
 //     their blocks into shared memory (each summary row read once per tile, not once per token;
 //     a lane per row and every token of the tile),
 //     plan.route_chunk blocks at a time, and a warp per token merges each chunk into its running
-//     top-k (so the shared memory, and the CTAs an SM holds, do not depend on the context);
+//     top M (so the shared memory, and the CTAs an SM holds, do not depend on the context);
 //   few tokens (decode) with more blocks than one CTA scores, or any decode-only call:
 //     route_splits CTAs per token score 256 blocks each (a long context has thousands of blocks)
-//     and keep their own top-k by rank; the last CTA of a token to finish (a counter per token,
+//     and keep their own top M by rank; the last CTA of a token to finish (a counter per token,
 //     zeroed by dash_run) merges those candidates. One launch; on decode-only calls
 //     (Plan::fused_front) it also does the write and summary stages' work (front_write).
 // Both score a (token, block) pair in one thread in one fixed order (warp_score_rows), so they
@@ -51,18 +54,38 @@ constexpr int kSplitStageBytes = (int)sizeof(float) * (kSplitThreads / 32) * sta
 __device__ TraceTable g_route_trace;
 #endif
 
-// Sort key whose maximum is the block route_blocks takes first:
-//   bit 63 forced | bits 31..62 order-preserving score bits | bits 0..30 (2^31 - 1 - block).
-// Never 0, so 0 marks "taken / empty".
-__device__ __forceinline__ uint64_t route_key(float score, bool forced, int block) {
-    score += 0.0f;  // -0.0 -> +0.0: equal scores must tie and fall back to the block index
-    uint32_t bits = __float_as_uint(score);
+// The routing value of a block the token may select that is not finite: the reference's
+// NOT_CANDIDATE, which is also the value of every block it may not select.
+constexpr float kNotCandidate = -1e4f;
+
+// Sort key whose maximum is the block route_blocks ranks first:
+//   bit 63 own-page candidate | bits 31..62 order-preserving bits of the routing value x |
+//   bits 0..30 (2^31 - 1 - block).
+// A row with an own-page candidate ranks only those (the restriction), and they sort above every
+// other block; in a row without one every key has bit 63 clear and the remote blocks rank by x.
+// Ties go to the lower block index (the reference's stable sort). Never 0: 0 marks "taken / empty".
+__device__ __forceinline__ uint64_t route_key(float x, bool cand, int block) {
+    x += 0.0f;  // -0.0 -> +0.0: equal values must tie and fall back to the block index
+    uint32_t bits = __float_as_uint(x);
     bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((uint64_t)(forced ? 1u : 0u) << 63) | ((uint64_t)bits << 31) |
+    return ((uint64_t)(cand ? 1u : 0u) << 63) | ((uint64_t)bits << 31) |
            (uint64_t)(0x7fffffffu - (uint32_t)block);
 }
 
 __device__ __forceinline__ int key_block(uint64_t key) { return (int)(0x7fffffffu - (uint32_t)(key & 0x7fffffffu)); }
+__device__ __forceinline__ bool key_candidate(uint64_t key) { return (key >> 63) != 0; }
+__device__ __forceinline__ float key_value(uint64_t key) {
+    const uint32_t bits = (uint32_t)(key >> 31);
+    return __uint_as_float((bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits);
+}
+
+// The routing value of a block with score `score`: x = score * route_scale / sqrt(Di) (one
+// float multiply by the plan's factor, as the reference multiplies by a scalar), not finite ->
+// kNotCandidate.
+__device__ __forceinline__ float route_value(const Plan& plan, float score) {
+    const float x = __fmul_rn(score, plan.route_factor);
+    return isfinite(x) ? x : kNotCandidate;
+}
 
 __device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
 #pragma unroll
@@ -101,8 +124,9 @@ __device__ __forceinline__ BlockPages block_pages(const DashParams& p, int64_t s
     return {pg[DASH_PAGE_LO], pg[DASH_PAGE_HI], pg[DASH_PAGE_DENSE]};
 }
 
-// Whether block b (page range pg) is forced for query page qp: a same-page image block.
-__device__ __forceinline__ bool forced_block(const DashParams& p, const Workspace& ws, int seq, int b,
+// Whether block b (page range pg) is an own-page candidate of query page qp: it holds an image
+// token of that page.
+__device__ __forceinline__ bool own_page_block(const DashParams& p, const Workspace& ws, int seq, int b,
                                              const BlockPages& pg, int qp) {
     const bool inside = qp >= 0 && pg.lo <= qp && qp <= pg.hi;
     bool cand = inside && (pg.dense || qp == pg.lo || qp == pg.hi);
@@ -184,7 +208,7 @@ __device__ __forceinline__ void warp_score_rows(const float* iq, int di, int di4
 
 __device__ __forceinline__ float score_of(float dot, float inv_sqrt) { return clamp_index_logit(dot * inv_sqrt); }
 
-// The address of row r's summary (0: r >= r1, or unmapped: flagged, scored 0 and never forced),
+// The address of row r's summary (0: r >= r1, or unmapped: flagged, scored 0 and never a candidate),
 // and its summary index (-1 then).
 __device__ __forceinline__ unsigned long long summary_row(const DashParams& p, const Workspace& ws, int seq, int r,
                                                           int r1, int64_t& si) {
@@ -221,43 +245,98 @@ __device__ void warp_topk(uint64_t* keys, int lo, int hi, int k, uint64_t* out) 
     }
 }
 
-// Writes the selection of one token from its k best keys (route order) into sel/forced.
-__device__ void write_selection(const Plan& plan, const uint64_t* best, int k, int32_t* sel, uint8_t* forced,
-                                int tid, int nthreads) {
-    for (int j = tid; j < plan.kmax; j += nthreads) {
-        const uint64_t key = j < k ? best[j] : 0;
-        sel[j] = key != 0 ? key_block(key) : -1;
-        forced[j] = key != 0 ? (uint8_t)(key >> 63) : 0;
+// The last step of routing token t, by one warp: best[0, count) are its count (<= plan.route_m)
+// largest keys, largest first; nblocks its sequence's sparse blocks, ceil(seq_len / sbs) (the
+// reference's N; 0: an empty selection). Writes the token's row of Workspace::selected and ::bias
+// (and of selected_out / bias_out where given): docs/spec.md, route_blocks, from the top M on.
+//  * The ranked values: where an own-page candidate is among the keys (they sort first), the
+//    candidates' x; else every key's. The reference ranks all N blocks, so the top M = min(16, N)
+//    values are those plus M - R fillers at kNotCandidate (blocks the token may not select),
+//    placed after the values >= kNotCandidate and before the rest (its stable sort puts blocks
+//    of equal value in block order; a filler's block is never read).
+//  * entmax-1.5 over the M values in closed form, in the reference's operations: z = (x - x_0) / 2;
+//    for each support size r the running mean and mean square of z (the sums accumulated in
+//    double, as torch's CPU cumsum does), tau_r = mean - sqrt(max((1 - r (mean_sq - mean^2)) / r,
+//    0)); the support is the number of r with tau_r <= z_r; p = max(z - tau, 0)^2.
+//  * The first K = min(topk, M) ranks are kept; a filler is not valid (selected -1, bias 0); the
+//    valid ones get (log max(p, floor) - mean over the valid) / sigma.
+__device__ void finish_route(const DashParams& p, const Plan& plan, const Workspace& ws, int t, const uint64_t* best,
+                             int count, int nblocks) {
+    constexpr unsigned kAll = 0xffffffffu;
+    static_assert(DASH_ROUTE_TOP_M <= 32, "a lane per ranked value");
+    const int lane = threadIdx.x % 32;
+    const uint64_t key = lane < count ? best[lane] : 0;
+    const unsigned have = __ballot_sync(kAll, key != 0);
+    const unsigned cands = __ballot_sync(kAll, key != 0 && key_candidate(key));
+    const int real = __popc(cands != 0 ? cands : have);  // a prefix of the keys: the ranked blocks
+    const int m = max(min(plan.route_m, nblocks), real);
+    const float x = key_value(key);
+    const int above = __popc(__ballot_sync(kAll, lane < real && x >= kNotCandidate));
+    const int fillers = m - real;
+    const bool filler = lane >= above && lane < above + fillers;
+    const int src = lane < above ? lane : min(max(lane - fillers, 0), 31);
+    const float xs = __shfl_sync(kAll, x, src);
+    const uint64_t ks = __shfl_sync(kAll, key, src);
+    const bool in = lane < m;
+    const float v = filler ? kNotCandidate : xs;
+    const float v0 = __shfl_sync(kAll, v, 0);
+    const float z = in ? __fmul_rn(__fsub_rn(v, v0), 0.5f) : 0.0f;
+    double sum = 0.0, sum_sq = 0.0;
+    for (int j = 0; j < m; ++j) {
+        const float zj = __shfl_sync(kAll, z, j);
+        if (j <= lane) sum += (double)zj, sum_sq += (double)__fmul_rn(zj, zj);
+    }
+    const float rank = (float)(lane + 1);
+    const float mean = __fdiv_rn((float)sum, rank), mean_sq = __fdiv_rn((float)sum_sq, rank);
+    const float gap = fmaxf(__fdiv_rn(__fsub_rn(1.0f, __fmul_rn(rank, __fsub_rn(mean_sq, __fmul_rn(mean, mean)))), rank),
+                            0.0f);
+    const float tau = __fsub_rn(mean, __fsqrt_rn(gap));
+    const int support = max(1, __popc(__ballot_sync(kAll, in && tau <= z)));
+    const float tau_s = __shfl_sync(kAll, tau, support - 1);
+    const float d = fmaxf(__fsub_rn(z, tau_s), 0.0f);
+    const float prior = __fmul_rn(d, d);
+    const int k = min(p.topk, m);
+    const bool valid = in && lane < k && !filler;
+    const float logp = valid ? logf(fmaxf(prior, p.prior_floor)) : 0.0f;
+    float total = 0.0f;  // in rank order
+    for (int j = 0; j < k; ++j) total = __fadd_rn(total, __shfl_sync(kAll, logp, j));
+    const int nvalid = __popc(__ballot_sync(kAll, valid));
+    const float centre = __fdiv_rn(total, (float)max(nvalid, 1));
+    const float bias = valid ? __fdiv_rn(__fsub_rn(logp, centre), p.sigma) : 0.0f;
+    const int block = valid ? key_block(ks) : -1;
+    if (lane < plan.kmax) {
+        const int64_t at = (int64_t)t * plan.kmax + lane;
+        ws.selected[at] = block;
+        ws.bias[at] = bias;
+        if (p.selected_out != nullptr) p.selected_out[at] = block;
+        if (p.bias_out != nullptr) p.bias_out[at] = bias;
     }
 }
 
-// Writes the selection of one token from keys[0, n) (shared memory, consumed) into sel/forced,
-// with the whole CTA: every warp takes the k best of its slice, then warp 0 the k best of those.
-__device__ void select_topk(const DashParams& p, const Plan& plan, uint64_t* keys, int n, uint64_t* cand,
-                            int32_t* sel, uint8_t* forced) {
+// The sparse blocks of the sequence of a token (N of route_blocks).
+__device__ __forceinline__ int sequence_blocks(const DashParams& p, int seq) {
+    return seq < 0 ? 0 : (p.seq_lens[seq] + p.sparse_block_size - 1) / p.sparse_block_size;
+}
+
+// The k largest of keys[0, n) (shared memory, consumed) into out[0, k), largest first, with the
+// whole CTA: every warp takes the k best of its slice (into scratch), then warp 0 the k best of
+// those. Ends with a CTA barrier.
+__device__ void select_topk(uint64_t* keys, int n, int k, uint64_t* scratch, uint64_t* out) {
     const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    const int k = min(plan.kmax, n);
     const int slice = (n + nwarps - 1) / nwarps;
-    warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, cand + warp * k);
+    warp_topk(keys, min(n, warp * slice), min(n, (warp + 1) * slice), k, scratch + warp * k);
     __syncthreads();
     if (warp == 0) {  // merge the warps' lists (each sorted, largest first): lane w walks list w
         const int lane = threadIdx.x % 32;
         int at = 0;
-        uint64_t head = lane < nwarps && k > 0 ? cand[lane * k] : 0;
+        uint64_t head = lane < nwarps && k > 0 ? scratch[lane * k] : 0;
         for (int r = 0; r < k; ++r) {
             const uint64_t top = warp_max_u64(head);
-            if (lane == 0) cand[nwarps * k + r] = top;
-            if (top != 0 && head == top) head = ++at < k ? cand[lane * k + at] : 0;
+            if (lane == 0) out[r] = top;
+            if (top != 0 && head == top) head = ++at < k ? scratch[lane * k + at] : 0;
         }
     }
     __syncthreads();
-    write_selection(plan, cand + nwarps * k, k, sel, forced, threadIdx.x, blockDim.x);
-}
-
-__device__ void write_selected_out(const DashParams& p, const Plan& plan, int t, const int32_t* sel) {
-    if (p.selected_out == nullptr) return;
-    __syncthreads();
-    for (int j = threadIdx.x; j < plan.kmax; j += blockDim.x) p.selected_out[(int64_t)t * plan.kmax + j] = sel[j];
 }
 
 // Token j's running selection (the warp of token j): best[0, count) holds the largest keys of
@@ -318,17 +397,18 @@ __device__ void merge_chunk(uint64_t* keys, int m, uint64_t* best, int& count, i
 
 // Fused: one CTA per tile of plan.route_tile (<= kRouteTile) consecutive tokens. Tokens of one
 // sequence share each summary row load. The blocks are scored plan.route_chunk at a time into
-// shared memory; between chunks a warp per token merges the chunk's keys into its running top-k
-// (merge_chunk), so the shared memory does not grow with the context. Shared memory: iq
-// [kRouteTile][Di4] floats (zero for absent tokens), each warp's staged rows
-// [kRouteWarps][stage_floats(kTileWarpRows)], keys [tile][route_key_stride], best [tile][topk]. At most 80
+// shared memory; between chunks a warp per token merges the chunk's keys into its running top M
+// (merge_chunk), so the shared memory does not grow with the context; the warp then finishes its
+// token's routing (finish_route). Shared memory: iq [kRouteTile][Di4] floats (zero for absent
+// tokens), each warp's staged rows [kRouteWarps][stage_floats(kTileWarpRows)], keys
+// [tile][route_key_stride], best [tile][route_m]. At most 80
 // registers a thread (3 CTAs per SM).
 template <typename T>
 __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const DashParams p, const Plan plan, Workspace ws) {
     static_assert(kRouteTile == kRouteThreads / 32, "a warp per token of the tile selects");
     const int tile = plan.route_tile, t0 = blockIdx.x * tile, tn = min(tile, p.num_tokens - t0);
     const int di = p.index_dim, di4 = (di + 3) / 4 * 4, chunk = plan.route_chunk;
-    const int topk = plan.kmax, kstride = route_key_stride(chunk, plan.max_blocks, topk);
+    const int mslots = plan.route_m, kstride = route_key_stride(chunk, plan.max_blocks, mslots);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* iq = reinterpret_cast<float*>(smem_raw);
     float* stage = iq + (size_t)kRouteTile * di4;  // a warp's staged rows each
@@ -385,10 +465,8 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nmax = s_nmax, nseq = s_nseq;
     const float inv_sqrt = index_inv_sqrt(di);
     float* my_stage = stage + (size_t)warp * stage_floats(kTileWarpRows);
-    const int my_n = warp < tn ? s_n[warp] : 0, k = min(plan.kmax, my_n);
+    const int my_n = warp < tn ? s_n[warp] : 0, k = min(plan.route_m, my_n);
     int count = 0;  // warp's token: keys in its running best
-    int32_t* sel = ws.selected + (int64_t)(t0 + warp) * plan.kmax;
-    uint8_t* forced = ws.forced + (int64_t)(t0 + warp) * plan.kmax;
     const bool vec = summary_rows_aligned(p);
     for (int c0 = 0; c0 < nmax; c0 += chunk) {
         for (int q = 0; q < nseq; ++q) {  // each sequence of the tile once
@@ -413,8 +491,8 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
 #pragma unroll
                 for (int j = 0; j < kRouteTile; ++j) {
                     if (r >= lim[j]) continue;
-                    const bool f = si >= 0 && forced_block(p, ws, seq, r, pg, s_qp[j]);
-                    keys[(size_t)j * kstride + (r - c0)] = route_key(score_of(acc[j], inv_sqrt), f, r);
+                    const bool f = si >= 0 && own_page_block(p, ws, seq, r, pg, s_qp[j]);
+                    keys[(size_t)j * kstride + (r - c0)] = route_key(route_value(plan, score_of(acc[j], inv_sqrt)), f, r);
                 }
             }
         }
@@ -423,32 +501,22 @@ __global__ void __launch_bounds__(kRouteThreads, 3) route_tile_kernel(const Dash
         uint64_t* kj = keys + (size_t)warp * kstride;
         if (warp < tn && s_seq[warp] >= 0 && m > 0) {
             if (k > 0) {
-                merge_chunk(kj, m, best + (size_t)warp * topk, count, k);
+                merge_chunk(kj, m, best + (size_t)warp * mslots, count, k);
             }
         }
         __syncthreads();
     }
     if (warp >= tn) return;
-    const int t = t0 + warp;
-    if (s_seq[warp] < 0) {
-        write_selection(plan, nullptr, 0, sel, forced, lane, 32);
-    } else {
-        write_selection(plan, best + (size_t)warp * topk, count, sel, forced, lane, 32);
-    }
-    if (p.selected_out != nullptr) {
-        __syncwarp();
-        for (int i = lane; i < plan.kmax; i += 32) p.selected_out[(int64_t)t * plan.kmax + i] = sel[i];
-    }
+    const int seq = s_seq[warp];
+    finish_route(p, plan, ws, t0 + warp, best + (size_t)warp * mslots, seq < 0 ? 0 : count, sequence_blocks(p, seq));
 }
 
 constexpr int kRankMergeMax = 1024;  // split routing: most candidates merged by a quadratic rank
 
-// A token skipped for bad metadata (flagged): an empty selection, also in selected_out. The
-// whole CTA.
+// A token skipped for bad metadata (flagged): an empty selection, also in selected_out. Called by
+// the whole CTA; its first warp writes.
 __device__ void no_selection(const DashParams& p, const Plan& plan, const Workspace& ws, int t) {
-    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    write_selection(plan, nullptr, 0, sel, ws.forced + (int64_t)t * plan.kmax, threadIdx.x, blockDim.x);
-    write_selected_out(p, plan, t, sel);
+    if (threadIdx.x < 32) finish_route(p, plan, ws, t, nullptr, 0, 0);
 }
 
 // Routing of token t over its remote blocks [y * kSplitRows, ...) (seq >= 0; iq in shared
@@ -456,8 +524,6 @@ __device__ void no_selection(const DashParams& p, const Plan& plan, const Worksp
 __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Workspace& ws, int t, int y, int seq,
                                 int pos, int prompt, const float* iq, unsigned char* smem_raw) {
     const int tid = threadIdx.x, nt = blockDim.x;
-    int32_t* sel = ws.selected + (int64_t)t * plan.kmax;
-    uint8_t* forced = ws.forced + (int64_t)t * plan.kmax;
     const int n = remote_blocks(p, plan, pos, prompt);
     const int ctas = max(1, (n + kSplitRows - 1) / kSplitRows);  // CTAs with blocks (or the one)
     if (y >= ctas) return;
@@ -478,8 +544,8 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
         warp_score_rows<1, kSplitWarpRows>(iq, p.index_dim, di4, summary_rows_aligned(p), row, p.summary_cache,
                                            stage + warp * stage_floats(kSplitWarpRows), acc);
         if (lane < kSplitWarpRows && r < r1) {
-            const bool f = si >= 0 && forced_block(p, ws, seq, r, block_pages(p, si), s_qp);
-            keys[r - r0] = route_key(score_of(acc[0], inv_sqrt), f, r);
+            const bool f = si >= 0 && own_page_block(p, ws, seq, r, block_pages(p, si), s_qp);
+            keys[r - r0] = route_key(route_value(plan, score_of(acc[0], inv_sqrt)), f, r);
         }
     }
     __syncthreads();
@@ -498,16 +564,15 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
     rank += __shfl_xor_sync(0xffffffffu, rank, 1);
     if (mine == 0 || tid % 2 != 0) rank = kSplitRows;  // one thread of the pair places the key
     uint64_t* cand = reinterpret_cast<uint64_t*>(smem_raw + kSplitStageBytes);  // [ctas * kk], then the best / scratch
-    const int k = min(plan.kmax, n);
+    const int k = min(plan.route_m, n);
     if (ctas == 1) {  // the token's only CTA: its ranks are final
         if (rank < k) cand[rank] = mine;
         __syncthreads();
-        write_selection(plan, cand, k, sel, forced, tid, nt);
-        write_selected_out(p, plan, t, sel);
+        if (tid < 32) finish_route(p, plan, ws, t, cand, k, sequence_blocks(p, seq));
         DASH_MARK(g_route_trace, 3);
         return;
     }
-    const int kk = min(plan.kmax, kSplitRows);  // candidates per CTA
+    const int kk = min(plan.route_m, kSplitRows);  // candidates per CTA
     uint64_t* out = ws.route_keys + (int64_t)t * plan.route_cand + (int64_t)y * kk;
     if (rank < kk) out[rank] = mine;
     for (int r = max(0, min(kSplitRows, n - r0)) + tid; r < kk; r += nt) out[r] = 0;
@@ -532,11 +597,12 @@ __device__ void route_split_cta(const DashParams& p, const Plan& plan, const Wor
             if (rk < k) best[rk] = c;
         }
         __syncthreads();
-        write_selection(plan, best, k, sel, forced, tid, nt);
+        if (tid < 32) finish_route(p, plan, ws, t, best, k, sequence_blocks(p, seq));
     } else {
-        select_topk(p, plan, cand, nc, cand + nc, sel, forced);
+        uint64_t* best = cand + nc + (size_t)(nt / 32) * k;  // after the warps' lists
+        select_topk(cand, nc, k, cand + nc, best);
+        if (tid < 32) finish_route(p, plan, ws, t, best, k, sequence_blocks(p, seq));
     }
-    write_selected_out(p, plan, t, sel);
     DASH_MARK(g_route_trace, 4);
 }
 
@@ -618,7 +684,7 @@ __device__ void front_write(const DashParams& p, const Workspace& ws, int t, con
 }
 
 // Split routing: grid (T, route_splits), kSplitRows blocks per CTA. Each CTA keeps the best
-// min(topk, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
+// min(route_m, kSplitRows) keys of its blocks (by rank: a key's rank is the number of larger keys;
 // keys are distinct) in the workspace; the token's last CTA merges them the same way
 // (select_topk's warp lists when there are too many candidates for a quadratic rank). A token
 // with one CTA selects by its ranks directly.

@@ -439,13 +439,6 @@ int32_t DashAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, 
         if (status != DASH_OK) return fail("configurePlugin", dashError(status));
         // What getWorkspaceSize will answer for this profile: the bound enqueue checks.
         if (workspaceFor(in, error) == 0) return fail("configurePlugin", error);
-        // Last, so that every other problem of the profile is reported first: kernels that route
-        // by another rule than the function's would compute a different model; the engine build
-        // stops here rather than at the first enqueue (which dash_run_plan refuses too).
-        if (dash_routing_rule() != DASH_ROUTING_UNLIMITED_OCR2)
-            return fail("configurePlugin", "the DASH kernels of this build implement a withdrawn routing rule, not "
-                                           "Unlimited-OCR-2's (entmax prior): the plugin cannot compute the model "
-                                           "yet; run the ONNX function (ONNX Runtime) or the PyTorch operator");
         return 0;
     } catch (std::exception const& e) {
         return fail("configurePlugin", e.what());

@@ -61,16 +61,16 @@ DASH_API int32_t dash_params_field(int32_t index, const char** name, int32_t* ty
  * (which newer GPUs JIT-compile). Added after ABI 3 was fixed: older libraries lack the symbol. */
 DASH_API const char* dash_cuda_architectures(void);
 
-/* The routing rule the kernels implement (DASH_ROUTING_*, dash/params.h). Added with ABI 8. Until
- * it is DASH_ROUTING_UNLIMITED_OCR2, dash_run and dash_run_plan refuse every call with
- * DASH_ERR_UNSUPPORTED rather than compute another function than the reference's. */
+/* The routing rule the kernels implement (DASH_ROUTING_*, dash/params.h). Added with ABI 8; from
+ * ABI 9 on DASH_ROUTING_UNLIMITED_OCR2 (ABI 8 libraries reported DASH_ROUTING_WITHDRAWN and refused
+ * every launch). */
 DASH_API int32_t dash_routing_rule(void);
 
 /* Head dims the attention kernels are compiled for; writes up to `cap`, returns the count. */
 DASH_API int32_t dash_supported_head_dims(int32_t* dims, int32_t cap);
 
-/* Width of selected_out rows: the most blocks one token can select, min(topk, 16, blocks a sequence
- * can have). */
+/* Width of selected_out and bias_out rows: the most blocks one token can select, min(topk, 16,
+ * blocks a sequence can have). */
 DASH_API int32_t dash_max_selected(const DashParams* p);
 
 /* Checks sizes and configuration (no device access), and that every tensor pointer a call with

@@ -23,8 +23,8 @@ extern "C" {
 #endif
 
 /* Bumped whenever DashParams changes layout (2: the tune_* fields; dash_plan / dash_run_plan; 8: the
- * routing fields of Unlimited-OCR-2's rule replace dense_layer and page_bias). */
-#define DASH_ABI_VERSION 8
+ * routing fields of Unlimited-OCR-2's rule replace dense_layer and page_bias; 9: bias_out, the kernels route by Unlimited-OCR-2's rule). */
+#define DASH_ABI_VERSION 9
 
 /* Blocks ranked by routing before the entmax prior (dash_trt.config.ROUTE_TOP_M). */
 #define DASH_ROUTE_TOP_M 16

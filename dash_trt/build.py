@@ -64,12 +64,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cliutil import EXIT_CODES_NOTE, cli_main
-from .versions import version_line as _version_line
 from . import attributes as A
 from .attributes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from .cliutil import EXIT_CODES_NOTE, cli_main
 from .config import CONFIG_SECTION, DashConfig, DashConfigError
 from .onnx_graph import GraphReadError, read_graph
+from .versions import version_line as _version_line
 
 __all__ = [
     "DIM_ROLES",
@@ -82,6 +82,9 @@ __all__ = [
     "nodes_carry_namespace",
     "load_plugin_library",
     "summarize_engine",
+    "BindingMemory",
+    "binding_memory",
+    "read_profile_record",
     "main",
 ]
 
@@ -186,6 +189,8 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dim_names: tuple[str | None, ...] = ()
+    #: ONNX element type name ("FLOAT16", "INT64", ...), None where not known
+    elem_type: str | None = None
 
     def dim_name(self, axis: int) -> str | None:
         return self.dim_names[axis] if axis < len(self.dim_names) else None
@@ -283,21 +288,170 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else ""
 
 
+# ------------------------------------------------------------------------------ I/O memory
+#: Bytes per element of the ONNX element types a DASH graph's inputs and outputs use.
+ELEM_BYTES = {"DOUBLE": 8, "INT64": 8, "UINT64": 8, "FLOAT": 4, "INT32": 4, "UINT32": 4, "FLOAT16": 2,
+              "BFLOAT16": 2, "INT16": 2, "UINT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1, "FLOAT8E4M3FN": 1}
+
+
+@dataclass(frozen=True)
+class BindingMemory:
+    """Device memory of a network's inputs and outputs at the profile's maximum shapes: what
+    Triton's TensorRT backend allocates for one model instance (every io binding gets its own
+    buffer of the maximum size: tensorrt_backend ``src/instance_state.cc``, the allocation loop
+    over the engine's io tensors)."""
+
+    #: (name, max shape, bytes) of every binding whose size is known
+    rows: tuple[tuple[str, tuple[int, ...], int], ...]
+    #: bindings whose maximum size is not known (an output dim TensorRT infers at build time)
+    unknown: tuple[str, ...]
+    #: bytes of one KV block summed over every cache binding (inputs past.* and outputs present.*)
+    kv_block_bytes: int
+    kv_blocks: int
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, _, b in self.rows)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_block_bytes * self.kv_blocks
+
+    def describe(self) -> str:
+        gib = 2**30
+        text = (f"Triton's TensorRT backend allocates every input and output at the profile's maximum: "
+                f"{'at least ' if self.unknown else ''}{self.total / gib:.2f} GiB per model instance")
+        if self.kv_block_bytes:
+            text += (f", of which the KV caches {self.kv / gib:.2f} GiB ({self.kv_blocks} blocks x "
+                     f"{self.kv_block_bytes / 2**10:.1f} KiB, inputs and outputs)")
+        if self.unknown:
+            text += f"; sizes not known before the build: {', '.join(self.unknown)}"
+        return text
+
+
+def _is_block_dim(spec: InputSpec) -> bool:
+    role = dim_role(spec.dim_name(0)) if spec.shape else None
+    return bool(role and role[0] == "blocks" and role[1] == 0)
+
+
+def kv_block_bytes(bindings: Sequence[InputSpec]) -> int:
+    """Bytes of one KV block over every binding whose dim 0 is the block count (the caches)."""
+    total = 0
+    for spec in bindings:
+        if _is_block_dim(spec) and spec.elem_type in ELEM_BYTES and all(d > 0 for d in spec.shape[1:]):
+            total += math.prod(spec.shape[1:]) * ELEM_BYTES[spec.elem_type]
+    return total
+
+
+def binding_memory(inputs: Sequence[InputSpec], outputs: Sequence[InputSpec], limits: Mapping[str, Limit],
+                   shapes: Mapping[str, tuple[tuple[int, ...], ...]]) -> BindingMemory:
+    """The inputs' and outputs' bytes at the profile's maximum (``shapes`` from
+    :func:`profile_shapes`; outputs' dynamic dims by their names' roles)."""
+    rows, unknown = [], []
+    for spec in (*inputs, *outputs):
+        top = shapes[spec.name][2] if spec.name in shapes else spec.shape
+        if any(d < 0 for d in top):
+            resolved = []
+            for axis, d in enumerate(top):
+                role = dim_role(spec.dim_name(axis)) if d < 0 else None
+                resolved.append(d if d >= 0 else (limits[role[0]].shifted(role[1]).max if role else -1))
+            top = tuple(resolved)
+        if spec.elem_type not in ELEM_BYTES or any(d < 0 for d in top):
+            unknown.append(spec.name)
+            continue
+        rows.append((spec.name, tuple(top), math.prod(top) * ELEM_BYTES[spec.elem_type]))
+    return BindingMemory(tuple(rows), tuple(unknown), kv_block_bytes([*inputs, *outputs]), limits["blocks"].max)
+
+
+def blocks_for_budget(inputs: Sequence[InputSpec], outputs: Sequence[InputSpec], gib: float) -> int:
+    """The most KV blocks whose cache bindings (inputs and outputs) fit in ``gib`` GiB."""
+    per_block = kv_block_bytes([*inputs, *outputs])
+    if not per_block:
+        raise ProfileError("--kv-pool-gib: the model has no cache input [num_kv_blocks, ...] of a known type")
+    blocks = int(gib * 2**30) // per_block
+    if blocks < 1:
+        raise ProfileError(f"--kv-pool-gib {gib}: one KV block takes {per_block / 2**20:.2f} MiB over the cache "
+                           f"inputs and outputs, more than the budget")
+    return blocks
+
+
+#: The file dash-build writes beside an engine (and beside --out with --print-trtexec): its
+#: profile, for ``dash-triton write --plan`` (the config's fixed dims, the memory Triton takes).
+PROFILE_SUFFIX = ".profile.json"
+
+
+def profile_record(shapes: Mapping[str, tuple[tuple[int, ...], ...]], limits: Mapping[str, Limit],
+                   memory: BindingMemory) -> dict[str, Any]:
+    return {
+        "profile": {name: [list(lo), list(op), list(hi)] for name, (lo, op, hi) in shapes.items()},
+        "limits": {role: [lim.min, lim.opt, lim.max] for role, lim in limits.items()},
+        "binding_bytes": memory.total,
+        "binding_bytes_unknown": list(memory.unknown),
+        "kv_blocks": limits["blocks"].max,
+        "kv_block_bytes": memory.kv_block_bytes,
+    }
+
+
+def read_profile_record(engine: str | Path) -> dict[str, Any] | None:
+    """The record :func:`write_profile_record` left beside ``engine``, or None if there is none
+    (ValueError for a file that is not one)."""
+    path = Path(str(engine) + PROFILE_SUFFIX)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        limits = {role: Limit(*record["limits"][role]) for role in ROLES}
+        profile = {name: tuple(tuple(int(d) for d in s) for s in shapes) for name, shapes in record["profile"].items()}
+        int(record["binding_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a dash-build profile record ({exc})") from None
+    return {**record, "limits": limits, "profile": profile}
+
+
+def fixed_dims(name: str, dims: Sequence[int], dim_names: Sequence[str | None],
+               record: Mapping[str, Any]) -> tuple[int, ...]:
+    """``dims`` (-1 where dynamic) with every axis the engine's profile fixes (min == max)
+    written as that number: from the recorded profile of an input, or the limit of the axis's
+    role (outputs, such as ``present.*`` [num_kv_blocks, ...])."""
+    shapes = record["profile"].get(name)
+    out = []
+    for axis, d in enumerate(dims):
+        if d < 0 and shapes is not None and shapes[0][axis] == shapes[2][axis]:
+            d = shapes[2][axis]
+        elif d < 0:
+            role = dim_role(dim_names[axis] if axis < len(dim_names) else None)
+            lim = record["limits"][role[0]].shifted(role[1]) if role else None
+            if lim is not None and lim.min == lim.max:
+                d = lim.max
+        out.append(d)
+    return tuple(out)
+
+
+def write_profile_record(engine: Path, record: Mapping[str, Any]) -> Path:
+    from .fileio import atomic_write
+
+    path = Path(str(engine) + PROFILE_SUFFIX)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
+
+    atomic_write(str(path), write)
+    return path
+
+
 def trtexec_command(model: str, plugin: str, out: str,
                     shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], *,
-                    strongly_typed: bool = True, fp16: bool = False, bf16: bool = False, aliasing: bool = True,
-                    timing_cache: str | None = None, workspace_mib: int | None = None,
+                    aliasing: bool = True, timing_cache: str | None = None, workspace_mib: int | None = None,
                     trt_version: tuple[int, int] = (10, 8), plugin_override: bool = False) -> str:
     """The trtexec command line that builds the same engine as dash-build, for trtexec of
-    ``trt_version``; every path shell-quoted. ``plugin_override``: the model's nodes lack
-    ``plugin_namespace`` (an older export), so TensorRT >= 10.15 needs ``--enablePluginOverride``.
-    Raises ValueError for what that trtexec cannot do (``--fp16``/``--bf16`` on 11.x)."""
+    ``trt_version``; every path shell-quoted. Strongly typed always (``--stronglyTyped`` on 10.x;
+    11.x has only strong typing). ``plugin_override``: the model's nodes lack
+    ``plugin_namespace`` (an older export), so TensorRT >= 10.15 needs ``--enablePluginOverride``."""
     import shlex
 
     major = trt_version[0]
-    if major >= 11 and (fp16 or bf16):
-        raise ValueError(f"trtexec {trt_version[0]}.{trt_version[1]} has no --fp16/--bf16 (TensorRT 11 builds "
-                         f"strongly typed networks only: the types come from the ONNX model)")
 
     def spec(k: int) -> str:
         return ",".join(f"{name}:{_shape_text(s[k])}" for name, s in shapes.items())
@@ -306,10 +460,8 @@ def trtexec_command(model: str, plugin: str, out: str,
     parts = ["trtexec", f"--onnx={q(model)}", f"--dynamicPlugins={q(plugin)}"]
     if shapes:
         parts += [q(f"--minShapes={spec(0)}"), q(f"--optShapes={spec(1)}"), q(f"--maxShapes={spec(2)}")]
-    if strongly_typed and major < 11:
+    if major < 11:
         parts.append("--stronglyTyped")
-    parts += ["--fp16"] if fp16 else []
-    parts += ["--bf16"] if bf16 else []
     if plugin_override and tuple(trt_version) >= (10, 15):
         parts.append("--enablePluginOverride")
     if aliasing:
@@ -322,6 +474,14 @@ def trtexec_command(model: str, plugin: str, out: str,
     return " \\\n    ".join(parts)
 
 
+def nodes_carry_namespace_or_unknown(path: Path) -> bool:
+    """:func:`nodes_carry_namespace`, True where the file cannot be read here (no onnx package)."""
+    try:
+        return nodes_carry_namespace(path)
+    except GraphReadError:
+        return True
+
+
 def nodes_carry_namespace(path: Path) -> bool:
     """Every DashAttention node of the ONNX file has a ``plugin_namespace`` attribute (what
     TensorRT >= 10.15's parser needs to import it as the plugin); needs the onnx package."""
@@ -330,7 +490,12 @@ def nodes_carry_namespace(path: Path) -> bool:
 
 def load_plugin_library(registry, path: str) -> str | None:
     """Load the plugin into a TensorRT plugin registry (``IPluginRegistry.load_library``: its
-    ``getCreators``) and check that the DashAttention creator is there; the problem, or None."""
+    ``getCreators``) and check that the DashAttention creator is there; the problem, or None.
+    A registry that already holds the creator (the library loaded before in this process: a
+    second engine, a compare after a build) is left as it is: loading it again would register
+    the same creator twice, which TensorRT refuses."""
+    if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE) is not None:
+        return None
     try:
         handle = registry.load_library(path)
     except Exception as exc:  # the bindings raise on some failures, return None on others
@@ -389,13 +554,54 @@ def summarize_engine(info: Mapping[str, Any] | str) -> list[str]:
     return lines
 
 
+def engine_aliases(engine) -> dict[str, str | None] | None:
+    """Each output's aliased input as the engine reports it (``ICudaEngine::getAliasedInputTensor``,
+    TensorRT >= 10.15; None for an output that aliases none), or None where the API is missing.
+    TensorRT may also report none for a plugin's aliased output and copy around it instead;
+    either way the caller binds ``present.*`` to ``past.*`` (the plugin writes in place)."""
+    get = getattr(engine, "get_aliased_input_tensor", None)
+    if get is None:
+        return None
+    out = {}
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if str(engine.get_tensor_mode(name)).rsplit(".", 1)[-1].upper() == "OUTPUT":
+            out[name] = get(name) or None
+    return out
+
+
+def describe_engine_io(engine) -> list[str]:
+    """What dash-build prints after a build: each output's aliased input (or that it has none, or
+    that this TensorRT cannot say) and the engine's device memory."""
+    lines = []
+    aliases = engine_aliases(engine)
+    if aliases is None:
+        lines.append("aliased outputs: not reported by this TensorRT (getAliasedInputTensor is 10.15+); bind each "
+                     "present.* to its past.* buffer")
+    else:
+        named = {o: i for o, i in aliases.items() if i}
+        lines.append(f"aliased outputs: {len(named)} of {len(aliases)}")
+        lines += [f"  {o} -> {i}" for o, i in named.items()]
+        none = [o for o, i in aliases.items() if not i and o.startswith("present.")]
+        if none:
+            lines.append(f"  no alias reported for {len(none)} present.* output(s) ({none[0]}, ...): TensorRT may "
+                         f"copy them; bind each to its past.* buffer")
+    size = getattr(engine, "device_memory_size_v2", None)
+    if size is None:
+        size = getattr(engine, "device_memory_size", None)
+    if size is not None:
+        lines.append(f"engine device memory (activations and workspace, besides the I/O): {int(size) / 2**20:.1f} MiB")
+    return lines
+
+
 # --------------------------------------------------------------------------------- ONNX side
-def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
-    """Inputs, the DASH configuration and the number of DashAttention nodes
+def read_onnx(path: Path) -> tuple[list[InputSpec], list[InputSpec], DashConfig | None, int]:
+    """Inputs, outputs, the DASH configuration and the number of DashAttention nodes
     (:func:`dash_trt.onnx_graph.read_graph`: GraphReadError without the onnx package or for an
     unreadable file); weights are not loaded."""
     graph = read_graph(path)
-    inputs = [InputSpec(t.name, tuple(t.dims or ()), t.dim_names) for t in graph.inputs]
+    inputs = [InputSpec(t.name, tuple(t.dims or ()), t.dim_names, t.elem_type) for t in graph.inputs]
+    outputs = [InputSpec(t.name, tuple(t.dims or ()), t.dim_names, t.elem_type) for t in graph.outputs]
     nodes = graph.dash_nodes
     config = None
     if CONFIG_SECTION in graph.metadata:
@@ -405,7 +611,7 @@ def read_onnx(path: Path) -> tuple[list[InputSpec], DashConfig | None, int]:
             raise DashConfigError(f"{path}: metadata '{CONFIG_SECTION}' is not a valid DASH config: {exc}") from None
     elif nodes:
         config = _config_from_node(nodes[0])
-    return inputs, config, len(nodes)
+    return inputs, outputs, config, len(nodes)
 
 
 def _config_from_node(attributes: Mapping[str, Any]) -> DashConfig | None:
@@ -438,14 +644,17 @@ def _parser() -> argparse.ArgumentParser:
                    "[default from --max-context]")
     p.add_argument("--max-blocks", type=_limit_type(lambda m: m), help="KV blocks in each cache "
                    "[default seqs x table width]")
+    p.add_argument("--kv-pool-gib", type=float, metavar="GIB", help="size the KV block count so that the cache "
+                   "inputs and outputs take at most GIB GiB at the profile's maximum (Triton's TensorRT backend "
+                   "allocates every binding at that size); instead of --max-blocks")
     p.add_argument("--max-context", type=int, default=32768, help="longest sequence (tokens), for the default "
                    "table width [default 32768]")
     p.add_argument("--shape", type=_shape_override, action="append", default=[], metavar="NAME:MIN:OPT:MAX",
                    help="explicit profile of one input (shapes AxB); repeatable")
-    p.add_argument("--fp16", action="store_true", help="allow float16 kernels (weakly typed network)")
-    p.add_argument("--bf16", action="store_true", help="allow bfloat16 kernels (weakly typed network)")
-    p.add_argument("--strongly-typed", action="store_true", help="take every type from the ONNX model "
-                   "(the default when neither --fp16 nor --bf16 is given)")
+    p.add_argument("--fp16", action="store_true", help=argparse.SUPPRESS)  # refused: see WEAK_TYPES
+    p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--strongly-typed", action="store_true", help="take every type from the ONNX model (always: "
+                   "engines are strongly typed; kept for scripts that pass it)")
     p.add_argument("--no-aliasing", action="store_true", help="do not turn on aliased plugin I/O; bind each "
                    "present.* output to its past.* input buffer instead (the plugin then works in place too)")
     p.add_argument("--timing-cache", type=Path, help="timing cache file: read if it exists, written after the build")
@@ -463,11 +672,21 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+#: Why --fp16/--bf16 are refused: a weakly typed TensorRT 10 build may give the caches another float
+#: type than the model's and insert casts around past.* / present.* (losing precision silently,
+#: and the in-place cache with it); TensorRT 11 has no weak typing at all.
+WEAK_TYPES = ("dash-build builds strongly typed engines only (every type from the ONNX model: a weakly typed "
+              "build may cast the KV caches to another float type); export the model in float16 or bfloat16 "
+              "instead (dash-export --dtype float16)")
+
+
 def _check_arguments(args) -> str | None:
+    if args.fp16 or args.bf16:
+        return WEAK_TYPES
     if not args.model.is_file():
         return f"model not found: {args.model}"
     if args.plugin is None:
-        from .cuda import plugin_path
+        from .libraries import plugin_path
 
         args.plugin = plugin_path()
         if args.plugin is None:
@@ -485,8 +704,10 @@ def _check_arguments(args) -> str | None:
         for what, path in inputs.items():
             if path is not None and path.resolve() == args.out.resolve():
                 return f"--out {args.out} is {what}: the engine would overwrite it; write the engine elsewhere"
-    if args.strongly_typed and (args.fp16 or args.bf16):
-        return "--strongly-typed takes every type from the model; drop --fp16/--bf16 (or drop --strongly-typed)"
+    if args.kv_pool_gib is not None and args.max_blocks is not None:
+        return "--kv-pool-gib sets the KV block count; drop --max-blocks (or --kv-pool-gib)"
+    if args.kv_pool_gib is not None and not (math.isfinite(args.kv_pool_gib) and args.kv_pool_gib > 0):
+        return f"--kv-pool-gib must be a positive number of GiB, got {args.kv_pool_gib}"
     if args.config is not None and not args.config.is_file():
         return f"config not found: {args.config}"
     if args.workspace is not None and args.workspace < 1:
@@ -494,9 +715,26 @@ def _check_arguments(args) -> str | None:
     return None
 
 
-def _limits_from_args(args, inputs, config) -> dict[str, Limit]:
+def _plugin_major_problem(plugin: Path, trt_version: tuple[int, int], what: str) -> str | None:
+    """The plugin library only registers its creator in a TensorRT runtime of the major its
+    headers were (plugins/trt/dash_logging.cpp); a mismatch is an error before anything runs."""
+    from .libraries import plugin_tensorrt_version
+
+    built = plugin_tensorrt_version(plugin) if plugin.is_file() else None
+    if built is None or built[0] == trt_version[0]:
+        return None
+    return (f"{plugin} was built against TensorRT {built[0]}.{built[1]} headers and {what} TensorRT "
+            f"{trt_version[0]}.{trt_version[1]}: a plugin only works with the TensorRT major it was built for; "
+            f"build it against TensorRT {trt_version[0]} headers (plugins/trt/README.md)")
+
+
+def _limits_from_args(args, inputs, outputs, config) -> dict[str, Limit]:
+    blocks = args.max_blocks
+    if args.kv_pool_gib is not None:
+        top = blocks_for_budget(inputs, outputs, args.kv_pool_gib)
+        blocks = Limit(1, top, top)
     return derive_limits(inputs, tokens=args.max_tokens, seqs=args.max_seqs, width=args.max_table_width,
-                         blocks=args.max_blocks, max_context=args.max_context, config=config)
+                         blocks=blocks, max_context=args.max_context, config=config)
 
 
 def _print_profile(shapes, limits, out=sys.stdout) -> None:
@@ -525,28 +763,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = DashConfig.from_model_config(args.config)
         except DashConfigError as exc:
             return _fail(str(exc))
-    strongly_typed = args.strongly_typed or not (args.fp16 or args.bf16)
 
     if args.print_trtexec:
         try:
-            inputs, onnx_config, _ = read_onnx(args.model)
+            inputs, outputs, onnx_config, _ = read_onnx(args.model)
         except (GraphReadError, DashConfigError) as exc:
             return _fail(f"--print-trtexec reads the model's inputs: {exc}")
         try:
-            limits = _limits_from_args(args, inputs, onnx_config or config)
+            limits = _limits_from_args(args, inputs, outputs, onnx_config or config)
             shapes = profile_shapes(inputs, limits, dict(args.shape))
         except (ProfileError, ValueError) as exc:
             return _fail(str(exc))
+        memory = binding_memory(inputs, outputs, limits, shapes)
         if args.trt_version:
             v = _version_tuple(args.trt_version)
             if not v or not re.fullmatch(r"\d+(\.\d+){0,2}", args.trt_version):
                 return _fail(f"--trt-version must be MAJOR.MINOR (e.g. 10.8 or 11.1), got {args.trt_version!r}")
             trt_version = (v[0], v[1] if len(v) > 1 else 0)
+            if trt_version < MIN_TENSORRT:
+                return _fail(f"--trt-version {args.trt_version}: the DashAttention plugin needs TensorRT >= "
+                             f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} (IPluginV3 with aliased plugin I/O; older ONNX "
+                             "parsers import the node's ONNX function instead of the plugin)")
         else:
-            trt_version = _installed_trt_version() or (10, 8)
+            from .libraries import plugin_tensorrt_version
+
+            built = plugin_tensorrt_version(args.plugin) if args.plugin.is_file() else None
+            trt_version = _installed_trt_version() or built or (10, 8)
             if _installed_trt_version() is None:
-                print("dash-build: no tensorrt package: the command is for TensorRT 10.8 (pass --trt-version for "
+                print(f"dash-build: no tensorrt package: the command is for TensorRT {trt_version[0]}.{trt_version[1]} "
+                      f"({'the plugin was built for it' if built else 'the oldest supported'}; pass --trt-version for "
                       "another)", file=sys.stderr)
+        problem = _plugin_major_problem(args.plugin, trt_version, "the command is for")
+        if problem:
+            return _fail(problem)
         override = not nodes_carry_namespace(args.model)
         if override and trt_version >= (10, 15):
             print("dash-build: warning: the model's DashAttention nodes have no plugin_namespace attribute (exported "
@@ -554,7 +803,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "imports ScatterND/ScatterElements as TensorRT's own plugins; re-export to drop it", file=sys.stderr)
         try:
             command = trtexec_command(str(args.model), str(args.plugin), str(args.out or "model.plan"), shapes,
-                                      strongly_typed=strongly_typed, fp16=args.fp16, bf16=args.bf16,
                                       aliasing=not args.no_aliasing,
                                       timing_cache=str(args.timing_cache) if args.timing_cache else None,
                                       workspace_mib=args.workspace, trt_version=trt_version,
@@ -562,6 +810,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             return _fail(str(exc))
         print(command)
+        print(f"dash-build: {memory.describe()}", file=sys.stderr)
+        if args.out is not None:
+            record = write_profile_record(args.out, profile_record(shapes, limits, memory))
+            print(f"dash-build: wrote {record} (the profile, for dash-triton write --plan)", file=sys.stderr)
         return EXIT_OK
 
     try:
@@ -572,13 +824,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if _version_tuple(version)[:2] < MIN_TENSORRT:
         return _fail(f"TensorRT {version} is installed; the DashAttention plugin needs TensorRT >= "
                      f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]}")
-    if _version_tuple(version)[0] >= 11 and (args.fp16 or args.bf16):
-        return _fail(f"TensorRT {version} builds strongly typed networks only (the types come from the ONNX "
-                     "model); --fp16/--bf16 are TensorRT 10 options")
-    return _build(trt, args, config, strongly_typed, _version_tuple(version)[0])
+    installed = _version_tuple(version)
+    problem = _plugin_major_problem(args.plugin, (installed[0], installed[1] if len(installed) > 1 else 0),
+                                    "the installed tensorrt is")
+    if problem:
+        return _fail(problem)
+    return _build(trt, args, config, installed[0])
 
 
-def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: int) -> int:  # pragma: no cover
+def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: no cover
     t0 = time.perf_counter()
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -587,7 +841,7 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         return _fail(problem)
 
     # TensorRT 11 is always strongly typed (its STRONGLY_TYPED flag is deprecated and ignored).
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed and major < 11 else 0
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if major < 11 else 0
     def parse(override: bool):
         net = builder.create_network(flags)
         onnx_parser = trt.OnnxParser(net, logger)
@@ -603,9 +857,16 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         return sum(1 for i in range(net.num_layers) if net.get_layer(i).type == trt.LayerType.PLUGIN_V3)
 
     network, parser = parse(False)
+    can_override = hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE")
+    if network is None and can_override and not nodes_carry_namespace_or_unknown(args.model):
+        # 10.15+ imports the ONNX function of a node without plugin_namespace; where that import
+        # fails (an op of the function the parser lacks), the override is the way in too.
+        print("dash-build: warning: parsing failed and the DashAttention nodes lack plugin_namespace; parsing "
+              "again with ENABLE_PLUGIN_OVERRIDE", file=sys.stderr)
+        network, parser = parse(True)
     if network is None:
         return _fail(f"TensorRT could not parse {args.model}", EXIT_BUILD_FAILED)
-    if plugin_count(network) == 0 and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+    if plugin_count(network) == 0 and can_override:
         # An export whose nodes lack plugin_namespace, on TensorRT >= 10.15: the parser imported
         # the ONNX functions. Parse again with the override (it also swaps ScatterND /
         # ScatterElements for TensorRT's own plugins).
@@ -616,11 +877,12 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         if network is None:
             return _fail(f"TensorRT could not parse {args.model} with ENABLE_PLUGIN_OVERRIDE", EXIT_BUILD_FAILED)
 
-    onnx_names: dict[str, tuple[str | None, ...]] = {}
+    onnx_inputs: dict[str, InputSpec] = {}
+    outputs: list[InputSpec] = []
     try:
-        onnx_inputs, onnx_config, _ = read_onnx(args.model)
+        onnx_in, outputs, onnx_config, _ = read_onnx(args.model)
         config = onnx_config or config
-        onnx_names = {spec.name: spec.dim_names for spec in onnx_inputs}
+        onnx_inputs = {spec.name: spec for spec in onnx_in}
     except (GraphReadError, DashConfigError):  # onnx missing or unreadable: TensorRT parsed it, carry on
         pass
     inputs = []
@@ -630,17 +892,20 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         # The ONNX parser names dims after their dim_param; the onnx package reads the same names.
         named = getattr(t, "get_dimension_name", None)
         names = tuple(named(a) for a in range(len(shape))) if named else ()
+        known = onnx_inputs.get(t.name)
         if not any(names):
-            names = onnx_names.get(t.name, ())
-        inputs.append(InputSpec(t.name, shape, names))
+            names = known.dim_names if known else ()
+        inputs.append(InputSpec(t.name, shape, names, known.elem_type if known else None))
     try:
-        limits = _limits_from_args(args, inputs, config)
+        limits = _limits_from_args(args, inputs, outputs, config)
         shapes = profile_shapes(inputs, limits, dict(args.shape))
     except (ProfileError, ValueError) as exc:
         return _fail(str(exc))
     if config is not None:
         print(f"DASH config: {json.dumps(config.to_dict())}")
     _print_profile(shapes, limits)
+    memory = binding_memory(inputs, outputs, limits, shapes)
+    print(memory.describe())
 
     plugin_layers = plugin_count(network)
     if plugin_layers == 0:
@@ -649,10 +914,6 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
               "a TensorRT >= 10.15 without ENABLE_PLUGIN_OVERRIDE)", file=sys.stderr)
 
     bconfig = builder.create_builder_config()
-    if args.fp16:
-        bconfig.set_flag(trt.BuilderFlag.FP16)
-    if args.bf16:
-        bconfig.set_flag(trt.BuilderFlag.BF16)
     aliasing = plugin_layers > 0 and not args.no_aliasing
     if aliasing:
         bconfig.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
@@ -669,8 +930,7 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         cache = bconfig.create_timing_cache(data)
         bconfig.set_timing_cache(cache, ignore_mismatch=False)
 
-    print(f"building: {plugin_layers} DashAttention plugin layer(s), "
-          f"{'strongly typed' if strongly_typed else 'fp16' * args.fp16 + ' bf16' * args.bf16}, "
+    print(f"building: {plugin_layers} DashAttention plugin layer(s), strongly typed, "
           f"aliased plugin I/O {'on' if aliasing else 'off'}")
     serialized = builder.build_serialized_network(network, bconfig)
     if serialized is None:
@@ -680,6 +940,7 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
     if cache is not None:
         with open(args.timing_cache, "wb") as fh:
             fh.write(cache.serialize())
+    print(f"wrote {write_profile_record(args.out, profile_record(shapes, limits, memory))}")
 
     try:
         runtime = trt.Runtime(logger)
@@ -687,6 +948,8 @@ def _build(trt, args, config: DashConfig | None, strongly_typed: bool, major: in
         inspector = engine.create_engine_inspector()
         info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
         for line in summarize_engine(info):
+            print(line)
+        for line in describe_engine_io(engine):
             print(line)
     except Exception as exc:
         print(f"dash-build: warning: no layer summary ({exc})", file=sys.stderr)

@@ -209,7 +209,7 @@ def _tensorrt_runner(engine: str, plugin: str | None):
             "TensorRT not found: install the 'tensorrt' Python package (>= 10.8) to compare an engine"
         ) from None
     if plugin is None:
-        from .cuda import plugin_path
+        from .libraries import plugin_path
 
         found = plugin_path()
         plugin = str(found) if found else None
@@ -450,7 +450,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-compare",
         epilog="Exit codes: 0 every backend matches the reference, 1 a mismatch, 2 bad input (files, "
-        "checkpoint, a graph that is not this checkpoint's, an unavailable backend), " + EXIT_CODES_NOTE,
+        "checkpoint, a graph that is not this checkpoint's, an unavailable backend), "
+        + EXIT_CODES_NOTE
+        + " To run polygraphy's own tools on the file, feed them the inputs saved here: 'polygraphy run "
+        "model.onnx --onnxrt --load-inputs inputs.json' or 'polygraphy check lint model.onnx --load-inputs "
+        "inputs.json' (polygraphy's random inputs are random block tables, which index outside the caches).",
         description="Compare every available backend (ONNX Runtime, the CUDA kernels, a TensorRT engine) with "
         "the PyTorch reference on chunked prefill and decode steps, using polygraphy's comparator.",
     )

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import glob
 import os
-import sysconfig
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -27,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .config import as_config
+from .libraries import installed_paths
 from .paged import CACHE_FIELDS, OperatorCall, paged_dash_attention
 from .reference import FLOAT_DTYPES, Routing, SpLike, check_heads, check_shape
 from .versions import KERNEL_ABI_VERSION
@@ -177,35 +176,9 @@ class Tuning:
         return cls(**values)
 
 
-def _installed(name: str) -> list[Path]:
-    """Where this installation keeps the shared library ``name``, in search order:
-    ``dash_trt/lib/`` of the package (wheels and ``pip install .``), the same folder under the
-    interpreter's platlib, then ``build*/`` folders of a source checkout."""
-    here = Path(__file__).resolve().parent
-    found = [here / "lib" / name, Path(sysconfig.get_paths()["platlib"]) / "dash_trt" / "lib" / name]
-    return found + sorted(Path(p) for p in glob.glob(str(here.parent / ("build*/**/" + name)), recursive=True))
-
-
 def _candidates() -> list[Path]:
     env = os.environ.get("DASH_TRT_LIBRARY")
-    return [Path(env)] if env else _installed(LIBRARY_NAME)
-
-
-PLUGIN_NAME = "libdash_trt_plugin.so"
-#: The plugin that registers itself on load (Triton's TensorRT backend, trtexec --staticPlugins).
-STATIC_PLUGIN_NAME = "libdash_trt_plugin_static.so"
-
-
-def plugin_path(name: str = PLUGIN_NAME) -> Path | None:
-    """The TensorRT plugin library ``name`` that ships with this installation, or None:
-    ``$DASH_TRT_PLUGIN`` (for ``libdash_trt_plugin.so``; the static plugin is looked for beside
-    it), then ``dash_trt/lib/`` of the installed package (wheels carry both), then ``build*/``
-    folders of a source checkout."""
-    env = os.environ.get("DASH_TRT_PLUGIN")
-    if env:
-        path = Path(env) if name == PLUGIN_NAME else Path(env).with_name(name)
-        return path if path.is_file() else None
-    return next((p for p in _installed(name) if p.is_file()), None)
+    return [Path(env)] if env else installed_paths(LIBRARY_NAME)
 
 
 def library_path() -> Path | None:

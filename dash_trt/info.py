@@ -89,13 +89,17 @@ def _tensorrt() -> dict[str, Any]:
             out["python_package"] = getattr(tensorrt, "__version__", "unknown")
         except Exception as exc:  # noqa: BLE001 - a broken install is reported
             out["python_package"] = f"cannot be imported: {type(exc).__name__}: {exc}"
-    from .cuda import STATIC_PLUGIN_NAME, plugin_path
+    from .libraries import STATIC_PLUGIN_NAME, plugin_path, plugin_tensorrt_version
 
     plugin, static = plugin_path(), plugin_path(STATIC_PLUGIN_NAME)
     out["plugin_library"] = str(plugin) if plugin else None
     out["static_plugin_library"] = str(static) if static else None
     if plugin:
-        out["plugin_note"] = "found"
+        built = plugin_tensorrt_version(plugin)
+        out["plugin_built_for"] = f"TensorRT {built[0]}.{built[1]} headers" if built else "unknown"
+        out["plugin_note"] = (
+            f"found; it registers its creator only in a TensorRT {built[0]}.x runtime" if built else "found"
+        )
     elif os.environ.get("DASH_TRT_PLUGIN"):
         out["plugin_note"] = f"DASH_TRT_PLUGIN={os.environ['DASH_TRT_PLUGIN']} is not a file"
     else:

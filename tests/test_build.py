@@ -78,7 +78,8 @@ def test_entry_point_is_declared():
     "version, extra, message",
     [
         ("10.7.0.23", [], "TensorRT 10.7.0.23 is installed; the DashAttention plugin needs TensorRT >= 10.8"),
-        ("11.1.0.106", ["--fp16"], "builds strongly typed networks only"),
+        ("11.1.0.106", ["--fp16"], "builds strongly typed engines only"),
+        ("10.8.0.43", ["--bf16"], "builds strongly typed engines only"),
     ],
 )
 def test_unusable_tensorrt_versions(files, monkeypatch, capsys, version, extra, message):
@@ -97,7 +98,9 @@ def test_unusable_tensorrt_versions(files, monkeypatch, capsys, version, extra, 
         (["{model}", "--plugin", "nope.so", "--out", "{out}"], "plugin library not found: nope.so"),
         (["{model}", "--plugin", "{plugin}"], "--out is required"),
         (["{model}", "--plugin", "{plugin}", "--out", "/no/such/dir/m.plan"], "the folder of --out does not exist"),
-        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--fp16", "--strongly-typed"], "--strongly-typed"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--fp16"], "export the model in float16 or bfloat16"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--kv-pool-gib", "1", "--max-blocks", "9"], "drop"),
+        (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--kv-pool-gib", "-1"], "positive number of GiB"),
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--config", "nope.json"], "config not found"),
         (["{model}", "--plugin", "{plugin}", "--out", "{out}", "--workspace", "0"], "--workspace must be >= 1"),
         (["{model}", "--plugin", "{plugin}", "--out", "{plugin}"], "is --plugin: the engine would overwrite it"),
@@ -213,20 +216,19 @@ def test_trtexec_command():
         "--saveEngine=m.plan",
     ):
         assert flag in flat
-    weak = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, strongly_typed=False, fp16=True, aliasing=False)
-    assert "--fp16" in weak and "--stronglyTyped" not in weak and "--preview" not in weak
+    plain = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, aliasing=False)
+    assert "--stronglyTyped" in plain and "--preview" not in plain  # strongly typed whatever else is asked
 
 
 def test_trtexec_command_follows_the_tensorrt_version():
-    """trtexec's options per release (samples/common/sampleOptions.cpp): 11.x has no --fp16/--bf16
-    and --stronglyTyped is a no-op there; --enablePluginOverride exists from 10.15 and is needed
-    only for nodes without plugin_namespace; paths are shell-quoted."""
+    """trtexec's options per release (samples/common/sampleOptions.cpp): --stronglyTyped on 10.x
+    (11.x has only strong typing and no --fp16/--bf16); --enablePluginOverride exists from 10.15
+    and is needed only for nodes without plugin_namespace; paths are shell-quoted."""
     limits = B.derive_limits(EXPORT_INPUTS, tokens=Limit(1, 64, 4096), seqs=Limit(1, 8, 32), max_context=1000)
     shapes = B.profile_shapes(EXPORT_INPUTS[:3], limits)
     v11 = B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(11, 1))
     assert "--stronglyTyped" not in v11 and "--preview=+aliasedPluginIO1003" in v11
-    with pytest.raises(ValueError, match="trtexec 11.1 has no --fp16/--bf16"):
-        B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(11, 1), fp16=True, strongly_typed=False)
+    assert "--stronglyTyped" in B.trtexec_command("m.onnx", "lib.so", "m.plan", shapes, trt_version=(10, 16))
     assert "--enablePluginOverride" in B.trtexec_command(
         "m.onnx", "l.so", "p", shapes, trt_version=(10, 15), plugin_override=True
     )
@@ -268,7 +270,7 @@ def test_engine_summary():
 
 
 # ------------------------------------------------------------------- with the onnx package
-def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
+def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False, present=False):
     import onnx  # a dependency of the package: missing is a failure, not a skip
     from onnx import TensorProto, helper
 
@@ -284,6 +286,9 @@ def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
     ]
     outputs = [vi("ids_out", TensorProto.INT64, ["num_tokens"])]
     nodes = [helper.make_node("Identity", ["input_ids"], ["ids_out"])]
+    if present:
+        outputs.append(vi("present.0.key", TensorProto.FLOAT16, ["num_kv_blocks", kv_block, 2, 64]))
+        nodes.append(helper.make_node("Identity", ["past.0.key"], ["present.0.key"]))
     if node:
         nodes.append(
             helper.make_node(
@@ -316,7 +321,8 @@ def _tiny_onnx(path, *, kv_block=16, metadata=True, node=False):
     return path
 
 
-def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt):
+def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --out t.plan: its profile record lands beside it
     model = _tiny_onnx(tmp_path / "tiny.onnx")
     code = B.main(
         [
@@ -340,6 +346,7 @@ def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt):
     assert "--dynamicPlugins=build/libdash_trt_plugin.so" in flat
     assert ("--maxShapes=input_ids:512,coords:512x4,block_tables:4x16,query_start_loc:5,past.0.key:64x16x2x64 ") in flat
     assert "--saveEngine=t.plan" in flat
+    assert (tmp_path / "t.plan.profile.json").is_file() and not (tmp_path / "t.plan").exists()
 
 
 @pytest.mark.parametrize("source", ["metadata", "node"])
@@ -361,9 +368,11 @@ def test_print_trtexec_per_version_and_for_old_exports(tmp_path, capsys, no_tens
     out, err = capsys.readouterr()
     assert "--enablePluginOverride" in out and "no plugin_namespace attribute" in err
     assert B.main([str(marked), *base, "--trt-version", "11.1", "--fp16"]) == 2
-    assert "trtexec 11.1 has no --fp16/--bf16" in capsys.readouterr().err
+    assert "strongly typed engines only" in capsys.readouterr().err
+    assert B.main([str(marked), *base, "--trt-version", "10.7"]) == 2
+    assert "needs TensorRT >= 10.8" in capsys.readouterr().err
     assert B.main([str(marked), *base]) == 0  # no tensorrt package: says which version it assumed
-    assert "the command is for TensorRT 10.8" in capsys.readouterr().err
+    assert "the command is for TensorRT 10.8 (the oldest supported" in capsys.readouterr().err
     assert B.main([str(marked), *base, "--trt-version", "eleven"]) == 2
     assert "--trt-version must be MAJOR.MINOR" in capsys.readouterr().err
 
@@ -399,7 +408,11 @@ def test_loading_the_plugin_is_checked():
             # the creator plugins/trt/dash_plugin.h registers (kPluginName, kPluginVersion, no namespace)
             return self.creator if (name, version, namespace) == ("DashAttention", "2", "") else None
 
-    assert B.load_plugin_library(Registry(object(), object()), "p.so") is None
+    class Loaded(Registry):  # the library was loaded before in this process: its creator is there
+        def load_library(self, path):
+            raise AssertionError("loaded twice: TensorRT would refuse the second registration")
+
+    assert B.load_plugin_library(Loaded(None, object()), "p.so") is None
     assert "could not load p.so: dlopen failed" in B.load_plugin_library(Registry("raise", None), "p.so")
     assert "could not load p.so (see the TensorRT log" in B.load_plugin_library(Registry(None, None), "p.so")
     assert "registers no DashAttention v2 creator" in B.load_plugin_library(Registry(object(), None), "p.so")
@@ -418,3 +431,108 @@ def test_image_feature_inputs_get_a_profile_from_zero_rows_to_one_per_token():
     shapes = B.profile_shapes(inputs, limits)
     assert shapes["image_features"] == ((0, 40), (128, 40), (4096, 40))
     assert shapes["image_feature_index"] == shapes["input_ids"] == ((1,), (128,), (4096,))
+
+
+def test_io_memory_and_the_kv_pool_budget(tmp_path, capsys, no_tensorrt):
+    """What Triton's TensorRT backend allocates (every input and output at the profile's maximum),
+    printed and recorded beside --out; --kv-pool-gib sizes the block count to a budget."""
+    model = _tiny_onnx(tmp_path / "tiny.onnx", present=True)
+    out = tmp_path / "t.plan"
+    base = [str(model), "--plugin", "lib.so", "--print-trtexec", "--out", str(out)]
+    small = ["--max-tokens", "8", "--max-seqs", "2", "--max-context", "64"]  # table width 4
+    assert B.main([*base, *small, "--kv-pool-gib", "0.5"]) == 0
+    stdout, err = capsys.readouterr()
+    per_block = 2 * 16 * 2 * 64 * 2  # past.0.key and present.0.key, float16
+    blocks = 2**29 // per_block
+    assert f"past.0.key:{blocks}x16x2x64 " in stdout.replace(" \\\n    ", " ") + " "
+    total = 8 * 8 + 8 * 4 * 4 + 2 * 4 * 4 + 3 * 4 + 8 * 8 + blocks * per_block
+    record = json.loads((tmp_path / "t.plan.profile.json").read_text())
+    assert record["binding_bytes"] == total and record["kv_blocks"] == blocks and record["kv_block_bytes"] == per_block
+    assert record["profile"]["past.0.key"][2] == [blocks, 16, 2, 64]
+    assert f"{total / 2**30:.2f} GiB per model instance, of which the KV caches 0.50 GiB ({blocks} blocks" in err
+    # the default profile: seqs.max x width.max blocks (64 x 2048 for a 32k context)
+    assert B.main([str(model), "--plugin", "lib.so", "--print-trtexec"]) == 0
+    err = capsys.readouterr().err
+    assert "of which the KV caches 1.00 GiB (131072 blocks x 8.0 KiB" in err
+    assert not (tmp_path / "model.plan.profile.json").exists()  # no --out: nothing written
+    assert B.main([*base, *small, "--kv-pool-gib", "0.000001"]) == 2
+    assert "one KV block takes" in capsys.readouterr().err
+
+
+def test_unknown_output_sizes_are_named():
+    inputs = [InputSpec("x", (-1,), ("num_tokens",), "FLOAT")]
+    outputs = [InputSpec("y", (-1, -1), ("num_tokens", "data_dependent"), "FLOAT")]
+    limits = B.derive_limits(EXPORT_INPUTS, tokens=Limit(1, 4, 16), seqs=Limit(1, 2, 4), max_context=64)
+    memory = B.binding_memory(inputs, outputs, limits, B.profile_shapes(inputs, limits))
+    assert memory.total == 16 * 4 and memory.unknown == ("y",)
+    assert "at least 0.00 GiB" in memory.describe() and "not known before the build: y" in memory.describe()
+
+
+class _FakeEngine:
+    def __init__(self, aliases, has_api=True):
+        self._aliases = aliases
+        self.num_io_tensors = 1 + len(aliases)
+        self.device_memory_size_v2 = 3 * 2**20
+        if has_api:
+            self.get_aliased_input_tensor = lambda name: self._aliases.get(name)
+
+    def get_tensor_name(self, i):
+        return (["past.0.key", *self._aliases])[i]
+
+    def get_tensor_mode(self, name):
+        return "TensorIOMode.OUTPUT" if name in self._aliases else "TensorIOMode.INPUT"
+
+
+def test_aliasing_is_reported_as_the_engine_says():
+    """dash-build prints each output's aliased input (getAliasedInputTensor, 10.15+), that one has
+    none (TensorRT may copy around the plugin), or that this TensorRT cannot say; and the engine's
+    device memory."""
+    both = _FakeEngine({"present.0.key": "past.0.key", "logits": None})
+    assert B.engine_aliases(both) == {"present.0.key": "past.0.key", "logits": None}
+    lines = B.describe_engine_io(both)
+    assert lines[:2] == ["aliased outputs: 1 of 2", "  present.0.key -> past.0.key"]
+    assert "engine device memory (activations and workspace, besides the I/O): 3.0 MiB" in lines
+    none = B.describe_engine_io(_FakeEngine({"present.0.key": None}))
+    assert any("no alias reported for 1 present.* output(s) (present.0.key" in line for line in none)
+    old = B.describe_engine_io(_FakeEngine({"present.0.key": None}, has_api=False))
+    assert B.engine_aliases(_FakeEngine({}, has_api=False)) is None and "not reported by this TensorRT" in old[0]
+
+
+def test_help_and_print_trtexec_need_no_torch(tmp_path):
+    """dash-build --help and --print-trtexec (which finds the installation's plugin) in an
+    interpreter where torch cannot be imported."""
+    model = _tiny_onnx(tmp_path / "tiny.onnx")
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['tensorrt'] = None\n"
+        "import os; os.environ['DASH_TRT_PLUGIN'] = sys.argv[2]\n"
+        "from dash_trt.build import main\n"
+        "rc = main([sys.argv[1], '--print-trtexec', '--max-context', '64'])\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    rc = rc or e.code\n"
+        "sys.exit(rc)"
+    )
+    plugin = tmp_path / "libdash_trt_plugin.so"
+    plugin.write_bytes(b"\x7fELF")
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(plugin)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"--dynamicPlugins={plugin}" in r.stdout and "usage: dash-build" in r.stdout
+
+
+def test_a_plugin_of_another_tensorrt_major_is_refused(tmp_path, capsys, no_tensorrt, monkeypatch):
+    """The plugin registers its creator only in a TensorRT of the major it was built for: a
+    command for another major is refused, naming both; with no tensorrt package the command is
+    for the plugin's own version."""
+    from dash_trt import libraries
+
+    marked = _tiny_onnx(tmp_path / "m.onnx", node=True)
+    plugin = tmp_path / "libdash_trt_plugin.so"
+    plugin.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(libraries, "plugin_tensorrt_version", lambda path: (11, 1))
+    base = [str(marked), "--plugin", str(plugin), "--print-trtexec", "--max-context", "64"]
+    assert B.main([*base, "--trt-version", "10.16"]) == 2
+    err = capsys.readouterr().err
+    assert "built against TensorRT 11.1 headers and the command is for TensorRT 10.16" in err
+    assert B.main(base) == 0
+    out, err = capsys.readouterr()
+    assert "the command is for TensorRT 11.1 (the plugin was built for it" in err and "--stronglyTyped" not in out

@@ -282,20 +282,20 @@ def test_kernel_architectures_are_named_as_torch_names_them():
 
 
 def test_plugin_is_found_in_the_installation_or_through_the_environment(monkeypatch, tmp_path):
-    from dash_trt import cuda
+    from dash_trt import libraries
 
-    plugin = tmp_path / cuda.PLUGIN_NAME
-    static = tmp_path / cuda.STATIC_PLUGIN_NAME
+    plugin = tmp_path / libraries.PLUGIN_NAME
+    static = tmp_path / libraries.STATIC_PLUGIN_NAME
     monkeypatch.setenv("DASH_TRT_PLUGIN", str(plugin))
-    assert cuda.plugin_path() is None and cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) is None
+    assert libraries.plugin_path() is None and libraries.plugin_path(libraries.STATIC_PLUGIN_NAME) is None
     plugin.write_bytes(b"x")
-    assert cuda.plugin_path() == plugin and cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) is None
+    assert libraries.plugin_path() == plugin and libraries.plugin_path(libraries.STATIC_PLUGIN_NAME) is None
     static.write_bytes(b"x")
-    assert cuda.plugin_path(cuda.STATIC_PLUGIN_NAME) == static
+    assert libraries.plugin_path(libraries.STATIC_PLUGIN_NAME) == static
     # without the variable: the package's own lib/ folder (where a wheel puts both)
     monkeypatch.delenv("DASH_TRT_PLUGIN")
     lib = tmp_path / "pkg" / "lib"
     lib.mkdir(parents=True)
-    (lib / cuda.PLUGIN_NAME).write_bytes(b"x")
-    monkeypatch.setattr(cuda, "__file__", str(tmp_path / "pkg" / "cuda.py"))
-    assert cuda.plugin_path() == lib / cuda.PLUGIN_NAME
+    (lib / libraries.PLUGIN_NAME).write_bytes(b"x")
+    monkeypatch.setattr(libraries, "__file__", str(tmp_path / "pkg" / "libraries.py"))
+    assert libraries.plugin_path() == lib / libraries.PLUGIN_NAME

@@ -58,6 +58,50 @@ def test_onnxrt_matches_the_reference(demo_onnx, tmp_path, capsys):
     assert set(feeds[0]) >= {"input_ids", "coords", "past.0.key"}
 
 
+def test_the_ecosystem_s_graph_tools_work_on_the_export(demo_onnx, tmp_path, capsys):
+    """onnx-graphsurgeon imports and exports the file (every attribute round-trips; the copy
+    runs in ONNX Runtime with the same outputs), and ``polygraphy check lint`` passes with the
+    feeds dash-compare saves (the supported way to run polygraphy on it: random feeds index
+    outside the block tables' cache)."""
+    import subprocess
+    import sys
+
+    import onnx_graphsurgeon as gs
+    import onnxruntime as ort
+
+    graph = gs.import_onnx(onnx.load(demo_onnx))
+    copy = tmp_path / "surgeon.onnx"
+    onnx.save(gs.export_onnx(graph), str(copy))
+    ins = tmp_path / "in.json"
+    assert C.main([demo_onnx, "--demo", "--no-cuda", "--save-inputs", str(ins)]) == 0
+    capsys.readouterr()
+    from polygraphy.json import load_json
+
+    feeds = load_json(str(ins))[0]
+    a = ort.InferenceSession(demo_onnx, providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(str(copy), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    # the polygraphy command (its console script's body), in this interpreter
+    polygraphy = [sys.executable, "-c", "import sys; from polygraphy.tools import main; sys.exit(main())"]
+    r = subprocess.run(
+        [*polygraphy, "check", "lint", demo_onnx, "--load-inputs", str(ins), "-o", str(tmp_path / "lint.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "lint.json").read_text())
+    assert not report["summary"]["failing"] and len(report["summary"]["passing"]) > 100
+    assert not [e for e in report["lint_entries"] if e.get("level") in ("exception", "error")]
+    # random feeds (what plain `polygraphy run --onnxrt` makes) index outside the cache: the
+    # reason to load dash-compare's feeds
+    r = subprocess.run([*polygraphy, "check", "lint", demo_onnx], capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    with pytest.raises(SystemExit):
+        C.main(["--help"])
+    assert "polygraphy check lint model.onnx --load-inputs inputs.json" in capsys.readouterr().out.replace("\n", " ")
+
+
 def test_corrupted_weights_fail_loudly(demo_onnx, tmp_path, capsys):
     m = onnx.load(demo_onnx)
     biggest = max(

@@ -128,9 +128,29 @@ def test_dash_export_and_dash_compare_take_the_model(folder, tmp_path):
     graph = onnx.load(str(out), load_external_data=False).graph
     assert [i.name for i in graph.input][7:9] == list(M.IMAGE_INPUTS)
     assert sum(n.op_type == "DashAttention" for n in graph.node) == 3
-    res = run_cli("dash_trt.compare", str(out), "--checkpoint", str(folder), "--model", SPEC, "--no-cuda")
+    feeds = tmp_path / "in.json"
+    res = run_cli(
+        "dash_trt.compare",
+        str(out),
+        "--checkpoint",
+        str(folder),
+        "--model",
+        SPEC,
+        "--no-cuda",
+        "--save-inputs",
+        str(feeds),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all backends match the reference" in res.stdout
+    # polygraphy's linter on the export, fed what dash-compare saved (README, "Check an export")
+    lint = subprocess.run(
+        [sys.executable, "-c", "import sys; from polygraphy.tools import main; sys.exit(main())", "check", "lint"]
+        + [str(out), "--load-inputs", str(feeds)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert lint.returncode == 0 and "PASSED" in lint.stdout + lint.stderr, lint.stdout[-2000:] + lint.stderr[-2000:]
 
 
 def test_onnx_runtime_generates_the_pytorch_tokens_with_image_features(custom, cases, tmp_path):

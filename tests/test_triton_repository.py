@@ -221,6 +221,46 @@ def test_plan_model_from_onnx(tmp_path, model, dtype, triton_type):
         )
 
 
+def test_plan_model_dims_and_memory_come_from_the_build_profile(tmp_path, model, capsys):
+    """dash-build (here --print-trtexec --out, which writes the same record as a build) leaves
+    model.plan.profile.json; dash-triton write --plan writes the dims the profile fixes (a KV
+    pool of 64 blocks, as Triton's TensorRT backend allocates every binding at the profile's
+    maximum) and says how much memory that is. Without the record it says it cannot tell."""
+    from dash_trt import build as B
+
+    onnx_path = fake_export(model, tmp_path / "model.onnx", kv_block_size=16, dtype=onnx.TensorProto.FLOAT16)
+    plan = tmp_path / "model.plan"
+    (tmp_path / "libdash_trt_plugin_static.so").write_bytes(b"\x7fELF stand-in")
+    (tmp_path / "libdash_trt_plugin.so").write_bytes(b"\x7fELF stand-in")
+    kwargs = dict(onnx=onnx_path, plan=str(plan), plugin=str(tmp_path / "libdash_trt_plugin_static.so"))
+    plan.write_bytes(b"not a real engine")
+    written = write_repository(tmp_path / "bare", model, **kwargs)
+    assert any("no model.plan.profile.json beside the plan" in m for m in written.messages)
+    assert parse_config(tmp_path / "bare" / "dash_plan" / "config.pbtxt").input[-1].dims[0] == -1
+
+    argv = [onnx_path, "--plugin", "lib.so", "--print-trtexec", "--out", str(plan), "--max-blocks", "64,64,64"]
+    assert B.main([*argv, "--max-tokens", "8", "--max-seqs", "2", "--max-context", "64"]) == 0
+    err = capsys.readouterr().err
+    record = json.loads((tmp_path / "model.plan.profile.json").read_text())
+    c = model.config
+    per = -(-16 // c.dash.sparse_block_size)  # summaries per KV block
+    per_block = 2 * (2 * 16 * c.num_key_value_heads * c.head_dim * 2 + 16 * c.index_head_dim * 2 + 16 * 4)
+    per_block += 2 * per * (c.index_head_dim * 4 + 3 * 4)  # inputs and outputs: every binding is allocated
+    assert record["kv_block_bytes"] == per_block * c.num_hidden_layers and record["kv_blocks"] == 64
+    assert f"{record['binding_bytes'] / 2**30:.2f} GiB per model instance" in err
+    written = write_repository(tmp_path / "repo", model, **kwargs)
+    cfg = parse_config(tmp_path / "repo" / "dash_plan" / "config.pbtxt")
+    ins = {i.name: list(i.dims) for i in cfg.input}
+    outs = {o.name: list(o.dims) for o in cfg.output}
+    assert ins["past.1.key"] == [64, 16, c.num_key_value_heads, c.head_dim]
+    assert outs["present.0.image_page"] == [64, 16]
+    assert ins["input_ids"] == [-1] and ins["block_tables"] == [-1, -1]  # not fixed by the profile
+    assert any(f"allocates {record['binding_bytes'] / 2**30:.2f} GiB per instance" in m for m in written.messages)
+    (tmp_path / "model.plan.profile.json").write_text("{not json")
+    with pytest.raises(RepositoryError, match="not a dash-build profile record"):
+        write_repository(tmp_path / "repo3", model, **kwargs)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("dash_trt.export") is None,
     reason="dash_trt.export (dash-export) comes with the export branch",

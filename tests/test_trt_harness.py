@@ -21,6 +21,8 @@ import dataclasses
 import glob
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,80 @@ pytestmark = pytest.mark.skipif(
     harness_path() is None,
     reason=f"{HARNESS_NAME} not built (cmake -DDASH_BUILD_TRT_PLUGIN=ON -DDASH_BUILD_TESTS=ON; or DASH_TRT_HARNESS)",
 )
+
+# ------------------------------------------------------------------- the TensorRT major check
+FAKE_NVINFER = "int getInferLibMajorVersion(void) { return %d; }\n"
+
+
+def _fake_nvinfer(tmp_path: Path, soname: str, says: int) -> Path:
+    """A stand-in TensorRT runtime: a library named ``soname`` whose getInferLibMajorVersion
+    returns ``says`` (what the plugin reads of a loaded libnvinfer)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to make a stand-in libnvinfer")
+    src = tmp_path / f"{soname}.c"
+    src.write_text(FAKE_NVINFER % says)
+    out = tmp_path / soname
+    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def _plugin_in_process(tmp_path: Path, soname: str, says: int, library: str) -> subprocess.CompletedProcess:
+    """In a fresh process: the stand-in runtime loaded first (as TensorRT would be), then the
+    plugin ``library``; prints the creators getCreators hands out (the dynamic library)."""
+    fake = _fake_nvinfer(tmp_path, soname, says)
+    plugin = harness_path().with_name(library)
+    code = (
+        "import ctypes, sys\n"
+        "ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)\n"
+        "lib = ctypes.CDLL(sys.argv[2])\n"
+        "if sys.argv[2].endswith('libdash_trt_plugin.so'):\n"
+        "    n = ctypes.c_int32(-1)\n"
+        "    lib.getCreators.restype = ctypes.c_void_p\n"
+        "    lib.getCreators.argtypes = [ctypes.POINTER(ctypes.c_int32)]\n"
+        "    lib.getCreators(ctypes.byref(n))\n"
+        "    print('creators', n.value)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(fake), str(plugin)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_plugin_knows_the_tensorrt_it_was_built_for():
+    from dash_trt.libraries import plugin_tensorrt_version
+
+    header = harness_path().parents[2] / "CMakeCache.txt"
+    version = plugin_tensorrt_version(harness_path().with_name("libdash_trt_plugin.so"))
+    assert version is not None and version >= (10, 8), version
+    assert plugin_tensorrt_version(harness_path().with_name("no_such_library.so")) is None
+    if header.is_file():  # the build's own TensorRT headers
+        roots = [line.split("=", 1)[1] for line in header.read_text().splitlines() if line.startswith("TensorRT_ROOT")]
+        assert not roots or f"{version[0]}." in roots[0] or f"v{version[0]}" in roots[0], (roots, version)
+
+
+@pytest.mark.parametrize("library", ["libdash_trt_plugin.so", "libdash_trt_plugin_static.so"])
+def test_a_tensorrt_of_another_major_gets_nothing_registered(tmp_path, library):
+    """A TensorRT runtime of another major than the plugin's headers is loaded: the plugin hands
+    out no creator (the dynamic library) or registers none (the static one) and says which
+    TensorRT it needs, instead of calling the runtime through vtables of another layout."""
+    from dash_trt.libraries import plugin_tensorrt_version
+
+    major = plugin_tensorrt_version(harness_path().with_name("libdash_trt_plugin.so"))[0]
+    other = 11 if major == 10 else 10
+    r = _plugin_in_process(tmp_path, f"libnvinfer.so.{other}", other, library)
+    assert r.returncode == 0, r.stderr
+    assert f"was built for TensorRT {major}" in r.stderr and f"this process runs TensorRT {other}" in r.stderr
+    assert "nothing registered" in r.stderr
+    if library == "libdash_trt_plugin.so":
+        assert "creators 0" in r.stdout
+        # the runtime of the plugin's own major (or one whose file name is another's but which
+        # says it is ours): the creator is handed out, nothing printed
+        for soname, says in ((f"libnvinfer.so.{major}", major), (f"libnvinfer_lean.so.{other}", major)):
+            ok = _plugin_in_process(tmp_path, soname, says, library)
+            assert ok.returncode == 0 and "creators 1" in ok.stdout and "built for" not in ok.stderr, ok.stderr
+
 
 # ------------------------------------------------------------------------------ the I/O table
 # The plugin's inputs in the ONNX node's order, with the symbols of their dims (plugins/trt).

@@ -17,7 +17,7 @@ from dash_trt.serving.tensorrt import TensorRTBackend, TensorRTBackendError, Ten
 CHOSEN = 65  # the token the stand-in engine's logits make greedy decoding pick
 
 
-def fake_tensorrt(io_names, *, vocab=320, loads=True, registers=True):
+def fake_tensorrt(io_names, *, vocab=320, loads=True, registers=True, aliases=None):
     """A ``tensorrt`` module with the calls TensorRTBackend makes; the context records them and
     writes logits that make greedy decoding pick CHOSEN."""
     trt = types.ModuleType("tensorrt")
@@ -78,6 +78,11 @@ def fake_tensorrt(io_names, *, vocab=320, loads=True, registers=True):
         def create_execution_context(self):
             self.context = Context()
             return self.context
+
+        if aliases is not None:  # TensorRT >= 10.15 reports each output's aliased input
+
+            def get_aliased_input_tensor(self, name):
+                return aliases.get(name)
 
     class Registry:
         def load_library(self, path):
@@ -177,3 +182,22 @@ def test_runtime_device_is_only_for_backends(demo):
     with pytest.raises(RuntimeConfigError, match="only a backend"):
         PagedRuntime(demo, 8, 16, device="meta")
     assert np.asarray([0]).size == 1
+
+
+def test_the_engine_s_aliases_are_checked_before_binding(monkeypatch, tmp_path, demo):
+    """An engine that reports present.* aliased to its past.* (or to nothing: TensorRT copied
+    around the plugin) is bound in place; one that aliases an output to another input is refused."""
+    (tmp_path / "m.plan").write_bytes(b"plan")
+    p = M.document_prompt([4], "", demo.config)
+    layers = demo.config.num_hidden_layers
+    good = {f"present.{i}.{f}": f"past.{i}.{f}" for i in range(layers) for f in CACHE_FIELDS}
+    for aliases in (good, {**good, "present.0.key": None}):
+        _install(monkeypatch, fake_tensorrt(io_of(demo), aliases=aliases))
+        rt = PagedRuntime(demo, 8, 16, backend=TensorRTBackend(str(tmp_path / "m.plan"), "lib.so", device="cpu"))
+        rt.add(0, p, len(p))
+        rt.step([(0, len(p))])
+    _install(monkeypatch, fake_tensorrt(io_of(demo), aliases={**good, "present.1.key": "past.1.value"}))
+    rt = PagedRuntime(demo, 8, 16, backend=TensorRTBackend(str(tmp_path / "m.plan"), "lib.so", device="cpu"))
+    rt.add(0, p, len(p))
+    with pytest.raises(TensorRTBackendError, match="aliases present.1.key to past.1.value, not to past.1.key"):
+        rt.step([(0, len(p))])

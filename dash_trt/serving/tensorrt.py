@@ -40,6 +40,23 @@ class TensorRTBackendError(RuntimeError):
     """The engine does not fit the model, or TensorRT refused a step."""
 
 
+def check_aliases(aliases: dict[str, str | None] | None, present: list[str]) -> None:
+    """The engine's report of its aliased outputs (:func:`dash_trt.build.engine_aliases`) against
+    the binding this backend makes, ``present.*`` on its ``past.*`` buffer: an output the engine
+    aliases to any other input is an error. An output it reports no alias for (TensorRT copies
+    around a plugin's aliased output, or a ``--no-aliasing`` build) is bound in place all the
+    same: the plugin writes the cache in place either way."""
+    if aliases is None:
+        return
+    wrong = [(o, aliases[o]) for o in present if aliases.get(o) and aliases[o] != "past." + o[len("present.") :]]
+    if wrong:
+        o, i = wrong[0]
+        raise TensorRTBackendError(
+            f"the engine aliases {o} to {i}, not to past.{o[len('present.') :]}: it is not an engine of this "
+            "model's export (build it with dash-build)"
+        )
+
+
 class TensorRTBackend:
     """Runs the serving runtime's steps on a TensorRT engine of the exported graph."""
 
@@ -93,6 +110,9 @@ class TensorRTBackend:
                 f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''} (build it from "
                 f"this model's export with dash-build)"
             )
+        from ..build import engine_aliases
+
+        check_aliases(engine_aliases(self.engine), present)
         self._checked = True
 
     def run(

@@ -212,6 +212,41 @@ def onnx_io(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]
     return inputs, outputs
 
 
+def _plan_sizing(
+    plan: str, onnx: str, inputs: list[TensorSpec], outputs: list[TensorSpec]
+) -> tuple[list[TensorSpec], list[TensorSpec], str]:
+    """The plan model's inputs and outputs with the dims its engine's profile fixes (from the
+    record dash-build writes beside the plan), and a line saying what Triton will allocate."""
+    from ..build import PROFILE_SUFFIX, fixed_dims, read_profile_record
+
+    try:
+        record = read_profile_record(plan)
+    except ValueError as exc:
+        raise RepositoryError(str(exc)) from None
+    if record is None:
+        return (
+            inputs,
+            outputs,
+            f"no {os.path.basename(plan)}{PROFILE_SUFFIX} beside the plan: how much memory Triton's TensorRT "
+            "backend will take is not known here (it allocates every input and output at the engine profile's "
+            "maximum); dash-build writes that record (and prints the figure), also with --print-trtexec --out",
+        )
+    io = read_graph(onnx)
+    graph = {t.name: t for t in (*io.inputs, *io.outputs)}
+
+    def sized(spec: TensorSpec) -> TensorSpec:
+        names = graph[spec.name].dim_names if spec.name in graph else ()
+        return TensorSpec(spec.name, spec.data_type, fixed_dims(spec.name, spec.dims, names, record))
+
+    gib = int(record["binding_bytes"]) / 2**30
+    unknown = record.get("binding_bytes_unknown") or []
+    line = (
+        f"the tensorrt_plan model: Triton's TensorRT backend allocates {'at least ' if unknown else ''}{gib:.2f} GiB "
+        f"per instance (every input and output at the profile's maximum, {record['kv_blocks']} KV blocks)"
+    )
+    return [sized(s) for s in inputs], [sized(s) for s in outputs], line
+
+
 def _check_onnx_matches(graph: GraphIO, model: DashModel, kv_block_size: int) -> None:
     """The ONNX graph and the checkpoint must be the same model (layers, cache shapes,
     vocabulary: :meth:`GraphIO.mismatches`) with the generation models' KV block size."""
@@ -545,7 +580,7 @@ def write_repository(
     messages: list[str] = []
     plan_cfg = None
     if plan is not None and plugin is None:
-        from ..cuda import STATIC_PLUGIN_NAME, plugin_path
+        from ..libraries import STATIC_PLUGIN_NAME, plugin_path
 
         found = plugin_path(STATIC_PLUGIN_NAME)  # the installation's plugin, when it carries one
         plugin = str(found) if found else None
@@ -562,6 +597,8 @@ def write_repository(
         inputs, outputs = onnx_io(onnx)
         _check_onnx_matches(read_graph(onnx), model, engine.kv_block_size)
         if plan is not None:
+            inputs, outputs, sizing = _plan_sizing(plan, onnx, inputs, outputs)
+            messages.append(sizing)
             plan_cfg = plan_model_config(
                 name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances, gpus=plan_gpus
             )

@@ -2,7 +2,9 @@
 #include "dash_logging.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
+#include <string>
 
 #if !defined(_WIN32)
 #include <dlfcn.h>
@@ -70,9 +72,42 @@ void* findTensorRTSymbol(char const* name) noexcept {
 #endif
 }
 
+int foreignTensorRTMajor() noexcept {
+#if defined(_WIN32)
+    return 0;
+#else
+    for (int major = 8; major <= 19; ++major) {
+        if (major == NV_TENSORRT_MAJOR) continue;
+        for (char const* stem : {"libnvinfer.so.", "libnvinfer_lean.so.", "libnvinfer_dispatch.so."}) {
+            std::string const lib = stem + std::to_string(major);
+            void* handle = dlopen(lib.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+            if (handle == nullptr) continue;
+            // The library says which major it is where it can (getInferLibMajorVersion, 10.x on);
+            // a library that says ours is ours, whatever its file is called.
+            using MajorFn = int32_t (*)();
+            auto const fn = reinterpret_cast<MajorFn>(dlsym(handle, "getInferLibMajorVersion"));
+            int const found = fn != nullptr ? static_cast<int>(fn()) : major;
+            dlclose(handle);
+            if (found != NV_TENSORRT_MAJOR) return found;
+        }
+    }
+    return 0;
+#endif
+}
+
+std::string foreignTensorRTMessage(int major, char const* library) {
+    return std::string("[E] DashAttention: ") + library + " was built for TensorRT " +
+           std::to_string(NV_TENSORRT_MAJOR) + " (headers " + std::to_string(NV_TENSORRT_MAJOR) + "." +
+           std::to_string(NV_TENSORRT_MINOR) + ") and this process runs TensorRT " + std::to_string(major) +
+           ": nothing registered. Use the plugin built against TensorRT " + std::to_string(major) +
+           " headers (plugins/trt/README.md, 'TensorRT versions').";
+}
+
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept {
+    // Another major's finder has another vtable layout: never call it.
+    if (finder == nullptr || foreignTensorRTMajor() != 0) return;
     nvinfer1::ILoggerFinder* expected = nullptr;
-    if (finder != nullptr) gFinder.compare_exchange_strong(expected, finder);
+    gFinder.compare_exchange_strong(expected, finder);
 }
 
 void log(Severity severity, std::string const& message) noexcept {

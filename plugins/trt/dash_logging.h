@@ -36,6 +36,16 @@ inline void logVerbose(std::string const& message) noexcept { log(Severity::kVER
 //! major version these headers describe), or nullptr. Never loads a library itself.
 void* findTensorRTSymbol(char const* name) noexcept;
 
+//! The major version of a TensorRT runtime the process has loaded that is not the one these
+//! headers describe (libnvinfer, lean or dispatch of majors 8 to 19, found by soname, not
+//! loaded here), or 0 if there is none. The plugin's vtables, logger and registry calls follow
+//! the headers' major: with another major loaded it must register nothing and call nothing
+//! (ILoggerFinder gained a versioned base in 11.x, IPluginRegistry lost its V2 methods).
+int foreignTensorRTMajor() noexcept;
+
+//! The line to print when foreignTensorRTMajor() is not 0.
+std::string foreignTensorRTMessage(int major, char const* library);
+
 }  // namespace trt
 }  // namespace dash
 

@@ -24,6 +24,11 @@ using GetPluginRegistryFn = nvinfer1::IPluginRegistry* (*)();
 
 void registerDashCreators() noexcept {
     try {
+        if (int const major = dash::trt::foreignTensorRTMajor()) {
+            std::fprintf(stderr, "%s\n",
+                         dash::trt::foreignTensorRTMessage(major, "libdash_trt_plugin_static.so").c_str());
+            return;
+        }
         auto const getRegistry =
             reinterpret_cast<GetPluginRegistryFn>(dash::trt::findTensorRTSymbol("getPluginRegistry"));
         nvinfer1::IPluginRegistry* registry = getRegistry != nullptr ? getRegistry() : nullptr;

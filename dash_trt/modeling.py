@@ -321,7 +321,9 @@ class DashAttention(nn.Module):
                     f"DashAttention layer {self.layer_idx}: {name} is {list(x.shape)}, "
                     f"expected {list(shape)} (T, heads, head_dim as configured)"
                 )
-        return dash.attend(self, q, k, v, iq, ik, head_cls)
+        # One float type for the node's activations (the ONNX schema's T; the TensorRT plugin
+        # reads head_cls in q's type): a model keeping head_cls in another dtype is cast here.
+        return dash.attend(self, q, k, v, iq, ik, head_cls.to(q.dtype))
 
     def extra_repr(self) -> str:
         return (

@@ -111,7 +111,7 @@ _INPUT_TYPES = {
     "iq": "T",
     "ik": "T",
     "coords": "I",
-    "head_cls": "TC",
+    "head_cls": "T",  # the plugin reads it in q's type (plugins/trt/dash_plugin.cpp, kData)
     "key_cache": "T",
     "value_cache": "T",
     "index_key_cache": "T",
@@ -158,8 +158,7 @@ def register_schema() -> None:
         inputs=[S.FormalParameter(n, _INPUT_TYPES[n]) for n in TENSOR_INPUTS],
         outputs=[S.FormalParameter(n, _OUTPUT_TYPES[n]) for n in OUTPUTS],
         type_constraints=[
-            ("T", _FLOAT_TYPES, "activations and caches"),
-            ("TC", _FLOAT_TYPES, "head_cls"),
+            ("T", _FLOAT_TYPES, "activations, head_cls and caches"),
             ("I", _INDEX_TYPES, "coordinates and batch metadata"),
         ],
         attributes=[S.Attribute(a.name, _ATTR_TYPE[a.onnx_type], a.doc, required=True) for a in A.NODE_ATTRIBUTES],

@@ -571,3 +571,18 @@ def test_cli_removes_the_stale_data_file_of_an_earlier_export(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
     assert "removed m.onnx.data of an earlier export" in capsys.readouterr().err
     E.check_onnx(out)
+
+
+def test_the_schema_ties_head_cls_to_the_activations_type():
+    """head_cls is in q's float type (the plugin reads it so): the schema's type inference refuses
+    a node whose head_cls is float32 beside float16 activations; DashAttention casts a model's
+    head_cls to q's dtype before the node."""
+    from onnx import TensorProto
+
+    cfg = DashConfig.from_dict({"sparse_block_size": 16, "sparse_local_block": 1, "sparse_index_dim": 32})
+    model = O.single_node_model(A.encode(cfg, 0), dtype=TensorProto.FLOAT16)
+    onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)  # consistent: accepted
+    head = next(i for i in model.graph.input if i.name == "head_cls")
+    head.type.tensor_type.elem_type = TensorProto.FLOAT
+    with pytest.raises(onnx.shape_inference.InferenceError, match="head_cls|T"):
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)

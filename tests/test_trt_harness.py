@@ -785,6 +785,20 @@ def test_workspace_size_depends_on_every_dim_of_the_profile(harness):
     assert p.workspace_size(io_descs(dict(sizes, NB=64))) == small
 
 
+def test_workspace_bound_covers_narrower_tables_than_the_widest(harness):
+    """Past DASH_QUERY_MAJOR_MAX_BLOCKS (40,960) sparse blocks the query-major tiles are off, so a
+    table of exactly that width needs more workspace than a wider one: the profile's bound is
+    taken over both, and every width of the profile fits in it."""
+    p = plugin_for(harness, make_config(64))
+    sizes = dict(BASE_SIZES, T=2048, B=1, BSZ=64, sbs=64, NB=50000)
+    at_limit = p.workspace_size(io_descs(dict(sizes, W=40960)))
+    past = p.workspace_size(io_descs(dict(sizes, W=40961)))
+    assert at_limit > past > 0  # what makes the bound non-monotone (query-major buffers)
+    bounds = {"T": (1, 2048), "B": (1, 1), "W": (1, 50000), "NB": (50000, 50000)}
+    bound = p.workspace_size(io_descs(dict(sizes, W=50000), bounds=bounds))
+    assert bound >= at_limit, (bound, at_limit)
+
+
 def test_enqueue_refuses_a_call_larger_than_its_workspace(harness):
     """Needs no GPU: the workspace TensorRT allocated is getWorkspaceSize's answer for the
     profile; a call that needs more is refused before any buffer is touched, also after the

@@ -308,7 +308,7 @@ constexpr int kWgBlockMajor = 1, kWgQueryMajor = 2;  // Plan::warpgroup bits
 constexpr int kQmBlocks = 128;
 // qm_prep_kernel counts a tile's selectors of every sparse block of the sequence in a byte of
 // shared memory each: query-major tiles need plan.max_blocks at most this.
-constexpr int kQmMaxBlocks = 40 * 1024;
+constexpr int kQmMaxBlocks = DASH_QUERY_MAJOR_MAX_BLOCKS;
 constexpr int kQmWords = kQmRows / 32;  // mask words per (tile, block): up to 128 tokens a tile
 
 constexpr int kMaxIndexDimDevice = 512;

@@ -484,9 +484,22 @@ size_t DashAttentionPlugin::workspaceFor(DynamicPluginTensorDesc const* in, std:
         return true;
     };
     int64_t const last = std::min(maxSizes.T, minT + kTokenScan - 1);
-    for (int64_t t = minT; t <= last; ++t)
-        if (!account(t)) return 0;
-    if (last < maxSizes.T && !account(maxSizes.T)) return 0;
+    auto scan = [&]() {
+        for (int64_t t = minT; t <= last; ++t)
+            if (!account(t)) return false;
+        return last >= maxSizes.T || account(maxSizes.T);
+    };
+    if (!scan()) return 0;
+    // Nor is it monotone in the table width: past DASH_QUERY_MAJOR_MAX_BLOCKS sparse blocks the
+    // query-major tiles (and their buffers) are off, so a call with a narrower table than the
+    // profile's widest can need more. Evaluate the widest width at or below that limit too.
+    int64_t const blocksPerColumn = std::max<int64_t>(1, maxSizes.BSZ / std::max<int32_t>(1, p.sparse_block_size));
+    int64_t const qmWidth = DASH_QUERY_MAJOR_MAX_BLOCKS / blocksPerColumn;
+    int64_t const minW = std::max<int64_t>(1, in[kBlockTables].min.d[1]);
+    if (maxSizes.W > qmWidth && qmWidth >= minW) {
+        p.table_width = static_cast<int32_t>(qmWidth);
+        if (!scan()) return 0;
+    }
     size_t const total = kAlign /* to align TensorRT's pointer */ + dashBytes + indexBytes(maxSizes, typeOf);
     mWorkspaceKey = key.str();
     mWorkspaceBytes = total;

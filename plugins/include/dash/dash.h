@@ -27,6 +27,12 @@ extern "C" {
 #define DASH_API __attribute__((visibility("default")))
 #endif
 
+/* Sparse blocks per sequence (table_width * block_size / sparse_block_size) up to which a prefill
+ * may take the query-major tiles, whose workspace a wider table does not need: the workspace is
+ * not monotone in table_width across this value, so a caller bounding it over a range of widths
+ * (the TensorRT plugin) also evaluates the widest width at or below it. */
+#define DASH_QUERY_MAJOR_MAX_BLOCKS 40960
+
 typedef enum DashStatus {
     DASH_OK = 0,
     DASH_ERR_INVALID_ARGUMENT = 1, /* a size, pointer or configuration value is unusable */

@@ -56,14 +56,24 @@ def server(tmp_path_factory, model):
     ckpt = root / "model.pt"
     M.save_checkpoint(model, ckpt)
     write_repository(root / "repo", model, checkpoint=str(ckpt), engine=ENGINE, allow_engine_control=True)
-    with running_triton(root / "repo", root / "tritonserver.log", metrics_port=0) as srv:
+    # HTTP inference behind the admin key (serve --key-http-inference): the HTTP clients send it
+    with running_triton(root / "repo", root / "tritonserver.log", metrics_port=0, key_http_inference=True) as srv:
         yield srv
 
 
 @pytest.fixture
 def http(server):
-    with C.DashClient(server.http_url, protocol="http") as c:
+    with C.DashClient(server.http_url, protocol="http", admin_key=server.admin_key) as c:
         yield c
+
+
+@pytest.fixture
+def admin_key_file(server, tmp_path):
+    from dash_trt.triton.server import write_admin_key
+
+    path = tmp_path / "admin.key"
+    write_admin_key(str(path), server.admin_key)
+    return str(path)
 
 
 @pytest.fixture
@@ -127,15 +137,22 @@ def test_streaming_reports_progress_and_tokens(grpc, model):
     assert dones[-1] == len(prompt) and all(t == len(prompt) for _, t in progress)
 
 
-def test_client_command(server, model, prompts, want, capsys):
-    url = server.http_url
+def test_client_command(server, model, prompts, want, admin_key_file, capsys):
     text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
-    assert C.main(["--url", url, "--prompt", text, "--max-new-tokens", str(MAX_NEW[0])]) == 0
+    # this server's HTTP inference needs the admin key: refused without it, with a hint
+    assert C.main(["--url", server.http_url, "--prompt", text]) == 1
+    assert "expecting header 'dash-admin-key' (the server wants its admin key" in capsys.readouterr().err
+    url = server.http_url
+
+    def main(argv):  # dash-client over HTTP, with the key
+        return C.main([*argv, "--admin-key-file", admin_key_file])
+
+    assert main(["--url", url, "--prompt", text, "--max-new-tokens", str(MAX_NEW[0])]) == 0
     out, err = capsys.readouterr()
     assert f"tokens: {' '.join(map(str, want[0]))}" in out
     assert f"prompt: {len(prompts[0])} tokens, 3 page(s)" in err
     # --pages builds the same prompt as document_prompt; --json for scripts
-    assert C.main(["--url", url, "--pages", "30", "--question", "Title?", "--max-new-tokens", "4", "--json"]) == 0
+    assert main(["--url", url, "--pages", "30", "--question", "Title?", "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == want[1]
     # gRPC streaming shows prefill progress on a long prompt and the tokens as they come (a
     # document of its own: one another test sent would come from the prefix cache)
@@ -159,12 +176,12 @@ def test_client_command(server, model, prompts, want, capsys):
     assert "prefill 48/193 tokens (24%)" in err and "prefill 193/193 tokens (100%)" in err
     assert out.startswith("tokens: ")
     # a long unary prompt prints progress lines while it waits
-    assert C.main(["--url", url, "--pages", "60,60,60", "--max-new-tokens", "2", "--progress-threshold", "10"]) == 0
+    assert main(["--url", url, "--pages", "60,60,60", "--max-new-tokens", "2", "--progress-threshold", "10"]) == 0
     assert "waiting for the answer to a 183-token prompt" in capsys.readouterr().err
-    assert C.main(["--url", url, "--stats", "--json"]) == 0
+    assert main(["--url", url, "--stats", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_blocks_total"] == ENGINE.num_blocks
     # a refused request: exit 1 with the server's message
-    assert C.main(["--url", url, "--prompt", "no pages here"]) == 1
+    assert main(["--url", url, "--prompt", "no pages here"]) == 1
     assert "no image token" in capsys.readouterr().err
     # no server there: exit 3
     from dash_trt.triton.server import free_ports
@@ -175,9 +192,12 @@ def test_client_command(server, model, prompts, want, capsys):
 
 def _raw_infer(server, protocol, arrays):
     """Send arbitrary tensors (wrong dtypes and shapes included) with plain tritonclient."""
+    from dash_trt.triton.server import admin_key_plugin
+
     mod = C._module(protocol)
     url = server.http_url if protocol == "http" else server.grpc_url
     client = mod.InferenceServerClient(url)
+    client.register_plugin(admin_key_plugin(server.admin_key))  # HTTP inference needs it on this server
     try:
         inputs = []
         for name, (arr, dtype) in arrays.items():
@@ -361,6 +381,179 @@ def test_malformed_requests_mixed_into_128_concurrent_good_ones(server, grpc, mo
     assert s["done"] - before["done"] == 128 and s["failed"] == before["failed"]
     assert s["kv_blocks_free"] == ENGINE.num_blocks and s["kv_blocks_reserved"] == 0 and s["kv_blocks_pinned"] == 0
     assert s["waited"] > before["waited"]  # the pool could not hold them all at once
+
+
+# ------------------------------------------------------------------ Triton's surface
+#: Request shapes that crash Triton 2.51's HTTP front end (SIGSEGV: every request in flight is
+#: lost): an INT64 input declared with 2^40, 2^61 or 2^62 elements and sent with one value.
+CRASHING_SHAPES = (2**40, 2**61, 2**62)
+RESTRICTED = "This API is restricted, expecting header 'dash-admin-key'"
+
+
+def _http_post(url, path, body) -> tuple[int, str]:
+    """(status, body) of a POST without any key to Triton's HTTP front end at ``url``."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@contextlib.contextmanager
+def _shm_object(data: bytes):
+    """A /dev/shm object of this test's own (a name no one else uses), removed afterwards;
+    yields its shared-memory key ("/name")."""
+    import secrets
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = f"/dev/shm/dash-test-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, data)
+        yield "/" + os.path.basename(path)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_restricted_apis_refuse_a_client_without_the_admin_key(server):
+    """Registering a /dev/shm object as a shared-memory region (a request could then read it
+    through error messages and overwrite it through outputs), the repository index and model
+    control, statistics, trace and log settings: refused over HTTP and gRPC to a client without
+    the admin key or with a wrong one; the key opens them. What clients use stays open."""
+    from functools import partial
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from dash_trt.triton.server import admin_key_plugin
+
+    with _shm_object(b"not for clients " * 8) as key:
+        for mod, url in ((httpclient, server.http_url), (grpcclient, server.grpc_url)):
+            for sent in (None, "x" * 43):  # no key, a wrong key
+                client = mod.InferenceServerClient(url)
+                if sent:
+                    client.register_plugin(admin_key_plugin(sent))
+                try:
+                    for call in (
+                        partial(client.register_system_shared_memory, "probe", key, 64),
+                        client.get_system_shared_memory_status,
+                        client.get_model_repository_index,
+                        partial(client.unload_model, "dash"),
+                        client.get_inference_statistics,
+                        client.get_trace_settings,
+                        client.get_log_settings,
+                        partial(client.update_log_settings, {"log_verbose_level": 1}),
+                    ):
+                        with pytest.raises(InferenceServerException, match="is restricted, expecting header"):
+                            call()
+                    assert client.is_server_ready() and client.is_model_ready("dash")
+                    assert client.get_model_config("dash")
+                finally:
+                    client.close()
+            client = mod.InferenceServerClient(url)
+            client.register_plugin(admin_key_plugin(server.admin_key))
+            try:
+                client.register_system_shared_memory("probe", key, 64)
+                assert key in str(client.get_system_shared_memory_status())
+                client.unregister_system_shared_memory("probe")
+                assert key not in str(client.get_system_shared_memory_status())
+                assert "dash" in str(client.get_model_repository_index())
+            finally:
+                client.close()
+
+
+def test_requests_that_crash_triton_are_refused_while_128_good_ones_run(server, grpc, model, capsys):
+    """The requests that crash Triton 2.51 (HTTP inference with a huge declared shape) and a
+    shared-memory registration of a /dev/shm object, sent without the key while 128 good
+    requests are held by the engine (paused until then: the mix does not depend on timing):
+    each refused with 403, the server stays up, every good request gets its offline tokens."""
+    cases = make_cases(model.config, 128, seed=29, pages=(1, 3), images=(4, 32), max_new_tokens=(1, 6))
+    expected = expected_tokens(model, cases, kv_block_size=ENGINE.kv_block_size)
+    before = grpc.stats()
+    box = {}
+    load = threading.Thread(target=lambda: box.setdefault("report", run_load(grpc, cases, expected)))
+    answers = []
+    with paused_engine(grpc):
+        load.start()
+        _wait_for(grpc, lambda s: s["submitted"] - before["submitted"] == 128, "the 128 requests' arrival")
+        for n in CRASHING_SHAPES:
+            body = {"inputs": [{"name": P.INPUT_IDS, "shape": [n], "datatype": "INT64", "data": [1]}]}
+            answers.append(_http_post(server.http_url, "/v2/models/dash/infer", body))
+        with _shm_object(b"secret " * 16) as key:
+            body = {"key": key, "offset": 0, "byte_size": 64}
+            answers.append(_http_post(server.http_url, "/v2/systemsharedmemory/region/x/register", body))
+        assert server.alive()
+        assert grpc.stats()["done"] == before["done"]  # none of the 128 has finished yet
+    load.join(600)
+    assert not load.is_alive(), "the 128 requests did not finish in 600 s"
+    report = box["report"]
+    with capsys.disabled():
+        print(f"\n{report.summary()}\nred-team requests while they ran: {[code for code, _ in answers]}")
+    assert answers == [(403, json.dumps({"error": RESTRICTED}, separators=(",", ":")))] * (len(CRASHING_SHAPES) + 1)
+    assert report.correct == 128 and not report.wrong and not report.errors and not report.missing
+    assert report.pool_free and report.ok and server.alive()
+
+
+def test_serve_refuses_a_non_loopback_http_address_without_the_opt_in(tmp_path, model):
+    """Triton's HTTP front end on a non-loopback address needs --expose-triton-http: refused with
+    exit 2 before any server starts."""
+    import io
+
+    from dash_trt.triton.cli import main as dash_triton
+
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False, warmup=False)
+    err = io.StringIO()
+    argv = ["serve", str(tmp_path / "repo"), "--http-address", "0.0.0.0", "--admin-key-file", str(tmp_path / "k")]
+    assert dash_triton(argv, stdout=io.StringIO(), stderr=err) == 2
+    assert "--http-address 0.0.0.0 is not a loopback address" in err.getvalue()
+    assert "dash-triton openai, or pass --expose-triton-http" in err.getvalue()
+    assert not (tmp_path / "k").exists()
+
+
+def test_serve_keys_http_inference_and_gives_the_admin_key_to_its_owner_only(tmp_path, model):
+    """`serve --key-http-inference --admin-key-file PATH`: the key file is 0600 whatever the umask;
+    the crashing HTTP request is refused (403) and the server stays up; dash-client over HTTP and
+    dash-triton probe work with the key file; SIGTERM stops it with exit 0."""
+    import io
+    import signal
+    import stat
+
+    from dash_trt.triton.cli import main as dash_triton
+
+    repo = _fault_repo(tmp_path, model, streaming=False)
+    key_file = tmp_path / "admin.key"
+    old = os.umask(0o022)
+    try:
+        serve, grpc_url = _serve(repo, "--key-http-inference", "--admin-key-file", str(key_file))
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        http_url = serve.ready_line.split("HTTP ", 1)[1].split(",", 1)[0]
+        body = {"inputs": [{"name": P.INPUT_IDS, "shape": [CRASHING_SHAPES[0]], "datatype": "INT64", "data": [1]}]}
+        assert _http_post(http_url, "/v2/models/dash/infer", body)[0] == 403
+        prompt = M.document_prompt([20, 9], "Keyed?", model.config)
+        want_tokens = offline(model, [prompt], [4])[0]
+        out = io.StringIO()
+        argv = ["--url", http_url, "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--json"]
+        assert C.main([*argv, "--admin-key-file", str(key_file)], stdout=out, stderr=io.StringIO()) == 0
+        assert json.loads(out.getvalue())["tokens"] == want_tokens
+        out = io.StringIO()
+        probe = ["probe", "--url", grpc_url, "--admin-key-file", str(key_file)]
+        assert dash_triton(probe, stdout=out, stderr=out) == 0, out.getvalue()
+        assert out.getvalue().startswith("ok dash: ")
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert serve.returncode == 0, serve.stderr.read()[-2000:]
 
 
 def _wait_for(client, condition, what, limit=120.0):
@@ -664,6 +857,7 @@ def _serve(repo, *args):
         )
         line = serve.stdout.readline()
         if line.startswith("ready"):
+            serve.ready_line = line
             return serve, f"127.0.0.1:{grpc_port}"
         serve.kill()
         err = serve.stderr.read()
@@ -896,10 +1090,14 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
     import urllib.request
 
     from dash_trt.triton.cli import main as dash_triton
+    from dash_trt.triton.server import write_admin_key
 
-    def probe(url, *args):
+    key_file = str(tmp_path / "admin.key")
+
+    def probe(url, *args, key=True):
         out = io.StringIO()
-        code = dash_triton(["probe", "--url", url, "--timeout", "5", *args], stdout=out, stderr=out)
+        argv = ["probe", "--url", url, "--timeout", "5", *args] + (["--admin-key-file", key_file] if key else [])
+        code = dash_triton(argv, stdout=out, stderr=out)
         return code, out.getvalue().strip().splitlines()
 
     repo = _fault_repo(tmp_path, model, streaming=True)
@@ -907,6 +1105,10 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
     srv = _server_or_skip(repo)
     try:
         srv.start(timeout=240)
+        write_admin_key(key_file, srv.admin_key)
+        # the list of loaded models is a restricted API: without the key, exit 2 saying so
+        code, lines = probe(srv.grpc_url, key=False)
+        assert code == 2 and "lists its models only with its admin key" in lines[0], lines
         code, lines = probe(srv.grpc_url)
         assert code == 0 and sorted(line.split(":")[0] for line in lines) == ["ok dash", "ok dash_stream"], lines
         assert probe(srv.grpc_url, "--model", "dash_stream") == (0, [line for line in lines if "dash_stream" in line])

@@ -152,6 +152,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("repository")
     s.add_argument("--http-port", type=_port, default=8000)
+    s.add_argument(
+        "--http-address",
+        default="127.0.0.1",
+        help="address of Triton's HTTP front end (default %(default)s; gRPC and metrics always listen on "
+        "127.0.0.1); any other than a loopback address needs --expose-triton-http",
+    )
+    s.add_argument(
+        "--expose-triton-http",
+        action="store_true",
+        help="allow --http-address to be a non-loopback address (e.g. for a health probe from another "
+        "host); Triton's HTTP inference then needs the admin key too (docs/triton.md, What listens where)",
+    )
+    s.add_argument(
+        "--key-http-inference",
+        action="store_true",
+        help="Triton's HTTP inference API answers only requests with the admin key (a crafted HTTP "
+        "inference request can crash this Triton version; gRPC, which clients use without a key, refuses it)",
+    )
+    s.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="write the admin key of this run (random; the restricted APIs: shared memory, model repository, "
+        "statistics, trace, logging) to PATH, readable by its owner only (default: the key is not shown)",
+    )
     s.add_argument("--grpc-port", type=_port, default=8001)
     s.add_argument("--metrics-port", type=_port, default=None, help="enable metrics on this port")
     s.add_argument("--log", help="server log file (default: a scratch file, shown on failure)")
@@ -172,7 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "probe",
         help="check that every generation model on a running server answers (a liveness probe)",
-        epilog="Exit codes: 0 every generation model answered, 2 bad arguments, 3 the server cannot be reached, "
+        epilog="Exit codes: 0 every generation model answered, 2 bad arguments (a missing or wrong admin key), "
+        "3 the server cannot be reached, "
         "has no generation model, or one did not answer (a dead worker, a stopped engine); " + EXIT_CODES_NOTE,
         description="Send a statistics request to each generation model of a running Triton server and say "
         "which answer. Triton 2.51 keeps reporting a model ready after its worker process died (its "
@@ -189,6 +214,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--timeout", type=float, default=10.0, help="seconds each model has to answer (%(default)s)")
     r.add_argument("--json", action="store_true", help="print each model's statistics as one JSON object")
+    r.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="the admin key that dash-triton serve --admin-key-file wrote (the list of loaded models is a "
+        "restricted API)",
+    )
     r.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     from .openai import add_parser
 
@@ -322,12 +353,21 @@ def _exit_status(code: int | None) -> str:
 
 
 def serve_main(a, out: TextIO, err: TextIO) -> int:
-    from .server import TritonServer, TritonStartError, TritonUnavailable, process_info
+    from .server import TritonServer, TritonStartError, TritonUnavailable, is_loopback, process_info, write_admin_key
 
     try:
         check_served_path(os.path.abspath(a.repository))
     except RepositoryError as exc:
         print(f"dash-triton serve: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    exposed = not is_loopback(a.http_address)
+    if exposed and not a.expose_triton_http:
+        print(
+            f"dash-triton serve: error: --http-address {a.http_address} is not a loopback address: Triton's HTTP "
+            "front end is not meant to face untrusted clients (one crafted request can crash this Triton version); "
+            "serve clients through dash-triton openai, or pass --expose-triton-http to do it anyway",
+            file=err,
+        )
         return EXIT_BAD_INPUT
     try:
         server = TritonServer(
@@ -337,6 +377,8 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
             metrics_port=a.metrics_port,
             log_path=a.log,
             verbose=a.verbose,
+            http_address=a.http_address,
+            key_http_inference=a.key_http_inference or exposed,
         )
     except FileNotFoundError as exc:
         print(f"dash-triton serve: error: {exc}", file=err)
@@ -344,7 +386,21 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
     except TritonUnavailable as exc:
         print(f"dash-triton serve: error: {exc}", file=err)
         return EXIT_SERVER
-    print(f"starting tritonserver on 127.0.0.1 (log {server.log_path}) ...", file=err, flush=True)
+    if a.admin_key_file:
+        try:
+            write_admin_key(a.admin_key_file, server.admin_key)
+        except OSError as exc:
+            server.cleanup()
+            print(f"dash-triton serve: error: --admin-key-file: {exc}", file=err)
+            return EXIT_BAD_INPUT
+    if exposed:
+        print(
+            f"dash-triton serve: warning: Triton's HTTP front end listens on {a.http_address} (--expose-triton-http); "
+            "its inference API needs the admin key",
+            file=err,
+            flush=True,
+        )
+    print(f"starting tritonserver (log {server.log_path}) ...", file=err, flush=True)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -436,7 +492,7 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
     answer (and their engines run), 3 otherwise, with one line per model."""
     import json
 
-    from .server import served_generation_models
+    from .server import admin_headers, read_admin_key, served_generation_models
 
     if not a.timeout > 0:
         print(f"dash-triton probe: error: --timeout must be > 0, got {a.timeout:g}", file=err)
@@ -451,10 +507,22 @@ def probe_main(a, out: TextIO, err: TextIO) -> int:
     except Exception as exc:  # noqa: BLE001 - a malformed URL
         print(f"dash-triton probe: error: {a.url}: {type(exc).__name__}: {exc}", file=err)
         return EXIT_BAD_INPUT
+    try:
+        headers = admin_headers(read_admin_key(a.admin_key_file)) if a.admin_key_file else None
+    except (OSError, ValueError) as exc:
+        print(f"dash-triton probe: error: --admin-key-file: {exc}", file=err)
+        return EXIT_BAD_INPUT
     with client:
         try:
-            served = served_generation_models(client)
+            served = served_generation_models(client, headers)
         except Exception as exc:  # noqa: BLE001 - no server there
+            if "restricted" in str(exc):
+                print(
+                    f"dash-triton probe: error: the server at {a.url} lists its models only with its admin key: "
+                    "give the file dash-triton serve --admin-key-file wrote",
+                    file=err,
+                )
+                return EXIT_BAD_INPUT
             print(f"dash-triton probe: error: no Triton server at {a.url}: {_status_line(exc)}", file=err)
             return EXIT_SERVER
         models = {m: served.get(m) for m in a.model} if a.model else served

@@ -101,6 +101,7 @@ class DashClient:
         stream_model: str | None = None,
         timeout: float = 600.0,
         concurrency: int = 1,
+        admin_key: str | None = None,
     ):
         self.protocol = protocol
         self.mod = _module(protocol)
@@ -117,6 +118,10 @@ class DashClient:
                 self.client = self.mod.InferenceServerClient(self.url)
         except Exception as exc:
             raise _error(exc) from None
+        if admin_key:  # a server whose HTTP inference needs it (dash-triton serve --key-http-inference)
+            from .server import admin_key_plugin
+
+            self.client.register_plugin(admin_key_plugin(admin_key))
         self._config: DashModelConfig | None = None
 
     # ------------------------------------------------------------- server info
@@ -520,6 +525,12 @@ def _parser() -> argparse.ArgumentParser:
         "print the statistics and exit",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    p.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="send the admin key that dash-triton serve --admin-key-file wrote (needed over HTTP when the server "
+        "was started with --key-http-inference or --expose-triton-http)",
+    )
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument(
         "--wait",
@@ -578,8 +589,17 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     if a.max_new_tokens is not None and not 1 <= a.max_new_tokens <= 2**31 - 1:
         print(f"dash-client: error: --max-new-tokens must be 1..{2**31 - 1}, got {a.max_new_tokens}", file=err)
         return 2
+    key = None
+    if a.admin_key_file:
+        from .server import read_admin_key
+
+        try:
+            key = read_admin_key(a.admin_key_file)
+        except (OSError, ValueError) as exc:
+            print(f"dash-client: error: --admin-key-file: {exc}", file=err)
+            return 2
     try:
-        client = DashClient(a.url, protocol=protocol, model=a.model, timeout=a.timeout)
+        client = DashClient(a.url, protocol=protocol, model=a.model, timeout=a.timeout, admin_key=key)
     except DashClientError as exc:
         print(f"dash-client: error: cannot connect: {exc}", file=err)
         return 3
@@ -673,7 +693,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             else:
                 gen = client.generate(ids, a.max_new_tokens, stop_at_eos=stop, **opts)
         except DashClientError as exc:
-            print(f"dash-client: error: {exc}", file=err)
+            hint = ""
+            if "is restricted" in str(exc) and not key:
+                hint = " (the server wants its admin key: --admin-key-file, or use --protocol grpc)"
+            print(f"dash-client: error: {exc}{hint}", file=err)
             return 1
     if a.json:
         print(

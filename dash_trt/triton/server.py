@@ -49,9 +49,77 @@ __all__ = [
     "TritonServer",
     "stats_request",
     "served_generation_models",
+    "ADMIN_HEADER",
+    "GRPC_ADMIN_HEADER",
+    "admin_headers",
+    "RESTRICTED_APIS",
+    "admin_key_plugin",
+    "read_admin_key",
+    "write_admin_key",
 ]
 
 HOST = "127.0.0.1"
+
+#: The request header that carries the admin key (lower case: a gRPC metadata key). Triton's
+#: gRPC front end reads it with its own prefix (:data:`GRPC_ADMIN_HEADER`).
+ADMIN_HEADER = "dash-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+#: Triton APIs that no client of the generation models needs: refused, on HTTP and gRPC, to a
+#: request without the admin key. Shared memory (any /dev/shm object could be registered, then
+#: read and written through tensors), model control and the repository index, statistics,
+#: trace and logging settings. Health, metadata, model configs and inference stay open.
+RESTRICTED_APIS = ("shared-memory", "model-repository", "statistics", "trace", "logging")
+
+
+def admin_headers(key: str) -> dict[str, str]:
+    """The headers that open the restricted APIs over HTTP and gRPC (``headers=`` of
+    tritonclient's calls)."""
+    return {ADMIN_HEADER: key, GRPC_ADMIN_HEADER: key}
+
+
+def admin_key_plugin(key: str):
+    """A tritonclient plugin (``client.register_plugin(...)``) that sends the admin key with every
+    request of a client (HTTP, gRPC or gRPC asyncio)."""
+    from tritonclient._plugin import InferenceServerClientPlugin
+
+    class AdminKey(InferenceServerClientPlugin):
+        def __call__(self, request):
+            request.headers.update(admin_headers(key))
+
+    return AdminKey()
+
+
+def write_admin_key(path: str, key: str) -> None:
+    """Write ``key`` to ``path`` readable by its owner only (0600, whatever the umask), replacing
+    a regular file there; a symlink or another kind of file is refused (OSError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (key + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_admin_key(path: str) -> str:
+    """The admin key in ``path`` (what ``dash-triton serve --admin-key-file`` wrote)."""
+    with open(path, encoding="utf-8") as fh:
+        key = fh.read().strip()
+    if not key:
+        raise ValueError(f"{path} holds no admin key")
+    return key
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bind address is a loopback one (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 class TritonUnavailable(RuntimeError):
@@ -222,12 +290,13 @@ def stats_request(client, model: str, decoupled: bool, control: bytes | None = N
     return _json.loads(result.as_numpy(STATS).astype(np.uint8).tobytes().decode())
 
 
-def served_generation_models(client) -> dict[str, bool]:
+def served_generation_models(client, headers: dict[str, str] | None = None) -> dict[str, bool]:
     """The generation models a running server has loaded (name -> decoupled), from its
-    repository index and model configs over gRPC: Python-backend models whose config
-    carries the engine configuration parameter (what ``dash-triton write`` writes)."""
+    repository index (a restricted API: ``headers`` carries the admin key) and model configs
+    over gRPC: Python-backend models whose config carries the engine configuration parameter
+    (what ``dash-triton write`` writes)."""
     found = {}
-    for entry in client.get_model_repository_index(as_json=True).get("models", []):
+    for entry in client.get_model_repository_index(headers=headers, as_json=True).get("models", []):
         if entry.get("state") != "READY":
             continue
         config = client.get_model_config(entry["name"], as_json=True).get("config", {})
@@ -275,11 +344,17 @@ def _is_stub(pid: int, model: str) -> bool:
 
 
 class TritonServer:
-    """A ``tritonserver`` process on 127.0.0.1 serving ``repository``.
+    """A ``tritonserver`` process serving ``repository``, on 127.0.0.1 (gRPC always; HTTP
+    unless ``http_address`` says otherwise).
 
     ``http_port``/``grpc_port`` 0 pick free ports. Use as a context manager, or
     :meth:`start` then :meth:`stop`. The server's log goes to ``log_path`` (a file in
     a scratch folder by default; :meth:`log_tail` reads it).
+
+    The APIs of :data:`RESTRICTED_APIS` answer only requests that carry :attr:`admin_key` in
+    the :data:`ADMIN_HEADER` header (random unless given); with ``key_http_inference`` HTTP
+    inference does too (Triton 2.51's HTTP front end crashes on some request shapes: gRPC
+    refuses them).
     """
 
     def __init__(
@@ -293,6 +368,9 @@ class TritonServer:
         verbose: int = 0,
         exit_timeout: int = 10,
         extra_args: Sequence[str] = (),
+        http_address: str = HOST,
+        admin_key: str | None = None,
+        key_http_inference: bool = False,
     ):
         self.repository = os.path.abspath(repository)
         if not os.path.isdir(self.repository):
@@ -315,11 +393,28 @@ class TritonServer:
         #: passed to the server's processes (DRAIN_TOKEN_ENV): the generation models serve the
         #: drain control only with it (:meth:`drain`)
         self.drain_token = secrets.token_hex(16)
+        self.http_address = http_address
+        self.admin_key = admin_key or secrets.token_urlsafe(32)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{16,128}", self.admin_key):
+            raise ValueError("an admin key is 16..128 letters, digits, '_' or '-'")
+        self.key_http_inference = key_http_inference
 
     # ------------------------------------------------------------------ urls
     @property
+    def http_host(self) -> str:
+        """Where a client on this machine reaches the HTTP front end."""
+        if self.http_address in ("0.0.0.0", "::", ""):
+            return HOST
+        return f"[{self.http_address}]" if ":" in self.http_address else self.http_address
+
+    @property
     def http_url(self) -> str:
-        return f"{HOST}:{self.http_port}"
+        return f"{self.http_host}:{self.http_port}"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The headers that open the restricted APIs (``headers=`` of tritonclient's calls)."""
+        return admin_headers(self.admin_key)
 
     @property
     def grpc_url(self) -> str:
@@ -330,12 +425,15 @@ class TritonServer:
             self.dist.binary,
             f"--model-repository={self.repository}",
             f"--backend-directory={self.backends}",
-            f"--http-address={HOST}",
+            f"--http-address={self.http_address}",
             f"--http-port={self.http_port}",
             f"--grpc-address={HOST}",
             f"--grpc-port={self.grpc_port}",
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.verbose}",
+            # tritonserver takes the keys on its command line only (no file or environment)
+            f"--http-restricted-api={','.join(self.http_restricted)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
         ]
         if self.metrics_port is None:
             cmd.append("--allow-metrics=false")
@@ -347,6 +445,11 @@ class TritonServer:
                 f"--metrics-port={self.metrics_port}",
             ]
         return cmd + self.extra_args
+
+    @property
+    def http_restricted(self) -> tuple[str, ...]:
+        """The HTTP APIs that need the admin key."""
+        return RESTRICTED_APIS + (("inference",) if self.key_http_inference else ())
 
     # ------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 180.0) -> TritonServer:

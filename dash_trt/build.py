@@ -219,20 +219,31 @@ def kv_block_size(inputs: Sequence[InputSpec]) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def derive_limits(inputs: Sequence[InputSpec], *, tokens: Limit | None = None, seqs: Limit | None = None,
-                  width: Limit | None = None, blocks: Limit | None = None, max_context: int = 32768,
-                  config: DashConfig | None = None) -> dict[str, Limit]:
+def derive_limits(
+    inputs: Sequence[InputSpec],
+    *,
+    tokens: Limit | None = None,
+    seqs: Limit | None = None,
+    width: Limit | None = None,
+    blocks: Limit | None = None,
+    max_context: int = 32768,
+    config: DashConfig | None = None,
+) -> dict[str, Limit]:
     """Limits of every role from the user's limits, the defaults and the model."""
     tokens = tokens or Limit(1, 256, 8192)
     seqs = seqs or Limit(1, 16, 64)
     bsz = kv_block_size(inputs)
     if config is not None and bsz is not None and bsz % config.sparse_block_size:
-        raise ProfileError(f"the model's KV block size {bsz} is not a whole multiple of sparse_block_size "
-                           f"{config.sparse_block_size}: the DashAttention kernels cannot run it")
+        raise ProfileError(
+            f"the model's KV block size {bsz} is not a whole multiple of sparse_block_size "
+            f"{config.sparse_block_size}: the DashAttention kernels cannot run it"
+        )
     if width is None:
         if bsz is None:
-            raise ProfileError("cannot derive the block-table width: no cache input with a static KV block size "
-                               "(dim 1 of [num_kv_blocks, block_size, Hkv, D]); pass --max-table-width")
+            raise ProfileError(
+                "cannot derive the block-table width: no cache input with a static KV block size "
+                "(dim 1 of [num_kv_blocks, block_size, Hkv, D]); pass --max-table-width"
+            )
         if max_context < 1:
             raise ProfileError(f"--max-context must be >= 1, got {max_context}")
         top = math.ceil(max_context / bsz)
@@ -247,9 +258,11 @@ def derive_limits(inputs: Sequence[InputSpec], *, tokens: Limit | None = None, s
     return {"tokens": tokens, "seqs": seqs, "width": width, "blocks": blocks, "logits": logits, "images": images}
 
 
-def profile_shapes(inputs: Sequence[InputSpec], limits: Mapping[str, Limit],
-                   overrides: Mapping[str, tuple[tuple[int, ...], ...]] | None = None
-                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def profile_shapes(
+    inputs: Sequence[InputSpec],
+    limits: Mapping[str, Limit],
+    overrides: Mapping[str, tuple[tuple[int, ...], ...]] | None = None,
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(min, opt, max) shape of every network input that has a dynamic dim."""
     overrides = dict(overrides or {})
     unknown_names = sorted(set(overrides) - {s.name for s in inputs})
@@ -277,7 +290,8 @@ def profile_shapes(inputs: Sequence[InputSpec], limits: Mapping[str, Limit],
             if role is None:
                 raise ProfileError(
                     f"input {spec.name} dim {axis} (named {spec.dim_name(axis)!r}) is dynamic and not one of the "
-                    f"known dims ({', '.join(sorted(DIM_ROLES))}); pass --shape {spec.name}:MIN:OPT:MAX")
+                    f"known dims ({', '.join(sorted(DIM_ROLES))}); pass --shape {spec.name}:MIN:OPT:MAX"
+                )
             lim = limits[role[0]].shifted(role[1])
             lo.append(lim.min), op.append(lim.opt), hi.append(lim.max)
         out[spec.name] = (tuple(lo), tuple(op), tuple(hi))
@@ -290,8 +304,22 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 # ------------------------------------------------------------------------------ I/O memory
 #: Bytes per element of the ONNX element types a DASH graph's inputs and outputs use.
-ELEM_BYTES = {"DOUBLE": 8, "INT64": 8, "UINT64": 8, "FLOAT": 4, "INT32": 4, "UINT32": 4, "FLOAT16": 2,
-              "BFLOAT16": 2, "INT16": 2, "UINT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1, "FLOAT8E4M3FN": 1}
+ELEM_BYTES = {
+    "DOUBLE": 8,
+    "INT64": 8,
+    "UINT64": 8,
+    "FLOAT": 4,
+    "INT32": 4,
+    "UINT32": 4,
+    "FLOAT16": 2,
+    "BFLOAT16": 2,
+    "INT16": 2,
+    "UINT16": 2,
+    "INT8": 1,
+    "UINT8": 1,
+    "BOOL": 1,
+    "FLOAT8E4M3FN": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -319,11 +347,15 @@ class BindingMemory:
 
     def describe(self) -> str:
         gib = 2**30
-        text = (f"Triton's TensorRT backend allocates every input and output at the profile's maximum: "
-                f"{'at least ' if self.unknown else ''}{self.total / gib:.2f} GiB per model instance")
+        text = (
+            f"Triton's TensorRT backend allocates every input and output at the profile's maximum: "
+            f"{'at least ' if self.unknown else ''}{self.total / gib:.2f} GiB per model instance"
+        )
         if self.kv_block_bytes:
-            text += (f", of which the KV caches {self.kv / gib:.2f} GiB ({self.kv_blocks} blocks x "
-                     f"{self.kv_block_bytes / 2**10:.1f} KiB, inputs and outputs)")
+            text += (
+                f", of which the KV caches {self.kv / gib:.2f} GiB ({self.kv_blocks} blocks x "
+                f"{self.kv_block_bytes / 2**10:.1f} KiB, inputs and outputs)"
+            )
         if self.unknown:
             text += f"; sizes not known before the build: {', '.join(self.unknown)}"
         return text
@@ -343,8 +375,12 @@ def kv_block_bytes(bindings: Sequence[InputSpec]) -> int:
     return total
 
 
-def binding_memory(inputs: Sequence[InputSpec], outputs: Sequence[InputSpec], limits: Mapping[str, Limit],
-                   shapes: Mapping[str, tuple[tuple[int, ...], ...]]) -> BindingMemory:
+def binding_memory(
+    inputs: Sequence[InputSpec],
+    outputs: Sequence[InputSpec],
+    limits: Mapping[str, Limit],
+    shapes: Mapping[str, tuple[tuple[int, ...], ...]],
+) -> BindingMemory:
     """The inputs' and outputs' bytes at the profile's maximum (``shapes`` from
     :func:`profile_shapes`; outputs' dynamic dims by their names' roles)."""
     rows, unknown = [], []
@@ -370,8 +406,10 @@ def blocks_for_budget(inputs: Sequence[InputSpec], outputs: Sequence[InputSpec],
         raise ProfileError("--kv-pool-gib: the model has no cache input [num_kv_blocks, ...] of a known type")
     blocks = int(gib * 2**30) // per_block
     if blocks < 1:
-        raise ProfileError(f"--kv-pool-gib {gib}: one KV block takes {per_block / 2**20:.2f} MiB over the cache "
-                           f"inputs and outputs, more than the budget")
+        raise ProfileError(
+            f"--kv-pool-gib {gib}: one KV block takes {per_block / 2**20:.2f} MiB over the cache "
+            f"inputs and outputs, more than the budget"
+        )
     return blocks
 
 
@@ -380,8 +418,9 @@ def blocks_for_budget(inputs: Sequence[InputSpec], outputs: Sequence[InputSpec],
 PROFILE_SUFFIX = ".profile.json"
 
 
-def profile_record(shapes: Mapping[str, tuple[tuple[int, ...], ...]], limits: Mapping[str, Limit],
-                   memory: BindingMemory) -> dict[str, Any]:
+def profile_record(
+    shapes: Mapping[str, tuple[tuple[int, ...], ...]], limits: Mapping[str, Limit], memory: BindingMemory
+) -> dict[str, Any]:
     return {
         "profile": {name: [list(lo), list(op), list(hi)] for name, (lo, op, hi) in shapes.items()},
         "limits": {role: [lim.min, lim.opt, lim.max] for role, lim in limits.items()},
@@ -408,8 +447,9 @@ def read_profile_record(engine: str | Path) -> dict[str, Any] | None:
     return {**record, "limits": limits, "profile": profile}
 
 
-def fixed_dims(name: str, dims: Sequence[int], dim_names: Sequence[str | None],
-               record: Mapping[str, Any]) -> tuple[int, ...]:
+def fixed_dims(
+    name: str, dims: Sequence[int], dim_names: Sequence[str | None], record: Mapping[str, Any]
+) -> tuple[int, ...]:
     """``dims`` (-1 where dynamic) with every axis the engine's profile fixes (min == max)
     written as that number: from the recorded profile of an input, or the limit of the axis's
     role (outputs, such as ``present.*`` [num_kv_blocks, ...])."""
@@ -441,10 +481,18 @@ def write_profile_record(engine: Path, record: Mapping[str, Any]) -> Path:
     return path
 
 
-def trtexec_command(model: str, plugin: str, out: str,
-                    shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], *,
-                    aliasing: bool = True, timing_cache: str | None = None, workspace_mib: int | None = None,
-                    trt_version: tuple[int, int] = (10, 8), plugin_override: bool = False) -> str:
+def trtexec_command(
+    model: str,
+    plugin: str,
+    out: str,
+    shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+    *,
+    aliasing: bool = True,
+    timing_cache: str | None = None,
+    workspace_mib: int | None = None,
+    trt_version: tuple[int, int] = (10, 8),
+    plugin_override: bool = False,
+) -> str:
     """The trtexec command line that builds the same engine as dash-build, for trtexec of
     ``trt_version``; every path shell-quoted. Strongly typed always (``--stronglyTyped`` on 10.x;
     11.x has only strong typing). ``plugin_override``: the model's nodes lack
@@ -542,13 +590,18 @@ def summarize_engine(info: Mapping[str, Any] | str) -> list[str]:
     lines = [f"{len(layers)} layers: " + ", ".join(f"{n} {t}" for t, n in counts.most_common())]
     plugins = [layer for layer in layers if "plugin" in ltype(layer).lower() or PLUGIN_NAME in str(layer.get("Name"))]
     lines.append(f"DashAttention plugin layers: {len(plugins)}")
-    copies = [layer for layer in layers
-              if any(w in ltype(layer).lower() for w in ("reformat", "copy")) or "copy" in str(layer.get("Name")).lower()]
+    copies = [
+        layer
+        for layer in layers
+        if any(w in ltype(layer).lower() for w in ("reformat", "copy")) or "copy" in str(layer.get("Name")).lower()
+    ]
     if copies:
         lines.append(f"copy/reformat layers: {len(copies)}")
         for layer in copies:
-            lines.append(f"  {layer.get('Name')} [{ltype(layer)}]: {', '.join(tensors(layer, 'Inputs'))} -> "
-                         f"{', '.join(tensors(layer, 'Outputs'))}")
+            lines.append(
+                f"  {layer.get('Name')} [{ltype(layer)}]: {', '.join(tensors(layer, 'Inputs'))} -> "
+                f"{', '.join(tensors(layer, 'Outputs'))}"
+            )
     else:
         lines.append("copy/reformat layers: none")
     return lines
@@ -576,16 +629,20 @@ def describe_engine_io(engine) -> list[str]:
     lines = []
     aliases = engine_aliases(engine)
     if aliases is None:
-        lines.append("aliased outputs: not reported by this TensorRT (getAliasedInputTensor is 10.15+); bind each "
-                     "present.* to its past.* buffer")
+        lines.append(
+            "aliased outputs: not reported by this TensorRT (getAliasedInputTensor is 10.15+); bind each "
+            "present.* to its past.* buffer"
+        )
     else:
         named = {o: i for o, i in aliases.items() if i}
         lines.append(f"aliased outputs: {len(named)} of {len(aliases)}")
         lines += [f"  {o} -> {i}" for o, i in named.items()]
         none = [o for o, i in aliases.items() if not i and o.startswith("present.")]
         if none:
-            lines.append(f"  no alias reported for {len(none)} present.* output(s) ({none[0]}, ...): TensorRT may "
-                         f"copy them; bind each to its past.* buffer")
+            lines.append(
+                f"  no alias reported for {len(none)} present.* output(s) ({none[0]}, ...): TensorRT may "
+                f"copy them; bind each to its past.* buffer"
+            )
     size = getattr(engine, "device_memory_size_v2", None)
     if size is None:
         size = getattr(engine, "device_memory_size", None)
@@ -628,42 +685,85 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dash-build",
         description="Build a TensorRT engine (plan) from a DASH ONNX model with the DashAttention plugin. "
-                    "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT, " + EXIT_CODES_NOTE,
+        "Exit codes: 0 built, 1 TensorRT failed to parse or build, 2 bad arguments or no TensorRT, " + EXIT_CODES_NOTE,
     )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("model", type=Path, help="the exported ONNX model (dash-export)")
-    p.add_argument("--plugin", type=Path, default=None,
-                   help="libdash_trt_plugin.so (default: the one in this installation, see dash-trt info)")
+    p.add_argument(
+        "--plugin",
+        type=Path,
+        default=None,
+        help="libdash_trt_plugin.so (default: the one in this installation, see dash-trt info)",
+    )
     p.add_argument("--out", type=Path, help="engine file to write (required unless --print-trtexec)")
-    p.add_argument("--config", type=Path, help="model config.json with a sparse_attention_config section, used when "
-                                               "the ONNX file carries none")
-    p.add_argument("--max-tokens", type=_limit_type(lambda m: 256), help="new tokens per step: MAX or MIN,OPT,MAX "
-                   "[default 1,256,8192]")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="model config.json with a sparse_attention_config section, used when the ONNX file carries none",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_limit_type(lambda m: 256),
+        help="new tokens per step: MAX or MIN,OPT,MAX [default 1,256,8192]",
+    )
     p.add_argument("--max-seqs", type=_limit_type(lambda m: 16), help="sequences per step [default 1,16,64]")
-    p.add_argument("--max-table-width", type=_limit_type(lambda m: m), help="block-table columns "
-                   "[default from --max-context]")
-    p.add_argument("--max-blocks", type=_limit_type(lambda m: m), help="KV blocks in each cache "
-                   "[default seqs x table width]")
-    p.add_argument("--kv-pool-gib", type=float, metavar="GIB", help="size the KV block count so that the cache "
-                   "inputs and outputs take at most GIB GiB at the profile's maximum (Triton's TensorRT backend "
-                   "allocates every binding at that size); instead of --max-blocks")
-    p.add_argument("--max-context", type=int, default=32768, help="longest sequence (tokens), for the default "
-                   "table width [default 32768]")
-    p.add_argument("--shape", type=_shape_override, action="append", default=[], metavar="NAME:MIN:OPT:MAX",
-                   help="explicit profile of one input (shapes AxB); repeatable")
+    p.add_argument(
+        "--max-table-width", type=_limit_type(lambda m: m), help="block-table columns [default from --max-context]"
+    )
+    p.add_argument(
+        "--max-blocks", type=_limit_type(lambda m: m), help="KV blocks in each cache [default seqs x table width]"
+    )
+    p.add_argument(
+        "--kv-pool-gib",
+        type=float,
+        metavar="GIB",
+        help="size the KV block count so that the cache "
+        "inputs and outputs take at most GIB GiB at the profile's maximum (Triton's TensorRT backend "
+        "allocates every binding at that size); instead of --max-blocks",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=32768,
+        help="longest sequence (tokens), for the default table width [default 32768]",
+    )
+    p.add_argument(
+        "--shape",
+        type=_shape_override,
+        action="append",
+        default=[],
+        metavar="NAME:MIN:OPT:MAX",
+        help="explicit profile of one input (shapes AxB); repeatable",
+    )
     p.add_argument("--fp16", action="store_true", help=argparse.SUPPRESS)  # refused: see WEAK_TYPES
     p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--strongly-typed", action="store_true", help="take every type from the ONNX model (always: "
-                   "engines are strongly typed; kept for scripts that pass it)")
-    p.add_argument("--no-aliasing", action="store_true", help="do not turn on aliased plugin I/O; bind each "
-                   "present.* output to its past.* input buffer instead (the plugin then works in place too)")
+    p.add_argument(
+        "--strongly-typed",
+        action="store_true",
+        help="take every type from the ONNX model (always: engines are strongly typed; kept for scripts that pass it)",
+    )
+    p.add_argument(
+        "--no-aliasing",
+        action="store_true",
+        help="do not turn on aliased plugin I/O; bind each "
+        "present.* output to its past.* input buffer instead (the plugin then works in place too)",
+    )
     p.add_argument("--timing-cache", type=Path, help="timing cache file: read if it exists, written after the build")
     p.add_argument("--workspace", type=int, metavar="MIB", help="workspace memory pool limit (MiB)")
-    p.add_argument("--verbose", action="store_true", help="TensorRT verbose logging, and the traceback of an unexpected error")
-    p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec command and exit "
-                   "(needs the onnx package, not TensorRT)")
-    p.add_argument("--trt-version", metavar="MAJOR.MINOR", help="with --print-trtexec: the TensorRT version whose "
-                   "trtexec runs the command [default: the installed tensorrt package's, else 10.8]")
+    p.add_argument(
+        "--verbose", action="store_true", help="TensorRT verbose logging, and the traceback of an unexpected error"
+    )
+    p.add_argument(
+        "--print-trtexec",
+        action="store_true",
+        help="print the equivalent trtexec command and exit (needs the onnx package, not TensorRT)",
+    )
+    p.add_argument(
+        "--trt-version",
+        metavar="MAJOR.MINOR",
+        help="with --print-trtexec: the TensorRT version whose "
+        "trtexec runs the command [default: the installed tensorrt package's, else 10.8]",
+    )
     return p
 
 
@@ -675,9 +775,11 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 #: Why --fp16/--bf16 are refused: a weakly typed TensorRT 10 build may give the caches another float
 #: type than the model's and insert casts around past.* / present.* (losing precision silently,
 #: and the in-place cache with it); TensorRT 11 has no weak typing at all.
-WEAK_TYPES = ("dash-build builds strongly typed engines only (every type from the ONNX model: a weakly typed "
-              "build may cast the KV caches to another float type); export the model in float16 or bfloat16 "
-              "instead (dash-export --dtype float16)")
+WEAK_TYPES = (
+    "dash-build builds strongly typed engines only (every type from the ONNX model: a weakly typed "
+    "build may cast the KV caches to another float type); export the model in float16 or bfloat16 "
+    "instead (dash-export --dtype float16)"
+)
 
 
 def _check_arguments(args) -> str | None:
@@ -690,17 +792,25 @@ def _check_arguments(args) -> str | None:
 
         args.plugin = plugin_path()
         if args.plugin is None:
-            return ("no TensorRT plugin library in this installation: pass --plugin libdash_trt_plugin.so (build it "
-                    "with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)")
+            return (
+                "no TensorRT plugin library in this installation: pass --plugin libdash_trt_plugin.so (build it "
+                "with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)"
+            )
     if not args.print_trtexec and not args.plugin.is_file():
-        return f"plugin library not found: {args.plugin} (build it with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)"
+        return (
+            f"plugin library not found: {args.plugin} (build it with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)"
+        )
     if not args.print_trtexec:
         if args.out is None:
             return "--out is required"
         if not args.out.resolve().parent.is_dir():
             return f"the folder of --out does not exist: {args.out.resolve().parent}"
-        inputs = {"the model": args.model, "--plugin": args.plugin, "--config": args.config,
-                  "--timing-cache": args.timing_cache}
+        inputs = {
+            "the model": args.model,
+            "--plugin": args.plugin,
+            "--config": args.config,
+            "--timing-cache": args.timing_cache,
+        }
         for what, path in inputs.items():
             if path is not None and path.resolve() == args.out.resolve():
                 return f"--out {args.out} is {what}: the engine would overwrite it; write the engine elsewhere"
@@ -723,9 +833,11 @@ def _plugin_major_problem(plugin: Path, trt_version: tuple[int, int], what: str)
     built = plugin_tensorrt_version(plugin) if plugin.is_file() else None
     if built is None or built[0] == trt_version[0]:
         return None
-    return (f"{plugin} was built against TensorRT {built[0]}.{built[1]} headers and {what} TensorRT "
-            f"{trt_version[0]}.{trt_version[1]}: a plugin only works with the TensorRT major it was built for; "
-            f"build it against TensorRT {trt_version[0]} headers (plugins/trt/README.md)")
+    return (
+        f"{plugin} was built against TensorRT {built[0]}.{built[1]} headers and {what} TensorRT "
+        f"{trt_version[0]}.{trt_version[1]}: a plugin only works with the TensorRT major it was built for; "
+        f"build it against TensorRT {trt_version[0]} headers (plugins/trt/README.md)"
+    )
 
 
 def _limits_from_args(args, inputs, outputs, config) -> dict[str, Limit]:
@@ -733,8 +845,15 @@ def _limits_from_args(args, inputs, outputs, config) -> dict[str, Limit]:
     if args.kv_pool_gib is not None:
         top = blocks_for_budget(inputs, outputs, args.kv_pool_gib)
         blocks = Limit(1, top, top)
-    return derive_limits(inputs, tokens=args.max_tokens, seqs=args.max_seqs, width=args.max_table_width,
-                         blocks=blocks, max_context=args.max_context, config=config)
+    return derive_limits(
+        inputs,
+        tokens=args.max_tokens,
+        seqs=args.max_seqs,
+        width=args.max_table_width,
+        blocks=blocks,
+        max_context=args.max_context,
+        config=config,
+    )
 
 
 def _print_profile(shapes, limits, out=sys.stdout) -> None:
@@ -743,8 +862,10 @@ def _print_profile(shapes, limits, out=sys.stdout) -> None:
         print(f"  {role:<7} {limits[role]}", file=out)
     width = max((len(n) for n in shapes), default=0)
     for name, (lo, op, hi) in shapes.items():
-        print(f"  {name:<{width}}  {_shape_text(lo) or '-'} / {_shape_text(op) or '-'} / {_shape_text(hi) or '-'}",
-              file=out)
+        print(
+            f"  {name:<{width}}  {_shape_text(lo) or '-'} / {_shape_text(op) or '-'} / {_shape_text(hi) or '-'}",
+            file=out,
+        )
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -781,32 +902,46 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _fail(f"--trt-version must be MAJOR.MINOR (e.g. 10.8 or 11.1), got {args.trt_version!r}")
             trt_version = (v[0], v[1] if len(v) > 1 else 0)
             if trt_version < MIN_TENSORRT:
-                return _fail(f"--trt-version {args.trt_version}: the DashAttention plugin needs TensorRT >= "
-                             f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} (IPluginV3 with aliased plugin I/O; older ONNX "
-                             "parsers import the node's ONNX function instead of the plugin)")
+                return _fail(
+                    f"--trt-version {args.trt_version}: the DashAttention plugin needs TensorRT >= "
+                    f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} (IPluginV3 with aliased plugin I/O; older ONNX "
+                    "parsers import the node's ONNX function instead of the plugin)"
+                )
         else:
             from .libraries import plugin_tensorrt_version
 
             built = plugin_tensorrt_version(args.plugin) if args.plugin.is_file() else None
             trt_version = _installed_trt_version() or built or (10, 8)
             if _installed_trt_version() is None:
-                print(f"dash-build: no tensorrt package: the command is for TensorRT {trt_version[0]}.{trt_version[1]} "
-                      f"({'the plugin was built for it' if built else 'the oldest supported'}; pass --trt-version for "
-                      "another)", file=sys.stderr)
+                print(
+                    f"dash-build: no tensorrt package: the command is for TensorRT {trt_version[0]}.{trt_version[1]} "
+                    f"({'the plugin was built for it' if built else 'the oldest supported'}; pass --trt-version for "
+                    "another)",
+                    file=sys.stderr,
+                )
         problem = _plugin_major_problem(args.plugin, trt_version, "the command is for")
         if problem:
             return _fail(problem)
         override = not nodes_carry_namespace(args.model)
         if override and trt_version >= (10, 15):
-            print("dash-build: warning: the model's DashAttention nodes have no plugin_namespace attribute (exported "
-                  "before it was added): --enablePluginOverride makes TensorRT import them as the plugin, and also "
-                  "imports ScatterND/ScatterElements as TensorRT's own plugins; re-export to drop it", file=sys.stderr)
+            print(
+                "dash-build: warning: the model's DashAttention nodes have no plugin_namespace attribute (exported "
+                "before it was added): --enablePluginOverride makes TensorRT import them as the plugin, and also "
+                "imports ScatterND/ScatterElements as TensorRT's own plugins; re-export to drop it",
+                file=sys.stderr,
+            )
         try:
-            command = trtexec_command(str(args.model), str(args.plugin), str(args.out or "model.plan"), shapes,
-                                      aliasing=not args.no_aliasing,
-                                      timing_cache=str(args.timing_cache) if args.timing_cache else None,
-                                      workspace_mib=args.workspace, trt_version=trt_version,
-                                      plugin_override=override)
+            command = trtexec_command(
+                str(args.model),
+                str(args.plugin),
+                str(args.out or "model.plan"),
+                shapes,
+                aliasing=not args.no_aliasing,
+                timing_cache=str(args.timing_cache) if args.timing_cache else None,
+                workspace_mib=args.workspace,
+                trt_version=trt_version,
+                plugin_override=override,
+            )
         except ValueError as exc:
             return _fail(str(exc))
         print(command)
@@ -822,11 +957,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(NOT_FOUND)
     version = getattr(trt, "__version__", "0")
     if _version_tuple(version)[:2] < MIN_TENSORRT:
-        return _fail(f"TensorRT {version} is installed; the DashAttention plugin needs TensorRT >= "
-                     f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]}")
+        return _fail(
+            f"TensorRT {version} is installed; the DashAttention plugin needs TensorRT >= "
+            f"{MIN_TENSORRT[0]}.{MIN_TENSORRT[1]}"
+        )
     installed = _version_tuple(version)
-    problem = _plugin_major_problem(args.plugin, (installed[0], installed[1] if len(installed) > 1 else 0),
-                                    "the installed tensorrt is")
+    problem = _plugin_major_problem(
+        args.plugin, (installed[0], installed[1] if len(installed) > 1 else 0), "the installed tensorrt is"
+    )
     if problem:
         return _fail(problem)
     return _build(trt, args, config, installed[0])
@@ -842,6 +980,7 @@ def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: 
 
     # TensorRT 11 is always strongly typed (its STRONGLY_TYPED flag is deprecated and ignored).
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if major < 11 else 0
+
     def parse(override: bool):
         net = builder.create_network(flags)
         onnx_parser = trt.OnnxParser(net, logger)
@@ -861,8 +1000,11 @@ def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: 
     if network is None and can_override and not nodes_carry_namespace_or_unknown(args.model):
         # 10.15+ imports the ONNX function of a node without plugin_namespace; where that import
         # fails (an op of the function the parser lacks), the override is the way in too.
-        print("dash-build: warning: parsing failed and the DashAttention nodes lack plugin_namespace; parsing "
-              "again with ENABLE_PLUGIN_OVERRIDE", file=sys.stderr)
+        print(
+            "dash-build: warning: parsing failed and the DashAttention nodes lack plugin_namespace; parsing "
+            "again with ENABLE_PLUGIN_OVERRIDE",
+            file=sys.stderr,
+        )
         network, parser = parse(True)
     if network is None:
         return _fail(f"TensorRT could not parse {args.model}", EXIT_BUILD_FAILED)
@@ -870,9 +1012,11 @@ def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: 
         # An export whose nodes lack plugin_namespace, on TensorRT >= 10.15: the parser imported
         # the ONNX functions. Parse again with the override (it also swaps ScatterND /
         # ScatterElements for TensorRT's own plugins).
-        print("dash-build: warning: the parser imported the DashAttention ONNX functions (nodes without "
-              "plugin_namespace: re-export with this dash-trt); parsing again with ENABLE_PLUGIN_OVERRIDE",
-              file=sys.stderr)
+        print(
+            "dash-build: warning: the parser imported the DashAttention ONNX functions (nodes without "
+            "plugin_namespace: re-export with this dash-trt); parsing again with ENABLE_PLUGIN_OVERRIDE",
+            file=sys.stderr,
+        )
         network, parser = parse(True)
         if network is None:
             return _fail(f"TensorRT could not parse {args.model} with ENABLE_PLUGIN_OVERRIDE", EXIT_BUILD_FAILED)
@@ -909,9 +1053,12 @@ def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: 
 
     plugin_layers = plugin_count(network)
     if plugin_layers == 0:
-        print("dash-build: warning: the network has no plugin layer: TensorRT imported the DashAttention ONNX "
-              "function instead of the plugin (the plugin was not registered, or the nodes lack plugin_namespace on "
-              "a TensorRT >= 10.15 without ENABLE_PLUGIN_OVERRIDE)", file=sys.stderr)
+        print(
+            "dash-build: warning: the network has no plugin layer: TensorRT imported the DashAttention ONNX "
+            "function instead of the plugin (the plugin was not registered, or the nodes lack plugin_namespace on "
+            "a TensorRT >= 10.15 without ENABLE_PLUGIN_OVERRIDE)",
+            file=sys.stderr,
+        )
 
     bconfig = builder.create_builder_config()
     aliasing = plugin_layers > 0 and not args.no_aliasing
@@ -930,8 +1077,10 @@ def _build(trt, args, config: DashConfig | None, major: int) -> int:  # pragma: 
         cache = bconfig.create_timing_cache(data)
         bconfig.set_timing_cache(cache, ignore_mismatch=False)
 
-    print(f"building: {plugin_layers} DashAttention plugin layer(s), strongly typed, "
-          f"aliased plugin I/O {'on' if aliasing else 'off'}")
+    print(
+        f"building: {plugin_layers} DashAttention plugin layer(s), strongly typed, "
+        f"aliased plugin I/O {'on' if aliasing else 'off'}"
+    )
     serialized = builder.build_serialized_network(network, bconfig)
     if serialized is None:
         return _fail("TensorRT could not build the engine (see the TensorRT log above)", EXIT_BUILD_FAILED)

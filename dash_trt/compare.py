@@ -401,7 +401,7 @@ def compare_vision(onnx_path: str, checkpoint: str, *, seed: int = 0, views: int
     from polygraphy.comparator import Comparator, IterationResult, RunResults
 
     from .export import VISION_INPUT, VISION_OUTPUTS, VisionGraph
-    from .models.deepencoder import load_vision_tower
+    from .models.checkpoint import load_vision_tower
 
     graph = read_graph(onnx_path)
     x = next((t for t in graph.inputs if t.name == VISION_INPUT), None)

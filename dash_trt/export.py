@@ -648,7 +648,7 @@ class _Interrupted(BaseException):
 def _run_vision(a, out_stream: TextIO, err: TextIO) -> int:
     """``dash-export CHECKPOINT --vision --out DIR``."""
     from .documents.views import ViewSpec
-    from .models.deepencoder import load_vision_tower
+    from .models.checkpoint import load_vision_tower
 
     if not a.checkpoint or not os.path.isdir(a.checkpoint):
         print("dash-export: error: --vision takes a checkpoint folder (its vision tower)", file=err)

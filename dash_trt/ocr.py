@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -232,9 +231,3 @@ def ocr_main(a, out: TextIO, err: TextIO) -> int:
         for o in failed:
             print(f"FAILED {o.path}: {o.error}", file=out)
     return 1 if failed else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - dash-trt ocr is the entry point
-    from .info import main as trt_main
-
-    return trt_main(["ocr", *(argv if argv is not None else sys.argv[1:])])

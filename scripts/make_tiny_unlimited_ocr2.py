@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dash_trt.models.unlimited_ocr2 import write_tiny_checkpoint  # noqa: E402
+from dash_trt.models.tiny import write_tiny_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

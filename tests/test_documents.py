@@ -494,7 +494,7 @@ def test_the_vision_tower_exports_and_compares(folder, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all backends match the reference" in res.stdout
     from dash_trt.export import VisionGraph
-    from dash_trt.models.deepencoder import load_vision_tower
+    from dash_trt.models.checkpoint import load_vision_tower
     from dash_trt.onnx_graph import read_graph
 
     graph = read_graph(out / "vision_256.onnx")

@@ -277,7 +277,7 @@ def test_vision_tower_and_warm_up_indexer_tensors_are_not_the_decoder_s(tiny, fo
     (extra / "model.safetensors.index.json").write_text(json.dumps(idx))
     loaded = load_checkpoint(extra)
     assert torch.equal(loaded.lm_head.weight, tiny.lm_head.weight)
-    from dash_trt.models.deepencoder import load_vision_tower
+    from dash_trt.models.checkpoint import load_vision_tower
 
     tower = load_vision_tower(extra)
     assert tower.image_newline.shape == (128,)

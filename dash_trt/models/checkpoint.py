@@ -27,6 +27,7 @@ from torch import nn
 from ..fileio import atomic_write
 from ..modeling import DashModel, ModelContractError
 from .config import DTYPES, DashModelConfig, load_model_config
+from .deepencoder import DeepEncoderConfig, VisionTower, tower_state
 from .registry import architecture_name, build_model
 
 __all__ = [
@@ -440,3 +441,35 @@ def _dump(obj: Any, path: str) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=2)
         fh.write("\n")
+
+
+def load_vision_tower(path, config=None, dtype: torch.dtype | None = None) -> VisionTower:
+    """The vision tower of a checkpoint folder (safetensors, sharded or not). ``config`` (the
+    folder's config.json dict or :class:`~dash_trt.models.config.DashModelConfig`) defaults to the
+    folder's. Raises :class:`CheckpointError` naming what is missing,
+    unexpected or of the wrong shape."""
+    state, folder_config = read_folder(str(path))
+    cfg = DeepEncoderConfig.from_config(config if config is not None else folder_config)
+    tensors = tower_state(state)
+    if not tensors:
+        raise CheckpointError(f"{path}: the checkpoint holds no vision tower (model.sam_model., model.vision_model.)")
+    with torch.device("meta"):
+        tower = VisionTower(cfg)
+    want = tower.state_dict()
+    wrong = [f"{k} is {list(v.shape)} in the checkpoint, {list(want[k].shape)} in the tower"
+             for k, v in tensors.items() if k in want and v.shape != want[k].shape]  # fmt: skip
+    missing = sorted(set(want) - set(tensors))
+    unexpected = sorted(set(tensors) - set(want))
+    if wrong or missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the vision tower's weights do not match its config: "
+            + "; ".join(
+                wrong[:3]
+                + ([f"missing {', '.join(missing[:4])}"] if missing else [])
+                + ([f"unexpected {', '.join(unexpected[:4])}"] if unexpected else [])
+            )  # fmt: skip
+        )
+    tower = tower.to_empty(device="cpu")
+    tower.load_state_dict(tensors)
+    dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    return tower.to(dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)).eval()

@@ -21,8 +21,8 @@ import torch
 from ..documents.pages import DocumentError
 from ..documents.processor import DocumentOptions, DocumentProcessor, PreparedDocument, split_pages
 from ..documents.tokenizer import load_tokenizer
-from ..models.checkpoint import load_checkpoint
-from ..models.deepencoder import VisionTower, load_vision_tower
+from ..models.checkpoint import load_checkpoint, load_vision_tower
+from ..models.deepencoder import VisionTower
 from .generate import generate
 from .rules import DecodingRules, document_rules
 

@@ -272,9 +272,9 @@ def test_runner_serves_concurrent_submitters_then_shuts_down(model, prompts, off
         t.join(180)
     assert results == offline
     assert engine.stats()["kv_blocks_free"] == 24
-    # shutdown: a request that cannot start before the stop is answered, not dropped
-    runner._stop.set()  # stop stepping first, so the request stays queued
-    runner._thread.join(10)
+    # shutdown: a request that cannot start before the stop is answered (by the stepping
+    # thread as it exits), not dropped
+    engine.pause()  # no model step from here: the request stays queued
     queued = engine.submit(prompts[0], 4)
     assert runner.stop("going away") == 1
     assert queued.status == "failed" and queued.error_code == UNAVAILABLE and queued.error == "going away"
@@ -326,8 +326,9 @@ def test_sizes_are_checked_before_the_prompt_is_read(model):
 
 def test_drain_answers_queued_now_and_running_after_the_grace(model, prompts):
     """drain(): new requests refused, queued ones (not admitted: the pool is full) failed at
-    once with UNAVAILABLE, running ones step on until the grace is over (an injected clock:
-    no real time), then fail UNAVAILABLE; the pool ends free."""
+    the next step with UNAVAILABLE (answered by the stepping thread, not the draining one),
+    running ones step on until the grace is over (an injected clock: no real time), then fail
+    UNAVAILABLE; the pool ends free."""
     now = {"t": 0.0}
     engine = GenerationEngine(
         model, EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200), clock=lambda: now["t"]
@@ -337,14 +338,44 @@ def test_drain_answers_queued_now_and_running_after_the_grace(model, prompts):
     engine.step()
     assert running.status == "running" and queued.status == "waiting"
     assert engine.drain("going down", grace=5.0) == 1
-    assert queued.finished and queued.error_code == UNAVAILABLE and queued.error == "going down"
+    assert not queued.finished and engine.has_work()  # answered by the next step, not here
     with pytest.raises(RequestError, match="going down"):
         engine.submit(prompts[2], 3)
     before = len(running.tokens)
     engine.step()
+    assert queued.finished and queued.error_code == UNAVAILABLE and queued.error == "going down"
     engine.step()
     assert not running.finished and len(running.tokens) == before + 2  # the grace: it still runs
     now["t"] = 5.0
     engine.step()
     assert running.finished and running.error_code == UNAVAILABLE and running.error == "going down"
     assert engine.stats()["kv_blocks_free"] == 12 and not engine.has_work()
+
+
+def test_every_answer_goes_out_from_the_stepping_thread(model, prompts):
+    """Triton's Python backend crashed when two threads answered at once (a drain from the
+    control thread while the engine thread sent tokens). Under a running EngineRunner, drain()
+    and stop() from another thread leave every event, tokens and errors alike, to the engine's
+    own thread, and every request is answered."""
+    import threading
+
+    engine = GenerationEngine(model, EngineConfig(num_blocks=24, kv_block_size=16, max_new_tokens_limit=400))
+    threads: set[str] = set()
+    started = threading.Event()
+
+    def on_event(event):
+        threads.add(threading.current_thread().name)
+        if event.kind == "token":
+            started.set()
+
+    engine.pause()  # every request queued or admitted before the runner steps: a known state
+    reqs = [engine.submit(p, 300, stop_at_eos=False, on_event=on_event) for p in prompts * 3]
+    runner = EngineRunner(engine, name="stepper").start()
+    engine.resume()
+    assert started.wait(60)
+    assert engine.drain("going down", grace=3600.0) > 0  # the pool holds a few; the rest queue
+    assert runner.stop("stopped") > 0  # the running ones: failed by the stepping thread as it exits
+    assert all(r.finished for r in reqs)
+    assert {r.error for r in reqs if r.error} <= {"going down", "stopped"}
+    assert threads == {"stepper"}, threads
+    assert engine.stats()["kv_blocks_free"] == 24

@@ -298,6 +298,9 @@ class GenerationEngine:
         self._running: list[Request] = []
         self._reserved = 0
         self._closed: str | None = None
+        #: requests drain() took off the queue, answered (failed) by the next step: every
+        #: response of the engine's requests goes out from the thread that steps it
+        self._to_fail: list[tuple[Request, str]] = []
         self._drain_deadline: float | None = None  #: drain(): running requests fail from then on
         self._step_no = 0  # steps run so far (not reset with the counters)
         self._ids = itertools.count()
@@ -498,7 +501,7 @@ class GenerationEngine:
     # --------------------------------------------------------------------- steps
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._incoming or self._waiting or self._running)
+            return bool(self._incoming or self._waiting or self._running or self._to_fail)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until a request arrives (or ``timeout``); True if there is work to step.
@@ -507,9 +510,9 @@ class GenerationEngine:
             if self._paused and not self._closed:
                 poll = self.cancel_poll_interval if self.cancel_poll_interval > 0 else 0.05
                 self._work.wait(poll if timeout is None else min(timeout, poll))
-            elif not (self._incoming or self._waiting or self._running):  # closed and idle too: no spinning
+            elif not (self._incoming or self._waiting or self._running or self._to_fail):  # idle: no spinning
                 self._work.wait(timeout)
-            return not self._paused and bool(self._incoming or self._waiting or self._running)
+            return bool(self._to_fail) or (not self._paused and bool(self._incoming or self._waiting or self._running))
 
     # ------------------------------------------------------------ operator control
     def pause(self) -> None:
@@ -539,6 +542,9 @@ class GenerationEngine:
                 req = self._incoming.popleft()
                 req.status = "waiting"
                 self._waiting.append(req)
+            to_fail, self._to_fail = self._to_fail, []
+        for req, reason in to_fail:  # drain()'s queued requests, answered from this thread
+            self._fail(req, reason, UNAVAILABLE)
         self._drop_cancelled()
         if self._drain_deadline is not None and self._clock() >= self._drain_deadline:
             for req in list(self._running):  # the drain's grace is over
@@ -597,18 +603,20 @@ class GenerationEngine:
         self.reset_counters()
 
     def drain(self, reason: str = "the server is shutting down", grace: float = 5.0) -> int:
-        """Graceful shutdown (any thread): refuse new requests and fail the queued ones now
-        (code ``unavailable``, with ``reason``), let the running ones go on for ``grace``
-        seconds, then fail what is left at the next step. Returns how many were failed now."""
+        """Graceful shutdown (any thread): refuse new requests, take the queued ones off the
+        queue and fail them (code ``unavailable``, with ``reason``) at the next step, let the
+        running ones go on for ``grace`` seconds, then fail what is left. Nothing is answered
+        from the calling thread: responses go out only from the thread that steps the engine
+        (two threads answering at once crashed Triton's Python backend). Returns how many
+        queued requests will be failed."""
         with self._work:
             self._closed = reason
             pending = list(self._incoming) + list(self._waiting)
             self._incoming.clear()
             self._waiting.clear()
+            self._to_fail.extend((req, reason) for req in pending)
             self._drain_deadline = self._clock() + max(0.0, float(grace))
             self._work.notify_all()
-        for req in pending:
-            self._fail(req, reason, UNAVAILABLE)
         return len(pending)
 
     def close(self, reason: str = "the generation engine is shutting down") -> int:
@@ -617,7 +625,8 @@ class GenerationEngine:
         :meth:`EngineRunner.stop` does). Returns how many requests were failed."""
         with self._work:
             self._closed = reason
-            pending = list(self._incoming) + list(self._waiting)
+            pending = [r for r, _ in self._to_fail] + list(self._incoming) + list(self._waiting)
+            self._to_fail.clear()
             self._incoming.clear()
             self._waiting.clear()
             self._work.notify_all()
@@ -806,6 +815,8 @@ class EngineRunner:
         self._idle_timeout = idle_timeout
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.error: BaseException | None = None
+        self._stop_reason = "the server is shutting down"
+        self._closed_count = 0
 
     def start(self) -> EngineRunner:
         self._thread.start()
@@ -821,16 +832,25 @@ class EngineRunner:
                 log.exception("generation engine step failed")
                 for req in list(self.engine._running):
                     self.engine._fail(req, f"internal error in the engine: {type(exc).__name__}: {exc}", INTERNAL)
+        # Still on the stepping thread: whatever is left is answered from here too.
+        self._closed_count = self.engine.close(self._stop_reason)
 
     def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> int:
         """Stop stepping (after the current step) and fail whatever is still queued or
-        running with ``reason``. Returns how many requests were failed."""
+        running with ``reason``, from the stepping thread. Returns how many requests were
+        failed. A thread that does not stop within ``timeout`` keeps its requests (answering
+        them from here would race its own answers); that is logged and 0 is returned."""
+        self._stop_reason = reason
         self._stop.set()
         with self.engine._work:
             self.engine._work.notify_all()
+        if not self._thread.is_alive() and self._thread.ident is None:  # never started: nothing steps
+            return self.engine.close(reason)
+        self._thread.join(timeout)
         if self._thread.is_alive():
-            self._thread.join(timeout)
-        return self.engine.close(reason)
+            log.error("the generation engine did not stop within %.0f s; its requests were not failed", timeout)
+            return 0
+        return self._closed_count
 
     @property
     def alive(self) -> bool:

@@ -12,6 +12,7 @@ that is a failure instead.
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 
@@ -1078,6 +1079,122 @@ def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, mode
             f"\nSIGTERM: {FAULT_REQUESTS} in flight ({s['running']} running, {s['waiting']} queued), answered "
             f"{statuses}, lost 0; serve exit 0 {stopped:.1f} s after the signal (grace 1 s)"
         )
+
+
+HANGING_MODEL = """
+import os
+import threading
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # tell the test that loading has begun, then never finish
+        open(os.path.join(os.path.dirname(args["model_repository"]), "loading"), "w").close()
+        threading.Event().wait()
+"""
+
+
+def _hanging_repo(tmp_path):
+    """A repository whose one Python-backend model never finishes loading; it writes the file
+    ``loading`` in the repository when its initialize has begun."""
+    folder = tmp_path / "repo" / "hang"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(HANGING_MODEL)
+    (folder / "config.pbtxt").write_text(
+        'name: "hang"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "x" data_type: TYPE_INT64 dims: [ 1 ] }]\n'
+        'output [{ name: "y" data_type: TYPE_INT64 dims: [ 1 ] }]\n'
+    )
+    return tmp_path / "repo"
+
+
+def test_sigterm_while_a_model_hangs_at_load_stops_serve_and_leaves_nothing(tmp_path):
+    """SIGTERM to `dash-triton serve` while a model's initialize hangs (sent once the model has
+    begun loading, seen through a file it writes): serve kills the server at once (nothing is
+    served yet) and exits 0, long before its --timeout; the server, the model's worker and the
+    shared-memory regions the server had mapped are gone."""
+    import signal
+    import subprocess
+    import sys
+
+    from dash_trt.triton.server import _shm_regions_mapped_by, free_ports
+
+    _ = _server_or_skip  # the import check
+    repo = _hanging_repo(tmp_path)
+    http_port, grpc_port = free_ports(2)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "dash_trt.triton.cli", "serve", str(repo), "--timeout", "3600"]
+        + ["--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240  # only turns a server that never starts into a failure
+        while not (repo / "loading").exists():
+            assert serve.poll() is None, serve.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the model never began loading"
+            time.sleep(0.05)
+        server_pid, stubs = _server_and_workers(serve)
+        regions = _shm_regions_mapped_by(server_pid)
+        assert stubs and regions, (stubs, regions)
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)  # the bug: serve waited for --timeout (an hour here)
+        err = serve.stderr.read()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert code == 0 and "stopped before the models were ready" in err, err[-2000:]
+    assert _ppid(server_pid) is None and not set(stubs) & set(_stubs())
+    assert not [r for r in regions if os.path.exists(os.path.join("/dev/shm", r))], regions
+
+
+def test_serve_refuses_shell_characters_in_what_reaches_the_launch_shell(tmp_path, model):
+    """Triton's Python backend starts a model's worker through `bash -c` with the model's folder,
+    name and file names in the command: a `$(...)` in a model folder's name (or a config's name,
+    default_model_filename, EXECUTION_ENV_PATH) is refused with exit 2 before any server starts,
+    and the payload never runs."""
+    import io
+
+    from dash_trt.triton.cli import main as dash_triton
+    from dash_trt.triton.repository import RepositoryError
+    from dash_trt.triton.server import check_launch_names
+
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False, warmup=False)
+    evil = "m$(touch pwned)"
+    os.rename(tmp_path / "repo" / "dash", tmp_path / "repo" / evil)
+    cfg = tmp_path / "repo" / evil / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace('name: "dash"', f'name: "{evil}"', 1))
+    err = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # where the payload would write
+    try:
+        code = dash_triton(["serve", str(tmp_path / "repo"), "--timeout", "60"], stdout=io.StringIO(), stderr=err)
+    finally:
+        os.chdir(cwd)
+    assert code == 2, err.getvalue()
+    assert f"the model folder '{evil}'" in err.getvalue() and "holds ' $()'" in err.getvalue(), err.getvalue()
+    assert not (tmp_path / "pwned").exists()
+    # the same names inside a Python-backend config
+    os.rename(tmp_path / "repo" / evil, tmp_path / "repo" / "dash")
+    cfg = tmp_path / "repo" / "dash" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace(f'name: "{evil}"', 'name: "dash"', 1))
+    check_launch_names(str(tmp_path / "repo"))  # the repository dash-triton wrote passes
+    for field, value in (
+        ("name", "dash_0 `id`"),
+        ("default_model_filename", "model.py;id"),
+    ):
+        good = cfg.read_text().split("\n", 1)
+        cfg.write_text(f'{good[0]}\ninstance_group [{{ {field}: "{value}" kind: KIND_CPU }}]\n{good[1]}')
+        with pytest.raises(RepositoryError, match=f"the {field} '{re.escape(value)}' holds"):
+            check_launch_names(str(tmp_path / "repo"))
+        cfg.write_text("\n".join(good))
+    cfg.write_text(
+        cfg.read_text() + '\nparameters { key: "EXECUTION_ENV_PATH" value: { string_value: "/e/$(id).tar.gz" } }\n'
+    )
+    with pytest.raises(RepositoryError, match="the EXECUTION_ENV_PATH '/e/\\$\\(id\\).tar.gz' holds"):
+        check_launch_names(str(tmp_path / "repo"))
 
 
 def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_path, model, capsys):

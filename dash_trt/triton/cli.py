@@ -29,7 +29,7 @@ from ..models.registry import demo_model
 from ..serving.engine import EngineConfig, EngineConfigError
 from ..versions import version_line as _version_line
 from . import protocol as P
-from .repository import RepositoryError, check_served_path, onnx_kv_block_size, pool_bytes, write_repository
+from .repository import RepositoryError, onnx_kv_block_size, pool_bytes, write_repository
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
 
@@ -353,13 +353,16 @@ def _exit_status(code: int | None) -> str:
 
 
 def serve_main(a, out: TextIO, err: TextIO) -> int:
-    from .server import TritonServer, TritonStartError, TritonUnavailable, is_loopback, process_info, write_admin_key
+    from .server import (
+        TritonServer,
+        TritonStartCancelled,
+        TritonStartError,
+        TritonUnavailable,
+        is_loopback,
+        process_info,
+        write_admin_key,
+    )
 
-    try:
-        check_served_path(os.path.abspath(a.repository))
-    except RepositoryError as exc:
-        print(f"dash-triton serve: error: {exc}", file=err)
-        return EXIT_BAD_INPUT
     exposed = not is_loopback(a.http_address)
     if exposed and not a.expose_triton_http:
         print(
@@ -380,7 +383,7 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
             http_address=a.http_address,
             key_http_inference=a.key_http_inference or exposed,
         )
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, RepositoryError) as exc:  # RepositoryError: a name unsafe for Triton's launch shell
         print(f"dash-triton serve: error: {exc}", file=err)
         return EXIT_BAD_INPUT
     except TritonUnavailable as exc:
@@ -405,7 +408,10 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            server.start(timeout=a.timeout)
+            server.start(timeout=a.timeout, cancel=stop)
+        except TritonStartCancelled:
+            print("stopped before the models were ready (the server was killed: nothing was served yet)", file=err)
+            return EXIT_OK
         except TritonStartError as exc:
             print(f"dash-triton serve: error: {exc}", file=err)
             return EXIT_SERVER

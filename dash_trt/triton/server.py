@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,12 +44,14 @@ from .protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, 
 __all__ = [
     "TritonUnavailable",
     "TritonStartError",
+    "TritonStartCancelled",
     "TritonDist",
     "find_tritonserver",
     "free_ports",
     "TritonServer",
     "stats_request",
     "served_generation_models",
+    "check_launch_names",
     "ADMIN_HEADER",
     "GRPC_ADMIN_HEADER",
     "admin_headers",
@@ -128,6 +131,11 @@ class TritonUnavailable(RuntimeError):
 
 class TritonStartError(RuntimeError):
     """The server started but exited or did not become ready; the message holds its log tail."""
+
+
+class TritonStartCancelled(TritonStartError):
+    """:meth:`TritonServer.start` was cancelled (its ``cancel`` event set, e.g. by SIGTERM) before
+    the server was ready; the server was stopped."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,59 @@ def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex((HOST, port)) == 0
+
+
+_QUOTED = r'"((?:[^"\\]|\\.)*)"'
+_CONFIG_STRING = re.compile(
+    r"\b(name|default_model_filename)\s*:\s*"
+    + _QUOTED
+    + r'|key\s*:\s*"(EXECUTION_ENV_PATH)"\s*value\s*:?\s*\{\s*string_value\s*:\s*'
+    + _QUOTED
+)
+
+
+def check_launch_names(repository: str, backends: str | None = None) -> None:
+    """RepositoryError unless every name that Triton's Python backend writes into the shell
+    command starting a model's worker (``bash -c "<stub> <model path> ... <instance name>
+    <model folder>"``) is made of safe characters: the repository path, the backend folder,
+    each model folder's name and, in a Python-backend model's config.pbtxt, every ``name``
+    (the model's, its inputs' and outputs', its instance groups'), ``default_model_filename`` and
+    the ``EXECUTION_ENV_PATH`` parameter (a path the shell sources). A ``$(...)`` there would run."""
+    from .repository import _SAFE_CHAR, RepositoryError, check_served_path
+
+    def unsafe(text: str) -> str:
+        return "".join(sorted(set(_SAFE_CHAR.sub("", text))))
+
+    check_served_path(repository)
+    if backends is not None and unsafe(backends):
+        raise RepositoryError(
+            f"the scratch folder {backends!r} holds {unsafe(backends)!r}, which Triton's Python backend would hand "
+            "to a shell: set TMPDIR to a path of letters, digits and . _ / + @ : , = ~ % -"
+        )
+    for entry in sorted(os.listdir(repository)):
+        folder = os.path.join(repository, entry)
+        if not os.path.isdir(folder):
+            continue
+        if unsafe(entry):
+            raise RepositoryError(
+                f"the model folder {entry!r} in {repository} holds {unsafe(entry)!r}: Triton's Python backend starts "
+                "its models through a shell, which would run or split such characters; rename it (letters, digits, "
+                "'_' or '-')"
+            )
+        try:
+            with open(os.path.join(folder, "config.pbtxt"), encoding="utf-8", errors="replace") as fh:
+                config = fh.read()
+        except OSError:
+            continue
+        if not re.search(r'^\s*backend\s*:\s*"python"', config, re.M):
+            continue
+        for m in _CONFIG_STRING.finditer(config):
+            field, value = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            if unsafe(value):
+                raise RepositoryError(
+                    f"{os.path.join(entry, 'config.pbtxt')}: the {field} {value!r} holds {unsafe(value)!r}: Triton's "
+                    "Python backend hands it to a shell, which would run or split such characters"
+                )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -381,6 +442,11 @@ class TritonServer:
         self.metrics_port = metrics_port
         self.verbose, self.exit_timeout, self.extra_args = verbose, exit_timeout, list(extra_args)
         self._scratch = tempfile.mkdtemp(prefix="dash-tritonserver-")
+        try:  # what reaches the shell that starts each model's worker (RepositoryError)
+            check_launch_names(self.repository, self._scratch)
+        except ValueError:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
         self.log_path = log_path or os.path.join(self._scratch, "tritonserver.log")
         self.backends = prepare_backends(self.dist, os.path.join(self._scratch, "backends"))
         self.proc: subprocess.Popen | None = None
@@ -452,9 +518,10 @@ class TritonServer:
         return RESTRICTED_APIS + (("inference",) if self.key_http_inference else ())
 
     # ------------------------------------------------------------- lifecycle
-    def start(self, timeout: float = 180.0) -> TritonServer:
+    def start(self, timeout: float = 180.0, cancel: threading.Event | None = None) -> TritonServer:
         """Start and wait until the server and every model are ready. Retries once with
-        other ports if one was taken in the meantime."""
+        other ports if one was taken in the meantime. ``cancel`` set while it waits (a model
+        can hang at load) kills the server and raises :class:`TritonStartCancelled`."""
         for attempt in range(2):
             http, grpc, metrics = self._want
             if not http or not grpc:
@@ -480,12 +547,15 @@ class TritonServer:
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
             try:
-                self.wait_ready(timeout)
+                self.wait_ready(timeout, cancel)
                 # what to clean up should the server die without doing it itself (kill -9, a
                 # crash): its model workers and their shared-memory regions
                 self._started_workers = self.workers()
                 self._shm_regions = _shm_regions_mapped_by(self.proc.pid)
                 return self
+            except TritonStartCancelled:
+                self.stop(kill=True)  # nothing is served yet; a model hanging at load ignores SIGINT
+                raise
             except TritonStartError:
                 taken = "already in use" in self.log_tail(4000).lower()
                 self.stop()
@@ -512,10 +582,13 @@ class TritonServer:
             return TritonStartError(f"{what}: " + "; ".join(errors) + f" (server log: {kept})")
         return TritonStartError(f"{what}; log {kept}:\n{self.log_tail()}")
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
+    def wait_ready(self, timeout: float = 180.0, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://{self.http_url}/v2/health/ready"
+        cancel = cancel or threading.Event()
         while time.monotonic() < deadline:
+            if cancel.is_set():
+                raise TritonStartCancelled("stopped before the server was ready")
             code = self.proc.poll() if self.proc else -1
             if code is not None:
                 raise self._start_error(f"tritonserver exited with code {code} before it was ready")
@@ -525,7 +598,7 @@ class TritonServer:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(0.2)
+            cancel.wait(0.2)
         raise self._start_error(f"tritonserver not ready after {timeout:.0f} s")
 
     def stop(self, timeout: float = 30.0, *, kill: bool = False) -> int | None:
@@ -535,6 +608,11 @@ class TritonServer:
         answers: killing it closes their connections, so their clients get UNAVAILABLE now).
         Then removes what a server that died uncleanly leaves (:attr:`leftovers`). Returns the
         exit code."""
+        if self.proc is not None and self.proc.poll() is None and not self._started_workers:
+            # stopped before it was ready (a model hanging at load, a cancelled start): what
+            # it has started so far, for the clean-up should it not do it itself
+            self._started_workers = self.workers()
+            self._shm_regions = _shm_regions_mapped_by(self.proc.pid)
         proc, self.proc = self.proc, None
         code = None
         if proc is not None:

@@ -158,6 +158,15 @@ class KVBlockPool:
     def num_seq_blocks(self, seq_id: object) -> int:
         return self._count[self._known(seq_id)]
 
+    def num_own_blocks(self, seq_id: object) -> int:
+        """Blocks of ``seq_id``'s table it allocated (not taken from the prefix cache)."""
+        return self._count[self._known(seq_id)] - self._shared[seq_id]
+
+    @property
+    def seq_ids(self) -> list[object]:
+        """The sequences the pool holds blocks for."""
+        return list(self._rows)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: never-registered free ones and cached ones no
@@ -178,6 +187,57 @@ class KVBlockPool:
     def newly_pinned(self, cached_blocks: Sequence[int]) -> int:
         """How many of ``cached_blocks`` no sequence holds now (taking them pins them)."""
         return sum(1 for b in cached_blocks if self._ref[int(b)] == 0)
+
+    def check_invariants(self) -> list[str]:
+        """What is inconsistent in the pool's bookkeeping (empty when all is well): every block
+        free, cached-and-unheld, or held, exactly once; reference counts equal to the tables
+        that hold a block; ownership and the pinned count as the tables say; the hash maps each
+        other's inverse. For tests and debugging (a pass over every table)."""
+        problems = []
+        refs = np.zeros(self.num_blocks, dtype=np.int64)
+        owned = np.zeros(self.num_blocks, dtype=bool)
+        for sid, row in self._rows.items():
+            n, shared = self._count[sid], self._shared[sid]
+            ids = row[:n].tolist()
+            if len(set(ids)) != len(ids):
+                problems.append(f"sequence {sid!r} holds a block twice: {ids}")
+            if self._lens[sid] > n * self.block_size:
+                problems.append(f"sequence {sid!r} is {self._lens[sid]} tokens long in {n} blocks")
+            for j, b in enumerate(ids):
+                refs[b] += 1
+                if j >= shared:
+                    if owned[b]:
+                        problems.append(f"block {b} is owned by two sequences")
+                    owned[b] = True
+        if not np.array_equal(refs, self._ref):
+            bad = np.nonzero(refs != self._ref)[0][:5].tolist()
+            problems.append(f"reference counts differ from the tables at blocks {bad}")
+        if not np.array_equal(owned, self._owned):
+            bad = np.nonzero(owned != self._owned)[0][:5].tolist()
+            problems.append(f"ownership differs from the tables at blocks {bad}")
+        pinned = int(((refs > 0) & ~owned).sum())
+        if pinned != self._pinned:
+            problems.append(f"{self._pinned} blocks counted as pinned, the tables pin {pinned}")
+        free, lru = self._free, list(self._lru)
+        if len(set(free)) != len(free):
+            problems.append("a block is on the free list twice")
+        held = set(np.nonzero(refs > 0)[0].tolist())
+        for name, group in (("free", set(free)), ("cached", set(lru))):
+            if group & held:
+                problems.append(f"blocks both {name} and held: {sorted(group & held)[:5]}")
+        if set(free) & set(lru):
+            problems.append(f"blocks both free and cached: {sorted(set(free) & set(lru))[:5]}")
+        if len(free) + len(lru) + len(held) != self.num_blocks:
+            problems.append(
+                f"{len(free)} free + {len(lru)} cached + {len(held)} held blocks, not the pool's {self.num_blocks}"
+            )
+        if any(b in self._hash_of for b in free):
+            problems.append("a registered block is on the free list")
+        if any(b not in self._hash_of for b in lru):
+            problems.append("an unregistered block is in the cache's LRU")
+        if {h: b for b, h in self._hash_of.items()} != self._by_hash:
+            problems.append("the hash maps are not each other's inverse")
+        return problems
 
     # -- prefix cache
     def register(self, seq_id: object, index: int, block_hash: bytes) -> bool:

@@ -779,6 +779,35 @@ class GenerationEngine:
         except Exception:  # a broken callback must not stop the other requests
             log.exception("event callback of request %s failed", event.request.id)
 
+    def check_invariants(self, plan: Sequence[tuple[Request, int]] = ()) -> list[str]:
+        """What is inconsistent in the engine's bookkeeping between steps (empty when all is
+        well): the pool's (:meth:`KVBlockPool.check_invariants`), the reservation equal to what
+        the running requests reserved, each within its reservation, every running request in
+        the pool and no other, the sequence and block limits, and ``plan`` (a step's) within
+        ``max_batch_tokens``. For tests and debugging."""
+        pool = self.runtime.pool
+        problems = pool.check_invariants()
+        if self._reserved != sum(r.blocks_reserved for r in self._running):
+            problems.append(f"{self._reserved} blocks reserved, the running requests reserved "
+                            f"{sum(r.blocks_reserved for r in self._running)}")  # fmt: skip
+        ids = {r.id for r in self._running}
+        in_pool = set(pool.seq_ids)
+        if ids != in_pool:
+            problems.append(f"running {sorted(ids)} but the pool holds sequences {sorted(in_pool, key=str)}")
+        for r in self._running:
+            own = pool.num_own_blocks(r.id) if r.id in in_pool else 0
+            if own > r.blocks_reserved:
+                problems.append(f"request {r.id} holds {own} blocks of its own, reserved {r.blocks_reserved}")
+        if len(self._running) > self.config.max_num_seqs:
+            problems.append(f"{len(self._running)} running, max_num_seqs {self.config.max_num_seqs}")
+        if self._reserved + pool.num_pinned_blocks > self.num_blocks:
+            problems.append(f"{self._reserved} reserved + {pool.num_pinned_blocks} pinned > {self.num_blocks} blocks")
+        if sum(n for _, n in plan) > self.config.max_batch_tokens:
+            problems.append(f"a step of {sum(n for _, n in plan)} tokens, over max_batch_tokens")
+        if any(r.finished for r in self._running) or any(r.finished for r in self._waiting):
+            problems.append("a finished request is still queued or running")
+        return problems
+
     # ---------------------------------------------------------------- monitoring
     def reset_counters(self) -> None:
         """Zero the counters (after a warm-up run, say); the pool state is unaffected."""

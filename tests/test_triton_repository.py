@@ -465,7 +465,7 @@ class _WatchedServer:
     def __call__(self, *args, **kwargs):  # constructed by serve_main
         return self
 
-    def start(self, timeout):
+    def start(self, timeout, cancel=None):
         self.calls.append("start")
 
     def workers(self):

@@ -379,6 +379,17 @@ def test_http_defects_of_the_old_proxy(door):
     assert out.startswith(b"HTTP/1.1 408")
 
 
+def test_malformed_json_is_a_400_on_every_json_route(door):
+    """A body that is not a JSON object (cut short, not UTF-8, an array, a bare value, empty) is
+    the client's error: 400 with OpenAI's error object on both JSON routes, never a 5xx."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for body in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "\xff\xfe"}', b"[1, 2]", b"17", b""):
+            out = _raw(door, _post_raw(path, body, close=True))
+            assert out.startswith(b"HTTP/1.1 400"), (path, body, out[:200])
+            error = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["type"] == "invalid_request_error" and error["message"], (path, body, error)
+
+
 def test_512_concurrent_clients_and_200_slow_sockets(door, model, tok):
     """512 clients at once: no connection reset, every answer equal to offline generation; 200
     slowloris sockets opened first do not stop them and are closed by the header timeout."""

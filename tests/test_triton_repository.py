@@ -432,10 +432,67 @@ def test_force_replaces_only_a_repository_it_wrote(tmp_path, model):
     empty.mkdir()
     write_repository(empty, model, streaming=False, force=True)
     assert (empty / ".dash-trt-repository").is_file()
-    (empty / "dash" / "extra.txt").write_text("stale")
-    write_repository(empty, model, streaming=False, force=True)  # a marked repository: replaced whole
-    assert not (empty / "dash" / "extra.txt").exists()
+    write_repository(empty, model, streaming=False, force=True)  # its own repository: replaced whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "work"]  # no scratch left
+
+
+def test_force_replaces_only_what_it_wrote(tmp_path, model):
+    """A repository with a file this tool did not write there (in any folder), a file changed
+    since, or a marker planted in a user's folder (no list of what was written, or a list that
+    does not match) is refused and left as it was."""
+    from dash_trt.triton.repository import MARKER
+
+    out = tmp_path / "repo"
+    write_repository(out, model, streaming=False)
+    (out / "dash" / "notes.txt").write_text("mine")
+    with pytest.raises(RepositoryError, match=r"holds what dash-triton did not write there.*dash/notes\.txt"):
+        write_repository(out, model, streaming=False, force=True)
+    assert (out / "dash" / "notes.txt").read_text() == "mine"
+    (out / "dash" / "notes.txt").unlink()
+    with open(out / "dash" / "config.pbtxt", "a") as fh:
+        fh.write("# my edit\n")
+    with pytest.raises(RepositoryError, match=r"or changed since: dash/config\.pbtxt"):
+        write_repository(out, model, streaming=False, force=True)
+    assert (out / "dash" / "config.pbtxt").read_text().endswith("# my edit\n")
+    # a marker planted among user files: the old one-line marker, then a copied one
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (user / MARKER).write_text("A Triton model repository written by `dash-triton write`\n")
+    with pytest.raises(RepositoryError, match="does not list what dash-triton wrote there"):
+        write_repository(user, model, streaming=False, force=True)
+    (user / MARKER).write_text((tmp_path / "repo" / MARKER).read_text())
+    with pytest.raises(RepositoryError, match="did not write there, or changed since: notes.txt"):
+        write_repository(user, model, streaming=False, force=True)
+    assert sorted(os.listdir(user)) == sorted([MARKER, "notes.txt"]) and (user / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_repository_modes_follow_the_umask_or_private(tmp_path, model, umask):
+    """Files and folders get the umask's modes (a server running as another user can read a
+    repository written under umask 022; the temporary folder's 0700 and the checkpoint's 0600
+    are not kept); --private makes everything the owner's only."""
+    import stat
+
+    def modes(root):
+        found = {}
+        for path in [root, *root.rglob("*")]:
+            found[str(path.relative_to(root))] = stat.S_IMODE(path.stat().st_mode)
+        return found
+
+    old = os.umask(umask)
+    try:
+        write_repository(tmp_path / "repo", model, streaming=False)
+        write_repository(tmp_path / "private", model, streaming=False, private=True)
+    finally:
+        os.umask(old)
+    got = modes(tmp_path / "repo")
+    assert got["."] == 0o777 & ~umask and got["dash/1"] == 0o777 & ~umask, got
+    assert got["dash/1/model.pt"] == 0o666 & ~umask and got["dash/config.pbtxt"] == 0o666 & ~umask, got
+    assert set(got.values()) == {0o777 & ~umask, 0o666 & ~umask}, got
+    got = modes(tmp_path / "private")
+    assert {m for p, m in got.items() if (tmp_path / "private" / p).is_dir()} == {0o700}, got
+    assert {m for p, m in got.items() if (tmp_path / "private" / p).is_file()} == {0o600}, got
 
 
 @pytest.mark.parametrize("name", ["a$(touch pwned)b", "x;y", "with space", "q'uote", "back`tick`"])

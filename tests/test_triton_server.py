@@ -739,6 +739,42 @@ def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path, model):
             srv.cleanup()
 
 
+def test_ready_is_announced_only_for_its_own_server(tmp_path, model, monkeypatch):
+    """Check-then-bind: another server takes the HTTP port after the port check and answers the
+    readiness probe. The start must not report that server ready: it fails (this server could
+    not bind the port) naming the port in use."""
+    import http.server
+
+    from dash_trt.triton import server as S
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            probes.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    probes: list[str] = []
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False, warmup=False)
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    monkeypatch.setattr(S, "port_in_use", lambda port: False)  # the check ran before the other bound
+    srv = _server_or_skip(tmp_path / "repo", http_port=port, grpc_port=S.free_ports(1)[0])
+    try:
+        with pytest.raises(S.TritonStartError, match="already in use") as e:
+            srv.start(timeout=240)
+        assert probes and set(probes) == {"/v2/health/ready"}  # the other server did answer ready
+        assert str(port) in str(e.value)
+    finally:
+        srv.cleanup()
+        other.shutdown()
+        other.server_close()
+
+
 def test_the_server_does_not_outlive_a_killed_parent(tmp_path, model):
     """kill -9 of the process that started tritonserver (dash-triton serve) takes the server
     down too (PR_SET_PDEATHSIG): no orphan holding the ports."""

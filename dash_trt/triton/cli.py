@@ -60,7 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--force",
         action="store_true",
-        help="replace --out if it is a repository dash-triton wrote (or an empty folder)",
+        help="replace --out if it is a repository dash-triton wrote and holds only what it wrote (or an empty folder)",
+    )
+    w.add_argument(
+        "--private",
+        action="store_true",
+        help="make the repository readable by its owner only (0700 folders, 0600 files; default: the umask's modes, "
+        "so that a server running as another user can read it)",
     )
     w.add_argument(
         "--name",
@@ -317,6 +323,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             gpus=engine_gpus,
             documents=None if a.no_document_model else _document_folder(a.checkpoint),
             document_instances=a.document_instances,
+            private=a.private,
         )
     except (
         RepositoryError,

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..fileio import file_mode
 from ..modeling import DashModel
 from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
 from ..models.deepencoder import tower_state
@@ -521,8 +522,50 @@ def model_class_source(model: DashModel) -> tuple[str | None, str]:
     return None, model_class_spec(cls)
 
 
-#: The file that marks a folder as a repository ``dash-triton write`` wrote (and so may replace).
+#: The file that marks a folder as a repository ``dash-triton write`` wrote (and so may replace);
+#: after a line of text it lists what was written (:func:`_manifest`).
 MARKER = ".dash-trt-repository"
+
+
+def _manifest(folder: str) -> dict[str, int | None]:
+    """Every file (relative path -> size) and folder (-> None) under ``folder`` but the marker;
+    symlinks are listed as files of size -1 (this tool writes none)."""
+    found: dict[str, int | None] = {}
+    for root, dirs, files in os.walk(folder):
+        for entry in dirs + files:
+            path = os.path.join(root, entry)
+            rel = os.path.relpath(path, folder)
+            if rel == MARKER:
+                continue
+            if os.path.islink(path):
+                found[rel] = -1
+            else:
+                found[rel] = None if entry in dirs else os.path.getsize(path)
+    return found
+
+
+def _not_replaceable(out: str) -> str | None:
+    """Why ``--force`` may not replace the existing folder ``out``, or None when it may: an empty
+    folder, or a repository this tool wrote holding only what it wrote there (its marker lists
+    each file and its size; a file added or changed since is the user's)."""
+    if not os.listdir(out):
+        return None
+    try:
+        with open(os.path.join(out, MARKER), encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return f"it has no {MARKER} (not a repository dash-triton wrote)"
+    try:
+        written = json.loads(text.split("\n", 1)[1])["written"]
+        assert isinstance(written, dict)
+    except (IndexError, ValueError, KeyError, TypeError, AssertionError):
+        return f"its {MARKER} does not list what dash-triton wrote there (an older or a foreign one)"
+    now = _manifest(out)
+    foreign = sorted(rel for rel, size in now.items() if rel not in written or written[rel] != size)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds what dash-triton did not write there, or changed since: {shown}"
+    return None
 
 
 def write_repository(
@@ -546,8 +589,14 @@ def write_repository(
     gpus: Sequence[int] | None = None,
     documents: str | None = None,
     document_instances: int = 2,
+    private: bool = False,
 ) -> WrittenRepository:
     """Write the repository at ``out``.
+
+    Its files and folders get the modes of the umask (as ``open`` and ``mkdir`` give them), so a
+    server running as another user can read it where the umask allows; ``private``: readable by
+    the owner only (0600 files, 0700 folders). ``force`` replaces an existing ``out`` only when
+    it is empty or a repository this function wrote holding nothing else.
 
     ``model`` is the loaded checkpoint (its config goes into the parameters);
     ``checkpoint`` the ``model.pt`` to copy (written from ``model`` when None).
@@ -566,10 +615,11 @@ def write_repository(
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise RepositoryError(f"cannot write {out}: it is a file, not a folder")
-        if os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+        why = _not_replaceable(out)
+        if why is not None:
             raise RepositoryError(
-                f"--force replaces only a repository that dash-triton wrote (a folder with {MARKER}) or an empty "
-                f"folder; {out} is neither, so nothing was changed: choose another --out, or remove it yourself"
+                f"--force replaces only a repository that dash-triton wrote, holding only what it wrote, or an empty "
+                f"folder; {out}: {why}. Nothing was changed: choose another --out, or remove it yourself"
             )
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
@@ -683,11 +733,19 @@ def write_repository(
                 f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}"
             )
         _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
+        for root, dirs, files in os.walk(tmp):  # the umask's modes (mkdtemp made the top 0700), or private
+            for entry in dirs:
+                os.chmod(os.path.join(root, entry), file_mode(directory=True, private=private))
+            for entry in files if private else ():
+                os.chmod(os.path.join(root, entry), file_mode(private=True))
+        os.chmod(tmp, file_mode(directory=True, private=private))
         _write(
             os.path.join(tmp, MARKER),
-            "A Triton model repository written by `dash-triton write`; "
-            "`dash-triton write --force` may replace this folder.\n",
+            "A Triton model repository written by `dash-triton write`; `dash-triton write --force` may replace "
+            "this folder while it holds only these files:\n" + json.dumps({"written": _manifest(tmp)}, indent=1) + "\n",
         )
+        if private:
+            os.chmod(os.path.join(tmp, MARKER), file_mode(private=True))
         old = None
         if os.path.exists(out):  # the old repository moves aside first: a failure leaves one of the two
             old = tempfile.mkdtemp(prefix=".dash-triton-old-", dir=parent)

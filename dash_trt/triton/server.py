@@ -284,6 +284,48 @@ def check_launch_names(repository: str, backends: str | None = None) -> None:
                 )
 
 
+def _socket_inodes_of(pid: int) -> set[int] | None:
+    """Inodes of the sockets process ``pid`` holds open (Linux /proc; None elsewhere)."""
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    found = set()
+    for entry in entries:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{entry}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.add(int(link[len("socket:[") : -1]))
+    return found
+
+
+def _listening_inodes(port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on ``port`` (any address), from /proc/net/tcp{,6}."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(int(f[9]))
+    return found
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself listens on TCP ``port``: another process on that port
+    (one that bound it first) does not count. None where /proc cannot tell (not Linux)."""
+    mine = _socket_inodes_of(pid)
+    if mine is None or not os.path.exists("/proc/net/tcp"):
+        return None
+    return bool(mine & _listening_inodes(port))
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: the server gets SIGTERM when the process that started it dies, even by
     SIGKILL (prctl PR_SET_PDEATHSIG), so no tritonserver outlives its ``serve``."""
@@ -550,8 +592,8 @@ class TritonServer:
                 self.wait_ready(timeout, cancel)
                 # what to clean up should the server die without doing it itself (kill -9, a
                 # crash): its model workers and their shared-memory regions
-                self._started_workers = self.workers()
-                self._shm_regions = _shm_regions_mapped_by(self.proc.pid)
+                self._started_workers.update(self.workers())
+                self._shm_regions |= _shm_regions_mapped_by(self.proc.pid)
                 return self
             except TritonStartCancelled:
                 self.stop(kill=True)  # nothing is served yet; a model hanging at load ignores SIGINT
@@ -592,14 +634,26 @@ class TritonServer:
             code = self.proc.poll() if self.proc else -1
             if code is not None:
                 raise self._start_error(f"tritonserver exited with code {code} before it was ready")
+            # what it has started so far, for the clean-up should it exit without doing it
+            self._started_workers.update(self.workers())
+            self._shm_regions |= _shm_regions_mapped_by(self.proc.pid)
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    # bind, then announce: ready only once the ports are this server's (the
+                    # answer may come from another server that took a port first; this one then
+                    # fails to bind it and exits)
+                    if r.status == 200 and self._holds_ports():
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             cancel.wait(0.2)
         raise self._start_error(f"tritonserver not ready after {timeout:.0f} s")
+
+    def _holds_ports(self) -> bool:
+        """Whether the server process itself listens on its HTTP, gRPC and metrics ports (True
+        where /proc cannot tell)."""
+        ports = [self.http_port, self.grpc_port] + ([self.metrics_port] if self.metrics_port else [])
+        return all(listens_on(self.proc.pid, port) is not False for port in ports)
 
     def stop(self, timeout: float = 30.0, *, kill: bool = False) -> int | None:
         """SIGINT (Triton unloads the models, whose ``finalize`` answers what is still
@@ -608,11 +662,11 @@ class TritonServer:
         answers: killing it closes their connections, so their clients get UNAVAILABLE now).
         Then removes what a server that died uncleanly leaves (:attr:`leftovers`). Returns the
         exit code."""
-        if self.proc is not None and self.proc.poll() is None and not self._started_workers:
-            # stopped before it was ready (a model hanging at load, a cancelled start): what
-            # it has started so far, for the clean-up should it not do it itself
-            self._started_workers = self.workers()
-            self._shm_regions = _shm_regions_mapped_by(self.proc.pid)
+        if self.proc is not None and self.proc.poll() is None:
+            # what it has started (a model loading when stopped before ready included), for the
+            # clean-up should it not do it itself
+            self._started_workers.update(self.workers())
+            self._shm_regions |= _shm_regions_mapped_by(self.proc.pid)
         proc, self.proc = self.proc, None
         code = None
         if proc is not None:

@@ -128,9 +128,9 @@ def test_the_checks_see_broken_bookkeeping(model):
     req = engine.submit(M.document_prompt([12], "Who?", model.config), 6, stop_at_eos=False)
     engine.step()
     assert engine.check_invariants() == []
-    engine._reserved += 1
+    engine.scheduler.reserved += 1
     assert any("reserved" in p for p in engine.check_invariants())
-    engine._reserved -= 1
+    engine.scheduler.reserved -= 1
     pool = engine.runtime.pool
     held = pool.blocks(req.id)[0]
     pool._free.append(held)

@@ -14,13 +14,13 @@ sequence contributes either its next decode token or its next prefill chunk (at 
 decode steps of different requests share a step, and requests that arrive while others
 are decoding join at the next step (continuous batching).
 
-Admission allocates a request's worst case up front: ``ceil((prompt + max_new_tokens - 1)
-/ kv_block_size)`` KV blocks (the last generated token is never written to the cache).
-A running sequence therefore never runs out of blocks, and nothing is ever preempted or
-recomputed; the price is that a request that stops early at EOS held more than it used.
-Requests that do not fit wait in FIFO order (a large request is not overtaken forever
-by small ones) and are admitted as finished sequences free their blocks. A request that
-could never fit, even in an empty pool, is refused at :meth:`~GenerationEngine.submit`.
+Who runs and what a step computes is the :class:`~dash_trt.serving.scheduler.Scheduler`'s:
+admission reserves a request's worst case up front (``ceil((prompt + max_new_tokens - 1) /
+kv_block_size)`` KV blocks, the last generated token is never written to the cache), so a
+running sequence never runs out of blocks and nothing is preempted or recomputed; the price is
+that a request that stops early at EOS held more than it used. Requests that do not fit wait in
+FIFO order and are admitted as finished sequences free their blocks. A request that could never
+fit, even in an empty pool, is refused at :meth:`~GenerationEngine.submit`.
 
 Threading: :meth:`~GenerationEngine.submit`, :meth:`~GenerationEngine.stats` and
 :meth:`~GenerationEngine.close` may be called from any thread; :meth:`~GenerationEngine.step`
@@ -51,6 +51,7 @@ from .block_pool import blocks_for, prefix_block_hashes
 from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
 from .sampling import SamplingError, SamplingParams
+from .scheduler import Scheduler
 
 __all__ = [
     "EngineConfig",
@@ -294,9 +295,15 @@ class GenerationEngine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Request] = deque()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._reserved = 0
+        #: the waiting queue, the running requests and their KV reservations
+        self.scheduler = Scheduler(
+            self.runtime.pool,
+            num_blocks=num_blocks,
+            kv_block_size=ecfg.kv_block_size,
+            max_num_seqs=ecfg.max_num_seqs,
+            max_batch_tokens=ecfg.max_batch_tokens,
+            prefill_chunk=ecfg.prefill_chunk,
+        )
         self._closed: str | None = None
         #: requests drain() took off the queue, answered (failed) by the next step: every
         #: response of the engine's requests goes out from the thread that steps it
@@ -501,7 +508,7 @@ class GenerationEngine:
     # --------------------------------------------------------------------- steps
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._incoming or self._waiting or self._running or self._to_fail)
+            return self._queued() or bool(self._to_fail)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until a request arrives (or ``timeout``); True if there is work to step.
@@ -510,9 +517,13 @@ class GenerationEngine:
             if self._paused and not self._closed:
                 poll = self.cancel_poll_interval if self.cancel_poll_interval > 0 else 0.05
                 self._work.wait(poll if timeout is None else min(timeout, poll))
-            elif not (self._incoming or self._waiting or self._running or self._to_fail):  # idle: no spinning
+            elif not (self._queued() or self._to_fail):  # idle (closed and idle too): no spinning
                 self._work.wait(timeout)
-            return bool(self._to_fail) or (not self._paused and bool(self._incoming or self._waiting or self._running))
+            return bool(self._to_fail) or (not self._paused and self._queued())
+
+    def _queued(self) -> bool:
+        """Requests arrived, waiting or running (under the lock)."""
+        return bool(self._incoming or self.scheduler.waiting or self.scheduler.running)
 
     # ------------------------------------------------------------ operator control
     def pause(self) -> None:
@@ -541,18 +552,18 @@ class GenerationEngine:
             while self._incoming:
                 req = self._incoming.popleft()
                 req.status = "waiting"
-                self._waiting.append(req)
+                self.scheduler.enqueue(req)
             to_fail, self._to_fail = self._to_fail, []
         for req, reason in to_fail:  # drain()'s queued requests, answered from this thread
             self._fail(req, reason, UNAVAILABLE)
         self._drop_cancelled()
         if self._drain_deadline is not None and self._clock() >= self._drain_deadline:
-            for req in list(self._running):  # the drain's grace is over
+            for req in list(self.scheduler.running):  # the drain's grace is over
                 self._fail(req, self._closed or "the server is shutting down", UNAVAILABLE)
         self._admit()
         if self._paused:
             return False
-        plan = self._plan()
+        plan = self.scheduler.plan(self.runtime.seq)
         if not plan:
             return False
         self._run(plan)
@@ -611,9 +622,8 @@ class GenerationEngine:
         queued requests will be failed."""
         with self._work:
             self._closed = reason
-            pending = list(self._incoming) + list(self._waiting)
+            pending = list(self._incoming) + self.scheduler.take_waiting()
             self._incoming.clear()
-            self._waiting.clear()
             self._to_fail.extend((req, reason) for req in pending)
             self._drain_deadline = self._clock() + max(0.0, float(grace))
             self._work.notify_all()
@@ -625,12 +635,11 @@ class GenerationEngine:
         :meth:`EngineRunner.stop` does). Returns how many requests were failed."""
         with self._work:
             self._closed = reason
-            pending = [r for r, _ in self._to_fail] + list(self._incoming) + list(self._waiting)
+            pending = [r for r, _ in self._to_fail] + list(self._incoming) + self.scheduler.take_waiting()
             self._to_fail.clear()
             self._incoming.clear()
-            self._waiting.clear()
             self._work.notify_all()
-        running = list(self._running)
+        running = list(self.scheduler.running)
         for req in pending + running:
             self._fail(req, reason, UNAVAILABLE)
         return len(pending) + len(running)
@@ -641,7 +650,7 @@ class GenerationEngine:
         if now - self._last_cancel_poll < self.cancel_poll_interval:
             return
         self._last_cancel_poll = now
-        for req in list(self._waiting) + list(self._running):
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             if req.is_cancelled is None:
                 continue
             try:
@@ -652,20 +661,7 @@ class GenerationEngine:
                 self._fail(req, "request cancelled by the client", CANCELLED)
 
     def _admit(self) -> None:
-        cap, limit = self.num_blocks, self.config.max_num_seqs
-        pool = self.runtime.pool
-        while self._waiting and len(self._running) < limit:
-            req = self._waiting[0]
-            # With prefix caching a request owns only the blocks past its cached prefix; the
-            # cached ones it pins (held by no sequence now) count against the pool too, beside
-            # the blocks other requests hold only through the cache.
-            cached = pool.match(req._hashes) if req._hashes else []
-            own = self.config.blocks_for(len(req.prompt) + req.max_new_tokens - 1) - len(cached)
-            if self._reserved + pool.num_pinned_blocks + pool.newly_pinned(cached) + own > cap:
-                break  # FIFO: the head waits for blocks; the ones behind it wait for the head
-            self._waiting.popleft()
-            req.blocks_reserved = own
-            self._reserved += own
+        def start(req: Request, cached: list[int]) -> None:
             seq = self.runtime.add(
                 req.id,
                 req.prompt,
@@ -683,29 +679,11 @@ class GenerationEngine:
             req.status, req.t_admit = "running", time.perf_counter()
             if req._waited:
                 self.counters["waited"] += 1
-            self._running.append(req)
-        for req in self._waiting:  # left waiting for blocks or a sequence slot
-            req._waited = True
-        c = self.counters
-        c["peak_running"] = max(c["peak_running"], len(self._running))
-        c["peak_waiting"] = max(c["peak_waiting"], len(self._waiting))
 
-    def _plan(self) -> list[tuple[Request, int]]:
-        """Decode tokens first (one per decoding sequence), then prefill chunks in
-        admission order within what is left of ``max_batch_tokens``."""
-        ecfg = self.config
-        seqs = [(r, self.runtime.seq(r.id)) for r in self._running]
-        plan = [(r, 1) for r, s in seqs if s.fed >= s.prompt_len]
-        budget = ecfg.max_batch_tokens - len(plan)
-        for r, s in seqs:
-            if s.fed >= s.prompt_len:
-                continue
-            if budget <= 0:
-                break
-            n = min(s.pending, ecfg.prefill_chunk, budget)
-            plan.append((r, n))
-            budget -= n
-        return plan
+        self.scheduler.admit(start)
+        c, sched = self.counters, self.scheduler
+        c["peak_running"] = max(c["peak_running"], len(sched.running))
+        c["peak_waiting"] = max(c["peak_waiting"], len(sched.waiting))
 
     def _run(self, plan: list[tuple[Request, int]]) -> None:
         cfg = self.model_config
@@ -746,12 +724,8 @@ class GenerationEngine:
         self.counters["tokens_generated"] += generated
 
     def _release(self, req: Request) -> None:
-        if req in self._running:
-            self._running.remove(req)
-            self._reserved -= req.blocks_reserved
+        if self.scheduler.release(req):
             self.runtime.free(req.id)
-        elif req in self._waiting:
-            self._waiting.remove(req)
 
     def _finish(self, req: Request) -> None:
         self._release(req)
@@ -781,30 +755,12 @@ class GenerationEngine:
 
     def check_invariants(self, plan: Sequence[tuple[Request, int]] = ()) -> list[str]:
         """What is inconsistent in the engine's bookkeeping between steps (empty when all is
-        well): the pool's (:meth:`KVBlockPool.check_invariants`), the reservation equal to what
-        the running requests reserved, each within its reservation, every running request in
-        the pool and no other, the sequence and block limits, and ``plan`` (a step's) within
-        ``max_batch_tokens``. For tests and debugging."""
-        pool = self.runtime.pool
-        problems = pool.check_invariants()
-        if self._reserved != sum(r.blocks_reserved for r in self._running):
-            problems.append(f"{self._reserved} blocks reserved, the running requests reserved "
-                            f"{sum(r.blocks_reserved for r in self._running)}")  # fmt: skip
-        ids = {r.id for r in self._running}
-        in_pool = set(pool.seq_ids)
-        if ids != in_pool:
-            problems.append(f"running {sorted(ids)} but the pool holds sequences {sorted(in_pool, key=str)}")
-        for r in self._running:
-            own = pool.num_own_blocks(r.id) if r.id in in_pool else 0
-            if own > r.blocks_reserved:
-                problems.append(f"request {r.id} holds {own} blocks of its own, reserved {r.blocks_reserved}")
-        if len(self._running) > self.config.max_num_seqs:
-            problems.append(f"{len(self._running)} running, max_num_seqs {self.config.max_num_seqs}")
-        if self._reserved + pool.num_pinned_blocks > self.num_blocks:
-            problems.append(f"{self._reserved} reserved + {pool.num_pinned_blocks} pinned > {self.num_blocks} blocks")
-        if sum(n for _, n in plan) > self.config.max_batch_tokens:
-            problems.append(f"a step of {sum(n for _, n in plan)} tokens, over max_batch_tokens")
-        if any(r.finished for r in self._running) or any(r.finished for r in self._waiting):
+        well): the pool's (:meth:`KVBlockPool.check_invariants`), the scheduler's (reservations,
+        limits, ``plan`` within ``max_batch_tokens``), no finished request queued or running.
+        For tests and debugging."""
+        sched = self.scheduler
+        problems = self.runtime.pool.check_invariants() + sched.check_invariants(list(plan))
+        if any(r.finished for r in sched.running) or any(r.finished for r in sched.waiting):
             problems.append("a finished request is still queued or running")
         return problems
 
@@ -822,13 +778,13 @@ class GenerationEngine:
             out.update(
                 kv_blocks_total=pool.num_blocks,
                 kv_blocks_free=pool.num_free_blocks,
-                kv_blocks_reserved=self._reserved,
+                kv_blocks_reserved=self.scheduler.reserved,
                 kv_blocks_cached=pool.num_cached_blocks,
                 kv_blocks_pinned=pool.num_pinned_blocks,
                 prefix_caching=self.runtime.prefix_caching,
                 kv_block_size=pool.block_size,
-                running=len(self._running),
-                waiting=len(self._waiting) + len(self._incoming),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting) + len(self._incoming),
                 closed=self._closed is not None,
                 paused=self._paused,
             )
@@ -859,7 +815,7 @@ class EngineRunner:
             except Exception as exc:  # a bug in the engine itself: fail what runs, keep serving
                 self.error = exc
                 log.exception("generation engine step failed")
-                for req in list(self.engine._running):
+                for req in list(self.engine.scheduler.running):
                     self.engine._fail(req, f"internal error in the engine: {type(exc).__name__}: {exc}", INTERNAL)
         # Still on the stepping thread: whatever is left is answered from here too.
         self._closed_count = self.engine.close(self._stop_reason)

@@ -26,7 +26,7 @@ import torch
 
 from .config import as_config
 from .libraries import installed_paths
-from .paged import CACHE_FIELDS, OperatorCall, paged_dash_attention
+from .paged import BATCH_FIELDS, CACHE_FIELDS, TOKEN_FIELDS, OperatorCall, paged_dash_attention
 from .reference import FLOAT_DTYPES, Routing, SpLike, check_heads, check_shape
 from .versions import KERNEL_ABI_VERSION
 
@@ -371,19 +371,8 @@ _CONFIG_FIELDS = (
     "index_truncate",
     "rope_page_mod",
 )
-_INPUT_FIELDS = (
-    "q",
-    "k",
-    "v",
-    "iq",
-    "ik",
-    "coords",
-    "head_cls",
-    "block_tables",
-    "seq_lens",
-    "query_start_loc",
-    "prompt_lens",
-)
+#: The DashParams pointers of the operator's token and batch inputs, in the operator's order.
+_INPUT_FIELDS = (*TOKEN_FIELDS, *BATCH_FIELDS)
 
 
 def _config_fields(cfg, layer_idx: int) -> dict:

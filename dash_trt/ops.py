@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from . import attributes as A
-from .paged import CACHE_FIELDS, DashBatch, DashKVCache, OperatorCall, paged_dash_attention
+from .paged import BATCH_FIELDS, CACHE_FIELDS, TOKEN_FIELDS, DashBatch, DashKVCache, OperatorCall, paged_dash_attention
 
 __all__ = [
     "OP_NAMESPACE",
@@ -70,20 +70,7 @@ QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 
 
 #: Tensor inputs of the op (and of the ONNX node), in order.
-TENSOR_INPUTS = (
-    "q",
-    "k",
-    "v",
-    "iq",
-    "ik",
-    "coords",
-    "head_cls",
-    *(f"{f}_cache" for f in CACHE_FIELDS),
-    "block_tables",
-    "seq_lens",
-    "query_start_loc",
-    "prompt_lens",
-)
+TENSOR_INPUTS = (*TOKEN_FIELDS, *(f"{f}_cache" for f in CACHE_FIELDS), *BATCH_FIELDS)
 
 #: Outputs of the op (and of the ONNX node), in order.
 OUTPUTS = ("out", *(f"{f}_cache_out" for f in CACHE_FIELDS))

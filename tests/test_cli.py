@@ -299,3 +299,21 @@ def test_plugin_is_found_in_the_installation_or_through_the_environment(monkeypa
     (lib / libraries.PLUGIN_NAME).write_bytes(b"x")
     monkeypatch.setattr(libraries, "__file__", str(tmp_path / "pkg" / "libraries.py"))
     assert libraries.plugin_path() == lib / libraries.PLUGIN_NAME
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_dash_client_without_tritonclient_exits_2_with_the_install_hint(monkeypatch, protocol):
+    """Without tritonclient, `dash-client` says what to install and exits 2 (bad setup, as its
+    --help says for arguments), not 70 with an internal ModuleNotFoundError."""
+    import sys
+
+    from dash_trt.triton import client as C
+
+    for name in [m for m in sys.modules if m == "tritonclient" or m.startswith("tritonclient.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "tritonclient", None)
+    err = io.StringIO()
+    assert C.main(["--protocol", protocol, "--prompt", "<PAGE><image>x"], stdout=io.StringIO(), stderr=err) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dash-client: error: tritonclient is not installed"), lines
+    assert lines[0].endswith("pip install 'dash-trt[triton]'")

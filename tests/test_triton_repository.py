@@ -495,6 +495,34 @@ def test_repository_modes_follow_the_umask_or_private(tmp_path, model, umask):
     assert {m for p, m in got.items() if (tmp_path / "private" / p).is_file()} == {0o600}, got
 
 
+def test_write_hints_name_what_write_takes(tmp_path, model, capsys):
+    """What dash-triton write says to do about a checkpoint it cannot load works with write: a
+    model.pt without its config -> a folder with it as model.pt beside config.json (which write
+    then takes); an architecture that is not built in -> --model, an option write has (it named
+    dash-export's)."""
+    import json
+    import shutil
+
+    bare = tmp_path / "bare.pt"
+    torch.save({"state_dict": model.state_dict()}, bare)
+    assert cli.main(["write", str(bare), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "give a folder holding it as model.pt beside the model's config.json" in err, err
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(bare, folder / "model.pt")
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
+    assert cli.main(["write", str(folder), "--out", str(tmp_path / "r"), "--no-stream-model"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), "architectures": ["NotBuiltIn"]}))
+    assert cli.main(["write", str(folder), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert "pass the class with --model module:Class" in err and "dash-triton write" in err, err
+    # ... and write takes --model (here a module that does not exist: its own error, not "unrecognized")
+    assert cli.main(["write", str(folder), "--model", "no_such_module:Model", "--out", str(tmp_path / "r2")]) == 2
+    assert "cannot import no_such_module" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["a$(touch pwned)b", "x;y", "with space", "q'uote", "back`tick`"])
 def test_paths_a_shell_would_run_are_refused(tmp_path, model, name, capsys):
     """Triton's Python backend starts a model's stub through a shell with the model's path in

@@ -737,6 +737,18 @@ def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path, model):
             assert srv.proc is None
         finally:
             srv.cleanup()
+        # dash-triton serve: the exit code its --help gives for a port in use
+        import io
+
+        from dash_trt.triton.cli import _parser
+        from dash_trt.triton.cli import main as dash_triton
+
+        serve_help = " ".join(_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+        assert "2 bad input (no repository, a port in use" in serve_help
+        err = io.StringIO()
+        argv = ["serve", str(tmp_path / "repo"), "--http-port", str(port), "--timeout", "60"]
+        assert dash_triton(argv, stdout=io.StringIO(), stderr=err) == 2, err.getvalue()
+        assert f"port {port} on 127.0.0.1 is already in use" in err.getvalue()
 
 
 def test_ready_is_announced_only_for_its_own_server(tmp_path, model, monkeypatch):
@@ -765,7 +777,7 @@ def test_ready_is_announced_only_for_its_own_server(tmp_path, model, monkeypatch
     monkeypatch.setattr(S, "port_in_use", lambda port: False)  # the check ran before the other bound
     srv = _server_or_skip(tmp_path / "repo", http_port=port, grpc_port=S.free_ports(1)[0])
     try:
-        with pytest.raises(S.TritonStartError, match="already in use") as e:
+        with pytest.raises(S.TritonPortInUse, match="already in use") as e:
             srv.start(timeout=240)
         assert probes and set(probes) == {"/v2/health/ready"}  # the other server did answer ready
         assert str(port) in str(e.value)
@@ -965,15 +977,17 @@ def _in_flight(client, model, n=FAULT_REQUESTS, max_new=(6, 6), seed=21) -> _Ans
     return answers
 
 
-def _leaked_shm(before: set[str]) -> set[str]:
-    """New Triton shared-memory regions that no live process maps (a running server of another
-    test maps its own)."""
-    now = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    return {f for f in now - before if "triton" in f and not _mapped(f)}
+def _regions_of(*pids: int) -> set[str]:
+    """The /dev/shm regions these processes (the test's own server and its workers) map."""
+    from dash_trt.triton.server import _shm_regions_mapped_by
+
+    return set().union(*(_shm_regions_mapped_by(pid) for pid in pids))
 
 
-def _shm_now() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _left_behind(regions: set[str]) -> set[str]:
+    """Which of ``regions`` (the test's own) are still in /dev/shm: what else runs on the
+    machine does not count."""
+    return {r for r in regions if os.path.exists(os.path.join("/dev/shm", r))}
 
 
 def _fault_repo(tmp_path, model, **kw):
@@ -992,11 +1006,12 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
     import signal
 
     repo = _fault_repo(tmp_path, model, streaming=False)
-    shm_before = _shm_now()
     serve, url = _serve(repo)
     try:
         server_pid, stubs = _server_and_workers(serve)
         assert len(stubs) == 1, stubs
+        regions = _regions_of(server_pid, *stubs)
+        assert regions, "the server maps no shared-memory region"
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model)
             killed = time.monotonic()
@@ -1013,13 +1028,15 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
         for _, r in answers.got:
             assert r.status == "StatusCode.UNAVAILABLE" or "is not healthy" in str(r), str(r)
         last = max(t for t, _ in answers.got) - killed
-        assert not _leaked_shm(shm_before), _leaked_shm(shm_before)
+        assert not _left_behind(regions), _left_behind(regions)
         # the supervisor's part: a fresh serve on the same repository answers correctly
         prompt = M.document_prompt([20, 9], "After the restart?", model.config)
         want_after = offline(model, [prompt], [5])[0]
         restart = time.monotonic()
         serve, url = _serve(repo)
         ready = time.monotonic() - restart
+        restarted, restarted_stubs = _server_and_workers(serve)
+        regions |= _regions_of(restarted, *restarted_stubs)
         with C.DashClient(url, protocol="grpc", timeout=120) as c:
             assert c.generate(prompt, 5, stop_at_eos=False).tokens == want_after
         recovered = time.monotonic() - restart
@@ -1028,7 +1045,7 @@ def test_a_killed_worker_under_128_requests_ends_serve_with_every_request_answer
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
     assert serve.returncode == 0
-    assert not _leaked_shm(shm_before)
+    assert not _left_behind(regions), _left_behind(regions)
     with capsys.disabled():
         print(
             f"\nkilled worker: {FAULT_REQUESTS} in flight, {len(answers.got)} answered ({statuses}), lost 0, "
@@ -1044,11 +1061,12 @@ def test_a_killed_server_under_128_requests_is_cleaned_up_by_serve(tmp_path, mod
     import signal
 
     repo = _fault_repo(tmp_path, model, streaming=True)
-    shm_before = _shm_now()
     serve, url = _serve(repo)
     try:
         server_pid, stubs = _server_and_workers(serve)
         assert len(stubs) == 2, stubs  # the unary and the streaming model
+        regions = _regions_of(server_pid, *stubs)
+        assert len(regions) >= 2, regions
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model)
             killed = time.monotonic()
@@ -1060,7 +1078,7 @@ def test_a_killed_server_under_128_requests_is_cleaned_up_by_serve(tmp_path, mod
         assert "2 orphaned model worker(s) stopped, 2 shared-memory region(s) removed" in err, err[-2000:]
         assert not set(stubs) & set(_stubs())
         assert answers.statuses() == {"StatusCode.UNAVAILABLE": FAULT_REQUESTS}, answers.statuses()
-        assert not _leaked_shm(shm_before), _leaked_shm(shm_before)
+        assert not _left_behind(regions), _left_behind(regions)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -1081,10 +1099,10 @@ def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, mode
 
     engine = EngineConfig(num_blocks=512, kv_block_size=16, max_new_tokens_limit=512)
     repo = _fault_repo(tmp_path, model, streaming=True, engine=engine)
-    shm_before = _shm_now()
     serve, url = _serve(repo, "--grace", "1")
     try:
         server_pid, stubs = _server_and_workers(serve)
+        regions = _regions_of(server_pid, *stubs)
         with C.DashClient(url, protocol="grpc", timeout=300) as c:
             answers = _in_flight(c, model, max_new=(4, 400))
             assert not c.control("resume")["paused"]
@@ -1106,7 +1124,7 @@ def test_sigterm_under_128_requests_answers_every_one_and_exits_0(tmp_path, mode
                 assert len(r.tokens) == answers.cases[i].max_new_tokens
         assert statuses.get("StatusCode.UNAVAILABLE", 0) >= s["waiting"] - statuses.get("tokens", 0)
         assert _ppid(server_pid) is None and not set(stubs) & set(_stubs())
-        assert not _leaked_shm(shm_before), _leaked_shm(shm_before)
+        assert regions and not _left_behind(regions), _left_behind(regions)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -1254,10 +1272,10 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
         return code, out.getvalue().strip().splitlines()
 
     repo = _fault_repo(tmp_path, model, streaming=True)
-    shm_before = _shm_now()
     srv = _server_or_skip(repo)
     try:
         srv.start(timeout=240)
+        regions = _regions_of(srv.proc.pid, *srv.workers())
         write_admin_key(key_file, srv.admin_key)
         # the list of loaded models is a restricted API: without the key, exit 2 saying so
         code, lines = probe(srv.grpc_url, key=False)
@@ -1302,7 +1320,7 @@ def test_probe_finds_a_dead_worker_that_a_bare_tritonserver_reports_ready(tmp_pa
             assert answers.all.wait(60), f"{len(answers.got)} of {FAULT_REQUESTS} answered; the rest hang"
         statuses = answers.statuses()
         assert set(statuses) <= {"StatusCode.INTERNAL", "StatusCode.UNAVAILABLE"}, statuses
-        assert worker not in _stubs() and not _leaked_shm(shm_before), _leaked_shm(shm_before)
+        assert worker not in _stubs() and regions and not _left_behind(regions), _left_behind(regions)
     finally:
         srv.cleanup()
     with capsys.disabled():
@@ -1333,18 +1351,6 @@ def _ppid(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[1])
 
 
-def _mapped(shm_name: str) -> bool:
-    """Whether any process maps /dev/shm/<shm_name>."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as fh:
-                if shm_name in fh.read():
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 # ----------------------------------------------------------- OpenAI-style endpoint
 @pytest.fixture(scope="module")
 def openai(server):
@@ -1367,6 +1373,31 @@ def _post(url: str, body, *, raw: bool = False):
             return res.status, (text if raw else json.loads(text))
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read().decode())
+
+
+def test_the_front_door_names_tritons_address_once_triton_is_gone(tmp_path, model):
+    """The front door whose Triton stopped answers 503 naming Triton's address, on the plain and
+    the streaming path (it said "ConnectionRefusedError" with no address)."""
+    from dash_trt.triton.openai import OpenAIServer
+
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False, warmup=False)
+    srv = _server_or_skip(tmp_path / "repo")
+    door = None
+    try:
+        srv.start(timeout=240)
+        door = OpenAIServer(srv.http_url, srv.grpc_url, port=0).start()
+        body = {"model": "dash", "prompt": "<PAGE><image*8>Title?", "max_tokens": 2, "temperature": 0}
+        assert _post(door.url + "/v1/completions", body)[0] == 200
+        assert srv.stop() == 0
+        status, res = _post(door.url + "/v1/completions", body)
+        assert status == 503 and res["error"]["code"] == "service_unavailable", res
+        assert res["error"]["message"].startswith(f"Triton at {srv.grpc_url} is unavailable: "), res
+        status, res = _post(door.url + "/v1/completions", {**body, "stream": True})
+        assert status == 503 and f"Triton at {srv.grpc_url} is unavailable: " in res["error"]["message"], res
+    finally:
+        if door is not None:
+            door.close()
+        srv.cleanup()
 
 
 def test_openai_completions_answer_like_offline_generation(openai, model, prompts, want):

@@ -115,7 +115,7 @@ def load_checkpoint(
             if not os.path.isfile(beside):
                 raise CheckpointError(
                     f"{path}: a safetensors file holds no config; put the model's "
-                    f"{CONFIG_FILE} beside it or pass it (dash-export --config)"
+                    f"{CONFIG_FILE} beside it (or pass it: dash-export --config)"
                 )
             config = load_model_config(beside)
         return _from_state(path, read_safetensors(path), config, model_class)
@@ -171,7 +171,10 @@ def load_checkpoint(
         raise CheckpointError(f"{path} has no 'state_dict' entry (keys: {sorted(map(str, obj))[:8]})")
     if config is None:
         if ckpt_config is None:
-            raise CheckpointError(f"{path} has no 'config' entry; pass the model's config.json (dash-export --config)")
+            raise CheckpointError(
+                f"{path} has no 'config' entry; give a folder holding it as {TORCH_FILE} beside the model's "
+                f"{CONFIG_FILE} (or pass the {CONFIG_FILE}: dash-export --config)"
+            )
         config = ckpt_config
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{path}: 'state_dict' is a {type(state).__name__}, expected a dict of tensors")

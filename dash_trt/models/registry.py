@@ -68,7 +68,8 @@ def resolve_model_class(spec: str | type | None = None, config: DashModelConfig 
             raise ModelContractError(
                 f"the config names the architecture {arch!r}, which is not built in "
                 f"({', '.join(BUILTIN_ARCHITECTURES)}) nor registered under the '{MODEL_ENTRY_POINTS}' entry "
-                f"points: pass the class (dash-export --model module:Class or path/to/file.py:Class)"
+                f"points: pass the class with --model module:Class or --model path/to/file.py:Class (dash-export, "
+                f"dash-triton write, dash-compare)"
             )
         cls = found[0].load()
     if not (isinstance(cls, type) and issubclass(cls, DashModel)):

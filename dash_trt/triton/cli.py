@@ -148,9 +148,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        epilog="Exit codes: 0 stopped cleanly (Ctrl-C / SIGTERM, every request answered), 2 bad input (no "
-        "repository, a port in use), 3 the server could not start, a model's worker died, or the "
-        "shutdown was not clean, " + EXIT_CODES_NOTE,
+        epilog="Exit codes: 0 stopped cleanly (Ctrl-C / SIGTERM, every request answered; or before the models "
+        "were ready), 2 bad input (no repository, a port in use, a name Triton's launch shell would run, a "
+        "non-loopback --http-address without --expose-triton-http), 3 the server could not start, a model's "
+        "worker died, or the shutdown was not clean, " + EXIT_CODES_NOTE,
         help="serve a repository with the tritonserver of nvidia-pytriton (127.0.0.1)",
         description="Start the Triton server shipped in the nvidia-pytriton wheel on a repository, bound to "
         "127.0.0.1, and wait until Ctrl-C. For a production Triton, run tritonserver yourself (see "
@@ -361,6 +362,7 @@ def _exit_status(code: int | None) -> str:
 
 def serve_main(a, out: TextIO, err: TextIO) -> int:
     from .server import (
+        TritonPortInUse,
         TritonServer,
         TritonStartCancelled,
         TritonStartError,
@@ -419,6 +421,9 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
         except TritonStartCancelled:
             print("stopped before the models were ready (the server was killed: nothing was served yet)", file=err)
             return EXIT_OK
+        except TritonPortInUse as exc:
+            print(f"dash-triton serve: error: {exc}", file=err)
+            return EXIT_BAD_INPUT
         except TritonStartError as exc:
             print(f"dash-triton serve: error: {exc}", file=err)
             return EXIT_SERVER

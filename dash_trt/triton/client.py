@@ -492,7 +492,7 @@ def _parser() -> argparse.ArgumentParser:
         "generated tokens.",
         epilog="Prompt text: bytes, <PAGE> (a page marker), <image> or <image*N> (N image tokens), e.g. "
         "'<PAGE><image*64>Title?'. Exit codes: 0 ok, 1 the server refused or failed the request, "
-        "2 bad arguments, 3 server not reachable, " + EXIT_CODES_NOTE,
+        "2 bad arguments (or tritonclient not installed), 3 server not reachable, " + EXIT_CODES_NOTE,
     )
     p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
@@ -586,6 +586,11 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     protocol = "grpc" if a.stream else a.protocol
+    try:
+        _module(protocol)
+    except ImportError as exc:
+        print(f"dash-client: error: tritonclient is not installed ({exc}): pip install 'dash-trt[triton]'", file=err)
+        return 2
     if a.max_new_tokens is not None and not 1 <= a.max_new_tokens <= 2**31 - 1:
         print(f"dash-client: error: --max-new-tokens must be 1..{2**31 - 1}, got {a.max_new_tokens}", file=err)
         return 2

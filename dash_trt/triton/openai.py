@@ -225,12 +225,15 @@ class TritonBackend:
         return json.loads(np.ascontiguousarray(res.as_numpy(P.RESULT), dtype=np.uint8).tobytes().decode("utf-8"))
 
 
-def triton_error(exc: Exception) -> APIError:
+def triton_error(exc: Exception, where: str | None = None) -> APIError:
     """A Triton / gRPC failure as an OpenAI error: a refusal (INVALID_ARGUMENT) is a 400, a
-    cancelled or unavailable request a 503, anything else a 502."""
+    cancelled or unavailable request a 503 (naming ``where``, Triton's address), anything else a
+    502."""
     status = getattr(exc, "status", lambda: None)() if callable(getattr(exc, "status", None)) else None
     message = getattr(exc, "message", lambda: str(exc))() if callable(getattr(exc, "message", None)) else str(exc)
     message = message or str(exc)
+    if status is None and callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None)):
+        status, message = exc.code(), exc.details() or message  # a gRPC error raised as it is (grpc.aio)
     if status is None:  # a streamed error: its code is in the message
         message, status = P.split_stream_code(message)
     status = str(status or "")
@@ -238,6 +241,8 @@ def triton_error(exc: Exception) -> APIError:
     if "INVALID_ARG" in text or "InvalidArgument" in text:
         return APIError(message, status=400, code="invalid_value")
     if "UNAVAILABLE" in text or "CANCELLED" in text or "DEADLINE" in text:
+        if where and "UNAVAILABLE" in status:
+            message = f"Triton at {where} is unavailable: {message}"
         return APIError(message, status=503, kind="server_error", code="service_unavailable")
     return APIError(message, status=502, kind="server_error", code="upstream_error")
 
@@ -622,7 +627,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         choices, total_p, total_c, total_cached = [], 0, 0, 0
         for i, (p, r) in enumerate(zip(prompts, results)):
             if isinstance(r, BaseException):
-                raise triton_error(r)
+                raise triton_error(r, settings.triton_grpc)
             tokens, cached = r
             choices.append(
                 {
@@ -658,7 +663,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         except Exception as exc:  # the refusal arrives as the stream's first answer
             for s in streams:
                 await s.aclose()
-            raise triton_error(exc) from None
+            raise triton_error(exc, settings.triton_grpc) from None
         metrics.in_flight.inc()
         max_tokens, stop_at_eos, stops, _ = args
 
@@ -698,7 +703,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
                         continue
                     kind, value = item
                     if kind == "error":
-                        err = triton_error(value)
+                        err = triton_error(value, settings.triton_grpc)
                         yield f"data: {json.dumps(err.body())}\n\n"
                         continue
                     if kind == "cached":
@@ -796,7 +801,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         except APIError:
             raise
         except Exception as exc:
-            raise triton_error(exc) from None
+            raise triton_error(exc, settings.triton_grpc) from None
         finally:
             metrics.in_flight.dec()
         metrics.tokens.labels("prompt").inc(len(ids))
@@ -863,7 +868,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         except APIError:
             raise
         except Exception as exc:
-            raise triton_error(exc) from None
+            raise triton_error(exc, settings.triton_grpc) from None
         finally:
             metrics.in_flight.dec()
         pages = result["pages"]
@@ -920,7 +925,7 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         except APIError:
             raise
         except Exception as exc:
-            raise triton_error(exc) from None
+            raise triton_error(exc, settings.triton_grpc) from None
         finally:
             metrics.in_flight.dec()
         metrics.pages.inc(len(result["pages"]))

@@ -45,6 +45,7 @@ __all__ = [
     "TritonUnavailable",
     "TritonStartError",
     "TritonStartCancelled",
+    "TritonPortInUse",
     "TritonDist",
     "find_tritonserver",
     "free_ports",
@@ -131,6 +132,11 @@ class TritonUnavailable(RuntimeError):
 
 class TritonStartError(RuntimeError):
     """The server started but exited or did not become ready; the message holds its log tail."""
+
+
+class TritonPortInUse(TritonStartError):
+    """A port asked for is taken by another process (found before the start, or Triton could not
+    bind it)."""
 
 
 class TritonStartCancelled(TritonStartError):
@@ -574,7 +580,7 @@ class TritonServer:
             self.http_port, self.grpc_port, self.metrics_port = http, grpc, metrics
             taken_now = [p for p in self._want if p and port_in_use(p)]  # the ports asked for
             if taken_now:
-                raise TritonStartError(
+                raise TritonPortInUse(
                     f"port {', '.join(map(str, taken_now))} on {HOST} is already in use (another server, or one "
                     f"left running by a killed dash-triton serve: stop it, or pick other ports)"
                 )
@@ -598,10 +604,12 @@ class TritonServer:
             except TritonStartCancelled:
                 self.stop(kill=True)  # nothing is served yet; a model hanging at load ignores SIGINT
                 raise
-            except TritonStartError:
+            except TritonStartError as exc:
                 taken = "already in use" in self.log_tail(4000).lower()
                 self.stop()
                 if not (taken and attempt == 0 and not all(self._want[:2])):
+                    if taken:
+                        raise TritonPortInUse(str(exc)) from None
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -495,6 +495,22 @@ def test_repository_modes_follow_the_umask_or_private(tmp_path, model, umask):
     assert {m for p, m in got.items() if (tmp_path / "private" / p).is_file()} == {0o600}, got
 
 
+def test_write_checks_the_model_contract_the_server_would_refuse(tmp_path, capsys):
+    """A DashForCausalLM whose image_feature_dim (24) is not its hidden size (128) cannot take its
+    image features: the server refused it only when loading it (and Triton then exited); write
+    refuses it, exit 2, and writes nothing. With the hidden size as the dim it is written."""
+    from dash_trt.models.config import DashModelConfig
+
+    bad = M.random_model(DashModelConfig.from_dict(demo_config(image_feature_dim=24)), seed=0)
+    M.save_checkpoint(bad, tmp_path / "bad.pt")
+    assert cli.main(["write", str(tmp_path / "bad.pt"), "--out", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert "takes image features of 128 values (hidden_size), got 24" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["bad.pt"]
+    good = M.random_model(DashModelConfig.from_dict(demo_config(image_feature_dim=128)), seed=0)
+    write_repository(tmp_path / "repo", good, streaming=False)
+
+
 def test_write_hints_name_what_write_takes(tmp_path, model, capsys):
     """What dash-triton write says to do about a checkpoint it cannot load works with write: a
     model.pt without its config -> a folder with it as model.pt beside config.json (which write

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..fileio import file_mode
-from ..modeling import DashModel
+from ..modeling import DashModel, ModelContractError
 from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
 from ..models.deepencoder import tower_state
 from ..models.registry import USER_MODULE_PREFIX
@@ -498,6 +498,23 @@ def check_served_path(path: str) -> None:
         )
 
 
+def _check_model_contract(model: DashModel) -> None:
+    """What the server would find wrong with ``model`` only when it loads it (Triton then exits):
+    the attention layers the config promises, and image features of the config's
+    ``image_feature_dim`` taken by ``embed_image_features`` (the built-in decoder passes through
+    only features of the hidden size). Raises ModelContractError."""
+    model.dash_layers()
+    if model.takes_image_features:
+        with torch.no_grad():
+            probe = torch.zeros(1, model.config.image_feature_dim, dtype=model.dtype, device=model.device)
+            out = model.embed_image_features(probe)
+        if tuple(out.shape) != (1, model.config.hidden_size):
+            raise ModelContractError(
+                f"{type(model).__name__}.embed_image_features maps [1, {model.config.image_feature_dim}] image "
+                f"features to {list(out.shape)}, not [1, {model.config.hidden_size}] (hidden_size)"
+            )
+
+
 def model_class_source(model: DashModel) -> tuple[str | None, str]:
     """``(file to copy into the version folder or None, the model_class parameter)`` of a
     model: "" for the built-in DashForCausalLM; a class loaded from a file (``--model
@@ -664,6 +681,7 @@ def write_repository(
                 f"model.vision_model.) in the checkpoint folder"
             )
 
+    _check_model_contract(model)
     class_file, class_spec = model_class_source(model)
     tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
     try:

@@ -440,6 +440,20 @@ def _plot(results: list[dict], path: str) -> str | None:
     return None
 
 
+def bench_config(layers: int, dtype: str, *, quick: bool = False) -> dict:
+    """The benchmark model's config.json: export/configs/benchmark.json with ``layers`` decoder
+    layers (2 and a narrower model with ``quick``), DASH in every one of them."""
+    with open(CONFIG, encoding="utf-8") as fh:
+        conf = json.load(fh)
+    conf["num_hidden_layers"] = layers
+    conf["torch_dtype"] = dtype
+    if quick:
+        conf.update(num_hidden_layers=2, hidden_size=1024, intermediate_size=2048)
+    # the per-layer list follows the layer count
+    conf["sparse_attention_config"]["sparse_attention_freq"] = [1] * conf["num_hidden_layers"]
+    return conf
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -467,12 +481,7 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--png")
     a = ap.parse_args()
-    with open(CONFIG, encoding="utf-8") as fh:
-        conf = json.load(fh)
-    conf["num_hidden_layers"] = a.layers
-    conf["torch_dtype"] = a.dtype
-    if a.quick:
-        conf.update(num_hidden_layers=2, hidden_size=1024, intermediate_size=2048)
+    conf = bench_config(a.layers, a.dtype, quick=a.quick)
     spec = a.cases or ("4x4096,2x8192" if a.quick else "32x32768,8x131072")
     cases = [tuple(int(v) for v in c.split("x")) for c in spec.split(",")]
     dev = torch.device(a.device)

@@ -126,3 +126,15 @@ def test_ncu_dram_tables_every_kernel_and_sums_the_call(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         ncu_dram.main(["--kernels", str(path), "--read-gbs", "0"])
     assert exc.value.code == 2 and "--read-gbs must be a positive rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers, quick", [(8, False), (3, False), (8, True)])
+def test_bench_generate_s_model_config_is_valid_for_any_layer_count(layers, quick, monkeypatch):
+    """bench_generate's model (the benchmark config with --layers decoder layers) passes the
+    model config's checks (DASH in every layer), so the GPU run does not stop at its first line."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = _load(BENCH / "bench_generate.py")
+    from dash_trt.models.config import DashModelConfig
+
+    cfg = DashModelConfig.from_dict(module.bench_config(layers, "bfloat16", quick=quick))
+    assert cfg.num_hidden_layers == (2 if quick else layers)

@@ -800,8 +800,6 @@ class EngineRunner:
         self._idle_timeout = idle_timeout
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.error: BaseException | None = None
-        self._stop_reason = "the server is shutting down"
-        self._closed_count = 0
 
     def start(self) -> EngineRunner:
         self._thread.start()
@@ -817,25 +815,23 @@ class EngineRunner:
                 log.exception("generation engine step failed")
                 for req in list(self.engine.scheduler.running):
                     self.engine._fail(req, f"internal error in the engine: {type(exc).__name__}: {exc}", INTERNAL)
-        # Still on the stepping thread: whatever is left is answered from here too.
-        self._closed_count = self.engine.close(self._stop_reason)
 
     def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> int:
-        """Stop stepping (after the current step) and fail whatever is still queued or
-        running with ``reason``, from the stepping thread. Returns how many requests were
-        failed. A thread that does not stop within ``timeout`` keeps its requests (answering
-        them from here would race its own answers); that is logged and 0 is returned."""
-        self._stop_reason = reason
+        """Stop stepping (after the current step), then, once the stepping thread has ended,
+        fail whatever is still queued or running with ``reason`` from this thread: never two
+        threads answering at once. Returns how many requests were failed. A thread that does
+        not end within ``timeout`` keeps its requests (answering them now would race its own
+        answers); that is logged and 0 is returned. (Triton's Python backend calls this from
+        ``finalize``, where answers must come from the calling thread.)"""
         self._stop.set()
         with self.engine._work:
             self.engine._work.notify_all()
-        if not self._thread.is_alive() and self._thread.ident is None:  # never started: nothing steps
-            return self.engine.close(reason)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.error("the generation engine did not stop within %.0f s; its requests were not failed", timeout)
-            return 0
-        return self._closed_count
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the generation engine did not stop within %.0f s; its requests were not failed", timeout)
+                return 0
+        return self.engine.close(reason)
 
     @property
     def alive(self) -> bool:

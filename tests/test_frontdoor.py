@@ -463,3 +463,35 @@ def test_a_client_that_disconnects_cancels_its_request(door, triton):
         while _triton_failed(triton, model) < before + 1 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _triton_failed(triton, model) == before + 1, model
+
+
+def test_finish_reason_and_stop_token_ids_field_by_field(door, model, tok):
+    """finish_reason and usage as OpenAI defines them: "length" when max_tokens ran out (EOS
+    ignored), "stop" at a stop token id, which is the last token generated (vLLM's
+    ``stop_token_ids``), whichever of the offline tokens it is."""
+    c = client(door)
+    ids = [tok.bos_id, *tok.encode(prompt_text(4))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = M.generate(model, [ids], 6, stop_at_eos=False).tokens[0]
+    finally:
+        torch.set_num_threads(threads)
+    r = c.completions.create(
+        model="dash", prompt=prompt_text(4), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    for k in (0, 2, 4):
+        stop = want[k]
+        n = want.index(stop) + 1  # the first time the stop id comes
+        r = c.completions.create(
+            model="dash",
+            prompt=prompt_text(4),
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
+        )
+        assert r.choices[0].finish_reason == "stop", k
+        assert r.usage.completion_tokens == n, (k, n, r.usage)
+        assert r.choices[0].text == tok.decode(want[:n], skip_special_tokens=True)

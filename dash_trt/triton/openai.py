@@ -133,15 +133,19 @@ class TritonBackend:
             return False
 
     # ----------------------------------------------------------------- requests
-    def _inputs(self, ids, max_tokens, stop_at_eos, stop_ids, sampling, features=None) -> list:
-        aio = self.aio
-        out = []
+    def _adder(self, out: list):
+        """``add(name, array, dtype)``: one Triton input of ``array`` appended to ``out``."""
 
         def add(name, arr, dtype):
-            x = aio.InferInput(name, list(arr.shape), dtype)
+            x = self.aio.InferInput(name, list(arr.shape), dtype)
             x.set_data_from_numpy(arr)
             out.append(x)
 
+        return add
+
+    def _inputs(self, ids, max_tokens, stop_at_eos, stop_ids, sampling, features=None) -> list:
+        out = []
+        add = self._adder(out)
         add(P.INPUT_IDS, np.asarray(ids, dtype=np.int64), "INT64")
         add(P.MAX_NEW_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
         add(P.STOP_AT_EOS, np.array([bool(stop_at_eos)]), "BOOL")
@@ -195,14 +199,8 @@ class TritonBackend:
             it.cancel()
 
     async def document(self, files, instruction, max_tokens, crop, rules) -> dict:
-        aio = self.aio
         inputs = []
-
-        def add(name, arr, dtype):
-            x = aio.InferInput(name, list(arr.shape), dtype)
-            x.set_data_from_numpy(arr)
-            inputs.append(x)
-
+        add = self._adder(inputs)
         add(P.DOCUMENT, np.frombuffer(b"".join(d for _, d in files), dtype=np.uint8), "UINT8")
         add(P.DOCUMENT_SIZES, np.array([len(d) for _, d in files], dtype=np.int64), "INT64")
         names = "\n".join(n.replace("\n", " ") for n, _ in files)
@@ -219,7 +217,7 @@ class TritonBackend:
         res = await self.client.infer(
             self.s.model + P.DOCUMENT_SUFFIX,
             inputs,
-            outputs=[aio.InferRequestedOutput(P.RESULT)],
+            outputs=[self.aio.InferRequestedOutput(P.RESULT)],
             client_timeout=self.s.request_timeout,
         )
         return json.loads(np.ascontiguousarray(res.as_numpy(P.RESULT), dtype=np.uint8).tobytes().decode("utf-8"))

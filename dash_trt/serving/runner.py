@@ -30,16 +30,17 @@ On CUDA the kernels take every step's block table at one width
 shapes. Elsewhere (CPU, or sizes the kernels do not run) the in-place op runs the PyTorch
 paged operator and no graph is used.
 
-Backends: the model in PyTorch (default); a functional ``forward(inputs, caches) ->
-(logits, new_caches)`` (ONNX Runtime in the export check and dash-compare), whose new
-caches replace the old ones; or a TensorRT engine (:mod:`dash_trt.serving.tensorrt`) whose
-``present.*`` outputs are bound to the ``past.*`` buffers.
+What runs the model is a backend (:mod:`dash_trt.serving.backends`): the model in PyTorch
+(default); a functional ``forward(inputs, caches) -> (logits, new_caches)`` (ONNX Runtime
+in the export check and dash-compare); or a TensorRT engine
+(:mod:`dash_trt.serving.tensorrt`). Each takes the step the runtime planned
+(:class:`~dash_trt.serving.backends.ModelStep`) and the caches, and returns the logits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,23 +48,13 @@ import numpy as np
 import torch
 
 from .. import cuda as dcuda
-from ..modeling import IMAGE_INPUTS, MODEL_INPUTS, image_feature_rows, token_role, token_roles
+from ..modeling import image_feature_rows, token_role, token_roles
 from ..models.prompts import document_prompt
-from ..paged import (
-    BatchHost,
-    DashBatch,
-    DashKVCache,
-    PageCoordState,
-    assign_flat_cache_tensors,
-    flat_cache_tensors,
-)
+from ..paged import DashBatch, DashKVCache, PageCoordState, flat_cache_tensors
+from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
 from .block_pool import CacheFullError, KVBlockPool, blocks_for, prefix_block_hashes
 from .rules import DecodingRules
 from .sampling import Sampler, SamplingParams
-
-#: forward(inputs: dict of MODEL_INPUTS, caches: list) -> (logits [N, V], new caches): a
-#: functional backend (the exported graph's interface).
-ForwardFn = Callable[[dict, list], tuple[torch.Tensor, Sequence[torch.Tensor]]]
 
 __all__ = [
     "GRAPH_BATCH_SIZES",
@@ -249,9 +240,9 @@ class PagedRuntime:
     (default: on where the CUDA kernels run the model) captures decode steps;
     ``max_num_seqs`` bounds a step's sequences and so the largest graph;
     ``max_model_len`` the tokens of one sequence. ``decode_padding`` (default: where the
-    kernels run) pads decode steps to the graph sizes, graphs or not. ``backend``: an object
-    with ``run(ids, coords, host_batch, rows, max_query_len, runtime) -> logits`` that runs
-    the model on the runtime's caches in place (:class:`dash_trt.serving.tensorrt.TensorRTBackend`).
+    kernels run) pads decode steps to the graph sizes, graphs or not. ``backend``: a
+    :class:`~dash_trt.serving.backends.ModelBackend` that runs the model on the runtime's
+    caches in place (:class:`dash_trt.serving.tensorrt.TensorRTBackend`).
     """
 
     def __init__(
@@ -265,7 +256,7 @@ class PagedRuntime:
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
-        backend: Any = None,
+        backend: ModelBackend | None = None,
         decode_padding: bool | None = None,
         device: str | torch.device | None = None,
         prefix_caching: bool = False,
@@ -293,8 +284,14 @@ class PagedRuntime:
         self.prefix_caching = bool(prefix_caching) and self.kv_block_size % model.config.dash.sparse_block_size == 0
         self.prompt_tokens_cached = 0  #: prompt tokens taken from the prefix cache, all sequences
         self.max_num_seqs = int(max_num_seqs)
-        self._forward = forward
-        self._backend = backend
+        if forward is not None and backend is not None:
+            raise RuntimeConfigError("give forward= or backend=, not both")
+        #: The model in PyTorch when no other backend runs it (the decode graphs capture it).
+        self._torch = TorchBackend(model, self.device) if forward is None and backend is None else None
+        #: What runs each step's model call.
+        self.backend: ModelBackend = (
+            backend if backend is not None else FunctionalBackend(forward, self.device) if forward else self._torch
+        )
         c = self.config
         reason = None
         if self.device.type != "cuda":
@@ -311,6 +308,8 @@ class PagedRuntime:
         #: Decode steps run the padded bucket body (every row scored, idle rows on scratch
         #: blocks); on by default where the kernels run, so graph and eager steps agree.
         self.decode_padding = self.kernels if decode_padding is None else bool(decode_padding)
+        if self.decode_padding and self._torch is None:
+            raise RuntimeConfigError("decode_padding runs the model in PyTorch: not with forward= or backend=")
         most = self.pool.num_blocks * self.kv_block_size
         if max_model_len is None:
             max_model_len = min(most, DEFAULT_MAX_MODEL_LEN)
@@ -356,10 +355,6 @@ class PagedRuntime:
     def tensors(self) -> list[torch.Tensor]:
         """The cache tensors, flat, ``(layer, field)`` order (the exported graph's ``past.*``)."""
         return flat_cache_tensors(self.caches)
-
-    def update(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replace the cache tensors (a functional backend's ``present.*``)."""
-        assign_flat_cache_tensors(self.caches, tensors)
 
     def add(
         self,
@@ -564,37 +559,18 @@ class PagedRuntime:
             ]
         )
         coords = np.concatenate([s.coords[s.fed : s.fed + n] for s, (_, n) in zip(seqs, plan)])
-        most = max(n for _, n in plan)
         images = self._step_images(seqs, plan) if self.config.image_feature_dim is not None else None
-        if self._forward is not None:
-            return self._functional(ids, coords, host, rows, most, images)
-        if self._backend is not None:
-            logits = self._backend.run(
-                ids,
-                coords,
-                host,
-                np.asarray(rows, dtype=np.int64),
-                most,
-                self,
-                **({"images": images} if images is not None else {}),
-            )
-            return greedy_tokens(logits, self.config.image_token_id), logits
-        dev = self.device
-        packed = np.concatenate([ids.astype(np.int32), coords.ravel(), np.asarray(rows, dtype=np.int32)])
-        packed_t = torch.from_numpy(packed)
-        if dev.type != "cpu":
-            packed_t = packed_t.pin_memory().to(dev, non_blocking=True)
-        t = ids.shape[0]
-        ids_t = packed_t[:t]
-        coords_t = packed_t[t : t + 4 * t].view(t, 4)
-        rows_t = packed_t[5 * t :]
-        batch = DashBatch.from_host(host, dev, max_query_len=most)
-        with torch.no_grad():
-            logits = self.model.forward_paged(
-                ids_t, coords_t, batch, self.caches, rows_t, *(images if images is not None else ())
-            )
-            tokens = greedy_tokens(logits, self.config.image_token_id)
-        return tokens, logits
+        step = ModelStep(
+            ids,
+            coords,
+            host,
+            np.asarray(rows, dtype=np.int64),
+            max(n for _, n in plan),
+            self.config.vocab_size,
+            images,
+        )
+        logits = self.backend.run(step, self.caches)
+        return greedy_tokens(logits, self.config.image_token_id), logits
 
     def _step_images(self, seqs, plan) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's ``(image_features [M, F], image_feature_index [T])``: the feature rows its
@@ -617,22 +593,6 @@ class PagedRuntime:
             else torch.zeros(0, self.config.image_feature_dim, dtype=self.model.dtype, device=self.device)
         )
         return feats, torch.from_numpy(np.concatenate(index)).to(self.device)
-
-    def _functional(self, ids, coords, host: BatchHost, rows, most, images=None):
-        dev = self.device
-        batch = DashBatch.from_host(host, dev, max_query_len=most)
-        values = [
-            torch.from_numpy(ids).to(dev),
-            torch.from_numpy(np.ascontiguousarray(coords)).to(dev),
-            *batch.tensors(),
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        ]
-        inputs = dict(zip(MODEL_INPUTS, values))
-        if images is not None:
-            inputs.update(zip(IMAGE_INPUTS, images))
-        logits, caches = self._forward(inputs, self.tensors())
-        self.update(list(caches))
-        return greedy_tokens(logits, self.config.image_token_id), logits
 
     # ----------------------------------------------------------- decode graphs
     def _bucket(self, n: int) -> int:
@@ -687,9 +647,8 @@ class PagedRuntime:
         """The decode body on a bucket's static buffers (captured, or run eagerly)."""
         v = st.views
         batch = DashBatch(v["block_tables"], v["seq_lens"], v["query_start_loc"], v["prompt_lens"], max_query_len=1)
-        with torch.no_grad():
-            st.logits = self.model.forward_paged(v["ids"], v["coords"], batch, self.caches, v["logits_indices"])
-            st.tokens = greedy_tokens(st.logits, self.config.image_token_id)
+        st.logits = self._torch.forward(v["ids"], v["coords"], batch, self.caches, v["logits_indices"])
+        st.tokens = greedy_tokens(st.logits, self.config.image_token_id)
 
     def capture_decode_graphs(self) -> int:
         """Capture a CUDA graph for every decode batch size (largest first, sharing one memory

@@ -26,6 +26,8 @@ import torch
 
 from ..modeling import IMAGE_INPUTS, MODEL_INPUTS
 from ..ops import CACHE_FIELDS
+from ..paged import DashKVCache
+from .backends import ModelStep
 
 __all__ = ["TensorRTNotFound", "TensorRTBackendError", "TensorRTBackend"]
 
@@ -97,9 +99,8 @@ class TensorRTBackend:
                 self._index_types[n] = _NP_INT[dt]
         self._checked = False
 
-    def _check(self, runtime) -> None:
+    def _check(self, layers: int) -> None:
         """The engine's interface is the model's: its inputs, one past/present pair per cache."""
-        layers = len(runtime.caches)
         past = [f"past.{i}.{f}" for i in range(layers) for f in CACHE_FIELDS]
         present = [f"present.{i}.{f}" for i in range(layers) for f in CACHE_FIELDS]
         missing = [n for n in (*MODEL_INPUTS, *past) if n not in self.inputs]
@@ -115,40 +116,31 @@ class TensorRTBackend:
         check_aliases(engine_aliases(self.engine), present)
         self._checked = True
 
-    def run(
-        self,
-        ids: np.ndarray,
-        coords: np.ndarray,
-        host,
-        rows: np.ndarray,
-        most: int,
-        runtime,
-        images: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def run(self, step: ModelStep, caches: list[DashKVCache]) -> torch.Tensor:
         """One step: bind every tensor (caches in place) and execute; returns the logits [N, V].
-        ``images``: the step's ``(image_features, image_feature_index)`` for an engine of a model
-        that takes image features."""
+        For an engine of a model that takes image features, ``step.images`` are bound too."""
         if not self._checked:
-            self._check(runtime)
+            self._check(len(caches))
         dev = self.device
+        host = step.host
         values = {
-            "input_ids": torch.from_numpy(np.ascontiguousarray(ids)),
-            "coords": torch.from_numpy(np.ascontiguousarray(coords)),
+            "input_ids": torch.from_numpy(np.ascontiguousarray(step.ids)),
+            "coords": torch.from_numpy(np.ascontiguousarray(step.coords)),
             "block_tables": torch.from_numpy(host.block_tables),
             "seq_lens": torch.from_numpy(host.seq_lens),
             "query_start_loc": torch.from_numpy(host.query_start_loc),
             "prompt_lens": torch.from_numpy(host.prompt_lens),
-            "logits_indices": torch.from_numpy(np.ascontiguousarray(rows)),
+            "logits_indices": torch.from_numpy(np.ascontiguousarray(step.rows)),
         }
         names = list(MODEL_INPUTS)
-        if images is not None:
+        if step.images is not None:
             missing = [n for n in IMAGE_INPUTS if n not in self.inputs]
             if missing:
                 raise TensorRTBackendError(
                     f"the engine has no {', '.join(missing)} input: it was built from an export "
                     f"of a model without image features"
                 )
-            values.update(zip(IMAGE_INPUTS, images))
+            values.update(zip(IMAGE_INPUTS, step.images))
             names += IMAGE_INPUTS
         keep = {}
         for name in names:
@@ -162,7 +154,7 @@ class TensorRTBackend:
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise TensorRTBackendError(f"the engine's profile does not allow {name} of shape {tuple(t.shape)}")
             ctx.set_tensor_address(name, t.data_ptr())
-        for i, cache in enumerate(runtime.caches):
+        for i, cache in enumerate(caches):
             for f in CACHE_FIELDS:
                 t = getattr(cache, f)
                 if not ctx.set_input_shape(f"past.{i}.{f}", tuple(t.shape)):
@@ -173,7 +165,7 @@ class TensorRTBackend:
                 # The cache is updated in place: present.* is the past.* buffer.
                 ctx.set_tensor_address(f"past.{i}.{f}", t.data_ptr())
                 ctx.set_tensor_address(f"present.{i}.{f}", t.data_ptr())
-        logits = torch.empty(len(rows), runtime.config.vocab_size, dtype=torch.float32, device=dev)
+        logits = torch.empty(len(step.rows), step.vocab_size, dtype=torch.float32, device=dev)
         ctx.set_tensor_address("logits", logits.data_ptr())
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
         if not ctx.execute_async_v3(stream):

@@ -1,9 +1,11 @@
 """The generation engine under random workloads, checked after every step: the pool's and the
 engine's bookkeeping (every block free, cached or held exactly once, reference counts, the
-reservation equal to what running requests reserved, each within it, the step within its token
-budget), and, at the end, every request's tokens equal to running it alone (a one-request-at-a-
-time reference), cancelled ones a prefix of theirs, the pool free. Small pools make requests
-wait and evict cached prefix blocks; cancellations arrive at random steps."""
+blocks counted for running requests equal to what they hold (on demand) or each within its
+reservation (worst case), the step within its token budget and the free blocks), and, at the
+end, every request's tokens equal to running it alone (a one-request-at-a-time reference),
+cancelled ones a prefix of theirs, the pool free. Small pools make requests wait, be preempted
+and recomputed (KV on demand), and evict cached prefix blocks; cancellations arrive at random
+steps."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _workload(rng: random.Random, cfg) -> list[dict]:
         out.append(
             {
                 "prompt": doc + question,
-                "max_new": rng.randint(1, 10),
+                "max_new": rng.randint(1, 24),
                 "stop_at_eos": rng.random() < 0.5,
                 "submit_at": rng.randint(0, 12),  # the step before which it arrives
                 "cancel_at": rng.randint(1, 25) if rng.random() < 0.25 else None,
@@ -56,7 +58,7 @@ def _alone(model, req: dict, block_size: int) -> list[int]:
     return engine.generate([req["prompt"]], req["max_new"], stop_at_eos=req["stop_at_eos"])[0]
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_workloads_keep_every_invariant_and_the_tokens(model, seed):
     rng = random.Random(seed)
     block_size = rng.choice([8, 16, 16, 32])  # prefix caching needs whole sparse blocks (16)
@@ -67,10 +69,15 @@ def test_random_workloads_keep_every_invariant_and_the_tokens(model, seed):
         max_batch_tokens=rng.choice([24, 40, 96]),
         max_num_seqs=rng.randint(1, 4),
         prefix_caching=rng.random() < 0.75,
+        kv_on_demand=rng.random() < 0.75,
         max_new_tokens_limit=64,
     )
     engine = GenerationEngine(model, config, cancel_poll_interval=0.0)
     work = _workload(rng, model.config)
+    room = config.num_blocks * block_size
+    work = [w for w in work if len(w["prompt"]) <= room]
+    for w in work:  # every request fits the pool alone (a larger one is refused at submit)
+        w["max_new"] = max(1, min(w["max_new"], room - len(w["prompt"]) + 1))
     step = {"n": 0}
     plans = []
     run = engine._run
@@ -110,14 +117,17 @@ def test_random_workloads_keep_every_invariant_and_the_tokens(model, seed):
     COVERAGE["waited"] += engine.counters["waited"]
     COVERAGE["cancelled"] += sum(r.error_code == CANCELLED for r in reqs)
     COVERAGE["cached"] += engine.counters["prompt_tokens_cached"]
+    COVERAGE["preempted"] += engine.counters["preempted"]
+    COVERAGE["recomputed"] += engine.counters["tokens_recomputed"]
 
 
-COVERAGE = {"waited": 0, "cancelled": 0, "cached": 0}
+COVERAGE = {"waited": 0, "cancelled": 0, "cached": 0, "preempted": 0, "recomputed": 0}
 
 
 def test_the_workloads_made_requests_wait_cancel_and_share():
     """Run after the workloads (same module, file order): over the seeds, requests waited for
-    blocks, were cancelled, and found prompt blocks in the prefix cache."""
+    blocks, were cancelled, found prompt blocks in the prefix cache and were preempted."""
+    print(COVERAGE)
     assert all(v > 0 for v in COVERAGE.values()), COVERAGE
 
 

@@ -329,10 +329,13 @@ def test_drain_answers_queued_now_and_running_after_the_grace(model, prompts):
     """drain(): new requests refused, queued ones (not admitted: the pool is full) failed at
     the next step with UNAVAILABLE (answered by the stepping thread, not the draining one),
     running ones step on until the grace is over (an injected clock: no real time), then fail
-    UNAVAILABLE; the pool ends free."""
+    UNAVAILABLE; the pool ends free. (Worst-case reservations keep the second request queued;
+    tests/test_kv_on_demand.py drains with preempted requests.)"""
     now = {"t": 0.0}
     engine = GenerationEngine(
-        model, EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200), clock=lambda: now["t"]
+        model,
+        EngineConfig(num_blocks=12, kv_block_size=16, max_new_tokens_limit=200, kv_on_demand=False),
+        clock=lambda: now["t"],
     )
     running = engine.submit(prompts[1], 80, stop_at_eos=False)  # 8 blocks
     queued = engine.submit(prompts[0], 80, stop_at_eos=False)  # 9 blocks: does not fit beside the first

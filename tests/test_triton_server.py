@@ -628,9 +628,11 @@ def test_client_deadline_cancels_the_request_and_frees_its_blocks(server, model,
 
 
 def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
-    # a document of its own: no block of it in the prefix cache, so its whole worst case is reserved
+    # a document of its own: no block of it in the prefix cache, so all its prompt's blocks are
+    # taken at admission (KV on demand: it grows as it generates)
     prompt = M.document_prompt([48, 48], "Describe everything.", model.config, preamble="Cancelled: ")
-    need = ENGINE.blocks_for(len(prompt) + ENGINE.max_new_tokens_limit - 1)
+    assert ENGINE.kv_on_demand
+    need = ENGINE.blocks_for(len(prompt))
     answers = []
     with paused_engine(grpc):
         before = grpc.stats()
@@ -639,7 +641,7 @@ def test_cancelled_running_request_gives_back_its_blocks(server, model, grpc):
             grpc._inputs(prompt, ENGINE.max_new_tokens_limit, False),
             lambda result, error: answers.append((result, error)),
         )
-        # admitted while paused: its worst case is reserved, no step has run
+        # admitted while paused: its prompt's blocks are taken, no step has run
         s = _wait_for(grpc, lambda s: s["running"] == 1, "the request's admission")
         assert s["kv_blocks_reserved"] == need and s["tokens_generated"] == before["tokens_generated"]
         call.cancel()

@@ -14,13 +14,16 @@ sequence contributes either its next decode token or its next prefill chunk (at 
 decode steps of different requests share a step, and requests that arrive while others
 are decoding join at the next step (continuous batching).
 
-Who runs and what a step computes is the :class:`~dash_trt.serving.scheduler.Scheduler`'s:
-admission reserves a request's worst case up front (``ceil((prompt + max_new_tokens - 1) /
-kv_block_size)`` KV blocks, the last generated token is never written to the cache), so a
-running sequence never runs out of blocks and nothing is preempted or recomputed; the price is
-that a request that stops early at EOS held more than it used. Requests that do not fit wait in
-FIFO order and are admitted as finished sequences free their blocks. A request that could never
-fit, even in an empty pool, is refused at :meth:`~GenerationEngine.submit`.
+Who runs and what a step computes is the :class:`~dash_trt.serving.scheduler.Scheduler`'s.
+KV blocks are allocated on demand (``EngineConfig.kv_on_demand``, the default): a request is
+admitted on its prompt's blocks and its sequence grows as it generates; when a step needs more
+blocks than are free, the newest running requests are preempted by recompute (their blocks
+freed, their tokens kept, their cache recomputed when they are readmitted; their answers do not
+change). With ``kv_on_demand=False`` admission reserves a request's worst case up front
+(``ceil((prompt + max_new_tokens - 1) / kv_block_size)`` blocks) and nothing is preempted, at
+the price of holding blocks a request that stops early never uses. Requests that do not fit
+wait in FIFO order. A request that could never fit, even in an empty pool, is refused at
+:meth:`~GenerationEngine.submit`.
 
 Threading: :meth:`~GenerationEngine.submit`, :meth:`~GenerationEngine.stats` and
 :meth:`~GenerationEngine.close` may be called from any thread; :meth:`~GenerationEngine.step`
@@ -108,6 +111,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     #: share completed document blocks between requests (docs/triton.md, "Prefix caching")
     prefix_caching: bool = True
+    #: allocate KV blocks as requests grow and preempt (by recompute) under pressure; false:
+    #: reserve each request's worst case (prompt + max_new_tokens) at admission
+    kv_on_demand: bool = True
 
     #: Upper bounds (checked when the config is made, not when a pool of that size fails to
     #: allocate at serve time): 2^24 blocks, blocks of 4096 tokens, 2^20-token steps.
@@ -148,7 +154,7 @@ class EngineConfig:
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise EngineConfigError(f"engine config 'gpu_memory_fraction' must be a number in [0, 1], got {f!r}")
-        for flag in ("cuda_graphs", "prefix_caching"):
+        for flag in ("cuda_graphs", "prefix_caching", "kv_on_demand"):
             if not isinstance(getattr(self, flag), bool):
                 raise EngineConfigError(f"engine config '{flag}' must be true or false, got {getattr(self, flag)!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
@@ -186,7 +192,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     stop_at_eos: bool
-    blocks_reserved: int
+    blocks_reserved: int = 0  #: KV blocks the scheduler counts for it while it runs
     on_event: Callable[[Event], None] | None = None
     is_cancelled: Callable[[], bool] | None = None
     tag: Any = None  #: caller's data (the Triton model keeps the response sender here)
@@ -196,10 +202,11 @@ class Request:
     image_features: torch.Tensor | None = None  #: [image tokens, image_feature_dim], float32 on the CPU
     prompt_cached: int = 0  #: prompt tokens found in the prefix cache (not computed)
     tokens: list[int] = field(default_factory=list)  #: generated so far
-    status: str = "queued"  #: queued -> waiting -> running -> done | failed
+    status: str = "queued"  #: queued -> waiting -> running (-> waiting: preempted -> running) -> done | failed
     error: str | None = None
     error_code: str | None = None
-    prompt_done: int = 0  #: prompt tokens already in the cache
+    prompt_done: int = 0  #: prompt tokens already in the cache (the most it reached: not reset by a preemption)
+    preemptions: int = 0  #: times it was preempted (its cache recomputed)
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first_token: float | None = None
@@ -207,6 +214,8 @@ class Request:
     # engine-internal
     _coords: tuple[PageCoordState, torch.Tensor] | None = field(default=None, repr=False)
     _hashes: list[bytes] | None = field(default=None, repr=False)
+    _resume: Any = field(default=None, repr=False)  #: the runner's state while preempted
+    _high: int = 0  #: the most tokens its cache has held (below it, steps recompute)
     _waited: bool = False
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -303,6 +312,7 @@ class GenerationEngine:
             max_num_seqs=ecfg.max_num_seqs,
             max_batch_tokens=ecfg.max_batch_tokens,
             prefill_chunk=ecfg.prefill_chunk,
+            on_demand=ecfg.kv_on_demand,
         )
         self._closed: str | None = None
         #: requests drain() took off the queue, answered (failed) by the next step: every
@@ -324,6 +334,8 @@ class GenerationEngine:
             "peak_waiting": 0,
             "waited": 0,
             "peak_blocks_in_use": 0,
+            "preempted": 0,
+            "tokens_recomputed": 0,
         }
 
     # ----------------------------------------------------------------- requests
@@ -482,7 +494,6 @@ class GenerationEngine:
             prompt=ids,
             max_new_tokens=max_new,
             stop_at_eos=bool(stop_at_eos),
-            blocks_reserved=self.config.blocks_for(len(ids) + max_new - 1),
             on_event=on_event,
             is_cancelled=is_cancelled,
             tag=tag,
@@ -558,12 +569,13 @@ class GenerationEngine:
             self._fail(req, reason, UNAVAILABLE)
         self._drop_cancelled()
         if self._drain_deadline is not None and self._clock() >= self._drain_deadline:
-            for req in list(self.scheduler.running):  # the drain's grace is over
+            # the drain's grace is over (preempted requests wait with their tokens: them too)
+            for req in list(self.scheduler.running) + self.scheduler.take_waiting():
                 self._fail(req, self._closed or "the server is shutting down", UNAVAILABLE)
         self._admit()
         if self._paused:
             return False
-        plan = self.scheduler.plan(self.runtime.seq)
+        plan = self.scheduler.plan(self.runtime.seq, self._preempt)
         if not plan:
             return False
         self._run(plan)
@@ -622,7 +634,7 @@ class GenerationEngine:
         queued requests will be failed."""
         with self._work:
             self._closed = reason
-            pending = list(self._incoming) + self.scheduler.take_waiting()
+            pending = list(self._incoming) + self.scheduler.take_waiting(preempted=False)
             self._incoming.clear()
             self._to_fail.extend((req, reason) for req in pending)
             self._drain_deadline = self._clock() + max(0.0, float(grace))
@@ -662,10 +674,15 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         def start(req: Request, cached: list[int]) -> None:
+            if req._resume is not None:  # preempted: its tokens come back, its cache is recomputed
+                self.runtime.resume(req._resume, cached)
+                req._resume = req._hashes = None
+                req.status = "running"
+                return
             seq = self.runtime.add(
                 req.id,
                 req.prompt,
-                len(req.prompt) + req.max_new_tokens - 1,
+                len(req.prompt) if self.scheduler.on_demand else len(req.prompt) + req.max_new_tokens - 1,
                 coords=req._coords,
                 sampling=req.sampling,
                 image_features=req.image_features,
@@ -685,6 +702,15 @@ class GenerationEngine:
         c["peak_running"] = max(c["peak_running"], len(sched.running))
         c["peak_waiting"] = max(c["peak_waiting"], len(sched.waiting))
 
+    def _preempt(self, req: Request) -> None:
+        """The scheduler preempts ``req``: its sequence leaves the runner (blocks freed, tokens
+        kept) until it is readmitted."""
+        state = self.runtime.preempt(req.id)
+        req._resume, req._hashes = state, state.block_hashes
+        req.status = "waiting"
+        req.preemptions += 1
+        self.counters["preempted"] += 1
+
     def _run(self, plan: list[tuple[Request, int]]) -> None:
         cfg = self.model_config
         self.counters["steps"] += 1
@@ -700,14 +726,20 @@ class GenerationEngine:
             log.exception("model step failed")
             for r, _ in plan:
                 self._fail(r, f"internal error in the model step: {type(exc).__name__}: {exc}", INTERNAL)
+            self.scheduler.settle()
             return
         chosen, step_no, eos = result.tokens, self._step_no, cfg.eos_token_id
         generated = 0
         for r, n in plan:
             seq = self.runtime.seq(r.id)
-            if seq.fed <= seq.prompt_len:
-                r.prompt_done = seq.fed
-                self.counters["prompt_tokens_computed"] += n
+            # Tokens below the most the cache ever held are a preempted request's recompute.
+            fresh = max(0, seq.fed - max(seq.fed - n, r._high))
+            self.counters["tokens_recomputed"] += n - fresh
+            r._high = max(r._high, seq.fed)
+            new_prompt = max(0, min(seq.fed, seq.prompt_len) - r.prompt_done)
+            if new_prompt:
+                self.counters["prompt_tokens_computed"] += new_prompt
+                r.prompt_done += new_prompt
                 if r.on_event is not None:
                     self._emit(Event("progress", r, step=step_no))
             tok = chosen.get(r.id)
@@ -722,6 +754,7 @@ class GenerationEngine:
             if len(r.tokens) >= r.max_new_tokens or (r.stop_at_eos and tok == eos) or tok in r.stop_ids:
                 self._finish(r)
         self.counters["tokens_generated"] += generated
+        self.scheduler.settle()
 
     def _release(self, req: Request) -> None:
         if self.scheduler.release(req):
@@ -781,6 +814,7 @@ class GenerationEngine:
                 kv_blocks_reserved=self.scheduler.reserved,
                 kv_blocks_cached=pool.num_cached_blocks,
                 kv_blocks_pinned=pool.num_pinned_blocks,
+                kv_on_demand=self.scheduler.on_demand,
                 prefix_caching=self.runtime.prefix_caching,
                 kv_block_size=pool.block_size,
                 running=len(self.scheduler.running),

@@ -12,8 +12,11 @@ each sequence contributing its next prefill chunk or its next decode token:
    every layer. Nothing in a step reads the device back except the chosen tokens.
 2. **In place.** Each layer calls the in-place op (``torch.ops.dash_trt.paged_attention_``):
    the cache tensors keep their storage for the runtime's whole life (no step copies the
-   pool). Block tables never change while a sequence lives: its whole reservation is
-   allocated when it is added.
+   pool). A sequence gets the blocks :meth:`PagedRuntime.add` reserves for it when it is
+   added, and further blocks as it grows past them (the pool appends them when a step
+   needs them; :class:`~dash_trt.serving.block_pool.CacheFullError` if none is free).
+   :meth:`PagedRuntime.preempt` takes a sequence's blocks back and keeps its tokens;
+   :meth:`PagedRuntime.resume` recomputes its cache from them.
 3. **O(1) page coordinates.** A sequence keeps a :class:`~dash_trt.paged.PageCoordState`;
    a generated token's coordinates come from it, not from the whole sequence again.
 4. **Logits only where a token is chosen** (the model's ``logits_indices``), and the
@@ -52,7 +55,7 @@ from ..modeling import image_feature_rows, token_role, token_roles
 from ..models.prompts import document_prompt
 from ..paged import DashBatch, DashKVCache, PageCoordState, flat_cache_tensors
 from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
-from .block_pool import CacheFullError, KVBlockPool, blocks_for, prefix_block_hashes
+from .block_pool import KVBlockPool, blocks_for, prefix_block_hashes
 from .rules import DecodingRules
 from .sampling import Sampler, SamplingParams
 
@@ -185,7 +188,6 @@ class SequenceState:
     coord_state: PageCoordState
     prompt_ids: np.ndarray  #: [prompt_len] int64: prefill chunks are sliced from it, not converted
     fed: int = 0  #: tokens already in the cache
-    reserved: int = 0  #: tokens the sequence may hold (its blocks are allocated for them)
     sampler: Sampler | None = None  #: draws its tokens (None: greedy, the runtime's own choice)
     image_features: torch.Tensor | None = None  #: [M, image_feature_dim] on the runtime's device
     image_rows: np.ndarray | None = None  #: [prompt_len] int64: each prompt token's feature row, -1 for none
@@ -369,8 +371,8 @@ class PagedRuntime:
         cached_blocks: Sequence[int] | None = None,
         rules: DecodingRules | None = None,
     ) -> SequenceState:
-        """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (its prompt
-        plus the generated tokens that will be written to the cache). ``coords`` is
+        """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (at least its
+        prompt; more blocks are allocated as it grows past them). ``coords`` is
         ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
         draws its tokens instead of the greedy choice (:mod:`dash_trt.serving.sampling`);
         ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
@@ -380,7 +382,7 @@ class PagedRuntime:
         the caller made already); its completed prompt blocks are registered as it runs.
         ``rules`` (:class:`~dash_trt.serving.rules.DecodingRules`) edit each next token's logits
         (the page-count guard, no-repeat n-grams). Raises
-        :class:`~dash_trt.paged.CacheFullError` (nothing added) when the blocks are not free,
+        :class:`~dash_trt.serving.block_pool.CacheFullError` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         prompt = list(prompt)
         if not set(map(type, prompt)) <= {int}:  # numpy or torch integers: plain ints (a C-speed check first)
@@ -428,7 +430,6 @@ class PagedRuntime:
             buf,
             state,
             np.array(prompt, dtype=np.int64),
-            reserved=int(reserve_tokens),
             sampler=sampler,
             image_features=feats,
             image_rows=rows,
@@ -462,6 +463,40 @@ class PagedRuntime:
         if seq_id in self.pool:
             self.pool.free(seq_id)
 
+    def preempt(self, seq_id: object) -> SequenceState:
+        """Take a sequence out of the runtime and give its blocks back to the pool (its
+        registered prompt blocks stay in the prefix cache); returns its state, tokens kept,
+        for :meth:`resume`."""
+        seq = self._seqs.pop(seq_id)
+        self.pool.free(seq_id)
+        seq.fed = seq.registered = seq.cached_tokens = 0
+        self._last_decode = None
+        return seq
+
+    def resume(self, seq: SequenceState, cached_blocks: Sequence[int] = ()) -> SequenceState:
+        """Put a :meth:`preempt`-ed sequence back: blocks for all its known tokens (prompt and
+        generated) are allocated, less ``cached_blocks`` (a :meth:`KVBlockPool.match` of its
+        ``block_hashes``), and its steps recompute their cache; the step that feeds its last
+        known token chooses its next one, as if it had never left. Its page coordinates,
+        sampler and logits processors are the ones it had. Raises
+        :class:`~dash_trt.serving.block_pool.CacheFullError` (nothing added) when the blocks
+        are not free."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id!r} is in the runtime")
+        cached = list(cached_blocks) if self.prefix_caching and seq.block_hashes is not None else []
+        if len(cached) > len(seq.block_hashes or ()):
+            raise ValueError(f"{len(cached)} cached blocks for {len(seq.block_hashes or ())} cacheable ones")
+        self.pool.add(
+            seq.seq_id,
+            prompt_length=self.config.prompt_length(seq.prompt_len),
+            reserve_tokens=len(seq.tokens),
+            cached_blocks=cached,
+        )
+        seq.fed = seq.cached_tokens = len(cached) * self.kv_block_size
+        seq.registered = len(cached)
+        self._seqs[seq.seq_id] = seq
+        return seq
+
     def seq(self, seq_id: object) -> SequenceState:
         return self._seqs[seq_id]
 
@@ -493,8 +528,10 @@ class PagedRuntime:
         for s, (_, n) in zip(seqs, plan):
             if not 1 <= n <= s.pending:
                 raise ValueError(f"sequence {s.seq_id!r}: {n} new tokens, {s.pending} are pending")
-            if s.fed + n > s.reserved:
-                raise CacheFullError(f"sequence {s.seq_id!r} would hold {s.fed + n} tokens, {s.reserved} reserved")
+            if s.fed + n > self.max_model_len:
+                raise ValueError(
+                    f"sequence {s.seq_id!r} would hold {s.fed + n} tokens, more than max_model_len {self.max_model_len}"
+                )
         samples = [s.fed + n == len(s.tokens) for s, (_, n) in zip(seqs, plan)]
         decode = all(n == 1 for _, n in plan)
         graph = False

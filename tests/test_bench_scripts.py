@@ -138,3 +138,20 @@ def test_bench_generate_s_model_config_is_valid_for_any_layer_count(layers, quic
 
     cfg = DashModelConfig.from_dict(module.bench_config(layers, "bfloat16", quick=quick))
     assert cfg.num_hidden_layers == (2 if quick else layers)
+
+
+def test_bench_kv_on_demand_runs_on_cpu_and_checks_its_answers(tmp_path, capsys):
+    """The KV-policy benchmark on a small pool: both policies answer as each request alone, on
+    demand runs more requests at once, and the JSON says so (nothing about speed is checked)."""
+    import json
+
+    module = _load(BENCH / "bench_kv_on_demand.py")
+    out = tmp_path / "kv.json"
+    argv = ["--requests", "10", "--num-blocks", "30", "--max-new-tokens", "48", "--stop-after", "6"]
+    assert module.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    worst, demand = result["policies"]["worst case"], result["policies"]["on demand"]
+    assert worst["answers_equal_alone"] and demand["answers_equal_alone"]
+    assert worst["pool_free_after"] and demand["pool_free_after"]
+    assert worst["preempted"] == 0 and demand["peak_running"] > worst["peak_running"]
+    assert "| on demand |" in capsys.readouterr().out

@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         help="do not share completed document blocks between requests (docs/triton.md, Prefix caching)",
     )
     e.add_argument(
+        "--no-kv-on-demand",
+        action="store_true",
+        help="reserve each request's worst case (prompt + max_new_tokens) of KV blocks at admission "
+        "instead of allocating as it grows and preempting (by recompute) under pressure",
+    )
+    e.add_argument(
         "--allow-engine-control",
         action="store_true",
         help="serve engine_control requests (pause/resume the engine's model steps; any client that "
@@ -265,6 +271,7 @@ def _engine_config(a, kv_block_size: int) -> EngineConfig:
         default_max_new_tokens=a.max_new_tokens,
         max_new_tokens_limit=a.max_new_tokens_limit,
         prefix_caching=not a.no_prefix_caching,
+        kv_on_demand=not a.no_kv_on_demand,
     )
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .cliutil import EXIT_CODES_NOTE, cli_main
+from .export_tools import to_numpy, to_torch
 from .modeling import DashModel
 from .models.checkpoint import load_checkpoint
 from .models.prompts import check_prompts
@@ -56,15 +57,11 @@ class CompareError(Exception):
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    from .export import to_numpy as conv
-
-    return conv(t.detach().cpu())
+    return to_numpy(t.detach().cpu())
 
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
-    from .export import to_torch as conv
-
-    return conv(a)
+    return to_torch(a)
 
 
 def _runner_base():

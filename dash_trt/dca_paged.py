@@ -110,6 +110,10 @@ class DcaKVCache:
     def block_size(self) -> int:
         return self.key.shape[1]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The cache's tensors by name (the serving runtime's flat cache order)."""
+        return {"key": self.key, "value": self.value}
+
     def clone(self) -> DcaKVCache:
         return DcaKVCache(key=self.key.clone(), value=self.value.clone())
 

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import copy
 import importlib.util
-import logging
 import os
 import shutil
 import signal
@@ -38,7 +37,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -49,6 +47,7 @@ import torch
 from . import onnx_ops
 from .cliutil import EXIT_INTERNAL, cli_main
 from .config import DashConfigError
+from .export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
 from .modeling import MODEL_INPUTS, DashModel, ExportGraph, ModelContractError, image_feature_rows, token_roles
 from .models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from .models.config import DTYPES, ModelConfigError, load_model_config
@@ -91,10 +90,6 @@ VERIFY_TOLERANCES = {
     torch.float16: (5e-2, 5e-2),
     torch.bfloat16: (2e-1, 1e-1),
 }
-
-
-class ExportError(RuntimeError):
-    """The exporter failed (not the user's input)."""
 
 
 class BadInput(Exception):
@@ -197,47 +192,6 @@ def _dynamic_shapes(model: DashModel):
     return (*(per_input[n] for n in MODEL_INPUTS), (*rest, *({0: blocks} for _ in model.cache_names("past"))))
 
 
-@contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """The exporter logs and warns a lot about things that are fine here."""
-    loggers = [
-        logging.getLogger(n)
-        for n in (
-            "torch.onnx",
-            "torch.export",
-            "torch._export",
-            "onnxscript",
-            "torch.fx.experimental.symbolic_shapes",
-            "torch._dynamo",
-        )
-    ]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with contextlib.redirect_stdout(sys.stderr):
-                yield
-    finally:
-        for lg, lv in zip(loggers, levels):
-            lg.setLevel(lv)
-
-
-def exporter_available() -> str | None:
-    """None if this torch has the dynamo ONNX exporter with custom translations,
-    else the reason (torch >= 2.4 runs the rest of the package; export needs more)."""
-    import inspect
-
-    params = inspect.signature(torch.onnx.export).parameters
-    if "dynamo" not in params or "custom_translation_table" not in params:
-        return (
-            f"torch {torch.__version__} has no dynamo ONNX exporter with custom_translation_table; "
-            f"dash-export needs a newer torch (developed and tested with torch 2.13)"
-        )
-    return None
-
-
 def export_program(model: DashModel, *, kv_block_size: int = 16):
     """Export ``model`` to an ``torch.onnx.ONNXProgram`` with the DashAttention
     function attached (nothing written)."""
@@ -249,7 +203,7 @@ def export_program(model: DashModel, *, kv_block_size: int = 16):
     model = model.eval()
     model.dash_layers()  # the contract's checks, before a long trace
     args = _example_inputs(model, kv_block_size)
-    with _quiet_exporter(), torch.no_grad():
+    with quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
             ExportGraph(model),
             args,
@@ -283,7 +237,7 @@ def export_onnx(
     if external_data is None:
         external_data = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     program = export_program(model, kv_block_size=kv_block_size)
-    with _quiet_exporter():
+    with quiet_exporter():
         program.save(path, external_data=external_data)
     return path
 
@@ -354,7 +308,7 @@ def export_vision(tower, path: str, size: int, *, check: bool = True, seed: int 
     (ExportError above 1e-4 relative to the features' scale)."""
     graph = VisionGraph(tower.float().eval(), size).eval()
     example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
-    with _quiet_exporter(), torch.no_grad():
+    with quiet_exporter(), torch.no_grad():
         torch.onnx.export(
             graph,
             (example,),
@@ -384,22 +338,6 @@ def _ort_session(path: str):
     ort = onnx_ops.import_onnxruntime()
 
     return ort.InferenceSession(path, onnx_ops.ort_session_options(), providers=["CPUExecutionProvider"])
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A tensor as a NumPy array (bfloat16 as ml_dtypes.bfloat16, what ONNX Runtime takes)."""
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.detach().cpu().numpy()
-
-
-def to_torch(a: np.ndarray) -> torch.Tensor:
-    """The inverse of :func:`to_numpy`."""
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def verify_onnx(

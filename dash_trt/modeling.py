@@ -38,12 +38,13 @@ from torch import nn
 from . import attributes as A
 from .config import DashConfig
 from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
-from .paged import DashBatch, DashKVCache
+from .paged import DashBatch, DashKVCache, PageCoordState, TextCoordState
 from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
 __all__ = [
     "token_role",
     "token_roles",
+    "prompt_coordinates",
     "image_feature_rows",
     "DashAttention",
     "DashContext",
@@ -82,6 +83,16 @@ def token_roles(ids: Sequence[int] | torch.Tensor, config: Any) -> torch.Tensor:
     roles[ids == config.image_token_id] = ROLE_IMAGE
     roles[ids == config.page_token_id] = ROLE_PAGE
     return roles
+
+
+def prompt_coordinates(ids: Sequence[int] | torch.Tensor, config: Any):
+    """``(state, coords [S, 4] int32)`` of a prompt: its page coordinates and the state that
+    continues them (:class:`~dash_trt.paged.PageCoordState`, which checks the pages), or, for a
+    model without document pages (its config's ``page_token_id`` is None), token positions
+    (:class:`~dash_trt.paged.TextCoordState`)."""
+    if getattr(config, "page_token_id", None) is None:
+        return TextCoordState.from_length(len(ids))
+    return PageCoordState.from_prompt(token_roles(ids, config))
 
 
 def image_feature_rows(ids: Sequence[int], config: Any, num_features: int) -> list[int]:
@@ -494,6 +505,11 @@ class DashModel(nn.Module):
         hidden = self(self.input_embeddings(ids, image_features, index), ctx)
         ctx.check_complete()
         return self.compute_logits(hidden).float()
+
+    def prefix_cacheable(self, kv_block_size: int) -> bool:
+        """Whether completed prompt blocks of this size may be shared between requests: a KV
+        block must hold whole sparse blocks, whose summaries are then final."""
+        return kv_block_size % self.config.dash.sparse_block_size == 0
 
     def allocate_cache(
         self, num_blocks: int, kv_block_size: int, device: str | torch.device | None = None

@@ -52,7 +52,7 @@ tokens in total):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,6 +88,7 @@ __all__ = [
     "BatchHost",
     "BATCH_FIELDS",
     "PageCoordState",
+    "TextCoordState",
     "flat_cache_tensors",
     "assign_flat_cache_tensors",
     "sequence_coords",
@@ -111,6 +112,30 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def sequence_coords(roles: torch.Tensor) -> torch.Tensor:
     """``coords`` [S, 4] int32 for a whole sequence from its roles [S]."""
     return torch.stack(page_coordinates(roles), -1).to(torch.int32)
+
+
+class TextCoordState:
+    """The coordinates of a model without document pages (a text decoder such as
+    :mod:`dash_trt.models.qwen2_dca`): every token is text at its position, on no page. The
+    same interface as :class:`PageCoordState`, so the serving runtime keeps one kind of state."""
+
+    __slots__ = ("_i",)
+
+    def __init__(self, i: int):
+        self._i = int(i)
+
+    @classmethod
+    def from_length(cls, n: int) -> tuple[TextCoordState, torch.Tensor]:
+        """The state after a prompt of ``n`` tokens and its coords [n, 4] int32."""
+        coords = torch.zeros(n, NUM_COORDS, dtype=torch.int32)
+        coords[:, COORD_TOK] = torch.arange(n, dtype=torch.int32)
+        coords[:, COORD_IMAGE_PAGE] = coords[:, COORD_QUERY_PAGE] = -1
+        return cls(n), coords
+
+    def next(self, role: int) -> tuple[int, int, int, int]:
+        i = self._i
+        self._i += 1
+        return (i, 0, -1, -1)
 
 
 class PageCoordState:
@@ -276,21 +301,21 @@ class DashKVCache:
 
 
 def flat_cache_tensors(caches: Sequence[DashKVCache]) -> list[torch.Tensor]:
-    """Every layer's six cache tensors, flat, ``(layer, field)`` order: the exported graph's
-    ``past.*`` inputs."""
+    """Every layer's cache tensors (a :class:`DashKVCache`'s six, or any cache with a
+    ``tensors()`` dict), flat, ``(layer, field)`` order: the exported graph's ``past.*`` inputs."""
     return [t for c in caches for t in c.tensors().values()]
 
 
 def assign_flat_cache_tensors(caches: Sequence[DashKVCache], tensors: Sequence[torch.Tensor]) -> None:
     """Put ``tensors`` (:func:`flat_cache_tensors` order; a functional step's ``present.*``) into
     ``caches``."""
-    names = [f.name for f in fields(DashKVCache) if f.name != "sparse_block_size"]
-    n = len(names)
-    if len(tensors) != n * len(caches):
-        raise ValueError(f"expected {n * len(caches)} cache tensors, got {len(tensors)}")
-    for i, c in enumerate(caches):
-        for j, name in enumerate(names):
-            setattr(c, name, tensors[n * i + j])
+    names = [list(c.tensors()) for c in caches]
+    if len(tensors) != sum(map(len, names)):
+        raise ValueError(f"expected {sum(map(len, names))} cache tensors, got {len(tensors)}")
+    values = iter(tensors)
+    for c, fields_ in zip(caches, names):
+        for name in fields_:
+            setattr(c, name, next(values))
 
 
 def summaries_per_block(block_size: int, sparse_block_size: int) -> int:

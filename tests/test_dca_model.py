@@ -236,13 +236,13 @@ def test_forward_paged_on_block_pool_batches():
     pool.add("b", prompt_length=len(b))
     batch = pool.schedule([("a", 40), ("b", 30)])
     ids = torch.tensor(a[:40] + b, dtype=torch.long)
-    got = model.forward_paged(ids, batch, caches, torch.tensor([39, 69, 0]))
+    got = model.forward_paged(ids, None, batch, caches, torch.tensor([39, 69, 0]))
     torch.testing.assert_close(got[0], model.reference_logits(a[:40], prompt_len=len(a))[-1], atol=PAGED_ATOL, rtol=0)
     torch.testing.assert_close(got[1], model.reference_logits(b)[-1], atol=PAGED_ATOL, rtol=0)
     torch.testing.assert_close(got[2], model.reference_logits(a[:1], prompt_len=len(a))[0], atol=PAGED_ATOL, rtol=0)
     batch = pool.schedule([("a", 10), ("b", 1)])
     ids = torch.tensor(a[40:] + [7], dtype=torch.long)
-    got = model.forward_paged(ids, batch, caches, torch.tensor([9, 10]))
+    got = model.forward_paged(ids, None, batch, caches, torch.tensor([9, 10]))
     torch.testing.assert_close(got[0], model.reference_logits(a)[-1], atol=PAGED_ATOL, rtol=0)
     torch.testing.assert_close(got[1], model.reference_logits(b + [7], prompt_len=len(b))[-1], atol=PAGED_ATOL, rtol=0)
     host = batch.host
@@ -261,7 +261,7 @@ def test_generation_refusals():
     with pytest.raises(ValueError, match="split points"):
         Q.generate(model, [[1, 2, 3, 4]], 2, prefill=[3, 2])
     with pytest.raises(ValueError, match="expected 2 layer caches"):
-        model.forward_paged(torch.tensor([1]), None, [])
+        model.forward_paged(torch.tensor([1]), None, None, [])
 
 
 # ------------------------------------------------------------------------- checkpoints

@@ -48,6 +48,7 @@ from torch import nn
 from .. import dca_ops
 from ..dca import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention
 from ..dca_paged import DcaKVCache
+from ..export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
 from ..fileio import atomic_write
 from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_folder
 from .decoder import GatedMLP, RMSNorm
@@ -164,10 +165,20 @@ class Qwen2DcaConfig:
     torch_dtype: str = "float32"
     eos_token_id: int | None = None
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: What the serving runtime reads of a model config: a text decoder has no document pages,
+    #: no image tokens and takes no image features.
+    page_token_id = None
+    image_token_id = None
+    image_feature_dim = None
 
     @property
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.torch_dtype]
+
+    def prompt_length(self, n: int) -> int:
+        """The prompt length the attention op is given for a prompt of ``n`` tokens: all of it
+        (the length scale of the prompt's queries and keys is ``s(n)``)."""
+        return int(n)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], *, source: str = "model config") -> Qwen2DcaConfig:
@@ -474,14 +485,22 @@ class Qwen2DcaForCausalLM(nn.Module):
                 cache.value.fill_(fill)
         return caches
 
+    def prefix_cacheable(self, kv_block_size: int) -> bool:
+        """Never: a cached key is scaled by the length scale of its whole prompt, so a block's
+        contents depend on the prompt's length, not only on the tokens up to it."""
+        return False
+
     def forward_paged(
         self,
         input_ids: torch.Tensor,
+        coords: torch.Tensor | None,
         batch: Any,
         caches: Sequence[DcaKVCache],
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A ragged batch over the paged caches, written in place: ``input_ids`` [T] the new
+        """A ragged batch over the paged caches, written in place (the serving runtime's call of
+        every model, :class:`dash_trt.serving.backends.TorchBackend`; ``coords``, the page
+        coordinates of a DASH model, are not used: positions come from ``batch``): ``input_ids`` [T] the new
         tokens of every sequence in ``batch.query_start_loc`` order; ``batch`` anything with the
         four tensors ``block_tables`` [B, W], ``seq_lens`` [B] (after this call),
         ``query_start_loc`` [B+1] and ``prompt_lens`` [B] (a :class:`dash_trt.paged.DashBatch`,
@@ -790,7 +809,11 @@ def generate(
         inputs = {k: v.to(device) for k, v in inputs.items()}
         if forward is None:
             logits = model.forward_paged(
-                inputs["input_ids"], _Batch(**{f: inputs[f] for f in _Batch.FIELDS}), caches, inputs["logits_indices"]
+                inputs["input_ids"],
+                None,
+                _Batch(**{f: inputs[f] for f in _Batch.FIELDS}),
+                caches,
+                inputs["logits_indices"],
             )
         else:
             logits, flat = forward(inputs, flat)
@@ -908,14 +931,13 @@ def export_program(model: Qwen2DcaForCausalLM, *, kv_block_size: int = 8):
     ``past.{layer}.{key,value}``; outputs ``logits`` then ``present.{layer}.{key,value}``; every
     size dynamic except the KV block size."""
     from .. import dca_onnx
-    from ..export import ExportError, _quiet_exporter, exporter_available
 
     reason = exporter_available()
     if reason:
         raise ExportError(reason)
     model = model.eval()
     args = _example_inputs(model, kv_block_size)
-    with _quiet_exporter(), torch.no_grad():
+    with quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
             Qwen2DcaExportGraph(model),
             args,
@@ -935,11 +957,10 @@ def export_program(model: Qwen2DcaForCausalLM, *, kv_block_size: int = 8):
 
 def export_onnx(model: Qwen2DcaForCausalLM, path: str | os.PathLike, *, kv_block_size: int = 8) -> str:
     """:func:`export_program` saved to ``path`` (weights inside the file). Returns the path."""
-    from ..export import _quiet_exporter
 
     path = os.fspath(path)
     program = export_program(model, kv_block_size=kv_block_size)
-    with _quiet_exporter():
+    with quiet_exporter():
         program.save(path, external_data=False)
     return path
 
@@ -947,7 +968,6 @@ def export_onnx(model: Qwen2DcaForCausalLM, path: str | os.PathLike, *, kv_block
 def ort_forward(path: str | os.PathLike) -> ForwardFn:
     """An ONNX Runtime (CPU) session over an exported file as a :data:`ForwardFn` for
     :func:`generate`: the caches it returns are fed back at the next step."""
-    from ..export import to_numpy, to_torch
     from ..onnx_ops import import_onnxruntime, ort_session_options
 
     ort = import_onnxruntime()

@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..modeling import DashModel, token_roles
+from ..modeling import DashModel, prompt_coordinates
 from ..models.prompts import document_prompt
-from ..paged import PageCoordState
+from ..paged import PageCoordState, TextCoordState
 from .block_pool import blocks_for, prefix_block_hashes
 from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
@@ -212,7 +212,7 @@ class Request:
     t_first_token: float | None = None
     t_end: float | None = None
     # engine-internal
-    _coords: tuple[PageCoordState, torch.Tensor] | None = field(default=None, repr=False)
+    _coords: tuple[PageCoordState | TextCoordState, torch.Tensor] | None = field(default=None, repr=False)
     _hashes: list[bytes] | None = field(default=None, repr=False)
     _resume: Any = field(default=None, repr=False)  #: the runner's state while preempted
     _high: int = 0  #: the most tokens its cache has held (below it, steps recompute)
@@ -356,6 +356,8 @@ class GenerationEngine:
             raise RequestError(
                 "input_ids is empty: a prompt needs at least one document page "
                 f"(<PAGE> id {cfg.page_token_id} followed by <image> tokens, id {cfg.image_token_id})"
+                if cfg.page_token_id is not None
+                else "input_ids is empty: a prompt needs at least one token"
             )
         need = ecfg.blocks_for(length + max_new - 1)
         if need > self.num_blocks:
@@ -379,7 +381,7 @@ class GenerationEngine:
             )
         ids = arr.tolist()
         try:
-            coords = PageCoordState.from_prompt(token_roles(torch.from_numpy(arr), cfg))
+            coords = prompt_coordinates(torch.from_numpy(arr), cfg)
         except ValueError as exc:
             raise RequestError(
                 f"bad prompt ({len(ids)} tokens): {exc} (<PAGE> is id {cfg.page_token_id}, "
@@ -433,6 +435,8 @@ class GenerationEngine:
             raise RequestError(f"rules must be a dict or DecodingRules, got {type(rules).__name__}")
         if out is not None and out.page_guard and self.model_config.eos_token_id is None:
             raise RequestError("the page-count guard needs an eos_token_id, and this model's config sets none")
+        if out is not None and out.page_guard and self.model_config.page_token_id is None:
+            raise RequestError("the page-count guard needs document pages, and this model has none")
         return out
 
     def check_image_features(self, features: Any, ids: list[int]) -> torch.Tensor | None:
@@ -621,7 +625,9 @@ class GenerationEngine:
         """One tiny generation (the op's first call pays torch's compile-machinery import) and,
         on the CUDA kernels, the decode graphs' capture: paid before serving, not in the
         first requests' latency. Counters are reset afterwards."""
-        self.generate([document_prompt([1], "", self.model_config)], 2, stop_at_eos=False)
+        cfg = self.model_config
+        prompt = document_prompt([1], "", cfg) if cfg.page_token_id is not None else [0, 1]
+        self.generate([prompt], 2, stop_at_eos=False)
         self.runtime.capture_decode_graphs()
         self.reset_counters()
 

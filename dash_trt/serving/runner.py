@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from .. import cuda as dcuda
-from ..modeling import image_feature_rows, token_role, token_roles
+from ..modeling import image_feature_rows, prompt_coordinates, token_role
 from ..models.prompts import document_prompt
-from ..paged import DashBatch, DashKVCache, PageCoordState, flat_cache_tensors
+from ..paged import DashBatch, DashKVCache, PageCoordState, TextCoordState, flat_cache_tensors
 from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
 from .block_pool import KVBlockPool, blocks_for, prefix_block_hashes
 from .rules import DecodingRules
@@ -91,19 +91,23 @@ class PoolTooSmallError(RuntimeConfigError):
     """The model, its activations and the KV pool do not fit the device memory allowed."""
 
 
-def greedy_tokens(logits: torch.Tensor, image_token_id: int) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, image_token_id: int | None) -> torch.Tensor:
     """Greedy choice per row [N] (int64): argmax with image tokens masked (image tokens come
     from the vision encoder, never from the decoder; a generated one would also move the
-    prompt/response boundary of the page coordinates). Ties go to the lower id."""
+    prompt/response boundary of the page coordinates). Ties go to the lower id. A model
+    without image tokens (``image_token_id`` None) masks nothing."""
+    if image_token_id is None:
+        return logits.argmax(-1)
     masked = logits.clone()
     masked[:, image_token_id] = -math.inf  # a fill kernel: no host-to-device copy (graph capture)
     return masked.argmax(-1)
 
 
-def _greedy_row(row: torch.Tensor, image_token_id: int) -> int:
+def _greedy_row(row: torch.Tensor, image_token_id: int | None) -> int:
     """:func:`greedy_tokens` of one float32 host row (after the logits processors edited it)."""
-    row = row.clone()
-    row[image_token_id] = -math.inf
+    if image_token_id is not None:
+        row = row.clone()
+        row[image_token_id] = -math.inf
     return int(row.argmax())
 
 
@@ -185,7 +189,7 @@ class SequenceState:
     tokens: list[int]
     prompt_len: int
     coords: np.ndarray  #: [capacity, 4] int32, rows 0..len(tokens)-1 filled
-    coord_state: PageCoordState
+    coord_state: PageCoordState | TextCoordState
     prompt_ids: np.ndarray  #: [prompt_len] int64: prefill chunks are sliced from it, not converted
     fed: int = 0  #: tokens already in the cache
     sampler: Sampler | None = None  #: draws its tokens (None: greedy, the runtime's own choice)
@@ -283,7 +287,7 @@ class PagedRuntime:
         self.pool = KVBlockPool(int(num_blocks), self.kv_block_size)
         #: Completed prompt blocks are shared through the pool's prefix cache (KV blocks must hold
         #: whole sparse blocks, whose summaries are then final).
-        self.prefix_caching = bool(prefix_caching) and self.kv_block_size % model.config.dash.sparse_block_size == 0
+        self.prefix_caching = bool(prefix_caching) and model.prefix_cacheable(self.kv_block_size)
         self.prompt_tokens_cached = 0  #: prompt tokens taken from the prefix cache, all sequences
         self.max_num_seqs = int(max_num_seqs)
         if forward is not None and backend is not None:
@@ -300,6 +304,8 @@ class PagedRuntime:
             reason = "not on a CUDA device"
         elif forward is not None or backend is not None:
             reason = "another backend runs the model"
+        elif getattr(c, "dash", None) is None:
+            reason = "the model has no DASH attention layers"
         else:
             reason = dcuda.supports(
                 c.head_dim, c.index_head_dim, self.kv_block_size, c.dash.sparse_block_size, model.dtype
@@ -364,7 +370,7 @@ class PagedRuntime:
         prompt: Sequence[int],
         reserve_tokens: int,
         *,
-        coords: tuple[PageCoordState, torch.Tensor] | None = None,
+        coords: tuple[PageCoordState | TextCoordState, torch.Tensor] | None = None,
         sampling: SamplingParams | None = None,
         image_features: torch.Tensor | None = None,
         block_hashes: Sequence[bytes] | None = None,
@@ -373,7 +379,7 @@ class PagedRuntime:
     ) -> SequenceState:
         """Register a sequence and allocate blocks for ``reserve_tokens`` tokens (at least its
         prompt; more blocks are allocated as it grows past them). ``coords`` is
-        ``PageCoordState.from_prompt(roles)`` when the caller has it already; ``sampling``
+        :func:`~dash_trt.modeling.prompt_coordinates` when the caller has it already; ``sampling``
         draws its tokens instead of the greedy choice (:mod:`dash_trt.serving.sampling`);
         ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
         order, replace those tokens' embeddings (models that take image features). With
@@ -396,9 +402,7 @@ class PagedRuntime:
         feats = rows = None
         if image_features is not None:
             feats, rows = self._image_inputs(prompt, image_features)
-        state, prompt_coords = (
-            coords if coords is not None else PageCoordState.from_prompt(token_roles(prompt, self.config))
-        )
+        state, prompt_coords = coords if coords is not None else prompt_coordinates(prompt, self.config)
         hashes, cached = None, []
         if self.prefix_caching:
             hashes = (

@@ -54,7 +54,7 @@ class SamplingParams:
 class Sampler:
     """One request's draws: :meth:`choose` picks the next token from a logits row."""
 
-    def __init__(self, params: SamplingParams, image_token_id: int):
+    def __init__(self, params: SamplingParams, image_token_id: int | None):
         self.params = params
         self.image_token_id = image_token_id
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -64,7 +64,8 @@ class Sampler:
         """The next token from ``logits`` [V] (any device and dtype; drawn in float32 on the CPU)."""
         p = self.params
         x = logits.detach().float().cpu().clone()
-        x[self.image_token_id] = -math.inf
+        if self.image_token_id is not None:
+            x[self.image_token_id] = -math.inf
         if p.greedy:
             return int(x.argmax())
         x = (x - x.max()) / p.temperature  # the largest at 0: no inf / inf at small temperatures

@@ -23,8 +23,9 @@ from typing import TextIO
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..config import DashConfigError
 from ..modeling import ModelContractError
-from ..models.checkpoint import CheckpointError, load_checkpoint
+from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfigError
+from ..models.loader import load_model
 from ..models.registry import demo_model
 from ..serving.engine import EngineConfig, EngineConfigError
 from ..versions import version_line as _version_line
@@ -297,7 +298,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         model = (
             demo_model(seed=a.seed)
             if a.demo
-            else load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
+            else load_model(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
         )
         gpus = _gpu_list("--plan-gpus", a.plan_gpus)
         engine_gpus = _gpu_list("--gpus", a.gpus)

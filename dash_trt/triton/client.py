@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..models.config import DashModelConfig
+from ..models.config import DashModelConfig, ModelConfigError
 from ..models.prompts import detokenize, document_prompt, tokenize
 from ..versions import version_line as _version_line
 from . import protocol as P
@@ -152,7 +152,13 @@ class DashClient:
                     f"(no '{P.PARAM_MODEL_CONFIG}' parameter)"
                 )
             text = params[P.PARAM_MODEL_CONFIG].get("string_value", params[P.PARAM_MODEL_CONFIG].get("stringValue"))
-            self._config = DashModelConfig.from_dict(json.loads(text), source=f"model '{self.model}'")
+            try:
+                self._config = DashModelConfig.from_dict(json.loads(text), source=f"model '{self.model}'")
+            except ModelConfigError as exc:  # a served text model (Dual Chunk Attention): no demo tokenizer
+                raise DashClientError(
+                    f"model '{self.model}' at {self.url} is not a DASH document model, so this client has no "
+                    f"tokenizer for it (send token ids): {exc}"
+                ) from None
         return self._config
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -56,7 +56,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        from dash_trt.models.checkpoint import load_checkpoint
+        from dash_trt.models.loader import load_model
         from dash_trt.serving.engine import (
             CANCELLED,
             INTERNAL,
@@ -106,7 +106,7 @@ class TritonPythonModel:
         model_class = params.get(P.PARAM_MODEL_CLASS, "") or None
         if model_class and not model_class.startswith(("/", ".")) and ".py:" in model_class:
             model_class = os.path.join(version_dir, model_class)  # a file copied into the version folder
-        model = load_checkpoint(checkpoint, model_class=model_class).to(device)
+        model = load_model(checkpoint, model_class=model_class).to(device)
         engine_config = EngineConfig.from_json(params[P.PARAM_ENGINE]) if P.PARAM_ENGINE in params else EngineConfig()
         self.engine = GenerationEngine(model, engine_config)
         if params.get(P.PARAM_WARMUP, "true") == "true":
@@ -123,7 +123,8 @@ class TritonPythonModel:
             self.metrics.state(self.engine.stats())
         self.runner = EngineRunner(self.engine, name=f"{self.name}-engine").start()
         pb_utils.Logger.log_info(
-            f"{self.name}: {'decoupled' if self.decoupled else 'unary'} DASH generation on {device}; "
+            f"{self.name}: {'decoupled' if self.decoupled else 'unary'} generation "
+            f"({type(model).__name__}) on {device}; "
             f"KV pool {engine_config.num_blocks} blocks x {engine_config.kv_block_size} tokens; "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads"
         )

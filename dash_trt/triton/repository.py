@@ -44,6 +44,7 @@ from ..fileio import file_mode
 from ..modeling import DashModel, ModelContractError
 from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
 from ..models.deepencoder import tower_state
+from ..models.qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
 from ..models.registry import USER_MODULE_PREFIX
 from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
@@ -474,6 +475,10 @@ class WrittenRepository:
     messages: list[str] = field(default_factory=list)
 
 
+#: The version folder's checkpoint of a Dual Chunk Attention model (a Hugging Face folder).
+DCA_CHECKPOINT = "checkpoint"
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
@@ -502,7 +507,10 @@ def _check_model_contract(model: DashModel) -> None:
     """What the server would find wrong with ``model`` only when it loads it (Triton then exits):
     the attention layers the config promises, and image features of the config's
     ``image_feature_dim`` taken by ``embed_image_features`` (the built-in decoder passes through
-    only features of the hidden size). Raises ModelContractError."""
+    only features of the hidden size). Raises ModelContractError. (A Dual Chunk Attention model
+    is checked when it is loaded: it has no other contract.)"""
+    if isinstance(model, Qwen2DcaForCausalLM):
+        return
     model.dash_layers()
     if model.takes_image_features:
         with torch.no_grad():
@@ -660,6 +668,12 @@ def write_repository(
         if not os.path.isfile(plan) or os.path.getsize(plan) == 0:
             raise RepositoryError(f"plan not found or empty: {plan}")
         libraries = plugin_libraries(plugin)
+    dca = isinstance(model, Qwen2DcaForCausalLM)
+    if dca and (onnx is not None or plan is not None or documents is not None):
+        raise RepositoryError(
+            "a Dual Chunk Attention model is served by the Python generation model only: no --onnx, "
+            "--plan (the plugin has no DualChunkAttention kernels) or document model"
+        )
     if onnx is not None:
         inputs, outputs = onnx_io(onnx)
         _check_onnx_matches(read_graph(onnx), model, engine.kv_block_size)
@@ -694,9 +708,14 @@ def write_repository(
             shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
             if class_file is not None:  # the user's model source travels with the repository
                 shutil.copyfile(class_file, os.path.join(vdir, os.path.basename(class_file)))
-            ckpt = os.path.join(vdir, "model.pt")
-            if first_ckpt is not None:
+            # A DASH model as model.pt; a DCA model as its Hugging Face folder.
+            ckpt = os.path.join(vdir, DCA_CHECKPOINT if dca else "model.pt")
+            if first_ckpt is not None and dca:
+                shutil.copytree(first_ckpt, ckpt, copy_function=_link_or_copy)
+            elif first_ckpt is not None:
                 _link_or_copy(first_ckpt, ckpt)
+            elif dca:
+                save_qwen2_dca(model, ckpt)
             elif checkpoint is not None:
                 shutil.copyfile(checkpoint, ckpt)
             else:
@@ -708,6 +727,7 @@ def write_repository(
                 engine,
                 streaming=stream,
                 device=device,
+                checkpoint=os.path.basename(ckpt),
                 model_class=class_spec,
                 warmup=warmup,
                 torch_num_threads=torch_num_threads,

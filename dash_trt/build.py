@@ -873,9 +873,27 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 
 @cli_main("dash-build")
+def unsupported_ops(path: Path) -> str | None:
+    """Why the plugin cannot build ``path`` when it holds a node of the package's domain that the
+    plugin has no kernels for (Dual Chunk Attention), else None (also for an unreadable file:
+    the later steps say what is wrong with it)."""
+    try:
+        ops = {op for op, _ in read_graph(path).domain_nodes}
+    except GraphReadError:
+        return None
+    others = sorted(ops - {PLUGIN_NAME})
+    if not others:
+        return None
+    return (
+        f"{path} holds {', '.join(f'dash_trt.{op}' for op in others)} nodes: the TensorRT plugin implements only "
+        f"dash_trt.{PLUGIN_NAME} (there are no Dual Chunk Attention kernels yet); run this model with ONNX "
+        f"Runtime (dash-compare) or serve it with dash-triton's Python generation model"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    problem = _check_arguments(args)
+    problem = _check_arguments(args) or unsupported_ops(args.model)
     if problem:
         return _fail(problem)
     config = None

@@ -39,8 +39,9 @@ import torch
 from .cliutil import EXIT_CODES_NOTE, cli_main
 from .export_tools import to_numpy, to_torch
 from .modeling import DashModel
-from .models.checkpoint import load_checkpoint
+from .models.loader import load_model
 from .models.prompts import check_prompts
+from .models.qwen2_dca import Qwen2DcaForCausalLM
 from .models.registry import demo_model
 from .onnx_graph import GraphReadError, read_graph
 from .serving.generate import generate
@@ -172,10 +173,19 @@ def _onnx_io(path: str):
     return ins, [t.name for t in graph.outputs], graph.kv_block_size
 
 
-def check_model_matches(onnx_path: str, model: DashModel) -> None:
+def check_model_matches(onnx_path: str, model: DashModel | Qwen2DcaForCausalLM) -> None:
     """CompareError naming every way ``model`` is not the model the file was exported from
     (layers, cache shapes, vocabulary), before anything runs."""
-    _onnx_io(onnx_path)  # a readable dash-export file
+    ins, _, _ = _onnx_io(onnx_path)  # a readable dash-export file
+    if isinstance(model, Qwen2DcaForCausalLM):
+        past = [n for n in ins if n.startswith("past.")]
+        if past != model.cache_names("past"):
+            raise CompareError(
+                f"{onnx_path} was not exported from this checkpoint: its caches are {len(past)} inputs "
+                f"({', '.join(past[:4])}...), the model's {len(model.cache_names('past'))} "
+                "(a key and a value per layer)"
+            )
+        return
     problems = read_graph(onnx_path).mismatches(model)
     if problems:
         raise CompareError(f"{onnx_path} was not exported from this checkpoint: " + "; ".join(problems))
@@ -227,9 +237,19 @@ def default_prompts(model: DashModel, seed: int) -> list[list[int]]:
     return check_prompts(model, seed)[0]
 
 
+def dca_prompts(model: Qwen2DcaForCausalLM, seed: int) -> list[list[int]]:
+    """A Dual Chunk Attention model's check prompts: random tokens, one prompt across more than
+    two chunks (intra, successive and inter attention), one shorter than a chunk."""
+    span, vocab = model.config.dca.chunk_len, model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (2 * span + span // 2 + 3, max(2, span // 3))
+    ]
+
+
 def compare(
     onnx_path: str,
-    model: DashModel,
+    model: DashModel | Qwen2DcaForCausalLM,
     *,
     engine: str | None = None,
     plugin: str | None = None,
@@ -254,7 +274,12 @@ def compare(
     reference = TorchRunner(model, in_names, out_names, "pytorch")
     runners = [reference, _onnxrt_runner(onnx_path)]
     report = CompareReport(runners=[])
-    if use_cuda:
+    dca = isinstance(model, Qwen2DcaForCausalLM)
+    if dca and engine is not None:
+        raise CompareError("no TensorRT engine of a Dual Chunk Attention model: the plugin has no DCA kernels")
+    if dca:
+        report.skipped["pytorch-cuda"] = "no CUDA kernels of Dual Chunk Attention"
+    elif use_cuda:
         from . import cuda as dcuda
 
         if not torch.cuda.is_available():
@@ -283,7 +308,7 @@ def compare(
             # generation gets back the rows it asked for.
             wanted = inputs["logits_indices"]
             inputs = dict(inputs, logits_indices=torch.arange(inputs["input_ids"].shape[0]))
-            meta = [_to_numpy(v) for v in inputs.values()]
+            meta = [_to_numpy(inputs[n]) for n in in_names[:n_in]]
             ref_caches = [_to_numpy(c) for c in caches]
             out = None
             for r in runners:
@@ -305,7 +330,7 @@ def compare(
             )
             return _to_torch(out[out_names[0]])[wanted.cpu()], [_to_torch(out[n]) for n in out_names[1:]]
 
-        prompts, features = check_prompts(model, seed)
+        prompts, features = (dca_prompts(model, seed), None) if dca else check_prompts(model, seed)
         generate(
             model,
             prompts,
@@ -507,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = demo_model(seed=a.seed)
         else:
             try:
-                model = load_checkpoint(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
+                model = load_model(a.checkpoint, allow_pickle=a.unsafe_load, model_class=a.model_class)
             except Exception as exc:  # noqa: BLE001 - reported as bad input
                 raise CompareError(f"{a.checkpoint}: {exc}") from None
         if a.engine is not None and not os.path.isfile(a.engine):

@@ -1,0 +1,79 @@
+"""The command-line tools on a Qwen2 Dual Chunk Attention folder (a Hugging Face folder whose
+config.json carries dual_chunk_attention_config): dash-export writes and checks the ONNX file,
+dash-compare matches ONNX Runtime with PyTorch and names a checkpoint that does not fit,
+dash-build refuses the op the plugin has no kernels for, before it needs TensorRT."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+from dash_trt import build as B
+from dash_trt import compare as C
+from dash_trt import export as E
+from dash_trt.models import qwen2_dca as Q
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+DCA = {"chunk_size": 32, "local_size": 8, "original_max_position_embeddings": 16}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dca")
+    folder = root / "qwen2-dca"
+    Q.write_tiny_qwen2_dca(folder, seed=6, rope_theta=1e6, dual_chunk_attention_config=DCA)
+    out = root / "dca.onnx"
+    return folder, out
+
+
+def test_dash_export_writes_a_checked_file(exported, capsys):
+    folder, out = exported
+    assert E.main([str(folder), "--out", str(out), "--kv-block-size", "8", "--decode-steps", "5", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "tokens equal" in text and "RESULT: exported; the checker and ONNX Runtime agree" in text
+    model = onnx.load(str(out))
+    assert [n.op_type for n in model.graph.node if n.domain == "dash_trt"] == ["DualChunkAttention"] * 2
+    assert [f.name for f in model.functions] == ["DualChunkAttention"]
+
+
+def test_dash_export_refuses_a_block_size_that_does_not_divide_the_chunk(exported, tmp_path, capsys):
+    folder, _ = exported
+    assert E.main([str(folder), "--out", str(tmp_path / "x.onnx"), "--kv-block-size", "16", "--quiet"]) == 2
+    assert "must be a multiple of the KV block size 16" in capsys.readouterr().err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_dash_compare_matches_and_names_a_wrong_checkpoint(exported, tmp_path, capsys):
+    folder, out = exported
+    if not out.exists():
+        pytest.skip("needs the export of the test above")
+    report = tmp_path / "report.json"
+    assert C.main([str(out), "--checkpoint", str(folder), "--json", str(report)]) == 0
+    printed = capsys.readouterr().out
+    assert "onnxrt vs pytorch" in printed and "no CUDA kernels of Dual Chunk Attention" in printed
+    data = json.loads(report.read_text())
+    assert data["passed"] and data["steps"] >= 3
+    other = tmp_path / "three-layers"
+    Q.write_tiny_qwen2_dca(other, seed=1, num_hidden_layers=3, dual_chunk_attention_config=DCA)
+    assert C.main([str(out), "--checkpoint", str(other)]) == 2
+    assert "was not exported from this checkpoint" in capsys.readouterr().err
+
+
+def test_dash_build_refuses_dual_chunk_attention_before_tensorrt(exported, tmp_path, capsys):
+    _, out = exported
+    if not out.exists():
+        pytest.skip("needs the export of the test above")
+    assert B.main([str(out), "--out", str(tmp_path / "m.plan")]) == 2
+    err = capsys.readouterr().err
+    assert "dash_trt.DualChunkAttention nodes" in err and "no Dual Chunk Attention kernels" in err

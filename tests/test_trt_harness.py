@@ -138,7 +138,7 @@ def test_a_tensorrt_of_another_major_gets_nothing_registered(tmp_path, library):
         # says it is ours): the creator is handed out, nothing printed
         for soname, says in ((f"libnvinfer.so.{major}", major), (f"libnvinfer_lean.so.{other}", major)):
             ok = _plugin_in_process(tmp_path, soname, says, library)
-            assert ok.returncode == 0 and "creators 1" in ok.stdout and "built for" not in ok.stderr, ok.stderr
+            assert ok.returncode == 0 and "creators 2" in ok.stdout and "built for" not in ok.stderr, ok.stderr
 
 
 # ------------------------------------------------------------------------------ the I/O table
@@ -223,6 +223,7 @@ class Harness:
         T = c.POINTER(Tensor)
         sig = {
             "dash_harness_abi": (c.c_int32, []),
+            "dash_harness_select_creator": (c.c_int32, [c.c_char_p]),
             "dash_harness_messages": (c.c_char_p, []),
             "dash_harness_clear_messages": (None, []),
             "dash_harness_type_code": (c.c_int32, [c.c_char_p]),
@@ -270,7 +271,7 @@ class Harness:
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
-        assert lib.dash_harness_abi() == 1
+        assert lib.dash_harness_abi() == 2
         self.types = {
             n: lib.dash_harness_type_code(n.encode())
             for n in ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
@@ -301,6 +302,10 @@ class Harness:
 
     def creator_info(self) -> list[tuple[str, str]]:
         return self._lines(self._text(self.lib.dash_harness_creator_info))
+
+    def select(self, name: str) -> bool:
+        """Make the creator of plugin ``name`` the one the other calls use."""
+        return self.lib.dash_harness_select_creator(name.encode()) == 0
 
     # -- plugins
     def create(self, fields, phase: int = 0):
@@ -513,6 +518,36 @@ def test_node_attribute_table_matches_when_available(harness):
     fields = {v.split(":")[0] for k, v in harness.creator_info() if k == "field"}
     assert {a.name for a in attributes.NODE_ATTRIBUTES} == fields
     assert attributes.PLUGIN_VERSION == dict(harness.creator_info())["version"]
+
+
+def test_dual_chunk_attention_is_declared_and_refused_with_a_message(harness):
+    """The plugin declares the dash_trt.DualChunkAttention creator (TensorRT's ONNX parser finds it
+    by the node's op type and version 1) with the node's attribute table, dash_trt.dca_ops's; it
+    has no kernels yet, so createPlugin refuses, naming a bad attribute first if there is one."""
+    from dash_trt.dca_ops import ATTRIBUTES
+
+    assert harness.select("DualChunkAttention")
+    try:
+        info = harness.creator_info()
+        meta = dict(info)
+        assert (meta["name"], meta["version"], meta["namespace"]) == ("DualChunkAttention", "1", "")
+        ft = harness.field_types
+        fields = [tuple(v.split(":")) for k, v in info if k == "field"]
+        want = [(name, str(ft["int32"] if onnx == "INT" else ft["float32"]), "1") for name, _, onnx, _ in ATTRIBUTES]
+        assert fields == want
+        good = [(name, "int32" if onnx == "INT" else "float32", [1]) for name, _, onnx, _ in ATTRIBUTES]
+        for fields_, said in (
+            (good, "no Dual Chunk Attention kernels yet"),
+            (good[1:], "attribute 'chunk_size' is missing"),
+            (good + [("window", "int32", [4])], "unknown attribute 'window'"),
+            ([("chunk_size", "float32", [1.0])] + good[1:], "attribute 'chunk_size' must be one INT"),
+        ):
+            harness.clear()
+            assert harness.create(fields_) is None
+            assert said in harness.messages() and "DualChunkAttention" in harness.messages(), harness.messages()
+    finally:
+        assert harness.select("DashAttention")
+    assert not harness.select("NoSuchPlugin") and dict(harness.creator_info())["name"] == "DashAttention"
 
 
 @pytest.mark.parametrize("variant", ["ints", "int64", "float64", "per_layer"])

@@ -33,7 +33,7 @@ extern "C" void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
 
 namespace {
 
-constexpr int32_t kHarnessAbi = 1;
+constexpr int32_t kHarnessAbi = 2;
 constexpr int32_t kMaxDims = nvinfer1::Dims::MAX_DIMS;
 constexpr int32_t kMaxTensors = 64;
 
@@ -76,6 +76,9 @@ private:
 CaptureFinder gFinder;
 std::once_flag gInit;
 
+//! The creator the harness calls (dash_harness_select_creator): DashAttention unless told otherwise.
+std::string gCreatorName = "DashAttention";
+
 nvinfer1::IPluginCreatorV3One* creator() {
     std::call_once(gInit, [] { setLoggerFinder(&gFinder); });
     int32_t n = 0;
@@ -83,10 +86,10 @@ nvinfer1::IPluginCreatorV3One* creator() {
     for (int32_t i = 0; i < n; ++i) {
         nvinfer1::InterfaceInfo const info = list[i]->getInterfaceInfo();
         if (std::strcmp(info.kind, "PLUGIN CREATOR_V3ONE") == 0 &&
-            std::strcmp(static_cast<nvinfer1::IPluginCreatorV3One*>(list[i])->getPluginName(), "DashAttention") == 0)
+            gCreatorName == static_cast<nvinfer1::IPluginCreatorV3One*>(list[i])->getPluginName())
             return static_cast<nvinfer1::IPluginCreatorV3One*>(list[i]);
     }
-    record("E", "harness: getCreators() has no DashAttention IPluginCreatorV3One");
+    record("E", "harness: getCreators() has no " + gCreatorName + " IPluginCreatorV3One");
     return nullptr;
 }
 
@@ -255,6 +258,17 @@ nvinfer1::DynamicPluginTensorDesc toDynamic(DashHarnessTensor const& t) {
 }  // namespace
 
 DASH_HARNESS_API int32_t dash_harness_abi(void) { return kHarnessAbi; }
+
+//! Make `name` (a creator's plugin name) the creator the other calls use; 0 if getCreators()
+//! hands one out, -1 (and the DashAttention creator kept) if not.
+DASH_HARNESS_API int32_t dash_harness_select_creator(char const* name) {
+    if (name == nullptr) return -1;
+    std::string const previous = gCreatorName;
+    gCreatorName = name;
+    if (creator() != nullptr) return 0;
+    gCreatorName = previous;
+    return -1;
+}
 
 //! Everything the plugin logged since the last clear (lines "[E] DashAttention: ...").
 DASH_HARNESS_API char const* dash_harness_messages(void) {

@@ -159,6 +159,21 @@ private:
     std::string mNamespace;
 };
 
+//! The dash_trt.DualChunkAttention node's creator (dca_creator.cpp): its attribute table
+//! (dca_attributes.def) is declared, createPlugin refuses (no kernels yet) with a message.
+constexpr char const* kDcaPluginName = "DualChunkAttention";
+constexpr char const* kDcaPluginVersion = "1";  // what TensorRT's ONNX parser asks for by default
+
+class DualChunkAttentionCreator : public nvinfer1::IPluginCreatorV3One {
+public:
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+                                      nvinfer1::TensorRTPhase phase) noexcept override;
+};
+
 }  // namespace trt
 }  // namespace dash
 

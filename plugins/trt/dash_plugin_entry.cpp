@@ -33,7 +33,8 @@ DASH_TRT_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& n
         return nullptr;
     }
     static dash::trt::DashAttentionCreator sDashAttention;
-    static nvinfer1::IPluginCreatorInterface* const kCreators[] = {&sDashAttention};
+    static dash::trt::DualChunkAttentionCreator sDualChunkAttention;  // declared; refuses (no kernels yet)
+    static nvinfer1::IPluginCreatorInterface* const kCreators[] = {&sDashAttention, &sDualChunkAttention};
     nbCreators = static_cast<int32_t>(sizeof(kCreators) / sizeof(kCreators[0]));
     return kCreators;
 }

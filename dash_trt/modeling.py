@@ -511,6 +511,11 @@ class DashModel(nn.Module):
         block must hold whole sparse blocks, whose summaries are then final."""
         return kv_block_size % self.config.dash.sparse_block_size == 0
 
+    def prefix_hash_seed(self, prompt_length: int) -> bytes:
+        """What a cached prompt block depends on besides the tokens up to it (nothing here: the
+        page coordinates of the cacheable blocks follow from those tokens)."""
+        return b""
+
     def allocate_cache(
         self, num_blocks: int, kv_block_size: int, device: str | torch.device | None = None
     ) -> list[DashKVCache]:

@@ -1,8 +1,8 @@
 """The Qwen2 Dual Chunk Attention model on the serving runtime: the same PagedRuntime, backends,
 engine (continuous batching, KV on demand, preemption by recompute) and `generate` as DASH
 models, giving the tokens of the cache-free reference (dash_trt.models.qwen2_dca.reference_generate).
-Also ONNX Runtime through the runtime's functional backend. No prefix caching (a cached key is
-scaled by its whole prompt's length scale) and no page rules (the model has no pages)."""
+Also ONNX Runtime through the runtime's functional backend; prefix caching between prompts of the
+same length scale; no page rules (the model has no pages)."""
 
 from __future__ import annotations
 
@@ -99,10 +99,32 @@ def test_onnx_runtime_through_the_runtime_s_functional_backend(tmp_path):
     assert out.tokens == Q.reference_generate(model, prompts, 16).tokens
 
 
+def test_prefix_caching_shares_blocks_written_with_the_same_length_scale():
+    """Questions over one shared document: with the same length scale s(P) (scaling off, or prompts
+    of one length) their whole document blocks are shared; prompts whose scales differ share
+    nothing (their cached keys differ). Every answer equals the cache-free reference."""
+    for scaled, lengths in ((False, (0, 5, 9)), (True, (4, 4, 4)), (True, (0, 5, 9))):
+        model = _model(scaled)
+        doc = _prompts(model.config, (60,), seed=8)[0]
+        prompts = [doc + q for q in _prompts(model.config, [3 + n for n in lengths], seed=9)]
+        want = Q.reference_generate(model, prompts, 10).tokens
+        engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=8, prefix_caching=True))
+        assert engine.runtime.prefix_caching
+        first = engine.generate(prompts[:1], 10, stop_at_eos=False)  # the document's blocks registered
+        rest = engine.generate(prompts[1:], 10, stop_at_eos=False)
+        assert first + rest == want, (scaled, lengths)
+        scales = {model.config.dca.length_scale(len(p)) for p in prompts}
+        cached = engine.counters["prompt_tokens_cached"]
+        if len(scales) == 1:
+            assert cached == 2 * 56, (scaled, lengths, cached)  # 7 whole blocks of the document, twice
+        else:
+            assert cached == 0, (scaled, lengths, scales)
+
+
 def test_what_a_text_model_does_not_have():
     model = _model(False)
     rt = PagedRuntime(model, 16, 8, prefix_caching=True)
-    assert not rt.prefix_caching and rt.kernels_reason is not None
+    assert rt.kernels_reason is not None
     engine = GenerationEngine(model, EngineConfig(num_blocks=16, kv_block_size=8))
     with pytest.raises(RequestError, match="needs document pages"):
         engine.submit([1, 2, 3], 4, rules={"page_guard": True})

@@ -37,6 +37,7 @@ import json
 import math
 import numbers
 import os
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -486,9 +487,15 @@ class Qwen2DcaForCausalLM(nn.Module):
         return caches
 
     def prefix_cacheable(self, kv_block_size: int) -> bool:
-        """Never: a cached key is scaled by the length scale of its whole prompt, so a block's
-        contents depend on the prompt's length, not only on the tokens up to it."""
-        return False
+        """Always (whole KV blocks of prompt tokens): a block's keys depend on the tokens up to it
+        and on the length scale of its whole prompt, which :meth:`prefix_hash_seed` adds to its hash."""
+        return True
+
+    def prefix_hash_seed(self, prompt_length: int) -> bytes:
+        """The length scale ``s(P)`` every key of a prompt of ``P`` tokens was multiplied by (its
+        exact float64 bytes): blocks are shared between prompts with the same scale only, e.g. all
+        prompts no longer than ``original_max_position_embeddings`` (scale 1)."""
+        return struct.pack("<d", self.config.dca.length_scale(prompt_length))
 
     def forward_paged(
         self,

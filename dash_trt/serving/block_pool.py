@@ -357,24 +357,34 @@ class KVBlockPool:
 
 
 def prefix_block_hashes(
-    prompt: Sequence[int], image_token_id: int, block_size: int, image_features: torch.Tensor | None = None
+    prompt: Sequence[int],
+    image_token_id: int | None,
+    block_size: int,
+    image_features: torch.Tensor | None = None,
+    *,
+    seed: bytes = b"",
 ) -> list[bytes]:
     """Prefix-cache hashes of a prompt's cacheable KV blocks, chained (each covers its block
-    and everything before it). Cacheable: whole blocks of tokens at or before the prompt's
-    last image token, whose page coordinates, and so every cache field, depend on no later
-    token (a text token after the last image is coordinated as the question); at most up to
-    the prompt's second-to-last token, so at least one token is computed. ``image_features``
-    (a row per image token, in order) enter the hash of the blocks that read them."""
+    and everything before it, and ``seed``: what else the blocks' contents depend on, e.g. a
+    length scale). Cacheable, for a document model: whole blocks of tokens at or before the
+    prompt's last image token, whose page coordinates, and so every cache field, depend on no
+    later token (a text token after the last image is coordinated as the question); for a model
+    without image tokens (``image_token_id`` None): whole blocks; either way at most up to the
+    prompt's second-to-last token, so at least one token is computed. ``image_features`` (a row
+    per image token, in order) enter the hash of the blocks that read them."""
     ids = np.asarray(prompt, dtype=np.int64)
-    images = np.flatnonzero(ids == image_token_id)
-    if not images.size:
-        return []
-    n = min((int(images[-1]) + 1) // block_size, (ids.size - 1) // block_size)
+    if image_token_id is None:
+        n = (ids.size - 1) // block_size
+    else:
+        images = np.flatnonzero(ids == image_token_id)
+        if not images.size:
+            return []
+        n = min((int(images[-1]) + 1) // block_size, (ids.size - 1) // block_size)
     feats = None
-    if image_features is not None:
+    if image_features is not None and image_token_id is not None:
         feats = np.ascontiguousarray(torch.as_tensor(image_features).detach().float().cpu().numpy())
         rows = np.cumsum(ids == image_token_id) - 1
-    out, h = [], b"dash-trt prefix v1 %d" % block_size
+    out, h = [], b"dash-trt prefix v1 %d" % block_size + (b" " + seed if seed else b"")
     for i in range(n):
         d = hashlib.blake2b(h, digest_size=16)
         chunk = ids[i * block_size : (i + 1) * block_size]

@@ -50,7 +50,7 @@ import torch
 from ..modeling import DashModel, prompt_coordinates
 from ..models.prompts import document_prompt
 from ..paged import PageCoordState, TextCoordState
-from .block_pool import blocks_for, prefix_block_hashes
+from .block_pool import blocks_for
 from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
 from .sampling import SamplingError, SamplingParams
@@ -509,7 +509,7 @@ class GenerationEngine:
         )
         req._coords = coords
         if self.runtime.prefix_caching:  # hashed here, on the caller's thread, not the engine's
-            req._hashes = prefix_block_hashes(ids, self.model_config.image_token_id, self.config.kv_block_size, feats)
+            req._hashes = self.runtime.block_hashes(ids, feats)
         with self._work:
             if self._closed is not None:
                 self.counters["refused"] += 1

@@ -405,11 +405,7 @@ class PagedRuntime:
         state, prompt_coords = coords if coords is not None else prompt_coordinates(prompt, self.config)
         hashes, cached = None, []
         if self.prefix_caching:
-            hashes = (
-                list(block_hashes)
-                if block_hashes is not None
-                else prefix_block_hashes(prompt, self.config.image_token_id, self.kv_block_size, image_features)
-            )
+            hashes = list(block_hashes) if block_hashes is not None else self.block_hashes(prompt, image_features)
             cached = list(cached_blocks) if cached_blocks is not None else self.pool.match(hashes)
             if len(cached) > len(hashes):
                 raise ValueError(f"{len(cached)} cached blocks for {len(hashes)} cacheable ones")
@@ -445,6 +441,12 @@ class PagedRuntime:
         self.prompt_tokens_cached += seq.cached_tokens
         self._seqs[seq_id] = seq
         return seq
+
+    def block_hashes(self, prompt: Sequence[int], image_features=None) -> list[bytes]:
+        """The prefix-cache hashes of a prompt's cacheable blocks (:func:`prefix_block_hashes`,
+        seeded with what else the model's cached blocks depend on: ``model.prefix_hash_seed``)."""
+        seed = self.model.prefix_hash_seed(len(prompt))
+        return prefix_block_hashes(prompt, self.config.image_token_id, self.kv_block_size, image_features, seed=seed)
 
     def _image_inputs(self, prompt: list[int], features) -> tuple[torch.Tensor, np.ndarray]:
         """A sequence's image features on the device and its prompt tokens' rows of them."""

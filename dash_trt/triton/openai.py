@@ -586,7 +586,10 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
     def features_of(req) -> np.ndarray | None:
         if req.image_features is None:
             return None
-        arr = np.asarray(req.image_features, dtype=np.float32)
+        try:
+            arr = np.asarray(req.image_features, dtype=np.float32)
+        except ValueError:  # rows of different lengths
+            raise APIError("image_features rows must all have the same length", param="image_features") from None
         if arr.ndim != 2:
             raise APIError("image_features must be a list of rows (one per <image> token)", param="image_features")
         return arr

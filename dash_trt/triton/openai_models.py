@@ -4,14 +4,16 @@ every field, its type and its bounds), and OpenAI's error object.
 Fields OpenAI defines that this server cannot honour are accepted at their neutral values
 (``n=1``, ``best_of=1``, ``echo=false``, ``logprobs`` off, ``stop=[]``, ``logit_bias={}``,
 penalties 0) and refused otherwise with a 400 that names them; unknown fields are refused (a typo
-must not pass silently). Integers are bounded, so a huge value is a 400, never an overflow.
+must not pass silently). Integers are bounded, so a huge value is a 400, never an overflow. A
+known field sent as null takes its default, as OpenAI's nullable fields do.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "APIError",
@@ -54,7 +56,9 @@ def validation_error(exc: ValidationError) -> APIError:
     """pydantic's first error as a 400 naming the parameter."""
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
-    param = ".".join(loc) or None
+    path, name = (loc[:-1], loc[-1:]) if err.get("type") == "extra_forbidden" else (loc, [])
+    # pydantic names the member of a union it tried (``prompt.str``): the parameter ends before it
+    param = ".".join([*itertools.takewhile(lambda x: x in _FIELD_NAMES, path), *name]) or None
     if err.get("type") == "extra_forbidden":
         return APIError(f"unknown parameter: {param}", param=param, code="unknown_parameter")
     if err.get("type") == "missing":
@@ -107,6 +111,15 @@ class _Sampling(_Strict):
         if v:
             raise ValueError("logit_bias is not supported (only an empty object)")
         return None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI's optional fields are nullable: null means the default (``"temperature": null``
+        is 1, ``"max_tokens": null`` 16), as OpenAI's API takes them."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     def sampling(self) -> dict[str, Any]:
         out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
@@ -233,3 +246,12 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
+
+
+#: Every field name of the request models (what a parameter's path in an error is made of).
+_FIELD_NAMES = frozenset(
+    name
+    for m in (StreamOptions, CompletionRequest, ChatCompletionRequest, ChatMessage, ImageURL, FileData)
+    + (TextPart, ImagePart, FilePart, InputFilePart)
+    for name in m.model_fields
+)

@@ -446,7 +446,7 @@ def _triton_failed(triton, model: str) -> float:
 
 def test_a_client_that_disconnects_cancels_its_request(door, triton):
     """Streaming and not: the client goes away, its Triton request is cancelled, and the engine
-    drops it (counted failed) long before its 3000 tokens."""
+    drops it (counted failed) long before its 3000 tokens, its KV blocks freed."""
     for stream, model in ((True, "dash_stream"), (False, "dash")):
         before = _triton_failed(triton, model)
         body = {"prompt": prompt_text(0), "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -463,6 +463,9 @@ def test_a_client_that_disconnects_cancels_its_request(door, triton):
         while _triton_failed(triton, model) < before + 1 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _triton_failed(triton, model) == before + 1, model
+        # and its blocks are back in the pool (the gauges are set when the engine answers it)
+        assert _triton_metric(triton, "dash_requests_running", model) == 0
+        assert _triton_metric(triton, "dash_kv_blocks_in_use", model) == 0, model
 
 
 def test_finish_reason_and_stop_token_ids_field_by_field(door, model, tok):

@@ -475,7 +475,7 @@ class TritonServer:
         metrics_port: int | None = None,
         log_path: str | None = None,
         verbose: int = 0,
-        exit_timeout: int = 10,
+        exit_timeout: int = 20,
         extra_args: Sequence[str] = (),
         http_address: str = HOST,
         admin_key: str | None = None,
@@ -663,7 +663,7 @@ class TritonServer:
         ports = [self.http_port, self.grpc_port] + ([self.metrics_port] if self.metrics_port else [])
         return all(listens_on(self.proc.pid, port) is not False for port in ports)
 
-    def stop(self, timeout: float = 30.0, *, kill: bool = False) -> int | None:
+    def stop(self, timeout: float = 45.0, *, kill: bool = False) -> int | None:
         """SIGINT (Triton unloads the models, whose ``finalize`` answers what is still
         queued), then SIGKILL if it does not exit within ``timeout``; with ``kill``, SIGKILL at
         once (a server whose model worker died would wait for requests the dead worker never

@@ -872,7 +872,6 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-@cli_main("dash-build")
 def unsupported_ops(path: Path) -> str | None:
     """Why the plugin cannot build ``path`` when it holds a node of the package's domain that the
     plugin has no kernels for (Dual Chunk Attention), else None (also for an unreadable file:
@@ -891,6 +890,7 @@ def unsupported_ops(path: Path) -> str | None:
     )
 
 
+@cli_main("dash-build")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     problem = _check_arguments(args) or unsupported_ops(args.model)

@@ -688,6 +688,30 @@ def test_crop(door, folder):
     refused(door, CMPL, base(CMPL, crop="on"), "crop", code="unknown_parameter")
 
 
+def test_sampling_fields_with_a_document_are_refused_unless_greedy(door):
+    """A chat with an image is a document, transcribed greedily: a sampling field set to anything
+    but its greedy value is a 400 naming it (it would otherwise be ignored silently); greedy
+    values, and leaving the fields out, are answered alike."""
+    content = [
+        {"type": "text", "text": "Read it."},
+        {"type": "image_url", "image_url": {"url": data_url(png(120, 90), "image/png")}},
+    ]
+    msgs = [{"role": "user", "content": content}]
+    plain = post(door, CHAT, {"model": "dash", "messages": msgs, "max_tokens": 3})
+    neutral = dict(temperature=0, top_p=1.0, top_k=0, stop_token_ids=[], ignore_eos=False)
+    assert post(door, CHAT, base(CHAT, messages=msgs, max_tokens=3, **neutral))["choices"] == plain["choices"]
+    for name, value in (
+        ("temperature", 0.7),
+        ("top_p", 0.5),
+        ("top_k", 5),
+        ("seed", 3),
+        ("stop_token_ids", [5]),
+        ("ignore_eos", True),
+    ):
+        err = refused_both(door, CHAT, base(CHAT, messages=msgs, **{name: value}), name)
+        assert "transcribed greedily" in err["message"]
+
+
 def test_unknown_fields_are_refused(door):
     """extra=forbid: an unknown field, top-level or nested, is a 400 unknown_parameter naming it
     (streamed or not); a misspelt field does not pass silently."""

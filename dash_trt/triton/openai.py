@@ -845,6 +845,18 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         last = req.messages[-1]
         if last.role != "user" or not last.attachments():
             raise APIError("images and files must be in the last message, a user message", param="messages")
+        # A document is transcribed greedily under the document rules: a sampling field set to
+        # anything else would be silently ignored, so it is refused.
+        greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop_token_ids": None}
+        greedy["ignore_eos"] = False
+        for name, neutral in greedy.items():
+            value = getattr(req, name)
+            if name in req.model_fields_set and value != neutral and not (name == "stop_token_ids" and value == []):
+                raise APIError(
+                    f"{name} is not supported with images or files: a document is transcribed greedily "
+                    f"(with the page-count guard and no-repeat rules); leave {name} out",
+                    param=name,
+                )
         if any(m.attachments() for m in req.messages[:-1]):
             raise APIError("a document is answered in one turn: only the last message may hold images or files")
         files = []

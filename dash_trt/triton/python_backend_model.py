@@ -52,6 +52,10 @@ def _check_tensor_interop(torch):
     return None
 
 
+#: The most finalize waits for the engine thread (below the server's exit timeout).
+FINALIZE_TIMEOUT_S = 8.0
+
+
 class TritonPythonModel:
     def initialize(self, args):
         import torch
@@ -289,5 +293,14 @@ class TritonPythonModel:
             sender.send(flags=final)
 
     def finalize(self):
-        failed = self.runner.stop(f"{self.name} is shutting down")
-        pb_utils.Logger.log_info(f"{self.name}: engine stopped ({failed} unfinished request(s) failed)")
+        # Within Triton's exit timeout (dash-triton serve gives 20 s): an engine thread that does
+        # not end in time (seen rarely in tests under load, in the streaming model; its cause is
+        # not known) must not keep the model loaded past it, which makes tritonserver exit 1.
+        failed = self.runner.stop(f"{self.name} is shutting down", timeout=FINALIZE_TIMEOUT_S)
+        if self.runner.alive:
+            pb_utils.Logger.log_warn(
+                f"{self.name}: the engine thread did not stop within {FINALIZE_TIMEOUT_S:g} s; "
+                "unloading without it (its requests are dropped with the worker)"
+            )
+        else:
+            pb_utils.Logger.log_info(f"{self.name}: engine stopped ({failed} unfinished request(s) failed)")

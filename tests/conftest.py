@@ -53,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_trt)
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("single_thread")``):
+    its many small steps run several times faster than on two threads of a small machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def triton_unavailable(reason: str):
     """Skip a test that needs the Triton server where it cannot run; with
     ``DASH_REQUIRE_TRITON=1`` (set by ``.ci/run``) fail instead."""

@@ -9,20 +9,14 @@ import json
 
 import onnx
 import pytest
-import torch
 
 from dash_trt import build as B
 from dash_trt import compare as C
 from dash_trt import export as E
 from dash_trt.models import qwen2_dca as Q
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 DCA = {"chunk_size": 32, "local_size": 8, "original_max_position_embeddings": 16}

@@ -36,13 +36,8 @@ DENSE_RTOL = 1e-5
 PAGED_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # Small steps on a 2-core shared machine run several times faster single-threaded.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def dca_section(l_orig: int = 0) -> dict:

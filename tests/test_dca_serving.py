@@ -9,20 +9,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.serving.engine import EngineConfig, GenerationEngine, RequestError
 from dash_trt.serving.generate import generate
 from dash_trt.serving.runner import PagedRuntime
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _model(scaled: bool, seed: int = 1) -> Q.Qwen2DcaForCausalLM:

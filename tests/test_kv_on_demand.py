@@ -12,20 +12,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from dash_trt import model as M
 from dash_trt.serving.engine import UNAVAILABLE, EngineConfig, GenerationEngine
 from dash_trt.serving.runner import PagedRuntime
 from dash_trt.serving.sampling import SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

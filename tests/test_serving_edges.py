@@ -15,13 +15,8 @@ from dash_trt.serving.block_pool import KVBlockPool, prefix_block_hashes
 from dash_trt.serving.engine import UNAVAILABLE, EngineConfig, GenerationEngine
 from dash_trt.serving.runner import PagedRuntime
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,8 @@ from dash_trt.serving.engine import (
 WEIGHTS_SEED = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # Small steps on a 2-core shared machine run several times faster single-threaded.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small steps on a 2-core machine run several times faster single-threaded (conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -94,22 +94,105 @@ def _moe_float64(moe: U.MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("norm, scale", [(False, 1.0), (True, 2.5)])
-def test_moe_layer_equals_a_float64_formulation_sparse_and_dense(norm, scale):
-    torch.manual_seed(0)
-    cfg = moe_config(n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, norm_topk_prob=norm)
+def _random_moe(norm: bool, scale: float, seed: int = 0, experts: int = 8, topk: int = 3) -> U.MoE:
+    torch.manual_seed(seed)
+    cfg = moe_config(n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=2, norm_topk_prob=norm)
     cfg = U.MoEConfig(**{**cfg.__dict__, "routed_scaling_factor": scale, "moe_intermediate_size": 16})
     moe = U.MoE(24, cfg)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    return moe
+
+
+@pytest.mark.parametrize("form", U.EXPERT_FORMS)
+@pytest.mark.parametrize("norm, scale", [(False, 1.0), (True, 2.5)])
+def test_moe_layer_equals_a_float64_formulation_in_every_form(norm, scale, form):
+    moe = _random_moe(norm, scale)
     x = torch.randn(40, 24)
     want = _moe_float64(moe, x)
-    for dense in (False, True):
-        moe.dense = dense
-        got = moe(x)
-        assert got.dtype == torch.float32
-        assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (dense, (got.double() - want).abs().max())
+    moe.form = form
+    got = moe(x)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (form, (got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_grouped_experts_equal_the_per_expert_loop_on_skewed_routing(seed):
+    # 64 experts, top 6 (the published shape's counts): most experts get no token, some many;
+    # tokens that all pick the same experts; one token; the grouped GEMM's empty groups.
+    moe = _random_moe(True, 1.0, seed=seed, experts=64, topk=6)
+    for x in (torch.randn(33, 24), torch.randn(1, 24), torch.randn(1, 24).expand(7, 24).clone()):
+        weights, ids = moe.route(x)
+        loop = moe.sparse_experts(x, weights, ids)
+        grouped = moe.grouped_experts(x, weights, ids)
+        assert torch.allclose(grouped, loop, atol=1e-6, rtol=1e-5), (grouped - loop).abs().max()
+        assert not torch.equal(grouped, torch.zeros_like(grouped))
+
+
+def test_grouped_experts_restack_when_weights_change():
+    moe = _random_moe(False, 1.0)
+    moe.form = "grouped"
+    x = torch.randn(12, 24)
+    before = moe(x)
+    w13, _ = moe.stacked_weights()
+    assert moe.stacked_weights()[0] is w13  # kept while the weights stay
+    with torch.no_grad():  # new weights for every expert, written in place (a checkpoint load)
+        for e in moe.experts:
+            e.down_proj.weight.mul_(-2.0)
+    after = moe(x)
+    assert torch.allclose(after.double(), _moe_float64(moe, x), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(after, before)
+    moved = moe.to(torch.bfloat16)  # new storage: restacked in the new dtype
+    assert moved.stacked_weights()[0].dtype == torch.bfloat16
+    xb = x.bfloat16()
+    grouped = moved(xb).float()
+    moved.form = "sparse"
+    assert torch.allclose(grouped, moved(xb).float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(grouped.double(), _moe_float64(moe, x), atol=0.1, rtol=0.1)
+    with pytest.raises(ValueError, match="one of"):
+        moe.form = "fused"
+        moe(x)
+
+
+@pytest.mark.gpu
+def test_grouped_experts_on_the_gpu_equal_the_loop_eager_and_in_a_cuda_graph():
+    """The MoE layer's default form on a GPU (grouped GEMMs, bf16): close to the per-expert
+    loop, captured in a CUDA graph with no host synchronisation, and a replay on new tokens
+    equal to the eager call on them."""
+    torch.manual_seed(0)
+    cfg = U.MoEConfig(
+        **{
+            **moe_config(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2).__dict__,
+            "moe_intermediate_size": 128,
+        }
+    )
+    moe = U.MoE(256, cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    moe = moe.cuda().bfloat16()
+    x = torch.randn(48, 256, device="cuda", dtype=torch.bfloat16)
+    if not U.grouped_native(x):
+        pytest.skip("PyTorch's grouped GEMM is not one kernel on this GPU (sm_90/sm_100 bf16 only)")
+    with torch.no_grad():
+        assert moe.form_for(x) == "grouped"
+        grouped = moe(x).float()
+        moe.form = "sparse"
+        loop = moe(x).float()
+        moe.form = None
+        assert ((grouped - loop).norm() / loop.norm()) < 1e-2
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, moe(x))
 
 
 # ------------------------------------------------------------------------------ config
@@ -305,15 +388,18 @@ def test_paged_generation_equals_the_dense_reference_with_and_without_a_window(t
     assert M.generate(full, prompts, 6, image_features=feats, stop_at_eos=False).tokens == want0
 
 
-def test_dense_experts_generate_the_sparse_tokens(tiny):
+@pytest.mark.parametrize("form", ["dense", "grouped"])
+def test_every_expert_form_generates_the_sparse_tokens(tiny, form):
     prompts, feats = M.check_prompts(tiny)
     want = M.generate(tiny, prompts, 6, image_features=feats, stop_at_eos=False)
     try:
-        tiny.set_dense_experts(True)
+        tiny.set_expert_form(form)
         got = M.generate(tiny, prompts, 6, image_features=feats, stop_at_eos=False)
     finally:
-        tiny.set_dense_experts(None)
+        tiny.set_expert_form(None)
     assert got.tokens == want.tokens
+    with pytest.raises(ValueError, match="expert form"):
+        tiny.set_expert_form("fast")
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

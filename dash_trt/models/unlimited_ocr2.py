@@ -27,13 +27,23 @@ without depending on vLLM:
   it takes for its ``<image>`` tokens are the projector's output (``hidden_size`` values a row).
   The unused warm-up indexer (``.indexer.``) is dropped, as vLLM drops it.
 
-The mixture of experts runs sparsely in eager PyTorch (each expert on its own tokens) and densely
-where shapes must not depend on the data (ONNX export and CUDA-graph capture): every expert on
-every token, weighted by the routing weights, zero for the experts a token did not choose. The
-two are the same function (tests compare both with a float64 formulation); the dense form costs
-``n_routed_experts / num_experts_per_tok`` times the routed FLOPs (64 / 6 = 10.7x for the
-published sizes) and reads every expert's weights, which a decode step of a few dozen tokens reads
-anyway.
+The mixture of experts has three forms of one function (:data:`EXPERT_FORMS`; tests compare
+each with a float64 formulation):
+
+- ``grouped``: the token-expert pairs sorted by expert and every expert's rows multiplied in one
+  grouped GEMM (``torch.nn.functional.grouped_mm``) for gate/up and one for down, over the
+  experts' weights stacked once ([E, 2I, H] and [E, H, I], vLLM's ``w13``/``w2``). Nothing
+  depends on the data but the offsets, which stay on the device: no host synchronisation, so it
+  runs in the decode CUDA graphs and in eager steps alike, and computes only the chosen experts.
+  On CUDA the GEMMs are PyTorch's CUTLASS kernels for bf16 on sm_90/sm_100 (:func:`grouped_native`);
+  elsewhere PyTorch's fallback loops over the experts (same numbers, a host synchronisation: the
+  CPU tests run this form through it).
+- ``sparse``: each expert on the tokens that chose it, in eager PyTorch (a host synchronisation
+  per layer; the CPU default).
+- ``dense``: every expert on every token, weighted by the routing weights (zero for the experts
+  a token did not choose): what ONNX export traces, and what a CUDA graph captures where the
+  grouped GEMM is not native (``n_routed_experts / num_experts_per_tok`` times the routed FLOPs:
+  10.7x for the published sizes).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fused as _fused
 from ..config import CONFIG_SECTION
 from ..modeling import DashContext, DashModel
 from .config import LANGUAGE_SECTION, DashModelConfig, ModelConfigError
@@ -55,6 +66,8 @@ from .deepencoder import tiny_deepencoder
 
 __all__ = [
     "ARCHITECTURE",
+    "EXPERT_FORMS",
+    "grouped_native",
     "MODEL_TYPE",
     "MoEConfig",
     "MoE",
@@ -223,9 +236,24 @@ def route_experts(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, t
     return weights * moe.routed_scaling_factor, ids
 
 
+#: The forms the routed experts run in (module docstring); ``None`` on :attr:`MoE.form` picks.
+EXPERT_FORMS = ("grouped", "sparse", "dense")
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_native(x: torch.Tensor) -> bool:
+    """Whether ``x``'s grouped GEMM runs as one kernel with no host synchronisation: PyTorch's
+    CUTLASS path (CUDA, bf16, compute capability 9.x or 10.x). Elsewhere PyTorch falls back to a
+    loop over the experts that reads the offsets on the host (correct, not capturable)."""
+    if _grouped_mm is None or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
 class MoE(nn.Module):
     """DeepSeek-V2's mixture of experts: the ``gate``, ``n_routed_experts`` gated experts and the
-    shared experts (module docstring for the two ways it runs)."""
+    shared experts (module docstring for the three forms the routed experts run in)."""
 
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
@@ -235,9 +263,10 @@ class MoE(nn.Module):
         self.shared_experts = (
             GatedMLP(hidden, moe.moe_intermediate_size * moe.n_shared_experts) if moe.n_shared_experts else None
         )
-        #: run every expert on every token (the form that exports and captures); None: only
-        #: while exporting or capturing a CUDA graph
-        self.dense: bool | None = None
+        #: one of :data:`EXPERT_FORMS`, or None: dense while exporting; grouped where it is native
+        #: (:func:`grouped_native`); dense while capturing a CUDA graph; sparse otherwise
+        self.form: str | None = None
+        self._stack: tuple | None = None  # (the experts' weight pointers, w13, w2)
 
     def unchosen_parameters(self) -> int:
         """Parameters of the routed experts one token does not run (for the active-parameter count)."""
@@ -249,12 +278,29 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), w.float()) if self.moe.router_float32 else F.linear(x, w)
         return route_experts(logits, self.moe)
 
+    def form_for(self, x: torch.Tensor) -> str:
+        """The form this call runs in (:attr:`form`, or the rule it documents)."""
+        if self.form is not None:
+            if self.form not in EXPERT_FORMS:
+                raise ValueError(f"MoE.form is {self.form!r}; one of {EXPERT_FORMS} or None")
+            return self.form
+        if torch.compiler.is_exporting():
+            return "dense"
+        if grouped_native(x):
+            return "grouped"
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return "dense"
+        return "sparse"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        form = self.form_for(x)
         weights, ids = self.route(x)
-        dense = self.dense
-        if dense is None:
-            dense = torch.compiler.is_exporting() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        routed = self.dense_experts(x, weights, ids) if dense else self.sparse_experts(x, weights, ids)
+        if form == "grouped":
+            routed = self.grouped_experts(x, weights, ids)
+        elif form == "dense":
+            routed = self.dense_experts(x, weights, ids)
+        else:
+            routed = self.sparse_experts(x, weights, ids)
         out = routed.to(x.dtype)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -267,12 +313,63 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y)
         return out
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' weights stacked: ``w13`` [E, 2I, H] (each expert's gate rows, then
+        its up rows) and ``w2`` [E, H, I] (down). Made once and kept while the experts' weights
+        stay as they are (a parameter moved or written in place restacks). On a GPU the experts'
+        parameters then become views of the stacks, so the weights are held once; on the CPU they
+        keep their own storage (a checkpoint is saved from them as is)."""
+        params = [p for e in self.experts for p in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+        ptrs = tuple((p.data_ptr(), p._version) for p in params)
+        if self._stack is not None and self._stack[0] == ptrs:
+            return self._stack[1], self._stack[2]
+        if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # Not made before the capture (its warm-up ran another form): stack inside the graph,
+            # every replay, rather than keep tensors of the graph's private pool.
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            return w13, torch.stack([e.down_proj.weight for e in self.experts])
+        with torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])
+            if w13.is_cuda:
+                inter = self.moe.moe_intermediate_size
+                for i, e in enumerate(self.experts):
+                    e.gate_proj.weight.data = w13[i, :inter]
+                    e.up_proj.weight.data = w13[i, inter:]
+                    e.down_proj.weight.data = w2[i]
+                ptrs = tuple((p.data_ptr(), p._version) for p in params)
+        self._stack = (ptrs, w13, w2)
+        return w13, w2
+
+    def grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum with the (token, expert) pairs sorted by expert and each expert's rows
+        multiplied in one grouped GEMM (module docstring); the k products of a token summed in
+        float32 in a fixed order (no atomics: the same bits every run)."""
+        t, k = ids.shape
+        w13, w2 = self.stacked_weights()
+        inter = self.moe.moe_intermediate_size
+        sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+        rows = torch.div(order, k, rounding_mode="floor")  # the token of each sorted pair
+        experts = torch.arange(self.moe.n_routed_experts, device=x.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # each group's end
+        xs = x.index_select(0, rows)
+        h = _grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        gate, up = h[:, :inter], h[:, inter:]
+        act = _fused.silu_mul(gate, up) if x.is_cuda else None
+        y = _grouped_mm(act if act is not None else F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [T*k, H]
+        per_pair = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
+        return (per_pair.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+
     def dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with every expert run on every token (batched matrix products over the
         stacked expert weights; a weight of 0 for the experts a token did not choose)."""
-        gate = torch.stack([e.gate_proj.weight for e in self.experts])  # [E, I, H]
-        up = torch.stack([e.up_proj.weight for e in self.experts])
-        down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, H, I]
+        if torch.compiler.is_exporting():  # the graph stacks the experts' own initialisers
+            gate = torch.stack([e.gate_proj.weight for e in self.experts])  # [E, I, H]
+            up = torch.stack([e.up_proj.weight for e in self.experts])
+            down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, H, I]
+        else:
+            w13, down = self.stacked_weights()
+            gate, up = w13.split(self.moe.moe_intermediate_size, dim=1)
         xs = x.unsqueeze(0)  # [1, T, H]
         h = F.silu(torch.matmul(xs, gate.transpose(1, 2))) * torch.matmul(xs, up.transpose(1, 2))  # [E, T, I]
         y = torch.matmul(h, down.transpose(1, 2)).float()  # [E, T, H]
@@ -344,11 +441,14 @@ class UnlimitedOCR2ForCausalLM(DashModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
-    def set_dense_experts(self, dense: bool | None) -> None:
-        """Run every MoE layer densely (True), sparsely (False), or as the module docstring says (None)."""
+    def set_expert_form(self, form: str | None) -> None:
+        """Run every MoE layer's routed experts in ``form`` (one of :data:`EXPERT_FORMS`), or as
+        :attr:`MoE.form` documents (None)."""
+        if form is not None and form not in EXPERT_FORMS:
+            raise ValueError(f"expert form {form!r}: one of {EXPERT_FORMS} or None")
         for m in self.modules():
             if isinstance(m, MoE):
-                m.dense = dense
+                m.form = form
 
 
 # ------------------------------------------------------------------------------ tiny configs

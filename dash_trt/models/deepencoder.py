@@ -22,14 +22,16 @@ grid, then the global view likewise, then ``view_seperator``.
 
 Resizing the position tables depends only on S, so :class:`ViewEncoder` does it once for a view
 size; the forward pass is then plain tensor algebra, the same in eager PyTorch and in the
-exported ONNX graph (:func:`dash_trt.export.export_vision`).
+exported ONNX graph (:func:`dash_trt.export.export_vision`). :meth:`VisionTower.encode_pages`
+runs the views of many pages through it in batches.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -126,17 +128,20 @@ class SamAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rel_h_table: torch.Tensor, rel_w_table: torch.Tensor) -> torch.Tensor:
         """``x`` [B, H, W, C]; ``rel_*_table`` [H, H, head_dim] / [W, W, head_dim]: the relative
-        position embedding of each (query row, key row) pair (:func:`rel_table`)."""
+        position embedding of each (query row, key row) pair (:func:`rel_table`).
+
+        SAM's ``softmax(q k^T * scale + rel_h + rel_w) v`` with the relative-position terms as
+        SDPA's additive mask, so that a GPU runs a fused attention kernel (the scores never
+        stored) instead of three passes over [B, heads, HW, HW]; the mask itself is that size."""
         b, h, w, _ = x.shape
         qkv = self.qkv(x).reshape(b, h * w, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # B, heads, HW, d
-        attn = (q * self.scale) @ k.transpose(-2, -1)  # B, heads, HW, HW
         rq = q.reshape(b, self.heads, h, w, -1)
         rel_h = torch.einsum("bnhwc,hkc->bnhwk", rq, rel_h_table)  # B, heads, H, W, H
         rel_w = torch.einsum("bnhwc,wkc->bnhwk", rq, rel_w_table)  # B, heads, H, W, W
-        attn = attn.view(b, self.heads, h, w, h, w) + rel_h[..., :, None] + rel_w[..., None, :]
-        attn = attn.view(b, self.heads, h * w, h * w).softmax(-1)
-        out = (attn @ v).view(b, self.heads, h, w, -1).permute(0, 2, 3, 1, 4).reshape(b, h, w, -1)
+        bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, self.heads, h * w, h * w)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        out = out.view(b, self.heads, h, w, -1).permute(0, 2, 3, 1, 4).reshape(b, h, w, -1)
         return self.proj(out)
 
 
@@ -219,8 +224,7 @@ class ClipAttention(nn.Module):
         b, n, c = x.shape
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
         q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = (q * (c // self.heads) ** -0.5) @ k.transpose(-2, -1)
-        out = attn.softmax(-1) @ v
+        out = F.scaled_dot_product_attention(q, k, v, scale=(c // self.heads) ** -0.5)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, c))
 
 
@@ -347,17 +351,60 @@ class VisionTower(nn.Module):
 
     def encode(self, views: torch.Tensor) -> torch.Tensor:
         """Features [B, (S/64)^2, n_embed] of views [B, 3, S, S]."""
-        return self.views(views.shape[-1])(views.to(self.device, self.dtype))
+        # moved first, then cast: a bf16 tower's cast runs on its device, not on the host's CPU
+        return self.views(views.shape[-1])(views.to(self.device).to(self.dtype))
 
     @torch.no_grad()
+    def encode_pages(self, pages: Sequence[Any], max_batch: int = 8) -> list[torch.Tensor]:
+        """Each page's image-token features [N, n_embed] (:func:`assemble_page`'s layout; the
+        tower's dtype and device) from its views: objects with a
+        :class:`~dash_trt.documents.views.PageViews`' ``global_view`` [3, S, S], ``crops`` [C, 3,
+        s, s] and ``grid`` (columns, rows).
+
+        The views of all the pages go through the tower together, at most ``max_batch`` of one
+        size a pass (the global views, then the tiles): one page's views alone are a batch of one
+        global view and a few tiles, too little work to keep a GPU busy. ``max_batch`` bounds the
+        memory: a global SAM block's attention mask is heads x (S/16)^4 values a view, 200M for
+        S = 1024. A view's features do not depend on the other views in its batch."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        pages = list(pages)
+        views = [torch.as_tensor(p.global_view) for p in pages]
+        tiles: list[tuple[int, int]] = []  # each page's tiles in ``views``: (first, count)
+        for p in pages:
+            cols, rows = p.grid
+            crops = torch.as_tensor(p.crops) if cols * rows > 1 else None
+            if crops is not None and crops.shape[0] != cols * rows:
+                raise ValueError(f"a page of {cols} x {rows} tiles has {crops.shape[0]} crops")
+            tiles.append((len(views), 0 if crops is None else cols * rows))
+            if crops is not None:
+                views.extend(crops.unbind(0))
+        feats = self._encode_views(views, max_batch)
+        out = []
+        for i, (p, (first, n)) in enumerate(zip(pages, tiles)):
+            t = torch.stack(feats[first : first + n]) if n else None
+            out.append(assemble_page(feats[i], t, p.grid, self.image_newline, self.view_seperator))
+        return out
+
+    def _encode_views(self, views: Sequence[torch.Tensor], max_batch: int) -> list[torch.Tensor]:
+        """Each view's features [(S/64)^2, n_embed], in order: the views grouped by size (a batch
+        is one size), each group in batches of at most ``max_batch``."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, v in enumerate(views):
+            groups.setdefault(tuple(v.shape), []).append(i)
+        out: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+        for idx in groups.values():
+            for start in range(0, len(idx), max_batch):
+                batch = idx[start : start + max_batch]
+                for i, f in zip(batch, self.encode(torch.stack([views[i] for i in batch])).unbind(0)):
+                    out[i] = f
+        return out
+
     def page_features(self, global_view, crops, grid: tuple[int, int]) -> torch.Tensor:
         """One page's image-token features [N, n_embed] from its views (a
-        :class:`~dash_trt.documents.views.PageViews`' arrays: [3, S, S] and [C, 3, s, s])."""
-        g = self.encode(torch.as_tensor(global_view).unsqueeze(0))[0]
-        tiles = None
-        if grid[0] * grid[1] > 1:
-            tiles = self.encode(torch.as_tensor(crops))
-        return assemble_page(g, tiles, grid, self.image_newline, self.view_seperator)
+        :class:`~dash_trt.documents.views.PageViews`' arrays: [3, S, S] and [C, 3, s, s]):
+        :meth:`encode_pages` of that one page."""
+        return self.encode_pages([SimpleNamespace(global_view=global_view, crops=crops, grid=grid)])[0]
 
 
 class ViewEncoder(nn.Module):

@@ -74,18 +74,34 @@ class FeatureCache:
 
 def page_features(tower: VisionTower, doc: PreparedDocument, cache: FeatureCache | None = None) -> torch.Tensor:
     """The image features of a prepared document's pages, in prompt order [image tokens, hidden]
-    (float32 on the CPU): each page's from the cache, or from the tower."""
-    parts = []
-    for v, key in zip(doc.views, doc.page_keys):
+    (float32 on the CPU): each page's from the cache, the others from one batched pass of the
+    tower over all their views (:meth:`~dash_trt.models.deepencoder.VisionTower.encode_pages`).
+
+    The cache counts as a page-by-page loop would: a page repeated in the document (same key) is
+    encoded once, a miss the first time and a hit after; every page is put back in page order,
+    so the LRU order is the loop's too."""
+    found: dict[str, torch.Tensor] = {}
+    todo: dict[str, int] = {}  # key -> its page's index in doc.views
+    for i, key in enumerate(doc.page_keys):
+        if key in found or key in todo:
+            if cache is not None:
+                cache.hits += 1  # the loop had it in the cache by now
+            continue
         f = cache.get(key) if cache is not None else None
         if f is None:
-            f = tower.page_features(v.global_view, v.crops, v.grid).float().cpu()
+            todo[key] = i
+        else:
+            found[key] = f
+    if todo:
+        pages = [doc.views[i] for i in todo.values()]
+        for key, v, f in zip(todo, pages, tower.encode_pages(pages)):
             if f.shape[0] != v.num_tokens:  # the processor's arithmetic and the tower's layout agree
                 raise RuntimeError(f"the vision tower gave {f.shape[0]} features for {v.num_tokens} image tokens")
-            if cache is not None:
-                cache.put(key, f)
-        parts.append(f)
-    return torch.cat(parts)
+            found[key] = f.float().cpu()
+    if cache is not None:
+        for key in doc.page_keys:
+            cache.put(key, found[key])
+    return torch.cat([found[key] for key in doc.page_keys])
 
 
 class DocumentOCR:

@@ -2,7 +2,7 @@
 # Build the kernels, run the GPU tests, memcheck on the small cases, then the benchmark.
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
-#   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|prefill|generate|triton|breakdown|ab|trace|ncu|
+#   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|pages|prefill|generate|triton|breakdown|ab|trace|ncu|
 #                         ncu-prefill|ncu-source|ncu-source-prefill|ncu-source-route|gather|compare|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
@@ -55,6 +55,23 @@ case " $what " in *" sanitize "*|*" all "*)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     -k "bad_block or unsupported or prompt_length-0-dtype2 or per_layer_lists-0-dtype1 or 2-8-2-64-dtype1 or prompt-128-8-2-dtype1" 2>&1 | tee "$OUT/memcheck.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" pages "*|*" all "*)
+  # Pages per second: Unlimited-OCR-2's published shape with dash-trt's, vLLM 0.34.0's and dense
+  # attention (bench/bench_pages.py), after the GPU tests of the MoE's grouped GEMMs and the
+  # batched tower. vLLM's DASH files travel as .vllm/vllm-0.34.0-dash.tar.xz (VLLM_DASH; never
+  # committed: bench/vllm_peer.py says what it holds); without them the vllm path is left out.
+  python3 -m pytest -q -p no:cacheprovider tests/test_unlimited_ocr2.py tests/test_vision_batched.py -k "gpu" \
+    2>&1 | tee "$OUT/pages_tests.log" | tail -5
+  status=$(( status | ${PIPESTATUS[0]} ))
+  vllm_dash=${VLLM_DASH:-.vllm/vllm-0.34.0-dash.tar.xz}
+  paths=${PAGES_PATHS:-dash,vllm,dense}
+  vllm_args=()
+  if [ -e "$vllm_dash" ]; then vllm_args=(--vllm "$vllm_dash"); else paths=${paths//vllm/}; fi
+  read -r -a pages_args <<< "${PAGES_ARGS:---parts --check}"
+  python3 bench/bench_pages.py --paths "$paths" "${vllm_args[@]}" "${pages_args[@]}" \
+    --json "$OUT/pages.json" --png "$OUT/pages.png" 2>&1 | tee "$OUT/pages.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" generate "*|*" all "*)

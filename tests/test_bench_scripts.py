@@ -155,3 +155,37 @@ def test_bench_kv_on_demand_runs_on_cpu_and_checks_its_answers(tmp_path, capsys)
     assert worst["pool_free_after"] and demand["pool_free_after"]
     assert worst["preempted"] == 0 and demand["peak_running"] > worst["peak_running"]
     assert "| on demand |" in capsys.readouterr().out
+
+
+def test_bench_pages_runs_on_cpu_and_its_figures_add_up(tmp_path, capsys):
+    """bench_pages on the CPU at toy sizes (dash-trt's runtime on the PyTorch operator and the
+    dense peer): the dash path's tokens equal the cache-free reference's, every case has both
+    paths' figures, and pages/s is the pages over the tower, prefill and decode times it
+    reports (nothing about speed is checked)."""
+    import json
+
+    module = _load(BENCH / "bench_pages.py")
+    out = tmp_path / "pages.json"
+    argv = ["--device", "cpu", "--quick", "--paths", "dash,dense", "--cases", "1x2,2x1", "--steps", "3"]
+    argv += ["--answer-end", "1x2", "--full", "2x1", "--parts", "--check", "--json", str(out)]
+    assert module.main(argv) == 0
+    result = json.loads(out.read_text())
+    agree = result["check"]["agree"]["dash vs reference"]
+    assert agree["equal_prefix"] == [agree["length"]] * 2
+    tower = result["parts"]["tower"][0]
+    assert tower["tokens_per_page"] > 0 and tower["pages_per_s"] > 0
+    moe = {r["form"]: r for r in result["parts"]["moe"] if r["tokens"] == 64}
+    assert set(moe) == {"grouped", "sparse", "dense"} and all(r["rel_err_vs_loop"] < 1e-5 for r in moe.values())
+    assert abs(sum(result["parts"]["shares"][k] for k in ("attention", "experts", "rest")) - 1) < 1e-6
+    per_page = tower["ms"] / tower["pages"] / 1e3
+    for case in result["cases"]:
+        assert set(case["paths"]) == {"dash", "dense"}
+        for r in case["paths"].values():
+            pages = case["pages"] * case["batch"]
+            if r["pages_per_s_how"].startswith("full run"):
+                decode = r["decode_s"]
+            else:
+                decode = (case["answer_tokens"] - 1) * (r["step_ms"] + r["step_end_ms"]) / 2e3
+            assert r["pages_per_s"] == pytest.approx(pages / (per_page * pages + r["prefill_s"] + decode))
+            assert r["ttft_last_s"] <= r["prefill_s"] + 1e-6
+    assert "| 1 p x 2 | dash |" in capsys.readouterr().out

@@ -503,6 +503,20 @@ class PagedRuntime:
         self._seqs[seq.seq_id] = seq
         return seq
 
+    def append_tokens(self, seq_id: object, tokens: Sequence[int]) -> None:
+        """Append tokens a sequence is known to continue with (an answer produced elsewhere, a
+        benchmark's stand-in answer): later steps feed them to the cache as they feed a
+        recomputed sequence's output (prefill chunks, its prompt length unchanged), and the step
+        that feeds the last of them chooses the next token. Blocks for them come as the
+        sequence grows (reserve them at :meth:`add` for a fixed pool)."""
+        seq = self._seqs[seq_id]
+        for t in tokens:
+            if not 0 <= int(t) < self.config.vocab_size:
+                raise ValueError(f"token {t} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        for t in tokens:
+            self._append(seq, int(t))
+        self._last_decode = None
+
     def seq(self, seq_id: object) -> SequenceState:
         return self._seqs[seq_id]
 

@@ -88,6 +88,7 @@ def published_config(layers: int = 12, *, quick: bool = False) -> dict:
         conf = U.tiny_config(2, **lang, overrides={"moe_intermediate_size": 64, "intermediate_size": 512})
         sp = conf["sparse_attention_config"]
         sp.update(sparse_block_size=32, dash_topk_blocks=12, sparse_index_dim=64)
+        conf["rswa_window"] = 32  # the local window, set (vLLM reads unset as 128)
         return conf
     conf = U.tiny_config(
         layers,
@@ -120,6 +121,7 @@ def published_config(layers: int = 12, *, quick: bool = False) -> dict:
         page_token_id=128816,
         image_token_id=128815,
     )
+    conf["rswa_window"] = 32  # vLLM's R-SWA: the local window, set (vLLM reads unset as 128)
     return conf
 
 

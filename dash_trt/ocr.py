@@ -62,7 +62,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--model", default="dash", help="the repository's model name (NAME_document is called)")
     o.add_argument("--prompt", help="the instruction after the pages (default: the model's recipe)")
     o.add_argument(
-        "--crop", choices=("auto", "on", "off"), default="auto", help="tiles of each page: auto (single page only)"
+        "--crop",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="tiles of each page: auto (upstream's default: every page), on, off",
     )
     o.add_argument("--max-new-tokens", type=int, help="tokens to generate a document (default: the server's)")
     o.add_argument("--max-page-tokens", type=int, help="tokens a page may take before the next (default 20000)")

@@ -357,7 +357,11 @@ def three_pages() -> bytes:
 
 def test_a_pdf_gives_one_section_a_page_offline(ocr):
     doc = ocr.prepare([("doc.pdf", three_pages())])
-    assert doc.crop is False and doc.page_tokens == [21, 21, 21]  # several pages: global views only
+    # every page tiled by default, one page or several (vLLM 0.34.0's Unlimited-OCR-2)
+    spec = ocr.processor.spec
+    tiled = [image_token_count(p.image.width, p.image.height, spec, crop=True) for p in doc.pages]
+    assert doc.crop is True and doc.page_tokens == tiled and min(tiled) > 21
+    assert ocr.prepare([("doc.pdf", three_pages())], DocumentOptions(crop=False)).page_tokens == [21, 21, 21]
     assert doc.prompt_ids.count(ocr.config.page_token_id) == 3
     result = ocr.transcribe([("doc.pdf", three_pages())], max_new_tokens=24, rules={"max_page_tokens": 6})
     assert [p.page for p in result.pages] == [1, 2, 3]
@@ -385,7 +389,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
         "report.pdf": three_pages(),
         "corrupt.pdf": b"%PDF-1.7\n1 0 obj garbage",
         "notes.txt": b"not an image",
-        "large.png": png_bytes(page_image(2000, 2600)),
+        "large.png": png_bytes(page_image(200, 1200)),  # 1 x 6 tiles: over a budget the report's pages fit
     }
     empty = pdfium.PdfDocument.new()
     buf = io.BytesIO()
@@ -443,7 +447,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
                 "--max-page-tokens",
                 "6",
                 "--max-page-image-tokens",
-                "50",
+                "90",
                 "--concurrency",
                 "5",
                 "--no-progress",
@@ -461,7 +465,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
     assert "notes.txt: not a supported image" in lines["notes.txt"]["error"]
     assert "empty.pdf: the PDF has 0 pages" in lines["empty.pdf"]["error"]
     assert re.search(
-        r"large\.png: 2000x2600 pixels take 84 image tokens .* more than the 50", lines["large.png"]["error"]
+        r"large\.png: 200x1200 pixels take 93 image tokens .* more than the 90", lines["large.png"]["error"]
     )
     got = [(out / "report" / f"page-{i:04d}.md").read_text() for i in (1, 2, 3)]
     assert got == [p.text.rstrip() + "\n" for p in want.pages]

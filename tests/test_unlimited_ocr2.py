@@ -366,13 +366,68 @@ def test_vision_tower_and_warm_up_indexer_tensors_are_not_the_decoder_s(tiny, fo
     assert tower.image_newline.shape == (128,)
 
 
-def test_tied_embeddings_as_the_config_says(tmp_path):
-    tied = M.random_model(U.tiny_config(overrides={"tie_word_embeddings": True}), seed=1)
-    assert tied.lm_head.weight is tied.embed_tokens.weight
-    save_pretrained(tied, tmp_path / "tied")
-    loaded = load_checkpoint(tmp_path / "tied")
-    assert loaded.lm_head.weight is loaded.embed_tokens.weight
-    assert torch.equal(loaded.embed_tokens.weight, tied.embed_tokens.weight)
+def test_an_unset_rswa_window_is_read_as_vllm_reads_it():
+    """vLLM 0.34.0 reads an unset rswa_window as 128 and refuses it unless the model's window
+    (sparse_local_block x sparse_block_size) is 128: a window of 16 must be set."""
+    raw = U.tiny_config()
+    raw.pop("rswa_window")
+    with pytest.raises(
+        ValueError, match=r"rswa_window is unset: vLLM 0.34.0 reads that as 128.* set rswa_window to 16"
+    ):
+        M.random_model(raw)
+    raw["sparse_attention_config"] = {
+        **raw["sparse_attention_config"],
+        "sparse_block_size": 32,
+        "sparse_local_block": 4,
+    }
+    model = M.random_model(raw)  # a window of 128: unset is fine, as in vLLM
+    assert model.config.prompt_length(40) == 40
+    for window in (0, 16):
+        assert M.random_model({**U.tiny_config(), "rswa_window": window}).config.rswa_window == window
+
+
+def test_lm_head_is_never_tied_as_in_vllm(tmp_path):
+    """vLLM 0.34.0's DeepSeek-V2 keeps its own lm_head whatever tie_word_embeddings says: a folder
+    that says true and ships lm_head.weight gets that tensor as the output head and keeps its
+    embeddings; one that ships no lm_head.weight is refused naming it."""
+    raw = U.tiny_config(overrides={"tie_word_embeddings": True})
+    model = M.random_model(raw, seed=1)
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    save_pretrained(model, tmp_path / "untied")
+    loaded = load_checkpoint(tmp_path / "untied")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "no_head"
+    folder.mkdir()
+    (folder / "config.json").write_text((tmp_path / "untied" / "config.json").read_text())
+    state = load_file(str(tmp_path / "untied" / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing .*lm_head\.weight"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(4, 1), (4, 2), (2, 1)])
+def test_experts_are_grouped_whenever_n_group_is_over_one_as_in_vllm(n_group, topk_group):
+    """vLLM 0.34.0 (deepseek_v2.py: use_grouped_topk=True) limits the experts to the topk_group best
+    groups whenever n_group > 1, with topk_method greedy too."""
+    raw = U.tiny_config(overrides={"topk_method": "greedy", "n_group": n_group, "topk_group": topk_group})
+    moe = U.MoEConfig.from_config(DashModelConfig.from_dict(raw))
+    assert (moe.n_group, moe.topk_group) == (n_group, topk_group)
+    torch.manual_seed(n_group + topk_group)
+    logits = torch.randn(50, 8)
+    _, ids = U.route_experts(logits, moe)
+    size = 8 // n_group
+    groups = logits.softmax(-1).view(50, n_group, size).amax(-1)
+    best = groups.topk(topk_group, -1).indices
+    for t in range(50):
+        assert set((ids[t] // size).tolist()) <= set(best[t].tolist())
+    if topk_group == 1:  # (with 2 of 4 groups kept, a token's 2 best experts are always in them)
+        greedy = U.route_experts(logits, U.MoEConfig(**{**moe.__dict__, "n_group": 1, "topk_group": 1}))[1]
+        assert not torch.equal(ids, greedy)  # the grouping changed some choice
 
 
 # ------------------------------------------------------------------------------ generation

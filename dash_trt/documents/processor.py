@@ -18,7 +18,8 @@ from .views import PageViews, ViewSpec, page_views
 
 __all__ = ["DocumentOptions", "PreparedDocument", "DocumentProcessor", "split_pages", "CROP_AUTO"]
 
-#: ``crop``: tiles for a single page, the global view only for several (upstream's recipe).
+#: ``crop``: the model's upstream default: every page tiled (vLLM 0.34.0's Unlimited-OCR-2 crops
+#: each page of a request independently, one page or many).
 CROP_AUTO = None
 
 
@@ -26,11 +27,11 @@ CROP_AUTO = None
 class DocumentOptions:
     """What a user may choose for a document."""
 
-    #: True: tiles for every page larger than a tile; False: global views only; None: tiles for a
-    #: single page, global views for several (upstream's recipe)
+    #: True: tiles for every page larger than a tile; False: global views only; None: upstream's
+    #: default, which for Unlimited-OCR-2 is True for one page and for many (:data:`CROP_AUTO`)
     crop: bool | None = CROP_AUTO
-    #: the instruction after the pages (None: "Multi page parsing." for several pages, a markdown
-    #: conversion instruction for one)
+    #: the instruction after the pages (None: "Multi page parsing." for several pages, "document
+    #: parsing." for one: the model's README)
     instruction: str | None = None
     #: image tokens one page may take (None: no limit but the prompt's)
     max_page_tokens: int | None = None
@@ -38,7 +39,9 @@ class DocumentOptions:
     render_side: int | None = None
 
     def crop_for(self, pages: int) -> bool:
-        return self.crop if self.crop is not None else pages == 1
+        """Whether a document of ``pages`` pages is tiled: :attr:`crop`, else upstream's default
+        (vLLM 0.34.0: ``crop_mode and (one image or Unlimited-OCR-2)``, crop mode on)."""
+        return self.crop if self.crop is not None else True
 
 
 @dataclass

@@ -17,9 +17,9 @@ __all__ = ["PromptError", "DEFAULT_INSTRUCTION", "SINGLE_PAGE_INSTRUCTION", "doc
 
 #: The instruction of upstream's multi-page layout.
 DEFAULT_INSTRUCTION = "Multi page parsing."
-#: The instruction for a single page (DeepSeek-OCR's document prompt); an assumption: the
-#: published model card was not available when this was written, override it with --prompt.
-SINGLE_PAGE_INSTRUCTION = "Convert the document to markdown."
+#: The instruction for a single page: the model's README's ("document parsing."; vLLM 0.34.0
+#: defines none for one page).
+SINGLE_PAGE_INSTRUCTION = "document parsing."
 
 IMAGE_PLACEHOLDER = "<image>"
 

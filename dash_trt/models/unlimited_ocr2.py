@@ -83,6 +83,9 @@ ARCHITECTURE = "UnlimitedOCRForCausalLM"
 MODEL_TYPE = "unlimited-ocr"
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+#: What vLLM 0.34.0's Unlimited-OCR config reads an unset ``rswa_window`` as
+#: (``transformers_utils/configs/unlimited_ocr.py``); only a window of this size may leave it unset.
+VLLM_RSWA_DEFAULT = 128
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
@@ -163,8 +166,10 @@ class MoEConfig:
             routed_scaling_factor=float(scale),
             scoring_func=scoring,
             topk_method=method,
-            n_group=n_group if method == "group_limited_greedy" else 1,
-            topk_group=topk_group if method == "group_limited_greedy" else 1,
+            # vLLM 0.34.0 groups whenever n_group > 1, whatever topk_method says
+            # (deepseek_v2.py: use_grouped_topk=True, num_expert_group=n_group)
+            n_group=n_group,
+            topk_group=topk_group,
             router_float32=router_dtype == "float32",
         )
 
@@ -192,6 +197,13 @@ def check_architecture(cfg: DashModelConfig) -> None:
     heads = lang.get("num_attention_heads", cfg.num_attention_heads)
     if "head_dim" in lang and lang["head_dim"] * heads != lang.get("hidden_size", cfg.hidden_size):
         raise _lang_error("head_dim", lang["head_dim"], "hidden_size / num_attention_heads (vLLM derives it so)")
+    window = cfg.dash.sparse_local_block * cfg.dash.sparse_block_size
+    if cfg.rswa_window is None and window != VLLM_RSWA_DEFAULT:
+        raise ModelConfigError(
+            f"rswa_window is unset: vLLM 0.34.0 reads that as {VLLM_RSWA_DEFAULT}, which it refuses for this "
+            f"model's window of {window} (sparse_local_block x sparse_block_size); set rswa_window to {window} "
+            f"(generated tokens read the prompt's blocks and that window) or 0 (full KV)"
+        )
     if cfg.index_head_dim != cfg.head_dim:
         raise ModelConfigError(
             f"{CONFIG_SECTION}.sparse_index_dim is {cfg.index_head_dim}; Unlimited-OCR-2 requires index_dim == "
@@ -213,7 +225,8 @@ def route_experts(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, t
     """The experts of each token and their weights, from the gate's logits [T, E]:
     ``(weights [T, k] float32, ids [T, k] int64)``.
 
-    Scores are ``softmax`` (or ``sigmoid``) of the logits in float32. ``group_limited_greedy``
+    Scores are ``softmax`` (or ``sigmoid``) of the logits in float32. With ``n_group > 1`` (either
+    ``topk_method``, as vLLM 0.34.0 groups)
     keeps the ``topk_group`` groups (of ``n_routed_experts / n_group`` consecutive experts) with
     the highest best score; the token's k experts are the highest scores among the kept ones
     (a stable sort: equal scores go to the lower index, as ONNX's TopK orders them; vLLM's
@@ -417,9 +430,9 @@ class UnlimitedOCR2ForCausalLM(DashModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.moe_config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # NOTE: never tied, whatever tie_word_embeddings says: vLLM 0.34.0's DeepSeek-V2 keeps its
+        # own lm_head and loads lm_head.weight (a folder without it is refused as missing it).
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -505,6 +518,7 @@ def tiny_config(
     }
     lang.update(overrides or {})
     return {
+        "rswa_window": 16,  # the local window (1 block of 16): set, as vLLM requires for any but 128
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "tile_tag": "2D",

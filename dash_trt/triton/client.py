@@ -274,7 +274,7 @@ class DashClient:
         """A document's file (PDF or image bytes; or several ``(name, bytes)`` files whose pages form
         one document) to the document model (``<model>_document``): its JSON answer,
         ``{"pages": [{"page", "source", "text"}, ...], "prompt_tokens", ...}``.
-        ``crop``: None (tiles for a single page), False, True; ``rules``: decoding-rule overrides
+        ``crop``: None (upstream's default: tiles for every page), False, True; ``rules``: decoding-rule overrides
         (``page_guard``, ``max_page_tokens``, ``no_repeat_ngram``, ``no_repeat_window``)."""
         mod = self.mod
         inputs = []

@@ -161,8 +161,8 @@ PLAN_SUFFIX = "_plan"
 #: ``document_name``           TYPE_UINT8   [-1]    yes       the files' names (UTF-8, one a line), used in messages
 #: ``instruction``             TYPE_UINT8   [-1]    yes       the instruction after the pages (UTF-8; default
 #:                                                            "Multi page parsing." for several pages)
-#: ``crop_mode``               TYPE_INT32   [1]     yes       -1 (default): tiles for a single page; 0: global views
-#:                                                            only; 1: tiles for every page
+#: ``crop_mode``               TYPE_INT32   [1]     yes       -1 (default): upstream's, tiles for every page; 0:
+#:                                                            global views only; 1: tiles for every page
 #: ``max_page_image_tokens``   TYPE_INT32   [1]     yes       image tokens a page may take (default: no limit but the
 #:                                                            model's context)
 #: ``max_new_tokens``          TYPE_INT32   [1]     yes       tokens to generate (default: the generation model's)

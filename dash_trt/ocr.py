@@ -58,6 +58,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     where = o.add_mutually_exclusive_group(required=True)
     where.add_argument("--server", metavar="URL", help="a Triton server's HTTP address (host:port)")
     where.add_argument("--checkpoint", metavar="FOLDER", help="run the model here, from its checkpoint folder")
+    o.add_argument(
+        "--device", help="with --checkpoint: where the model runs (cpu, cuda, cuda:1; default: where it loads, the CPU)"
+    )
+    o.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="with --checkpoint: the model's dtype (default: the checkpoint's)",
+    )
     o.add_argument("--out", "-o", required=True, help="folder for the markdown (created)")
     o.add_argument("--model", default="dash", help="the repository's model name (NAME_document is called)")
     o.add_argument("--prompt", help="the instruction after the pages (default: the model's recipe)")
@@ -162,9 +170,10 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
 
     from .documents.pages import DocumentError
     from .documents.processor import DocumentOptions
+    from .models.config import DTYPES
     from .serving.documents import DocumentOCR
 
-    ocr = DocumentOCR(a.checkpoint)
+    ocr = DocumentOCR(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None, device=a.device)
     lock = threading.Lock()  # one model in this process: documents in turn
 
     def run(path: str) -> DocumentOutcome:
@@ -186,6 +195,9 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
 def ocr_main(a, out: TextIO, err: TextIO) -> int:
     if a.concurrency < 1 or a.retries < 0:
         print("dash-trt ocr: error: --concurrency must be >= 1 and --retries >= 0", file=err)
+        return 2
+    if a.server and (a.device or a.dtype):
+        print("dash-trt ocr: error: --device and --dtype are for --checkpoint (a server runs its own)", file=err)
         return 2
     missing = [f for f in a.files if not os.path.isfile(f)]
     if missing:

@@ -506,3 +506,31 @@ def test_the_vision_tower_exports_and_compares(folder, tmp_path):
     assert graph.inputs[0].dims == (-1, 3, 256, 256)
     tower = load_vision_tower(folder)
     assert VisionGraph(tower, 256)(torch.zeros(1, 3, 256, 256))[0].shape == (1, 16, 128)
+
+
+def test_dash_trt_ocr_in_process_takes_a_device_and_dtype(ocr, folder, tmp_path):
+    """dash-trt ocr --checkpoint runs the model where --device says, in --dtype: on the CPU in
+    float32 it writes offline generation's text; a device that does not exist, or --device with
+    --server, is one line and exit 2."""
+    doc = tmp_path / "one.png"
+    doc.write_bytes(png_bytes(page_image(300, 400, "device")))
+    want = ocr.transcribe([("one.png", doc.read_bytes())], max_new_tokens=8, rules={"max_page_tokens": 6})
+
+    def ocr_cli(*extra):
+        return subprocess.run(
+            [sys.executable, "-m", "dash_trt.info", "ocr", str(doc), "--out", str(tmp_path / "out"), "--no-progress"]
+            + ["--max-new-tokens", "8", "--max-page-tokens", "6", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+
+    res = ocr_cli("--checkpoint", str(folder), "--device", "cpu", "--dtype", "float32")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert want.pages[0].text.strip()  # random weights still write something
+    assert (tmp_path / "out" / "one" / "page-0001.md").read_text().strip() == want.pages[0].text.strip()
+    bad = ocr_cli("--checkpoint", str(folder), "--device", "nodevice")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "dash-trt ocr: error:" in bad.stderr
+    mixed = ocr_cli("--server", "127.0.0.1:1", "--device", "cuda")
+    assert mixed.returncode == 2 and "--device and --dtype are for --checkpoint" in mixed.stderr

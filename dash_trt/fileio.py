@@ -38,11 +38,14 @@ def atomic_write(path: str, write: Callable[[str], None], *, private: bool = Fal
     the temporary file."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
+    mode = file_mode(private=private)
     try:
-        os.fchmod(fd, file_mode(private=private))
+        os.fchmod(fd, mode)
         os.close(fd)
         fd = -1
         write(tmp)
+        # again: a writer may replace the file (safetensors' save_file leaves it 0600)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if fd >= 0:

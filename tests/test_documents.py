@@ -423,6 +423,10 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert (repo / "dash_document" / "1" / "vision.safetensors").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (repo / "dash_document" / "1").iterdir():  # readable by a server of another user (umask's)
+        assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, f
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

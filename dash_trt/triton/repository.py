@@ -774,8 +774,8 @@ def write_repository(
         for root, dirs, files in os.walk(tmp):  # the umask's modes (mkdtemp made the top 0700), or private
             for entry in dirs:
                 os.chmod(os.path.join(root, entry), file_mode(directory=True, private=private))
-            for entry in files if private else ():
-                os.chmod(os.path.join(root, entry), file_mode(private=True))
+            for entry in files:  # every file too: safetensors' save_file leaves its own 0600
+                os.chmod(os.path.join(root, entry), file_mode(private=private))
         os.chmod(tmp, file_mode(directory=True, private=private))
         _write(
             os.path.join(tmp, MARKER),

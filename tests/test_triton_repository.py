@@ -438,6 +438,23 @@ def test_force_replaces_only_a_repository_it_wrote(tmp_path, model):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "work"]  # no scratch left
 
 
+def test_force_replaces_a_repository_triton_has_served(tmp_path, model):
+    """Triton's Python backend writes __pycache__/*.pyc beside a served model.py: --force still
+    replaces the repository; anything else in such a folder is the user's and refuses it."""
+    out = tmp_path / "repo"
+    write_repository(out, model, streaming=False)
+    cache = out / "dash" / "1" / "__pycache__"
+    cache.mkdir()
+    (cache / "model.cpython-312.pyc").write_bytes(b"\x00" * 64)
+    write_repository(out, model, streaming=False, force=True)
+    assert not cache.exists() and (out / "dash" / "1" / "model.py").is_file()
+    cache.mkdir()
+    (cache / "notes.txt").write_text("mine")
+    with pytest.raises(RepositoryError, match=r"did not write there.*__pycache__/notes\.txt"):
+        write_repository(out, model, streaming=False, force=True)
+    assert (cache / "notes.txt").read_text() == "mine"
+
+
 def test_force_replaces_only_what_it_wrote(tmp_path, model):
     """A repository with a file this tool did not write there (in any folder), a file changed
     since, or a marker planted in a user's folder (no list of what was written, or a list that

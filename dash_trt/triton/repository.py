@@ -569,6 +569,17 @@ def _manifest(folder: str) -> dict[str, int | None]:
     return found
 
 
+def _bytecode_cache(rel: str, size: int | None) -> bool:
+    """A ``__pycache__`` folder or a ``.pyc`` file in one: what Triton's Python backend writes
+    beside a served ``model.py`` (replacing the repository loses nothing of the user's)."""
+    parts = rel.split(os.sep)
+    if parts[-1] == "__pycache__":
+        return size is None
+    return (
+        len(parts) > 1 and parts[-2] == "__pycache__" and parts[-1].endswith(".pyc") and size is not None and size >= 0
+    )
+
+
 def _not_replaceable(out: str) -> str | None:
     """Why ``--force`` may not replace the existing folder ``out``, or None when it may: an empty
     folder, or a repository this tool wrote holding only what it wrote there (its marker lists
@@ -585,7 +596,7 @@ def _not_replaceable(out: str) -> str | None:
         assert isinstance(written, dict)
     except (IndexError, ValueError, KeyError, TypeError, AssertionError):
         return f"its {MARKER} does not list what dash-triton wrote there (an older or a foreign one)"
-    now = _manifest(out)
+    now = {rel: size for rel, size in _manifest(out).items() if not _bytecode_cache(rel, size)}
     foreign = sorted(rel for rel, size in now.items() if rel not in written or written[rel] != size)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -90,14 +90,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _stems(paths: Sequence[str]) -> list[str]:
-    """Output names: each file's name without its extension, made unique."""
-    seen: dict[str, int] = {}
+    """Output names: each file's name without its extension, made unique (``a``, ``a-2``, ...,
+    skipping a name another file has: ``a.pdf a.png a-2.pdf`` give ``a``, ``a-3``, ``a-2``)."""
+    bases = [os.path.splitext(os.path.basename(p))[0] or "document" for p in paths]
+    taken = set()
     out = []
-    for p in paths:
-        stem = os.path.splitext(os.path.basename(p))[0] or "document"
-        n = seen.get(stem, 0)
-        seen[stem] = n + 1
-        out.append(stem if n == 0 else f"{stem}-{n + 1}")
+    for i, stem in enumerate(bases):
+        name, n = stem, 1
+        # a name is free when no earlier file took it and no later file has it as its own
+        while name in taken or (name != stem and name in bases[i + 1 :]):
+            n += 1
+            name = f"{stem}-{n}"
+        taken.add(name)
+        out.append(name)
     return out
 
 
@@ -110,8 +115,11 @@ def _write_text(path: str, text: str) -> None:
 
 
 def write_outputs(out: str, stem: str, pages: list[dict[str, Any]]) -> None:
-    """``OUT/STEM.md`` and ``OUT/STEM/page-NNNN.md``."""
+    """``OUT/STEM.md`` and ``OUT/STEM/page-NNNN.md``. A symbolic link at ``OUT/STEM`` is refused
+    (the pages would be written wherever it points)."""
     folder = os.path.join(out, stem)
+    if os.path.islink(folder):
+        raise OSError(f"{folder} is a symbolic link: not written through")
     os.makedirs(folder, exist_ok=True)
     for p in pages:
         _write_text(os.path.join(folder, f"page-{p['page']:04d}.md"), p["text"].rstrip() + "\n")
@@ -203,6 +211,9 @@ def ocr_main(a, out: TextIO, err: TextIO) -> int:
     if missing:
         print(f"dash-trt ocr: error: no such file: {', '.join(missing)}", file=err)
         return 2
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        print(f"dash-trt ocr: error: --out {a.out} is a file, not a folder", file=err)
+        return 2
     os.makedirs(a.out, exist_ok=True)
     rules, opts = _options(a)
     try:
@@ -210,8 +221,8 @@ def ocr_main(a, out: TextIO, err: TextIO) -> int:
     except Exception as exc:  # noqa: BLE001 - a server that cannot be reached, a checkpoint that cannot load
         print(f"dash-trt ocr: error: {exc}", file=err)
         return 2
-    stems = dict(zip(a.files, _stems(a.files)))
-    outcomes: list[DocumentOutcome] = []
+    stems = _stems(a.files)
+    outcomes: list[tuple[int, DocumentOutcome]] = []
     try:
         from tqdm import tqdm
     except ImportError:  # a declared dependency of the documents extra
@@ -219,21 +230,25 @@ def ocr_main(a, out: TextIO, err: TextIO) -> int:
     bar = tqdm(total=len(a.files), unit="doc", file=err, disable=a.no_progress) if tqdm else None
     try:
         with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
-            futures = {pool.submit(run, f): f for f in a.files}
+            futures = {pool.submit(run, f): i for i, f in enumerate(a.files)}
             for fut in as_completed(futures):
-                o = fut.result()
-                if o.ok:
-                    write_outputs(a.out, stems[o.path], o.pages)
-                outcomes.append(o)
+                i = futures[fut]
+                try:  # one document's failure (a file that cannot be read, an output that
+                    # cannot be written) is that document's, listed; the others go on
+                    o = fut.result()
+                    if o.ok:
+                        write_outputs(a.out, stems[i], o.pages)
+                except OSError as exc:
+                    o = DocumentOutcome(a.files[i], error=f"{a.files[i]}: {exc.strerror or exc}")
+                outcomes.append((i, o))
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(failed=sum(not x.ok for x in outcomes))
+                    bar.set_postfix(failed=sum(not x.ok for _, x in outcomes))
     finally:
         if bar is not None:
             bar.close()
         close()
-    order = {f: i for i, f in enumerate(a.files)}
-    outcomes.sort(key=lambda o: order[o.path])
+    outcomes = [o for _, o in sorted(outcomes, key=lambda x: x[0])]
     failed = [o for o in outcomes if not o.ok]
     if a.json:
         for o in outcomes:

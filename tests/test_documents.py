@@ -538,3 +538,43 @@ def test_dash_trt_ocr_in_process_takes_a_device_and_dtype(ocr, folder, tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "dash-trt ocr: error:" in bad.stderr
     mixed = ocr_cli("--server", "127.0.0.1:1", "--device", "cuda")
     assert mixed.returncode == 2 and "--device and --dtype are for --checkpoint" in mixed.stderr
+
+
+def test_ocr_output_names_are_unique_whatever_the_files_are_called():
+    from dash_trt.ocr import _stems
+
+    assert _stems(["x/a.pdf", "y/a.png", "a-2.pdf"]) == ["a", "a-3", "a-2"]
+    assert _stems(["a.pdf", "a.pdf", "a-2.png"]) == ["a", "a-3", "a-2"]
+    names = _stems([f"d{i % 3}/r.pdf" for i in range(7)] + ["r-2.png", "r-4.tif"])
+    assert len(set(names)) == len(names) and names[-2:] == ["r-2", "r-4"]
+
+
+def test_dash_trt_ocr_lists_a_document_it_cannot_write_and_writes_the_others(folder, tmp_path):
+    """One output that cannot be written (a file where its folder goes) or must not be (a
+    symbolic link at its name, pointing outside --out) fails that document alone, listed, exit 1;
+    the other documents are written; nothing is written through the link; --out naming a file is
+    one line, exit 2."""
+    docs = []
+    for name in ("good", "blocked", "link"):
+        (tmp_path / f"{name}.png").write_bytes(png_bytes(page_image(120, 150, name)))
+        docs.append(str(tmp_path / f"{name}.png"))
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    (out / "blocked").write_text("a file where the pages' folder goes")
+    (out / "link").symlink_to(outside, target_is_directory=True)
+
+    def ocr_cli(*args):
+        cmd = [sys.executable, "-m", "dash_trt.info", "ocr", *args, "--checkpoint", str(folder)]
+        cmd += ["--max-new-tokens", "4", "--no-progress", "--json"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    res = ocr_cli(*docs, "--out", str(out))
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = {os.path.basename(r["file"]): r for r in map(json.loads, res.stdout.splitlines())}
+    assert lines["good.png"]["ok"] and (out / "good" / "page-0001.md").is_file() and (out / "good.md").is_file()
+    assert not lines["blocked.png"]["ok"] and "blocked.png" in lines["blocked.png"]["error"]
+    assert not lines["link.png"]["ok"] and "symbolic link" in lines["link.png"]["error"]
+    assert list(outside.iterdir()) == []
+    res = ocr_cli(docs[0], "--out", str(out / "good.md"))
+    assert res.returncode == 2 and "is a file, not a folder" in res.stderr and res.stderr.count("\n") == 1

@@ -782,6 +782,10 @@ WEAK_TYPES = (
 )
 
 
+#: What a printed trtexec command names as the plugin when none was given or found.
+PLUGIN_PLACEHOLDER = "libdash_trt_plugin.so"
+
+
 def _check_arguments(args) -> str | None:
     if args.fp16 or args.bf16:
         return WEAK_TYPES
@@ -791,6 +795,14 @@ def _check_arguments(args) -> str | None:
         from .libraries import plugin_path
 
         args.plugin = plugin_path()
+        if args.plugin is None and args.print_trtexec:
+            # the command is only printed: name the library it needs, to be built or found
+            args.plugin = Path(PLUGIN_PLACEHOLDER)
+            print(
+                f"dash-build: note: no TensorRT plugin library in this installation; the command names "
+                f"{PLUGIN_PLACEHOLDER} (build it with -DDASH_BUILD_TRT_PLUGIN=ON, plugins/trt/README.md)",
+                file=sys.stderr,
+            )
         if args.plugin is None:
             return (
                 "no TensorRT plugin library in this installation: pass --plugin libdash_trt_plugin.so (build it "

@@ -349,6 +349,19 @@ def test_print_trtexec_reads_the_model(tmp_path, capsys, no_tensorrt, monkeypatc
     assert (tmp_path / "t.plan.profile.json").is_file() and not (tmp_path / "t.plan").exists()
 
 
+def test_print_trtexec_needs_no_plugin_file(tmp_path, capsys, no_tensorrt, monkeypatch):
+    """--print-trtexec only prints: with no --plugin and none installed, the command names the
+    library to build (a note says so) instead of refusing."""
+    monkeypatch.setenv("DASH_TRT_PLUGIN", str(tmp_path / "absent.so"))  # no plugin found anywhere
+    model = _tiny_onnx(tmp_path / "tiny.onnx")
+    assert B.main([str(model), "--print-trtexec", "--max-tokens", "32", "--max-seqs", "2", "--max-context", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert f"--dynamicPlugins={B.PLUGIN_PLACEHOLDER}" in out.replace(" \\\n    ", " ")
+    assert "no TensorRT plugin library in this installation" in err
+    assert B.main([str(model), "--out", str(tmp_path / "m.plan")]) == 2  # building still needs it
+    assert "no TensorRT plugin library" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("source", ["metadata", "node"])
 def test_print_trtexec_checks_the_config(tmp_path, capsys, source):
     model = _tiny_onnx(tmp_path / "tiny.onnx", kv_block=24, metadata=source == "metadata", node=source == "node")

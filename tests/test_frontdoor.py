@@ -26,6 +26,7 @@ from dash_trt import model as M
 from dash_trt.documents.tokenizer import load_tokenizer
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")  # the openai client's own HTTP library
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sk-test-dash"
 
@@ -275,6 +276,13 @@ def test_the_api_key(keyed):
         client(keyed, api_key="wrong", max_retries=0).models.list()
     assert e.value.body["code"] == "invalid_api_key"
     assert [m.id for m in client(keyed, api_key=KEY).models.list()] == ["dash"]
+    # every endpoint but /health needs it: the metrics and any other path too
+    for path in ("/metrics", "/openapi.json", "/anything"):
+        r = httpx.get(keyed.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(keyed.url + path, headers={"Authorization": "Bearer " + KEY[:-1] + "x"}).status_code == 401
+    assert httpx.get(keyed.url + "/metrics", headers={"Authorization": "Bearer " + KEY}).status_code == 200
+    assert httpx.get(keyed.url + "/health").status_code in (200, 503)
 
 
 def test_async_client(door, model, tok):

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import hmac
 import ipaddress
 import json
 import os
@@ -83,7 +84,15 @@ class FrontDoorSettings:
     fetch_max_bytes: int = 32 * 2**20
     fetch_timeout: float = 10.0
     default_max_tokens: int = 2048  #: chat completions without max_tokens
+    #: with an API key, /metrics answers without it too (a Prometheus scraper without the key)
+    public_metrics: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _keyed(path: str, s: FrontDoorSettings) -> bool:
+    """Whether ``path`` needs the API key (when one is set): everything but ``/health`` (a load
+    balancer's probe), and ``/metrics`` with ``public_metrics``."""
+    return path != "/health" and not (path == "/metrics" and s.public_metrics)
 
 
 # ------------------------------------------------------------------------------ backend
@@ -347,9 +356,12 @@ class GuardMiddleware:
         path, method = scope["path"], scope["method"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            if path.startswith("/v1/") and self.s.api_key:
+            if self.s.api_key and _keyed(path, self.s):
                 auth = headers.get("authorization", "")
-                if not auth.startswith("Bearer ") or auth[7:] != self.s.api_key:
+                # compared in constant time: the time to refuse says nothing of the key
+                if not auth.startswith("Bearer ") or not hmac.compare_digest(
+                    auth[7:].encode("utf-8", "surrogateescape"), self.s.api_key.encode("utf-8")
+                ):
                     raise APIError(
                         "invalid or missing API key (Authorization: Bearer KEY)",
                         status=401,
@@ -1110,6 +1122,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
     o.add_argument("--port", type=int, default=9000, help="port to bind (%(default)s)")
     o.add_argument("--api-key", help=f"the key clients send as 'Authorization: Bearer KEY' (or ${API_KEY_ENV})")
+    o.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with an API key: /metrics answers without it (/health always does)",
+    )
     o.add_argument("--tokenizer", help="a checkpoint folder with tokenizer.json (default: the demo model's bytes)")
     o.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="(%(default)g)")
     o.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds (%(default)g)")
@@ -1136,6 +1153,7 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
         triton_grpc=a.grpc_url,
         model=a.model,
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
+        public_metrics=a.public_metrics,
         tokenizer=a.tokenizer,
         max_body_bytes=int(a.max_body_mb * 2**20),
         header_timeout=a.header_timeout,

@@ -391,7 +391,10 @@ def test_malformed_json_is_a_400_on_every_json_route(door):
     """A body that is not a JSON object (cut short, not UTF-8, an array, a bare value, empty) is
     the client's error: 400 with OpenAI's error object on both JSON routes, never a 5xx."""
     for path in ("/v1/completions", "/v1/chat/completions"):
-        for body in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "\xff\xfe"}', b"[1, 2]", b"17", b""):
+        bad = (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "\xff\xfe"}', b"[1, 2]", b"17", b"")
+        # a lone surrogate, an integer past Python's 4300-digit limit (both were plain-text 500s)
+        bad += (b'{"prompt": "a\\ud800b", "max_tokens": 2}', b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")
+        for body in bad:
             out = _raw(door, _post_raw(path, body, close=True))
             assert out.startswith(b"HTTP/1.1 400"), (path, body, out[:200])
             error = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
@@ -506,3 +509,26 @@ def test_finish_reason_and_stop_token_ids_field_by_field(door, model, tok):
         assert r.choices[0].finish_reason == "stop", k
         assert r.usage.completion_tokens == n, (k, n, r.usage)
         assert r.choices[0].text == tok.decode(want[:n], skip_special_tokens=True)
+
+
+def test_file_attachments_stay_under_the_allowed_root(tmp_path):
+    """file:// attachments: read under --allow-file-root only; outside it, a NUL byte (%00, was a
+    plain-text 500) and no root at all are each a 400 naming the field."""
+    from dash_trt.triton.openai import APIError, FrontDoorSettings, fetch_attachment
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.png").write_bytes(b"png bytes")
+    (tmp_path / "secret.txt").write_text("no")
+    s = FrontDoorSettings(allow_file_root=str(root))
+    assert asyncio.run(fetch_attachment(f"file://{root}/a.png", s, "image_url")) == b"png bytes"
+    for url, msg in (
+        (f"file://{root}/a.png%00.txt", "NUL byte"),
+        (f"file://{root}/../secret.txt", "outside the allowed folder"),
+        (f"file://{root}/missing.png", "no such file"),
+    ):
+        with pytest.raises(APIError, match=msg) as e:
+            asyncio.run(fetch_attachment(url, s, "image_url"))
+        assert e.value.status == 400 and e.value.param == "image_url"
+    with pytest.raises(APIError, match="not allowed on this server"):
+        asyncio.run(fetch_attachment(f"file://{root}/a.png", FrontDoorSettings(), "file"))

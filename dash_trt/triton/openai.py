@@ -285,7 +285,10 @@ async def fetch_attachment(url: str, settings: FrontDoorSettings, param: str) ->
         root = settings.allow_file_root
         if root is None:
             raise APIError("file:// URLs are not allowed on this server (see --allow-file-root)", param=param)
-        path = os.path.realpath(unquote(parts.path))
+        raw_path = unquote(parts.path)
+        if "\x00" in raw_path:
+            raise APIError("a file:// URL's path holds a NUL byte (%00)", param=param)
+        path = os.path.realpath(raw_path)
         if os.path.commonpath([path, os.path.realpath(root)]) != os.path.realpath(root):
             raise APIError(f"{parts.path} is outside the allowed folder", param=param)
         if not os.path.isfile(path):
@@ -505,7 +508,12 @@ def create_app(settings: FrontDoorSettings, backend: TritonBackend | None = None
         raw = await request.body()
         try:
             body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            # a lone UTF-16 surrogate ("\ud800") parses as JSON but is no text: refused here,
+            # not as a 500 wherever it is first encoded
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid text") from None
+        except (ValueError, UnicodeDecodeError) as exc:  # JSON errors; an integer of over 4300 digits
             raise APIError(f"the body is not valid JSON: {exc}") from None
         except RecursionError:
             raise APIError("the body is nested too deeply") from None

@@ -905,7 +905,9 @@ def unsupported_ops(path: Path) -> str | None:
 @cli_main("dash-build")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    problem = _check_arguments(args) or unsupported_ops(args.model)
+    # the model's own ops first: a Dual Chunk Attention file is refused for what it is, not for a
+    # plugin library it could not use anyway
+    problem = unsupported_ops(args.model) or _check_arguments(args)
     if problem:
         return _fail(problem)
     config = None

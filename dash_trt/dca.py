@@ -32,6 +32,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,17 +41,30 @@ import torch
 
 __all__ = [
     "CONFIG_KEY",
+    "SPARSE_CONFIG_FILE",
     "DcaConfig",
     "DcaConfigError",
     "DcaPositions",
     "dca_positions",
     "dual_chunk_attention",
     "length_scale",
+    "read_model_config",
+    "sparse_attention_enabled",
+    "check_dense",
 ]
 
 #: The Hugging Face ``config.json`` key vLLM's Qwen2/Qwen3 models read (``getattr(config,
 #: "dual_chunk_attention_config", None)``).
 CONFIG_KEY = "dual_chunk_attention_config"
+
+#: The file beside the weights that vLLM (``get_sparse_attention_config``) and SGLang read and
+#: merge into :data:`CONFIG_KEY` as its ``sparse_attention_config`` (Qwen2.5-7B/14B-Instruct-1M
+#: ship one): MInference vertical-slash sparse prefill for prompts over
+#: ``sparse_attention_threshold`` tokens, which dash-trt does not implement.
+SPARSE_CONFIG_FILE = "sparse_attention_config.json"
+
+#: Upstream's default ``sparse_attention_threshold``: prompts longer than this run sparse prefill.
+SPARSE_THRESHOLD_DEFAULT = 32768
 
 #: Bytes of float32 logits one block of query rows may hold (three rotations).
 _BLOCK_BUDGET_BYTES = 128 << 20
@@ -146,53 +160,138 @@ class DcaConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any]) -> DcaConfig:
-        """Build from the ``dual_chunk_attention_config`` section itself.
+    def from_dict(cls, section: Mapping[str, Any], *, folder: str | os.PathLike | None = None) -> DcaConfig:
+        """Build from the ``dual_chunk_attention_config`` section itself (``folder``: the model
+        folder, where a :data:`SPARSE_CONFIG_FILE` is looked for).
 
         ``chunk_size`` and ``local_size`` are required (vLLM's ``get_rope`` hands them to
         ``DualChunkRotaryEmbedding``, which has no defaults); ``original_max_position_embeddings``
         defaults to 0 (off), as in vLLM's backend. The sparse (MInference) mode of vLLM #11844
-        is not implemented: ``sparse_attention_enabled: true`` or a ``sparse_attention_config``
-        is refused rather than silently run dense. Other keys are ignored.
+        is not implemented: a section and folder that upstream would run sparse are refused rather
+        than silently run dense (:func:`check_dense`). Other keys are ignored.
         """
         if not isinstance(section, Mapping):
             raise DcaConfigError(f"{CONFIG_KEY} must be a JSON object, got {type(section).__name__}")
         missing = [k for k in ("chunk_size", "local_size") if k not in section]
         if missing:
             raise DcaConfigError(f"{CONFIG_KEY} is missing required key(s): {', '.join(missing)}")
-        if section.get("sparse_attention_enabled") or section.get("sparse_attention_config"):
-            raise DcaConfigError(
-                f"{CONFIG_KEY} enables the sparse (MInference vertical-slash) mode, which dash-trt does not "
-                "implement; set sparse_attention_enabled to false to run dense DCA"
-            )
-        return cls(
+        cfg = cls(
             chunk_size=section["chunk_size"],
             local_size=section["local_size"],
             original_max_position_embeddings=section.get("original_max_position_embeddings", 0),
         )
+        check_dense(section, folder=folder)
+        return cfg
 
     @classmethod
-    def from_model_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> DcaConfig:
+    def from_model_config(
+        cls, config: Mapping[str, Any] | str | os.PathLike, *, folder: str | os.PathLike | None = None
+    ) -> DcaConfig:
         """Build from a Hugging Face model config: the parsed ``config.json`` dict, the path of
-        that file, or the model folder holding it; section ``dual_chunk_attention_config``."""
-        source = "model config"
-        if not isinstance(config, Mapping):
-            source = os.fspath(config)
-            if os.path.isdir(source):
-                source = os.path.join(source, "config.json")
-            try:
-                with open(source, encoding="utf-8") as fh:
-                    config = json.load(fh)
-            except FileNotFoundError:
-                raise DcaConfigError(f"model config not found: {source}") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise DcaConfigError(f"model config {source} is not valid JSON: {exc}") from None
-        if not isinstance(config, Mapping):
-            raise DcaConfigError(f"{source} must hold a JSON object")
+        that file, or the model folder holding it; section ``dual_chunk_attention_config``. The
+        folder (the file's, or ``folder`` beside a dict) is where a :data:`SPARSE_CONFIG_FILE` is
+        looked for."""
+        if isinstance(config, Mapping):
+            source = "model config"
+        else:
+            config, source = read_model_config(config)
+            folder = os.path.dirname(source)
         section = config.get(CONFIG_KEY)
         if section is None:
             raise DcaConfigError(f"{source} has no {CONFIG_KEY!r}: not a Dual Chunk Attention model")
-        return cls.from_dict(section)
+        return cls.from_dict(section, folder=folder)
+
+
+def read_model_config(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """``(the parsed config.json, its path)`` of a model folder or of the file itself;
+    :class:`DcaConfigError` when it is missing, not JSON or not a JSON object."""
+    source = os.fspath(path)
+    if os.path.isdir(source):
+        source = os.path.join(source, "config.json")
+    try:
+        with open(source, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except FileNotFoundError:
+        raise DcaConfigError(f"model config not found: {source}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DcaConfigError(f"model config {source} is not valid JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise DcaConfigError(f"{source} must hold a JSON object")
+    return config, source
+
+
+def _sparse_file(folder: str | os.PathLike | None) -> str | None:
+    """The path of the folder's :data:`SPARSE_CONFIG_FILE` when upstream would merge it into the
+    section (it exists and holds a non-empty value: vLLM's and SGLang's ``if sparse_attn_config:``),
+    else None. A file that cannot be read as JSON is refused (upstream's ``json.load`` fails too)."""
+    if folder is None:
+        return None
+    path = os.path.join(os.fspath(folder), SPARSE_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = json.load(fh)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DcaConfigError(
+            f"{path} cannot be read as JSON ({exc}); vLLM and SGLang read this file to switch Dual Chunk Attention to "
+            "sparse prefill, and dash-trt runs it dense only: remove the file, or set "
+            f'"sparse_attention_enabled": false in {CONFIG_KEY} of config.json'
+        ) from None
+    return path if content else None
+
+
+def sparse_attention_enabled(section: Mapping[str, Any], *, folder: str | os.PathLike | None = None) -> bool:
+    """Whether vLLM and SGLang would run the sparse (MInference vertical-slash) prefill for this
+    section and folder: ``section.get("sparse_attention_enabled", <a sparse config exists>)``, a
+    sparse config existing when the section has a ``sparse_attention_config`` (not null) or the
+    folder a non-empty :data:`SPARSE_CONFIG_FILE` (upstream merges the file into the section and
+    then enables it unless the key is set). ``sparse_attention_enabled`` must be a JSON boolean."""
+    if "sparse_attention_enabled" in section:
+        flag = section["sparse_attention_enabled"]
+        if not isinstance(flag, bool):
+            raise DcaConfigError(f"{CONFIG_KEY}.sparse_attention_enabled must be true or false, got {flag!r}")
+        return flag
+    return section.get("sparse_attention_config") is not None or _sparse_file(folder) is not None
+
+
+def check_dense(section: Mapping[str, Any], *, folder: str | os.PathLike | None = None) -> None:
+    """Refuse (:class:`DcaConfigError`, one line) a section and folder that upstream would run with
+    sparse prefill (:func:`sparse_attention_enabled`): dash-trt runs DCA dense only, and running
+    such a config dense would silently give other results than vLLM and SGLang on long prompts.
+    With ``sparse_attention_enabled: false`` it runs dense, as upstream does; a
+    :data:`SPARSE_CONFIG_FILE` in the folder is then ignored, and a warning says so."""
+    explicit = "sparse_attention_enabled" in section
+    if not sparse_attention_enabled(section, folder=folder):
+        path = _sparse_file(folder) if explicit else None
+        if path is not None:
+            warnings.warn(
+                f"{path} is ignored: {CONFIG_KEY}.sparse_attention_enabled is false, so Dual Chunk Attention runs "
+                "dense (as vLLM and SGLang run it with that key)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return
+    threshold = section.get("sparse_attention_threshold", SPARSE_THRESHOLD_DEFAULT)
+    how = (
+        f'to run it dense deliberately, set "sparse_attention_enabled": false in {CONFIG_KEY} of config.json '
+        "(which is how vLLM and SGLang turn it off)"
+    )
+    mode = f"the sparse (MInference vertical-slash) mode for prompts over {threshold} tokens"
+    if explicit:
+        raise DcaConfigError(
+            f"{CONFIG_KEY}.sparse_attention_enabled is true: {mode}, which dash-trt does not implement (it runs Dual "
+            f"Chunk Attention dense only); {how}"
+        )
+    if section.get("sparse_attention_config") is not None:
+        raise DcaConfigError(
+            f"{CONFIG_KEY} has a sparse_attention_config and no sparse_attention_enabled, so vLLM and SGLang run "
+            f"{mode}; dash-trt runs Dual Chunk Attention dense only: {how}"
+        )
+    raise DcaConfigError(
+        f"{_sparse_file(folder)}: vLLM and SGLang merge this file into {CONFIG_KEY} and run {mode}; dash-trt runs "
+        f"Dual Chunk Attention dense only: {how}"
+    )
 
 
 def length_scale(length: int, original_max_position_embeddings: int | None) -> float:

@@ -753,7 +753,7 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
 
 
 def _run_dca(a, out_stream: TextIO, progress: Progress, fail) -> int:
-    """dash-export of a Qwen2 Dual Chunk Attention folder (:mod:`dash_trt.models.qwen2_dca`): one
+    """dash-export of a Qwen2 or Qwen2-MoE Dual Chunk Attention folder (:mod:`dash_trt.models.qwen2_dca`): one
     ``dash_trt.DualChunkAttention`` node per layer with its standard-ops function, checked by
     onnx.checker and by ONNX Runtime generating PyTorch's tokens (prefill in chunks, then decode)."""
     if a.demo or a.random_init or a.config or a.model_class or a.vision:
@@ -767,7 +767,7 @@ def _run_dca(a, out_stream: TextIO, progress: Progress, fail) -> int:
             model.config.dca.check_kv_block_size(a.kv_block_size)
         c = model.config
         progress.note(
-            f"Qwen2 with Dual Chunk Attention: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
+            f"{c.label}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
             f"{c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, chunk {c.dca.chunk_size}, local "
             f"{c.dca.local_size}, {model.dtype}, KV blocks of {a.kv_block_size}"
         )

@@ -462,6 +462,76 @@ def test_from_model_config_refusals(tmp_path):
         DcaConfig.from_model_config(tmp_path)
 
 
+#: An illustrative sparse_attention_config (upstream reads one entry per layer: head -> pattern).
+SPARSE = [{"0": ["vertical_and_slash", 1000, 6096, 0.9]}]
+SECTION = {"chunk_size": 64, "local_size": 16}
+
+
+@pytest.mark.parametrize(
+    "extra, sparse",
+    [
+        ({}, False),
+        ({"sparse_attention_enabled": False, "sparse_attention_config": SPARSE}, False),  # refused before
+        ({"sparse_attention_config": None, "sparse_attention_threshold": 100}, False),
+        ({"sparse_attention_config": SPARSE}, True),
+        ({"sparse_attention_config": {}}, True),  # upstream: `is not None`
+        ({"sparse_attention_enabled": True}, True),
+        ({"sparse_attention_enabled": True, "sparse_attention_config": SPARSE}, True),
+    ],
+)
+def test_sparse_keys_follow_upstream_s_effective_flag(extra, sparse):
+    """enabled = section.get("sparse_attention_enabled", <a sparse_attention_config is given>):
+    refused exactly when upstream would run the sparse prefill; explicit false runs dense."""
+    section = {**SECTION, **extra}
+    assert dca.sparse_attention_enabled(section) is sparse
+    if not sparse:
+        assert DcaConfig.from_dict(section) == DcaConfig(64, 16)
+        return
+    with pytest.raises(DcaConfigError) as err:
+        DcaConfig.from_dict(section)
+    msg = str(err.value)
+    assert "sparse (MInference vertical-slash) mode" in msg and "dense only" in msg and "\n" not in msg
+    assert '"sparse_attention_enabled": false' in msg and "over 32768 tokens" in msg
+
+
+def test_sparse_attention_config_json_beside_the_weights(tmp_path):
+    """A folder's sparse_attention_config.json, which vLLM and SGLang merge into the section and
+    enable unless sparse_attention_enabled is set: refused naming the file; with the key false it
+    is ignored, and a warning says so; an empty one is ignored upstream and here."""
+    (tmp_path / "config.json").write_text(json.dumps({"dual_chunk_attention_config": SECTION}))
+    sparse_file = tmp_path / dca.SPARSE_CONFIG_FILE
+    sparse_file.write_text(json.dumps(SPARSE))
+    assert dca.sparse_attention_enabled(SECTION, folder=tmp_path)
+    with pytest.raises(DcaConfigError) as err:
+        DcaConfig.from_model_config(tmp_path)
+    msg = str(err.value)
+    assert msg.startswith(str(sparse_file) + ": vLLM and SGLang merge this file")
+    assert "dense only" in msg and '"sparse_attention_enabled": false in dual_chunk_attention_config' in msg
+    with pytest.raises(DcaConfigError, match="sparse_attention_config.json: vLLM"):
+        DcaConfig.from_dict(SECTION, folder=tmp_path)
+    # a parsed dict says nothing about a folder unless told which
+    assert DcaConfig.from_model_config({"dual_chunk_attention_config": SECTION}) == DcaConfig(64, 16)
+    with pytest.raises(DcaConfigError, match="sparse_attention_config.json: vLLM"):
+        DcaConfig.from_model_config({"dual_chunk_attention_config": SECTION}, folder=tmp_path)
+    off = {**SECTION, "sparse_attention_enabled": False}
+    (tmp_path / "config.json").write_text(json.dumps({"dual_chunk_attention_config": off}))
+    with pytest.warns(
+        UserWarning, match="sparse_attention_config.json is ignored: .*sparse_attention_enabled is false"
+    ):
+        assert DcaConfig.from_model_config(tmp_path) == DcaConfig(64, 16)
+    on = {**SECTION, "sparse_attention_enabled": True}
+    with pytest.raises(DcaConfigError, match="sparse_attention_enabled is true"):
+        DcaConfig.from_dict(on, folder=tmp_path)
+    with pytest.raises(DcaConfigError, match="sparse_attention_enabled must be true or false, got 'false'"):
+        DcaConfig.from_dict({**SECTION, "sparse_attention_enabled": "false"})
+    sparse_file.write_text("{}")
+    assert not dca.sparse_attention_enabled(SECTION, folder=tmp_path)
+    assert DcaConfig.from_dict(SECTION, folder=tmp_path) == DcaConfig(64, 16)
+    sparse_file.write_text("[{not json")
+    with pytest.raises(DcaConfigError, match="sparse_attention_config.json cannot be read as JSON"):
+        DcaConfig.from_dict(SECTION, folder=tmp_path)
+
+
 def test_bad_inputs_refused():
     cfg = CONFIGS["c8"]
     q, k, v = make_inputs(cfg, 6)

@@ -19,6 +19,7 @@ from dash_trt import dca_onnx
 from dash_trt.dca import DcaConfigError, length_scale
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models.checkpoint import CheckpointError
+from dash_trt.models.loader import load_model
 from dash_trt.paged import BatchHost, DashBatch
 from dash_trt.serving.block_pool import KVBlockPool
 
@@ -56,10 +57,17 @@ def random_ids(n: int, seed: int, vocab: int = 96) -> list[int]:
 
 
 # ------------------------------------------------------------------- dense Qwen2 (float64)
-def dense_qwen2_logits(state: dict, config: dict, ids: list[int]) -> torch.Tensor:
+def gated_mlp64(w: dict, prefix: str, h: torch.Tensor) -> torch.Tensor:
+    """Qwen2's SiLU-gated MLP ``{prefix}{gate,up,down}_proj`` in float64."""
+    gate, up = h @ w[prefix + "gate_proj.weight"].T, h @ w[prefix + "up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
+
+
+def dense_qwen2_logits(state: dict, config: dict, ids: list[int], ffn=None) -> torch.Tensor:
     """Hugging Face Qwen2 without DCA, written from its formulas: float64, causal softmax
     attention with standard (rotate-half) RoPE at absolute positions, q/k/v bias, grouped KV
-    heads repeated, SiLU-gated MLP, RMSNorm."""
+    heads repeated, SiLU-gated MLP, RMSNorm. ``ffn(w, layer, h)`` replaces the MLP (Qwen2-MoE's
+    block, tests/test_dca_moe.py)."""
     w = {k: v.double() for k, v in state.items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or config["hidden_size"] // heads
@@ -94,8 +102,7 @@ def dense_qwen2_logits(state: dict, config: dict, ids: list[int]) -> torch.Tenso
         attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * d)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         h = norm(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        x = x + (ffn(w, i, h) if ffn is not None else gated_mlp64(w, p + "mlp.", h))
     head = w["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else w["lm_head.weight"]
     return norm(x, w["model.norm.weight"]) @ head.T
 
@@ -325,6 +332,10 @@ BAD_CONFIGS = [
     ({"dual_chunk_attention_config": {"local_size": 8}}, r"missing required key\(s\): chunk_size"),
     ({"dual_chunk_attention_config": {"chunk_size": 8, "local_size": 8}}, "must be smaller than chunk_size"),
     ({"dual_chunk_attention_config": {**dca_section(), "sparse_attention_enabled": True}}, "sparse"),
+    (
+        {"dual_chunk_attention_config": {**dca_section(), "sparse_attention_config": [{}]}},
+        "no sparse_attention_enabled",
+    ),
     ({"dual_chunk_attention_config": {**dca_section(), "original_max_position_embeddings": -1}}, "non-negative"),
     ({"hidden_size": None}, "missing the required key 'hidden_size'"),
     ({"vocab_size": "96"}, "'vocab_size' must be a positive int, got '96'"),
@@ -402,6 +413,50 @@ def test_bad_folders_refused(tmp_path):
     broken(lambda s: s.update(wrong), r"k_proj.weight is \[64, 64\], expected \[32, 64\]")
     other = torch.zeros_like(state["model.embed_tokens.weight"])
     broken(lambda s: s.update({"lm_head.weight": other}), "lm_head.weight differs", tie_word_embeddings=True)
+
+
+#: An illustrative sparse attention config (upstream reads one entry per layer: head -> pattern).
+SPARSE = [{"0": ["vertical_and_slash", 1000, 6096, 0.9]}, {"0": ["vertical_and_slash", 1000, 6096, 0.9]}]
+
+
+def test_sparse_attention_config_json_is_refused_unless_switched_off(tmp_path):
+    """A folder with sparse_attention_config.json (vLLM and SGLang would run sparse prefill above
+    32768 tokens) is refused by both loaders, naming the file and the key that runs it dense;
+    with "sparse_attention_enabled": false it loads (a warning says the file is ignored) and
+    generates the dense model's tokens. The section's own sparse_attention_config with the key
+    false, refused before, loads too."""
+    plain = tmp_path / "plain"
+    Q.write_tiny_qwen2_dca(plain, seed=2, rope_theta=1e6, dual_chunk_attention_config=dca_section(L_ORIG))
+    model = Q.load_qwen2_dca(plain)
+    prompt = random_ids(PROMPT, seed=10)
+    want = Q.reference_generate(model, [prompt], 12).tokens
+
+    shipped = tmp_path / "shipped"
+    Q.write_tiny_qwen2_dca(shipped, seed=2, rope_theta=1e6, dual_chunk_attention_config=dca_section(L_ORIG))
+    (shipped / "sparse_attention_config.json").write_text(json.dumps(SPARSE))
+    for load in (Q.load_qwen2_dca, load_model):
+        with pytest.raises(DcaConfigError) as err:
+            load(shipped)
+        msg = str(err.value)
+        assert msg.startswith(f"{shipped / 'sparse_attention_config.json'}: vLLM and SGLang merge this file"), msg
+        assert "dash-trt runs Dual Chunk Attention dense only" in msg
+        assert '"sparse_attention_enabled": false in dual_chunk_attention_config of config.json' in msg
+
+    off = {**dca_section(L_ORIG), "sparse_attention_enabled": False}
+    raw = json.loads((shipped / "config.json").read_text())
+    (shipped / "config.json").write_text(json.dumps({**raw, "dual_chunk_attention_config": off}))
+    for load in (Q.load_qwen2_dca, load_model):
+        with pytest.warns(UserWarning, match="sparse_attention_config.json is ignored"):
+            loaded = load(shipped)
+        assert Q.generate(loaded, [prompt], 12, prefill=16, kv_block_size=BLOCK).tokens == want
+    assert torch.equal(loaded.reference_logits(prompt), model.reference_logits(prompt))
+
+    inline = tmp_path / "inline"
+    section = {**dca_section(L_ORIG), "sparse_attention_enabled": False, "sparse_attention_config": SPARSE}
+    Q.write_tiny_qwen2_dca(inline, seed=2, rope_theta=1e6, dual_chunk_attention_config=section)
+    loaded = Q.load_qwen2_dca(inline)
+    assert loaded.config.to_dict()["dual_chunk_attention_config"]["sparse_attention_enabled"] is False
+    assert Q.generate(loaded, [prompt], 12, prefill=16, kv_block_size=BLOCK).tokens == want
 
 
 # ------------------------------------------------------------------------------ ONNX

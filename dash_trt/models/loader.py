@@ -1,8 +1,11 @@
 """Which loader a checkpoint needs: the one entry point of the tools that serve any model.
 
 A Hugging Face folder whose ``config.json`` carries ``dual_chunk_attention_config`` is a
-Qwen2 decoder with Dual Chunk Attention (:mod:`dash_trt.models.qwen2_dca`); anything else is
-a DASH checkpoint (:func:`dash_trt.models.checkpoint.load_checkpoint`).
+Qwen2 or Qwen2-MoE decoder with Dual Chunk Attention (:mod:`dash_trt.models.qwen2_dca`,
+:mod:`dash_trt.models.qwen2_moe_dca`); anything else is a DASH checkpoint
+(:func:`dash_trt.models.checkpoint.load_checkpoint`). A DCA folder with a
+``sparse_attention_config.json`` that vLLM and SGLang would run sparse is refused
+(:func:`dash_trt.dca.check_dense`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 
 from ..dca import CONFIG_KEY
 from .checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
-from .qwen2_dca import Qwen2DcaForCausalLM, load_qwen2_dca
+from .qwen2_dca import dca_model_class, load_qwen2_dca
 
 __all__ = ["is_dca_folder", "load_model"]
 
@@ -31,13 +34,17 @@ def is_dca_folder(path: str | os.PathLike) -> bool:
 
 
 def load_model(path: str | os.PathLike, *, allow_pickle: bool = False, model_class: str | type | None = None):
-    """The model of a checkpoint: a DCA folder (:func:`~dash_trt.models.qwen2_dca.load_qwen2_dca`)
-    or a DASH checkpoint (:func:`~dash_trt.models.checkpoint.load_checkpoint`, with
-    ``allow_pickle`` and ``model_class``)."""
+    """The model of a checkpoint: a DCA folder (:func:`~dash_trt.models.qwen2_dca.load_qwen2_dca`;
+    ``model_class``, if given, must name the class the folder's config asks for, as the Triton
+    service's ``module:Class`` does) or a DASH checkpoint
+    (:func:`~dash_trt.models.checkpoint.load_checkpoint`, with ``allow_pickle`` and
+    ``model_class``)."""
     if is_dca_folder(path):
-        if model_class not in (None, "", Qwen2DcaForCausalLM) and not str(model_class).endswith(":Qwen2DcaForCausalLM"):
+        with open(os.path.join(os.fspath(path), CONFIG_FILE), encoding="utf-8") as fh:
+            cls = dca_model_class(json.load(fh))
+        if model_class not in (None, "", cls) and not str(model_class).endswith(f":{cls.__name__}"):
             raise CheckpointError(
-                f"{os.fspath(path)} is a Dual Chunk Attention folder (Qwen2DcaForCausalLM); --model "
+                f"{os.fspath(path)} is a Dual Chunk Attention folder ({cls.__name__}); --model "
                 f"{model_class} does not apply to it"
             )
         return load_qwen2_dca(path)

@@ -25,8 +25,11 @@ The three forms share the weights and everything outside the attention:
   (:mod:`dash_trt.dca_onnx`), so ONNX Runtime runs it.
 
 :func:`load_qwen2_dca` reads a Hugging Face folder (``config.json`` and ``model.safetensors`` or
-its shards), :func:`save_qwen2_dca` writes one, :func:`write_tiny_qwen2_dca` writes a random-weight
-one for tests. :func:`generate` is greedy generation over a paged cache (chunked prefill at any
+its shards; a Qwen2-MoE one as :class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`, the
+subclass that only builds another feed-forward block; a folder whose
+``sparse_attention_config.json`` vLLM and SGLang would run sparse is refused),
+:func:`save_qwen2_dca` writes one, :func:`write_tiny_qwen2_dca` writes a random-weight one for
+tests. :func:`generate` is greedy generation over a paged cache (chunked prefill at any
 split points, then one token per step, block tables drawn from a shuffled pool);
 :func:`reference_generate` recomputes the whole sequence at every step instead.
 """
@@ -40,14 +43,14 @@ import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import dca_ops
-from ..dca import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention
+from ..dca import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention, read_model_config
 from ..dca_paged import DcaKVCache
 from ..export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
 from ..fileio import atomic_write
@@ -62,6 +65,7 @@ __all__ = [
     "Qwen2DcaConfig",
     "Qwen2DcaForCausalLM",
     "Qwen2DcaExportGraph",
+    "dca_model_class",
     "tiny_qwen2_dca_config",
     "init_random_weights",
     "load_qwen2_dca",
@@ -77,6 +81,10 @@ __all__ = [
 
 MODEL_TYPE = "qwen2"
 ARCHITECTURE = "Qwen2ForCausalLM"
+#: Qwen2-MoE's ``model_type``: :func:`load_qwen2_dca` reads Qwen2 and Qwen2-MoE folders (seed 002
+#: covers both), its class by ``model_type`` (:func:`dca_model_class`,
+#: :mod:`dash_trt.models.qwen2_moe_dca`).
+MOE_MODEL_TYPE = "qwen2_moe"
 
 #: The exported graph's inputs before the caches (``past.{layer}.key``, ``past.{layer}.value``).
 GRAPH_INPUTS = ("input_ids", "block_tables", "seq_lens", "query_start_loc", "prompt_lens", "logits_indices")
@@ -181,23 +189,53 @@ class Qwen2DcaConfig:
         (the length scale of the prompt's queries and keys is ``s(n)``)."""
         return int(n)
 
+    #: ``model_type`` and ``architectures[0]`` of the config.json this class reads and writes.
+    MODEL_TYPE: ClassVar[str] = MODEL_TYPE
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE
+    #: ``intermediate_size`` when config.json has none (required for Qwen2: every layer's MLP).
+    INTERMEDIATE_DEFAULT: ClassVar[int | None] = None
+
+    @property
+    def label(self) -> str:
+        """What the tools print for the model (e.g. dash-export's progress)."""
+        return "Qwen2 with Dual Chunk Attention"
+
+    def static_sizes(self) -> set[int]:
+        """The model's fixed sizes (the export picks dynamic sizes that differ from each)."""
+        c = self
+        return {c.num_key_value_heads, c.head_dim, c.num_attention_heads, c.hidden_size, c.vocab_size} | {
+            c.intermediate_size,
+            c.num_hidden_layers,
+        }
+
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], *, source: str = "model config") -> Qwen2DcaConfig:
-        """Read and check a parsed ``config.json``. Required: ``dual_chunk_attention_config``
-        (with ``chunk_size`` and ``local_size``), ``vocab_size``, ``hidden_size``,
-        ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``. Defaults as
-        ``transformers``' ``Qwen2Config``: ``num_key_value_heads`` = the attention heads,
-        ``rms_norm_eps`` 1e-6, ``rope_theta`` 10000, ``tie_word_embeddings`` false. Refused:
+    def from_dict(
+        cls, config: Mapping[str, Any], *, source: str = "model config", folder: str | os.PathLike | None = None
+    ) -> Qwen2DcaConfig:
+        """Read and check a parsed ``config.json`` (``folder``: the model folder it came from,
+        where a ``sparse_attention_config.json`` is looked for). Required:
+        ``dual_chunk_attention_config`` (with ``chunk_size`` and ``local_size``), ``vocab_size``,
+        ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``.
+        Defaults as ``transformers``' ``Qwen2Config``: ``num_key_value_heads`` = the attention
+        heads, ``rms_norm_eps`` 1e-6, ``rope_theta`` 10000, ``tie_word_embeddings`` false. Refused:
         another ``model_type``, ``hidden_act`` other than silu, ``rope_scaling``, a sliding window
-        in use, the sparse DCA mode."""
+        in use, a config vLLM and SGLang would run with the sparse DCA mode
+        (:func:`dash_trt.dca.check_dense`)."""
         if not isinstance(config, Mapping):
             raise Qwen2DcaConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
-        dca = DcaConfig.from_model_config(config)  # "not a Dual Chunk Attention model", sparse mode, ...
-        model_type = config.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
+        # "not a Dual Chunk Attention model", the sparse mode (in the section or beside the weights), ...
+        dca = DcaConfig.from_model_config(config, folder=folder)
+        return cls(dca=dca, raw=dict(config), **cls._fields(config, source))
+
+    @classmethod
+    def _fields(cls, config: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """Every field but ``dca`` and ``raw``, read and checked (a subclass adds its keys)."""
+        model_type = config.get("model_type", cls.MODEL_TYPE)
+        if model_type != cls.MODEL_TYPE:
             raise Qwen2DcaConfigError(
-                f"{source}: model_type is {model_type!r}; this model is Qwen2 (model_type {MODEL_TYPE!r}, "
-                f"{ARCHITECTURE}) with Dual Chunk Attention"
+                f"{source}: model_type is {model_type!r}; this model is {cls.ARCHITECTURE} (model_type "
+                f"{cls.MODEL_TYPE!r}) with Dual Chunk Attention (the loader reads model_type {MODEL_TYPE!r} and "
+                f"{MOE_MODEL_TYPE!r})"
             )
         act = config.get("hidden_act", "silu")
         if act != "silu":
@@ -209,8 +247,10 @@ class Qwen2DcaConfig:
             )
         ints = {
             k: _int_key(config, k, source=source)
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
         }
+        default = _REQUIRED if cls.INTERMEDIATE_DEFAULT is None else cls.INTERMEDIATE_DEFAULT
+        ints["intermediate_size"] = _int_key(config, "intermediate_size", default, source=source)
         heads = ints["num_attention_heads"]
         kv_heads = _int_key(config, "num_key_value_heads", heads, source=source)
         if heads % kv_heads:
@@ -239,38 +279,34 @@ class Qwen2DcaConfig:
             eos = eos[0] if eos else None
         if eos is not None and (not isinstance(eos, numbers.Integral) or isinstance(eos, bool) or eos < 0):
             raise Qwen2DcaConfigError(f"{source}: eos_token_id must be a non-negative int, got {eos!r}")
-        return cls(
+        return dict(
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_float_key(config, "rms_norm_eps", 1e-6, source=source),
             rope_theta=_rope_theta(config, source),
             tie_word_embeddings=tie,
-            dca=dca,
             torch_dtype=dtype,
             eos_token_id=None if eos is None else int(eos),
-            raw=dict(config),
             **ints,
         )
 
     @classmethod
     def from_model_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> Qwen2DcaConfig:
         """:meth:`from_dict` of a parsed ``config.json``, the path of that file, or the model
-        folder holding it."""
+        folder holding it (where a ``sparse_attention_config.json`` is looked for too)."""
         if isinstance(config, Mapping):
             return cls.from_dict(config)
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            path = os.path.join(path, CONFIG_FILE)
-        DcaConfig.from_model_config(path)  # missing file, bad JSON, no DCA section: named after the file
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh), source=path)
+        raw, path = read_model_config(config)  # missing file, bad JSON: named after the file
+        if raw.get(CONFIG_KEY) is None:  # named after the file too
+            raise Qwen2DcaConfigError(f"{path} has no {CONFIG_KEY!r}: not a Dual Chunk Attention model")
+        return cls.from_dict(raw, source=path, folder=os.path.dirname(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` of this config (the keys read here, over the original ones)."""
         out = dict(self.raw)
         out.update(
-            architectures=[ARCHITECTURE],
-            model_type=MODEL_TYPE,
+            architectures=[self.ARCHITECTURE],
+            model_type=self.MODEL_TYPE,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -345,26 +381,37 @@ class Qwen2DcaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+#: build_mlp(config, layer_idx) -> the layer's feed-forward module (``mlp.`` in Hugging Face names)
+BuildMlpFn = Callable[[Qwen2DcaConfig, int], nn.Module]
+
+
 class Qwen2DcaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen2DcaConfig, layer_idx: int):
+    """RMSNorm, the attention, residual; RMSNorm, the feed-forward ``mlp`` (Qwen2's gated MLP, or
+    what ``build_mlp`` makes: Qwen2-MoE's sparse block), residual."""
+
+    def __init__(self, cfg: Qwen2DcaConfig, layer_idx: int, build_mlp: BuildMlpFn | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen2DcaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (build_mlp or _gated_mlp)(cfg, layer_idx)
 
     def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _gated_mlp(cfg: Qwen2DcaConfig, layer_idx: int) -> nn.Module:
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
 class Qwen2DcaModel(nn.Module):
     """The decoder stack (``model.`` in Hugging Face names)."""
 
-    def __init__(self, cfg: Qwen2DcaConfig):
+    def __init__(self, cfg: Qwen2DcaConfig, build_mlp: BuildMlpFn | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen2DcaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen2DcaDecoderLayer(cfg, i, build_mlp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
@@ -377,19 +424,31 @@ class Qwen2DcaModel(nn.Module):
 
 class Qwen2DcaForCausalLM(nn.Module):
     """Qwen2 with Dual Chunk Attention (see the module docstring). ``state_dict()`` names are
-    Hugging Face's; with ``tie_word_embeddings`` ``lm_head.weight`` is ``model.embed_tokens.weight``."""
+    Hugging Face's; with ``tie_word_embeddings`` ``lm_head.weight`` is ``model.embed_tokens.weight``.
+
+    The model contract every DCA model follows (the tools take any subclass): a subclass sets
+    :attr:`config_class` and overrides :meth:`build_mlp` (Qwen2-MoE,
+    :class:`dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`); the attention, the three forms,
+    the caches, loading, saving, generation and the export are these."""
+
+    #: The config this model takes (:func:`load_qwen2_dca` reads a folder's with it).
+    config_class: ClassVar[type[Qwen2DcaConfig]] = Qwen2DcaConfig
 
     def __init__(self, config: Qwen2DcaConfig):
         super().__init__()
-        if not isinstance(config, Qwen2DcaConfig):
-            raise TypeError(f"config must be a Qwen2DcaConfig, got {type(config).__name__}")
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
-        self.model = Qwen2DcaModel(config)
+        self.model = Qwen2DcaModel(config, self.build_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         #: the DCA op's scalars (rotary over the whole head, softmax scale head_dim ** -0.5)
         self.dca_attributes = dca_ops.encode(config.dca, rope_theta=config.rope_theta)
+
+    def build_mlp(self, config: Qwen2DcaConfig, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward module (``model.layers.{i}.mlp``): Qwen2's SiLU-gated MLP."""
+        return _gated_mlp(config, layer_idx)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -606,21 +665,41 @@ def _few(names: Sequence[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + more
 
 
+def dca_model_class(config: Mapping[str, Any]) -> type[Qwen2DcaForCausalLM]:
+    """The model class of a parsed DCA ``config.json``: Qwen2-MoE
+    (:class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`) for ``model_type``
+    ``qwen2_moe`` (or, without a ``model_type``, ``architectures[0]`` ``Qwen2MoeForCausalLM``);
+    else Qwen2, whose config refuses any other ``model_type`` with a message."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        archs = config.get("architectures")
+        if isinstance(archs, list) and archs and archs[0] == "Qwen2MoeForCausalLM":
+            model_type = MOE_MODEL_TYPE
+    if model_type == MOE_MODEL_TYPE:
+        from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM
+
+        return Qwen2MoeDcaForCausalLM
+    return Qwen2DcaForCausalLM
+
+
 def load_qwen2_dca(
     folder: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Qwen2DcaForCausalLM:
     """The model of a Hugging Face folder: ``config.json`` with ``dual_chunk_attention_config``
-    (:class:`Qwen2DcaConfig`) and ``model.safetensors`` (or shards with their index). ``dtype``
-    defaults to the config's ``torch_dtype``. Raises :class:`Qwen2DcaConfigError` for the config
-    and :class:`~dash_trt.models.checkpoint.CheckpointError` for the weights (missing, unexpected,
-    of the wrong shape)."""
+    and ``model.safetensors`` (or shards with their index), Qwen2 (:class:`Qwen2DcaConfig`) or
+    Qwen2-MoE (``model_type`` ``qwen2_moe``; :func:`dca_model_class`). ``dtype`` defaults to the
+    config's ``torch_dtype``. Raises :class:`Qwen2DcaConfigError` for the config (also for a
+    ``sparse_attention_config.json`` beside the weights that vLLM and SGLang would run sparse:
+    :func:`dash_trt.dca.check_dense`) and :class:`~dash_trt.models.checkpoint.CheckpointError` for
+    the weights (missing, unexpected, of the wrong shape)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise CheckpointError(f"model folder not found: {folder}")
-    config = Qwen2DcaConfig.from_model_config(folder)
+    cls = dca_model_class(read_model_config(folder)[0])
+    config = cls.config_class.from_model_config(folder)
     state, _ = read_folder(folder)
     with torch.device("meta"):
-        model = Qwen2DcaForCausalLM(config)
+        model = cls(config)
     want = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         del want["lm_head.weight"]
@@ -896,8 +975,7 @@ def _example_inputs(model: Qwen2DcaForCausalLM, kv_block_size: int) -> tuple:
     all >= 2 and differ from each other and from the model's static sizes, so the exporter
     specialises none of them."""
     c = model.config
-    taken = {1, kv_block_size, c.num_key_value_heads, c.head_dim, c.num_attention_heads, c.hidden_size, c.vocab_size}
-    taken |= {c.intermediate_size, c.num_hidden_layers}
+    taken = {1, kv_block_size} | c.static_sizes()
     lens = [11, 6]
     tokens = _distinct(sum(lens), taken)
     lens[0] += tokens - sum(lens)

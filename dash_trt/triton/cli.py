@@ -22,6 +22,7 @@ from typing import TextIO
 
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..config import DashConfigError
+from ..dca import DcaConfigError
 from ..modeling import ModelContractError
 from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfigError
@@ -340,6 +341,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         CheckpointError,
         ModelConfigError,
         DashConfigError,
+        DcaConfigError,
         ModelContractError,
     ) as exc:
         print(f"dash-triton write: error: {exc}", file=err)

@@ -53,9 +53,8 @@ from .modeling import MODEL_INPUTS, DashModel, ExportGraph, ModelContractError, 
 from .models import qwen2_dca
 from .models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from .models.config import DTYPES, ModelConfigError, load_model_config
-from .models.loader import is_dca_folder
+from .models.loader import is_dca_folder, load_dca
 from .models.prompts import check_prompts, document_prompt
-from .models.qwen2_dca import load_qwen2_dca
 from .models.registry import demo_model, random_model
 from .onnx_graph import read_graph
 from .paged import sequence_coords
@@ -763,7 +762,7 @@ def _run_dca(a, out_stream: TextIO, progress: Progress, fail) -> int:
     try:
         out = _check_output_path(a.out)
         with progress.step("loading the model"):
-            model = load_qwen2_dca(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None)
+            model = load_dca(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None)
             model.config.dca.check_kv_block_size(a.kv_block_size)
         c = model.config
         progress.note(

@@ -20,7 +20,7 @@ from dash_trt.dca import DcaConfigError
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models import qwen2_moe_dca as M
 from dash_trt.models.checkpoint import CheckpointError
-from dash_trt.models.loader import load_model
+from dash_trt.models.loader import dca_model_class, load_dca, load_model
 
 CHUNK, LOCAL = 32, 8
 C = CHUNK - LOCAL  # c = 24
@@ -212,7 +212,7 @@ def test_hf_folder_round_trip(tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     assert raw["architectures"] == ["Qwen2MoeForCausalLM"] and raw["model_type"] == "qwen2_moe"
     assert (raw["num_experts"], raw["num_experts_per_tok"], raw["mlp_only_layers"]) == (8, 2, [1])
-    loaded = Q.load_qwen2_dca(folder)
+    loaded = load_dca(folder)
     assert type(loaded) is M.Qwen2MoeDcaForCausalLM and type(load_model(folder)) is M.Qwen2MoeDcaForCausalLM
     stored = load_file(folder / "model.safetensors")
     assert set(stored) == expected_names(loaded.config)
@@ -223,7 +223,7 @@ def test_hf_folder_round_trip(tmp_path):
     assert torch.equal(loaded.reference_logits(ids), same.reference_logits(ids))
     assert loaded.config == M.Qwen2MoeDcaConfig.from_model_config(folder)
     Q.save_qwen2_dca(loaded, tmp_path / "again")
-    assert torch.equal(Q.load_qwen2_dca(tmp_path / "again").reference_logits(ids), same.reference_logits(ids))
+    assert torch.equal(load_dca(tmp_path / "again").reference_logits(ids), same.reference_logits(ids))
     # the loader's --model must name the folder's class
     spec = "dash_trt.models.qwen2_moe_dca:Qwen2MoeDcaForCausalLM"
     assert type(load_model(folder, model_class=spec)) is M.Qwen2MoeDcaForCausalLM
@@ -234,7 +234,7 @@ def test_hf_folder_round_trip(tmp_path):
     del state["model.layers.2.mlp.experts.5.down_proj.weight"]
     save_file(state, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="missing model.layers.2.mlp.experts.5.down_proj.weight"):
-        Q.load_qwen2_dca(folder)
+        load_dca(folder)
 
 
 BAD_CONFIGS = [
@@ -260,7 +260,7 @@ def test_bad_configs_refused(tmp_path, overrides, message):
         M.Qwen2MoeDcaConfig.from_dict(raw)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(DcaConfigError, match=message):
-        Q.load_qwen2_dca(tmp_path)
+        load_dca(tmp_path)
 
 
 def test_config_defaults_and_family_dispatch():
@@ -270,8 +270,8 @@ def test_config_defaults_and_family_dispatch():
     cfg = M.Qwen2MoeDcaConfig.from_dict(raw)  # model_type from architectures in the loader; here the class's
     assert (cfg.norm_topk_prob, cfg.decoder_sparse_step, cfg.mlp_only_layers) == (False, 1, ())
     assert cfg.intermediate_size == 5632  # transformers' default (used by dense layers only)
-    assert Q.dca_model_class(raw) is M.Qwen2MoeDcaForCausalLM
-    assert Q.dca_model_class(Q.tiny_qwen2_dca_config()) is Q.Qwen2DcaForCausalLM
+    assert dca_model_class(raw) is M.Qwen2MoeDcaForCausalLM
+    assert dca_model_class(Q.tiny_qwen2_dca_config()) is Q.Qwen2DcaForCausalLM
     with pytest.raises(DcaConfigError, match="model_type is 'qwen2_moe'; this model is Qwen2ForCausalLM"):
         Q.Qwen2DcaConfig.from_dict(M.tiny_qwen2_moe_dca_config())
     with pytest.raises(DcaConfigError, match="model_type is 'qwen2'; this model is Qwen2MoeForCausalLM"):

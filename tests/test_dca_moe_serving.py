@@ -12,6 +12,7 @@ import pytest
 
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models import qwen2_moe_dca as M
+from dash_trt.models.loader import load_dca
 from dash_trt.serving.engine import EngineConfig, GenerationEngine
 from dash_trt.serving.generate import generate
 
@@ -102,7 +103,7 @@ def test_triton_serves_a_qwen2_moe_dca_folder_like_offline_generation(tmp_path):
 
     folder = tmp_path / "qwen2-moe-dca"
     M.write_tiny_qwen2_moe_dca(folder, seed=3, rope_theta=1e6, dual_chunk_attention_config=DCA)
-    model = Q.load_qwen2_dca(folder)
+    model = load_dca(folder)
     assert type(model) is M.Qwen2MoeDcaForCausalLM
     prompts = _prompts(model.config, (50, 7), seed=5)
     want = Q.reference_generate(model, prompts, 12).tokens

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from ..dca import CONFIG_KEY
 from .checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
-from .qwen2_dca import dca_model_class, load_qwen2_dca
+from .qwen2_dca import MOE_MODEL_TYPE, Qwen2DcaForCausalLM, load_qwen2_dca
+from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM
 
-__all__ = ["is_dca_folder", "load_model"]
+__all__ = ["is_dca_folder", "load_model", "load_dca", "dca_model_class"]
 
 
 def is_dca_folder(path: str | os.PathLike) -> bool:
@@ -47,5 +50,31 @@ def load_model(path: str | os.PathLike, *, allow_pickle: bool = False, model_cla
                 f"{os.fspath(path)} is a Dual Chunk Attention folder ({cls.__name__}); --model "
                 f"{model_class} does not apply to it"
             )
-        return load_qwen2_dca(path)
+        return load_qwen2_dca(path, model_class=cls)
     return load_checkpoint(path, allow_pickle=allow_pickle, model_class=model_class)
+
+
+def dca_model_class(config: Mapping[str, Any]) -> type[Qwen2DcaForCausalLM]:
+    """The model class of a parsed DCA ``config.json``: Qwen2-MoE
+    (:class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`) for ``model_type``
+    ``qwen2_moe`` (or, without a ``model_type``, ``architectures[0]`` ``Qwen2MoeForCausalLM``);
+    else Qwen2, whose config refuses any other ``model_type`` with a message."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        archs = config.get("architectures")
+        if isinstance(archs, list) and archs and archs[0] == "Qwen2MoeForCausalLM":
+            model_type = MOE_MODEL_TYPE
+    if model_type == MOE_MODEL_TYPE:
+        return Qwen2MoeDcaForCausalLM
+    return Qwen2DcaForCausalLM
+
+
+def load_dca(path: str | os.PathLike, *, dtype=None, device="cpu") -> Qwen2DcaForCausalLM:
+    """A DCA folder's model, of the class its config names (:func:`dca_model_class`)."""
+    folder = os.fspath(path)
+    try:
+        with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        raw = {}  # the loader names what is wrong with the folder
+    return load_qwen2_dca(folder, dtype=dtype, device=device, model_class=dca_model_class(raw))

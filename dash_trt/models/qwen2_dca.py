@@ -65,7 +65,6 @@ __all__ = [
     "Qwen2DcaConfig",
     "Qwen2DcaForCausalLM",
     "Qwen2DcaExportGraph",
-    "dca_model_class",
     "tiny_qwen2_dca_config",
     "init_random_weights",
     "load_qwen2_dca",
@@ -665,29 +664,17 @@ def _few(names: Sequence[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + more
 
 
-def dca_model_class(config: Mapping[str, Any]) -> type[Qwen2DcaForCausalLM]:
-    """The model class of a parsed DCA ``config.json``: Qwen2-MoE
-    (:class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`) for ``model_type``
-    ``qwen2_moe`` (or, without a ``model_type``, ``architectures[0]`` ``Qwen2MoeForCausalLM``);
-    else Qwen2, whose config refuses any other ``model_type`` with a message."""
-    model_type = config.get("model_type")
-    if model_type is None:
-        archs = config.get("architectures")
-        if isinstance(archs, list) and archs and archs[0] == "Qwen2MoeForCausalLM":
-            model_type = MOE_MODEL_TYPE
-    if model_type == MOE_MODEL_TYPE:
-        from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM
-
-        return Qwen2MoeDcaForCausalLM
-    return Qwen2DcaForCausalLM
-
-
 def load_qwen2_dca(
-    folder: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    folder: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    model_class: type[Qwen2DcaForCausalLM] | None = None,
 ) -> Qwen2DcaForCausalLM:
     """The model of a Hugging Face folder: ``config.json`` with ``dual_chunk_attention_config``
-    and ``model.safetensors`` (or shards with their index), Qwen2 (:class:`Qwen2DcaConfig`) or
-    Qwen2-MoE (``model_type`` ``qwen2_moe``; :func:`dca_model_class`). ``dtype`` defaults to the
+    and ``model.safetensors`` (or shards with their index), as ``model_class`` (default Qwen2,
+    :class:`Qwen2DcaConfig`, which refuses another ``model_type``; :func:`dash_trt.models.loader.load_dca`
+    picks the class from the folder's config, Qwen2-MoE too). ``dtype`` defaults to the
     config's ``torch_dtype``. Raises :class:`Qwen2DcaConfigError` for the config (also for a
     ``sparse_attention_config.json`` beside the weights that vLLM and SGLang would run sparse:
     :func:`dash_trt.dca.check_dense`) and :class:`~dash_trt.models.checkpoint.CheckpointError` for
@@ -695,7 +682,7 @@ def load_qwen2_dca(
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise CheckpointError(f"model folder not found: {folder}")
-    cls = dca_model_class(read_model_config(folder)[0])
+    cls = model_class or Qwen2DcaForCausalLM
     config = cls.config_class.from_model_config(folder)
     state, _ = read_folder(folder)
     with torch.device("meta"):

@@ -359,7 +359,7 @@ def test_a_pdf_gives_one_section_a_page_offline(ocr):
     doc = ocr.prepare([("doc.pdf", three_pages())])
     # every page tiled by default, one page or several (vLLM 0.34.0's Unlimited-OCR-2)
     spec = ocr.processor.spec
-    tiled = [image_token_count(p.image.width, p.image.height, spec, crop=True) for p in doc.pages]
+    tiled = [image_token_count(*p.size, spec, crop=True) for p in doc.pages]
     assert doc.crop is True and doc.page_tokens == tiled and min(tiled) > 21
     assert ocr.prepare([("doc.pdf", three_pages())], DocumentOptions(crop=False)).page_tokens == [21, 21, 21]
     assert doc.prompt_ids.count(ocr.config.page_token_id) == 3
@@ -578,3 +578,73 @@ def test_dash_trt_ocr_lists_a_document_it_cannot_write_and_writes_the_others(fol
     assert list(outside.iterdir()) == []
     res = ocr_cli(docs[0], "--out", str(out / "good.md"))
     assert res.returncode == 2 and "is a file, not a folder" in res.stderr and res.stderr.count("\n") == 1
+
+
+def _blank_pdf(pages: int, w: float = 612, h: float = 792) -> bytes:
+    import pypdfium2 as pdfium
+
+    pdf = pdfium.PdfDocument.new()
+    for _ in range(pages):
+        pdf.new_page(w, h)
+    buf = io.BytesIO()
+    pdf.save(buf)
+    pdf.close()
+    return buf.getvalue()
+
+
+@pytest.fixture
+def renders(monkeypatch):
+    """How many pages were rendered or decoded (PageSource.render calls)."""
+    from dash_trt.documents import pages as P
+
+    calls = []
+    real = P.PageSource.render
+    monkeypatch.setattr(P.PageSource, "render", lambda self: calls.append(self.source) or real(self))
+    return calls
+
+
+def test_budgets_are_checked_before_any_page_is_rendered(tokenizer, renders, monkeypatch):
+    """Issue 67 N1: a small PDF of hundreds of pages, a page over its token budget and a GIF of many
+    large frames are refused from their sizes alone: not one page rendered or decoded. An accepted
+    document renders each page once and keeps its views, not its bitmaps."""
+    from dash_trt.documents import pages as P
+    from dash_trt.documents.processor import DocumentProcessor
+
+    proc = DocumentProcessor(tokenizer, image_token_id=3, page_token_id=2, spec=ViewSpec(256, 160, max_crops=6))
+    many = _blank_pdf(300)
+    assert len(many) < 200_000
+    with pytest.raises(DocumentError, match=r"the prompt of 300 page\(s\) is .* more than the 4000"):
+        proc.prepare([("many.pdf", many)], max_prompt_tokens=4000)
+    proc.prepare([("fits.pdf", _blank_pdf(1))], DocumentOptions(max_page_tokens=90))  # 2 x 3 tiles: 84
+    with pytest.raises(DocumentError, match=r"big\.pdf page 1: 742x960 pixels take 84 .* more than the 30"):
+        proc.prepare([("big.pdf", _blank_pdf(3))], DocumentOptions(max_page_tokens=30))
+    assert renders == ["fits.pdf page 1"]  # only the page of the document that fitted
+    frames = [Image.new("RGB", (900, 900), (i, 0, 0)) for i in range(12)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    monkeypatch.setattr(P, "MAX_REQUEST_PIXELS", 5_000_000)  # 12 x 810,000 pixels is over it
+    with pytest.raises(DocumentError, match=r"anim\.gif: the request's pages together take more than 5,000,000"):
+        proc.prepare([("anim.gif", buf.getvalue())])
+    renders.clear()
+    doc = proc.prepare([("three.pdf", _blank_pdf(3, 300, 400))])
+    assert renders == [f"three.pdf page {i}" for i in (1, 2, 3)]
+    assert all(p.image is None and p.size == (720, 960) for p in doc.pages) and len(doc.views) == 3
+    assert doc.page_tokens == [image_token_count(720, 960, proc.spec, crop=True)] * 3 == [84] * 3
+
+
+def test_a_tiff_s_pages_of_different_sizes_are_read_before_decoding(tokenizer):
+    """Each page of a multi-page TIFF has its own size (read from its header before any page is
+    decoded); an EXIF-rotated image is counted upright."""
+    from dash_trt.documents.pages import open_pages
+
+    buf = io.BytesIO()
+    page_image(300, 400).save(buf, "TIFF", save_all=True, append_images=[page_image(500, 200)])
+    pages = open_pages([("scan.tif", buf.getvalue())])
+    assert [(p.source, p.size) for p in pages] == [("scan.tif page 1", (300, 400)), ("scan.tif page 2", (500, 200))]
+    assert [p.render().size for p in pages] == [(300, 400), (500, 200)]
+    rotated = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    page_image(400, 300).save(rotated, "JPEG", exif=exif)
+    (page,) = open_pages([("photo.jpg", rotated.getvalue())])
+    assert page.size == (300, 400) == page.render().size

@@ -6,22 +6,43 @@ Every page comes out as an RGB ``PIL.Image``: EXIF orientation applied, transpar
 onto white, palette and grey images converted. A PDF page is rendered straight to the size the
 model will look at (its longer side ``render_side`` pixels), never at a fixed DPI that a poster
 would turn into a gigapixel bitmap. Errors name the file and page: :class:`DocumentError`.
+
+:func:`open_pages` reads what a request holds without rendering or decoding a page: how many
+pages, and each page's size in pixels (a PDF page's from its size in points, an image's from its
+header). Every budget (pages, pixels a page, pixels a request) is checked there, and a caller
+checks its own (image tokens a page and a prompt) from the sizes, before any page is rendered;
+:meth:`PageSource.render` then renders one page at a time. :func:`load_pages` does both.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DocumentError", "Page", "load_pages", "render_pdf", "open_image", "MAX_PAGES", "MAX_PIXELS"]
+__all__ = [
+    "DocumentError",
+    "Page",
+    "PageSource",
+    "open_pages",
+    "load_pages",
+    "render_pdf",
+    "open_image",
+    "MAX_PAGES",
+    "MAX_PIXELS",
+    "MAX_REQUEST_PIXELS",
+]
 
 #: A document larger than this is refused (one request holds every page's image tokens).
 MAX_PAGES = 1000
 #: An image larger than this (width x height) is refused before it is decoded (a decompression
 #: bomb: a small file that decodes to gigabytes).
 MAX_PIXELS = 200_000_000
+#: The pages of one request together (width x height summed) may not be larger than this: a few
+#: hundred KB of PDF or GIF can ask for many gigapixels, each page rendered or decoded in turn.
+MAX_REQUEST_PIXELS = 20_000_000_000
 
 _PDF_MAGIC = b"%PDF-"
 
@@ -32,14 +53,34 @@ class DocumentError(ValueError):
 
 @dataclass
 class Page:
-    """One page: its RGB image and where it came from (``file.pdf page 3``)."""
+    """One page: its RGB image and where it came from (``file.pdf page 3``). A prepared
+    document's pages keep their size, not their bitmaps (``image`` None; the views are kept)."""
 
-    image: object  # PIL.Image.Image
+    image: object  # PIL.Image.Image, or None once let go
     source: str
+    size: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size is None and self.image is not None:
+            self.size = self.image.size
+
+
+@dataclass
+class PageSource:
+    """One page before it is rendered: where it comes from, its size in pixels as it will be
+    rendered (``width``, ``height``), and how to render it (:meth:`render`, a :class:`Page`)."""
+
+    source: str
+    width: int
+    height: int
+    _render: Callable[[], object]
 
     @property
     def size(self) -> tuple[int, int]:
-        return self.image.size
+        return self.width, self.height
+
+    def render(self) -> Page:
+        return Page(self._render(), self.source)
 
 
 def _pil():
@@ -65,8 +106,8 @@ def _rgb(image, source: str):
     return image.convert("RGB")
 
 
-def open_image(data: bytes, source: str) -> list[Page]:
-    """The pages of an image file's bytes (one per frame)."""
+def _image_sources(data: bytes, source: str) -> list[PageSource]:
+    """The pages of an image file's bytes (one per frame), their sizes read from the header."""
     Image, _ = _pil()
     try:  # Pillow reads the header only here, and refuses a decompression bomb itself
         img = Image.open(io.BytesIO(data))
@@ -87,16 +128,53 @@ def open_image(data: bytes, source: str) -> list[Page]:
     frames = getattr(img, "n_frames", 1)
     if frames > MAX_PAGES:
         raise DocumentError(f"{source}: {frames} frames, more than {MAX_PAGES} pages")
-    pages = []
-    for i in range(frames):
+    # NOTE: EXIF orientation may swap a frame's sides; the size is the upright one
+    swap = _exif_swaps(img)
+    sizes = [(w, h)] * frames
+    if frames > 1 and img.format != "GIF":  # a TIFF's pages may differ (a GIF's frames share its screen)
+        sizes = []
+        for i in range(frames):
+            try:
+                img.seek(i)  # the frame's header, not its pixels
+            except Exception as exc:  # noqa: BLE001 - a truncated file
+                raise DocumentError(f"{source} page {i + 1}: cannot be read ({type(exc).__name__}: {exc})") from None
+            fw, fh = img.size
+            if fw * fh > MAX_PIXELS:
+                raise DocumentError(f"{source} page {i + 1}: {fw}x{fh} pixels is larger than {MAX_PIXELS:,} pixels")
+            sizes.append((fw, fh))
+
+    def frame(i: int, name: str):
+        def render():
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    im.seek(i)
+                    im.load()
+                    return _rgb(im.copy(), name)
+            except DocumentError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a truncated frame
+                raise DocumentError(f"{name}: cannot be decoded ({type(exc).__name__}: {exc})") from None
+
+        return render
+
+    out = []
+    for i, (fw, fh) in enumerate(sizes):
         name = source if frames == 1 else f"{source} page {i + 1}"
-        try:
-            img.seek(i)
-            img.load()
-        except Exception as exc:  # noqa: BLE001 - a truncated frame
-            raise DocumentError(f"{name}: cannot be decoded ({type(exc).__name__}: {exc})") from None
-        pages.append(Page(_rgb(img.copy(), name), name))
-    return pages
+        out.append(PageSource(name, *((fh, fw) if swap else (fw, fh)), frame(i, name)))
+    return out
+
+
+def _exif_swaps(img) -> bool:
+    """Whether the image's EXIF orientation turns it by 90 degrees (5 to 8)."""
+    try:
+        return img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+    except Exception:  # noqa: BLE001 - a broken EXIF block: _rgb names it when the page renders
+        return False
+
+
+def open_image(data: bytes, source: str) -> list[Page]:
+    """The pages of an image file's bytes (one per frame)."""
+    return [p.render() for p in _image_sources(data, source)]
 
 
 def _declares_no_pages(data: bytes) -> bool:
@@ -107,52 +185,85 @@ def _declares_no_pages(data: bytes) -> bool:
     return bool(re.search(rb"/Count\s*0(?![0-9])", data)) and not re.search(rb"/Type\s*/Page(?![a-zA-Z])", data)
 
 
-def render_pdf(data: bytes, source: str, render_side: int) -> list[Page]:
-    """Every page of a PDF rendered so that its longer side is ``render_side`` pixels."""
-    try:
-        import pypdfium2 as pdfium
-    except ImportError:
-        raise DocumentError("reading PDFs needs pypdfium2 (pip install 'dash-trt[documents]')") from None
-    try:
-        pdf = pdfium.PdfDocument(data)
-    except Exception as exc:  # noqa: BLE001 - PdfiumError for damaged, encrypted or non-PDF data
-        if _declares_no_pages(data):  # PDFium refuses to open a document without pages
-            raise DocumentError(f"{source}: the PDF has 0 pages") from None
-        raise DocumentError(f"{source}: not a readable PDF ({exc})") from None
+def _pdf_sources(data: bytes, source: str, render_side: int) -> list[PageSource]:
+    """The pages of a PDF, each to be rendered with its longer side ``render_side`` pixels: their
+    count and sizes read from the document (no page rendered)."""
+    pdfium = _pdfium()
+    pdf = _open_pdf(pdfium, data, source)
     try:
         n = len(pdf)
         if n == 0:
             raise DocumentError(f"{source}: the PDF has 0 pages")
         if n > MAX_PAGES:
             raise DocumentError(f"{source}: {n} pages, more than {MAX_PAGES}")
-        pages = []
+        out = []
         for i in range(n):
             name = f"{source} page {i + 1}"
             try:
                 page = pdf[i]
                 w, h = page.get_size()  # points, rotation applied
-                if w <= 0 or h <= 0:
-                    raise DocumentError(f"{name}: the page has no area ({w:g} x {h:g} points)")
-                scale = render_side / max(w, h)
-                image = page.render(scale=scale).to_pil()
                 page.close()
-            except DocumentError:
-                raise
             except Exception as exc:  # noqa: BLE001 - a damaged page
-                raise DocumentError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
-            pages.append(Page(_rgb(image, name), name))
-        return pages
+                raise DocumentError(f"{name}: cannot be read ({type(exc).__name__}: {exc})") from None
+            if not (w > 0 and h > 0):
+                raise DocumentError(f"{name}: the page has no area ({w:g} x {h:g} points)")
+            scale = render_side / max(w, h)
+            # pypdfium2 renders ceil(points x scale) pixels a side
+            out.append(PageSource(name, math.ceil(w * scale), math.ceil(h * scale), _pdf_page(data, i, scale, name)))
+        return out
     finally:
         pdf.close()
 
 
-def load_pages(
+def _pdfium():
+    try:
+        import pypdfium2 as pdfium
+    except ImportError:
+        raise DocumentError("reading PDFs needs pypdfium2 (pip install 'dash-trt[documents]')") from None
+    return pdfium
+
+
+def _open_pdf(pdfium, data: bytes, source: str):
+    try:
+        return pdfium.PdfDocument(data)
+    except Exception as exc:  # noqa: BLE001 - PdfiumError for damaged, encrypted or non-PDF data
+        if _declares_no_pages(data):  # PDFium refuses to open a document without pages
+            raise DocumentError(f"{source}: the PDF has 0 pages") from None
+        raise DocumentError(f"{source}: not a readable PDF ({exc})") from None
+
+
+def _pdf_page(data: bytes, index: int, scale: float, name: str):
+    def render():
+        pdfium = _pdfium()
+        pdf = _open_pdf(pdfium, data, name)
+        try:
+            page = pdf[index]
+            image = page.render(scale=scale).to_pil()
+            page.close()
+        except Exception as exc:  # noqa: BLE001 - a damaged page
+            raise DocumentError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
+        finally:
+            pdf.close()
+        return _rgb(image, name)
+
+    return render
+
+
+def render_pdf(data: bytes, source: str, render_side: int) -> list[Page]:
+    """Every page of a PDF rendered so that its longer side is ``render_side`` pixels."""
+    return [p.render() for p in _pdf_sources(data, source, render_side)]
+
+
+def open_pages(
     sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]], *, render_side: int = 1024
-) -> list[Page]:
-    """The pages of ``sources`` in order: paths, raw bytes, or ``(name, bytes)`` pairs, each a PDF
-    (recognised by its ``%PDF-`` header) or an image file. PDF pages are rendered with their
-    longer side ``render_side`` pixels. Raises :class:`DocumentError` naming the file and page."""
-    pages: list[Page] = []
+) -> list[PageSource]:
+    """The pages of ``sources`` in order, not rendered (module docstring): paths, raw bytes, or
+    ``(name, bytes)`` pairs, each a PDF (recognised by its ``%PDF-`` header) or an image file. The
+    request's budgets (:data:`MAX_PAGES` pages, :data:`MAX_PIXELS` a page,
+    :data:`MAX_REQUEST_PIXELS` together) are checked here. Raises :class:`DocumentError` naming the
+    file and page."""
+    pages: list[PageSource] = []
+    pixels = 0
     for i, src in enumerate(sources):
         if isinstance(src, tuple):
             name, data = src
@@ -168,14 +279,34 @@ def load_pages(
         if not data:
             raise DocumentError(f"{name}: the file is empty")
         if data[:1024].lstrip()[:5] == _PDF_MAGIC:
-            pages += render_pdf(data, name, render_side)
+            more = _pdf_sources(data, name, render_side)
         else:
-            pages += open_image(data, name)
+            more = _image_sources(data, name)
+        pages += more
         if len(pages) > MAX_PAGES:
             raise DocumentError(f"the request holds more than {MAX_PAGES} pages")
+        for p in more:
+            if p.width * p.height > MAX_PIXELS:
+                raise DocumentError(
+                    f"{p.source}: rendered at {p.width}x{p.height} pixels, larger than {MAX_PIXELS:,} pixels"
+                )
+            pixels += p.width * p.height
+        if pixels > MAX_REQUEST_PIXELS:
+            raise DocumentError(
+                f"{name}: the request's pages together take more than {MAX_REQUEST_PIXELS:,} pixels; send fewer pages"
+            )
     if not pages:
         raise DocumentError("no pages: send at least one image or PDF page")
     return pages
+
+
+def load_pages(
+    sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]], *, render_side: int = 1024
+) -> list[Page]:
+    """The pages of ``sources`` in order, rendered (:func:`open_pages`, then each page's
+    :meth:`PageSource.render`). PDF pages are rendered with their longer side ``render_side``
+    pixels. Raises :class:`DocumentError` naming the file and page."""
+    return [p.render() for p in open_pages(sources, render_side=render_side)]
 
 
 def page_names(pages: Sequence[Page]) -> list[str]:

@@ -12,9 +12,9 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .pages import DocumentError, Page, load_pages
+from .pages import DocumentError, Page, open_pages
 from .prompt import document_prompt_ids
-from .views import PageViews, ViewSpec, page_views
+from .views import PageViews, ViewSpec, check_page_tokens, page_views
 
 __all__ = ["DocumentOptions", "PreparedDocument", "DocumentProcessor", "split_pages", "CROP_AUTO"]
 
@@ -108,13 +108,13 @@ class DocumentProcessor:
         than ``options.max_page_tokens`` image tokens or the prompt more than
         ``max_prompt_tokens``."""
         options = options or DocumentOptions()
-        pages = load_pages(sources, render_side=self.render_side(options))
+        # every budget from the pages' sizes first: nothing is rendered for a refused request
+        pages = open_pages(sources, render_side=self.render_side(options))
         crop = options.crop_for(len(pages))
         spec = self.spec
         if options.max_page_tokens is not None:
             spec = ViewSpec(**{**spec.__dict__, "max_page_tokens": int(options.max_page_tokens)})
-        views = [page_views(p.image, spec, crop, p.source) for p in pages]
-        counts = [v.num_tokens for v in views]
+        counts = [check_page_tokens(p.width, p.height, spec, crop, p.source) for p in pages]
         ids = document_prompt_ids(
             self.tokenizer,
             counts,
@@ -137,7 +137,15 @@ class DocumentProcessor:
                 f"it is exceeded at {pages[over - 1].source}: send fewer pages a request"
                 + ("" if not crop else " or turn crop mode off")
             )
-        return PreparedDocument(pages, views, ids, counts, crop, [_digest(v) for v in views])
+        # then one page at a time: each rendered, cut into its views, and its bitmap let go
+        views, rendered = [], []
+        for p in pages:
+            page = p.render()
+            views.append(page_views(page.image, spec, crop, page.source))
+            if views[-1].num_tokens != counts[len(views) - 1]:  # the size read and the size rendered
+                raise DocumentError(f"{page.source}: rendered at {page.size}, read as {p.size}: cannot be counted")
+            rendered.append(Page(None, page.source, size=page.size))
+        return PreparedDocument(rendered, views, ids, counts, crop, [_digest(v) for v in views])
 
 
 def split_pages(tokens: Sequence[int], page_token_id: int, eos_token_id: int | None, pages: int) -> list[list[int]]:

@@ -142,12 +142,9 @@ def normalize(image, spec: ViewSpec) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
 
-def page_views(image, spec: ViewSpec, crop: bool, source: str = "page") -> PageViews:
-    """The views of one RGB page image (module docstring). Raises :class:`DocumentError` naming
-    ``source`` and the arithmetic when the page takes more than ``spec.max_page_tokens``."""
-    from PIL import ImageOps
-
-    width, height = image.size
+def check_page_tokens(width: int, height: int, spec: ViewSpec, crop: bool, source: str = "page") -> int:
+    """The image tokens of a ``width`` x ``height`` page; :class:`DocumentError` naming ``source``
+    and the arithmetic when that is more than ``spec.max_page_tokens``."""
     n = image_token_count(width, height, spec, crop)
     if spec.max_page_tokens is not None and n > spec.max_page_tokens:
         w, h = tile_grid(width, height, spec) if crop else (1, 1)
@@ -155,8 +152,19 @@ def page_views(image, spec: ViewSpec, crop: bool, source: str = "page") -> PageV
         raise DocumentError(
             f"{source}: {width}x{height} pixels take {n} image tokens ({qb} x {qb + 1} + 1 for the global view"
             + (f" + ({q} x {w} + 1) x ({q} x {h}) for {w} x {h} tiles" if w * h > 1 else "")
-            + f"), more than the {spec.max_page_tokens} a page may take; send the page without crop mode or smaller"
+            + f"), more than the {spec.max_page_tokens} a page may take"
+            + ("; send the page without crop mode or smaller" if crop and w * h > 1 else "; send it smaller")
         )
+    return n
+
+
+def page_views(image, spec: ViewSpec, crop: bool, source: str = "page") -> PageViews:
+    """The views of one RGB page image (module docstring). Raises :class:`DocumentError` naming
+    ``source`` and the arithmetic when the page takes more than ``spec.max_page_tokens``."""
+    from PIL import ImageOps
+
+    width, height = image.size
+    n = check_page_tokens(width, height, spec, crop, source)
     grid = (1, 1)
     crops = np.zeros((0, 3, spec.image_size, spec.image_size), dtype=np.float32)
     if crop:

@@ -648,3 +648,21 @@ def test_a_tiff_s_pages_of_different_sizes_are_read_before_decoding(tokenizer):
     page_image(400, 300).save(rotated, "JPEG", exif=exif)
     (page,) = open_pages([("photo.jpg", rotated.getvalue())])
     assert page.size == (300, 400) == page.render().size
+
+
+@pytest.mark.parametrize("fmt", ["ICO", "TGA", "PCX", "SGI", "PPM", "EPS"])
+def test_only_the_documented_image_formats_are_read(fmt):
+    """Issue 67 N8: Pillow reads many formats (EPS through Ghostscript); a page may be PNG, JPEG,
+    TIFF, WebP, BMP or GIF only, anything else refused by name before Pillow parses it."""
+    if fmt == "EPS":
+        data = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    else:
+        buf = io.BytesIO()
+        page_image(32, 32).save(buf, fmt)
+        data = buf.getvalue()
+    with pytest.raises(DocumentError, match=r"scan: not a supported image .* send PNG, JPEG, TIFF, WebP, BMP, GIF"):
+        load_pages([("scan", data)])
+    for ok in ("PNG", "JPEG", "TIFF", "WEBP", "BMP", "GIF"):
+        buf = io.BytesIO()
+        page_image(32, 32).save(buf, ok)
+        assert load_pages([("scan", buf.getvalue())])[0].size == (32, 32), ok

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_PAGES",
     "MAX_PIXELS",
     "MAX_REQUEST_PIXELS",
+    "IMAGE_FORMATS",
 ]
 
 #: A document larger than this is refused (one request holds every page's image tokens).
@@ -45,6 +46,17 @@ MAX_PIXELS = 200_000_000
 MAX_REQUEST_PIXELS = 20_000_000_000
 
 _PDF_MAGIC = b"%PDF-"
+#: The image formats a page may be (Pillow's names), as documented: Pillow knows many more (ICO,
+#: TGA, PCX, SGI, EPS through Ghostscript ...), which are refused before it parses them. (Many
+#: cameras' JPEGs are MPO files: Pillow's JPEG reader opens them, or its MPO one where it has one.)
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "TIFF", "WEBP", "BMP", "GIF")
+
+
+def _formats() -> list[str]:
+    """:data:`IMAGE_FORMATS` that this Pillow has readers for."""
+    Image, _ = _pil()
+    Image.init()
+    return [f for f in IMAGE_FORMATS if f in Image.OPEN]
 
 
 class DocumentError(ValueError):
@@ -110,9 +122,9 @@ def _image_sources(data: bytes, source: str) -> list[PageSource]:
     """The pages of an image file's bytes (one per frame), their sizes read from the header."""
     Image, _ = _pil()
     try:  # Pillow reads the header only here, and refuses a decompression bomb itself
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=_formats())
         img.verify()  # structure check; the file must be reopened afterwards
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=_formats())
     except Image.DecompressionBombError as exc:
         raise DocumentError(f"{source}: image too large ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - Pillow raises UnidentifiedImageError, OSError, SyntaxError ...
@@ -146,7 +158,7 @@ def _image_sources(data: bytes, source: str) -> list[PageSource]:
     def frame(i: int, name: str):
         def render():
             try:
-                with Image.open(io.BytesIO(data)) as im:
+                with Image.open(io.BytesIO(data), formats=_formats()) as im:
                     im.seek(i)
                     im.load()
                     return _rgb(im.copy(), name)

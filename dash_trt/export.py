@@ -619,16 +619,22 @@ def _run_vision(a, out_stream: TextIO, err: TextIO) -> int:
     os.makedirs(a.out, exist_ok=True)
     for size in sorted({spec.base_size, spec.image_size}, reverse=True):
         path = os.path.join(a.out, f"vision_{size}.onnx")
+        # written in a temporary folder under its final name: the weights file the exporter may
+        # put beside it is named (inside the .onnx too) as it will be: vision_<S>.onnx.data
+        tmpdir = tempfile.mkdtemp(prefix=".dash-export-", dir=a.out)
         try:
-            worst = export_vision(tower, path + ".tmp", size, check=not a.no_verify, seed=a.seed)
-        except Exception as exc:
-            if os.path.exists(path + ".tmp"):
-                os.unlink(path + ".tmp")
-            print(f"dash-export: error: the vision export failed: {type(exc).__name__}: {_short(exc)}", file=err)
-            return EXIT_EXPORT_FAILED
-        os.replace(path + ".tmp", path)
+            tmp = os.path.join(tmpdir, os.path.basename(path))
+            try:
+                worst = export_vision(tower, tmp, size, check=not a.no_verify, seed=a.seed)
+            except Exception as exc:
+                print(f"dash-export: error: the vision export failed: {type(exc).__name__}: {_short(exc)}", file=err)
+                return EXIT_EXPORT_FAILED
+            has_data = _commit(tmp, path, err)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
         check = "not checked" if worst is None else f"ONNX Runtime vs PyTorch max |err| {worst:.2e}"
-        print(f"wrote {path} ({_size(path, False)}; views of {size} px; {check})", file=out_stream)
+        weights = f", weights in {os.path.basename(path)}.data" if has_data else ""
+        print(f"wrote {path} ({_size(path, has_data)}{weights}; views of {size} px; {check})", file=out_stream)
         print(
             f"  trtexec --onnx={path} --minShapes={VISION_INPUT}:1x3x{size}x{size} "
             f"--optShapes={VISION_INPUT}:4x3x{size}x{size} --maxShapes={VISION_INPUT}:16x3x{size}x{size} "
@@ -716,18 +722,7 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
                     f"{VERIFY_TOLERANCES[model.dtype]}); {out} was not written",
                 )
         with progress.step(f"writing {out}"):
-            data = tmp + ".data"
-            has_data = os.path.exists(data)
-            if has_data:
-                os.replace(data, out + ".data")
-            os.replace(tmp, out)  # the commit point: the .onnx appears complete or not at all
-            if not has_data and os.path.exists(out + ".data"):  # an earlier export's weights: the new
-                os.unlink(out + ".data")  # file does not read them
-                print(
-                    f"removed {base}.data of an earlier export (the weights are inside {base} now)",
-                    file=err,
-                    flush=True,
-                )
+            has_data = _commit(tmp, out, err)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     nodes = _count_dash_nodes(out)
@@ -866,6 +861,23 @@ def _verify_with_fallback(path: str, model: DashModel, a, progress: Progress):
 def _short(exc: BaseException, limit: int = 600) -> str:
     text = str(exc).strip()
     return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _commit(tmp: str, out: str, err: TextIO) -> bool:
+    """Move an export written as ``tmp`` (in a temporary folder, under ``out``'s name, so that its
+    external weights file is named as ``out`` expects: ``<name>.data``) to ``out``; True when it
+    has such a weights file. An earlier export's ``.data`` beside ``out`` that the new file does
+    not read is removed."""
+    data = tmp + ".data"
+    has_data = os.path.exists(data)
+    if has_data:
+        os.replace(data, out + ".data")
+    os.replace(tmp, out)  # the commit point: the .onnx appears complete or not at all
+    if not has_data and os.path.exists(out + ".data"):
+        os.unlink(out + ".data")
+        base = os.path.basename(out)
+        print(f"removed {base}.data of an earlier export (the weights are inside {base} now)", file=err, flush=True)
+    return has_data
 
 
 def _size(path: str, has_data: bool) -> str:

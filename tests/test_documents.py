@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import running_triton
@@ -492,6 +493,18 @@ def test_the_vision_tower_exports_and_compares(folder, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(p.name for p in out.glob("*.onnx")) == ["vision_160.onnx", "vision_256.onnx"]
     assert "trtexec --onnx=" in res.stdout and "ONNX Runtime vs PyTorch max |err|" in res.stdout
+    # self-contained: nothing left of the temporary files, and each graph (with its weights file,
+    # if it has one) runs from another folder
+    names = sorted(p.name for p in out.iterdir())
+    assert set(names) <= {f"vision_{s}.onnx{d}" for s in (160, 256) for d in ("", ".data")}, names
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    for name in names:
+        (moved / name).write_bytes((out / name).read_bytes())
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(moved / "vision_160.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {sess.get_inputs()[0].name: np.zeros((1, 3, 160, 160), np.float32)})[0].shape == (1, 9, 128)
     res = subprocess.run(
         [sys.executable, "-m", "dash_trt.compare", str(out / "vision_160.onnx"), "--checkpoint", str(folder)],
         capture_output=True,

@@ -39,8 +39,8 @@ def engine(triton, model):
     """The engine the server runs, offline: the served model's own EngineConfig."""
     import tritonclient.grpc as grpcclient
 
+    from dash_trt import triton_protocol as P
     from dash_trt.serving.engine import EngineConfig, GenerationEngine
-    from dash_trt.triton import protocol as P
 
     c = grpcclient.InferenceServerClient(triton.grpc_url)
     try:

@@ -16,10 +16,10 @@ from google.protobuf import text_format  # noqa: E402  (protobuf comes with trit
 from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-config schema)
 
 from dash_trt import model as M
+from dash_trt import triton_protocol as P
 from dash_trt.ops import CACHE_FIELDS
 from dash_trt.serving.engine import EngineConfig
 from dash_trt.triton import cli
-from dash_trt.triton import protocol as P
 from dash_trt.triton.repository import (
     NO_PLAN_MESSAGE,
     PYTHON_MODEL_SOURCE,

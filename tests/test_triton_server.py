@@ -22,9 +22,9 @@ import torch
 from conftest import running_triton, triton_unavailable
 
 from dash_trt import model as M
+from dash_trt import triton_protocol as P
 from dash_trt.serving.engine import EngineConfig
 from dash_trt.triton import client as C
-from dash_trt.triton import protocol as P
 from dash_trt.triton.loadtest import expected_tokens, make_cases, run_load
 from dash_trt.triton.repository import write_repository
 

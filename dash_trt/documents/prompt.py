@@ -5,13 +5,17 @@ Upstream's layout for several pages is ``"<PAGE><image>" * pages + "Multi page p
 (vLLM 0.34.0, ``models/unlimited_ocr2.py``); one ``<image>`` placeholder a page is expanded to
 the page's image-token count (:func:`~dash_trt.documents.views.image_token_count`), as the
 model's processor does. A chat template (``tokenizer_config.json``'s ``chat_template`` or
-``chat_template.jinja``) is rendered in jinja2's immutable sandbox with one user message holding
-that content, the generation prompt added; placeholders are expanded after rendering.
+``chat_template.jinja``) is rendered in jinja2's immutable sandbox
+(:func:`dash_trt.chat_template.render_chat`, also the front door's renderer) with one user
+message holding that content, the generation prompt added; placeholders are expanded after
+rendering.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from ..chat_template import PromptError, render_chat
 
 __all__ = ["PromptError", "DEFAULT_INSTRUCTION", "SINGLE_PAGE_INSTRUCTION", "document_prompt_ids", "render_chat"]
 
@@ -22,34 +26,6 @@ DEFAULT_INSTRUCTION = "Multi page parsing."
 SINGLE_PAGE_INSTRUCTION = "document parsing."
 
 IMAGE_PLACEHOLDER = "<image>"
-
-
-class PromptError(ValueError):
-    """A prompt that cannot be built (a template error, a missing token)."""
-
-
-def render_chat(template: str, content: str, special: dict[str, str | None]) -> str:
-    """``template`` rendered for one user message (``add_generation_prompt`` true), in jinja2's
-    ImmutableSandboxedEnvironment: templates cannot reach Python internals or change state."""
-    try:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise PromptError("chat templates need jinja2 (pip install 'dash-trt[documents]')") from None
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            **{k: v for k, v in special.items() if v is not None},
-        )
-    except TemplateError as exc:
-        raise PromptError(f"the chat template failed: {exc}") from None
 
 
 def document_prompt_ids(

@@ -10,7 +10,10 @@
   wheel ships, on 127.0.0.1 (``dash-triton serve``, the tests).
 - :mod:`~dash_trt.triton.client`: ``dash-client`` and :class:`~dash_trt.triton.client.DashClient`.
 - :mod:`~dash_trt.triton.loadtest`: concurrent requests checked against offline generation.
-- :mod:`~dash_trt.triton.protocol`: the generation model's inputs, outputs and parameters.
+- :mod:`~dash_trt.triton_protocol` (re-exported as ``dash_trt.triton.protocol``): the models'
+  inputs, outputs and parameters, shared with the OpenAI front door (:mod:`dash_trt.frontdoor`).
+- ``dash-triton openai``, the OpenAI front door, is :mod:`dash_trt.frontdoor` (``openai.py`` and
+  ``openai_models.py`` here re-export its names for one release).
 
 See ``docs/triton.md``.
 """

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import TextIO
 
+from .. import triton_protocol as P
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..config import DashConfigError
 from ..dca import DcaConfigError
@@ -30,7 +31,6 @@ from ..models.loader import load_model
 from ..models.registry import demo_model
 from ..serving.engine import EngineConfig, EngineConfigError
 from ..versions import version_line as _version_line
-from . import protocol as P
 from .repository import RepositoryError, onnx_kv_block_size, pool_bytes, write_repository
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_SERVER = 0, 2, 3
@@ -236,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
         "restricted API)",
     )
     r.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    from .openai import add_parser
+    from ..frontdoor.cli import add_parser
 
     add_parser(sub)
     return p
@@ -635,7 +635,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     if a.command == "probe":
         return probe_main(a, out, err)
     if a.command == "openai":
-        from .openai import openai_main
+        from ..frontdoor.cli import openai_main
 
         return openai_main(a, out, err)
     if not os.path.isdir(a.repository):

@@ -29,11 +29,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from .. import triton_protocol as P
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..models.config import DashModelConfig, ModelConfigError
 from ..models.prompts import detokenize, document_prompt, tokenize
 from ..versions import version_line as _version_line
-from . import protocol as P
 
 __all__ = ["DashClient", "DashClientError", "Generation", "main"]
 

@@ -28,6 +28,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
+        from dash_trt import triton_protocol as P
         from dash_trt.documents.pages import DocumentError
         from dash_trt.documents.processor import DocumentOptions, DocumentProcessor, split_pages
         from dash_trt.documents.tokenizer import load_tokenizer
@@ -35,7 +36,6 @@ class TritonPythonModel:
         from dash_trt.models.deepencoder import DeepEncoderConfig, VisionTower
         from dash_trt.serving.documents import FeatureCache, page_features
         from dash_trt.serving.rules import DecodingRules, RulesError, document_rules
-        from dash_trt.triton import protocol as P
 
         self.torch, self.P = torch, P
         self.DocumentError, self.DocumentOptions, self.split_pages = DocumentError, DocumentOptions, split_pages

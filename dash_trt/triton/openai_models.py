@@ -1,19 +1,31 @@
-"""The OpenAI request bodies the front door accepts, as pydantic models (the one declaration of
-every field, its type and its bounds), and OpenAI's error object.
+"""Moved: the front door's request models are :mod:`dash_trt.frontdoor.models`.
 
-Fields OpenAI defines that this server cannot honour are accepted at their neutral values
-(``n=1``, ``best_of=1``, ``echo=false``, ``logprobs`` off, ``stop=[]``, ``logit_bias={}``,
-penalties 0) and refused otherwise with a 400 that names them; unknown fields are refused (a typo
-must not pass silently). Integers are bounded, so a huge value is a 400, never an overflow. A
-known field sent as null takes its default, as OpenAI's nullable fields do.
+This module re-exports the names it had, for one release; import them from
+:mod:`dash_trt.frontdoor.models` instead.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ..frontdoor.models import (
+    MAX_PROMPTS,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    FileData,
+    FilePart,
+    ImagePart,
+    ImageURL,
+    InputFilePart,
+    StreamOptions,
+    TextPart,
+    TokenId,
+    validation_error,
+)
 
 __all__ = [
     "APIError",
@@ -22,236 +34,17 @@ __all__ = [
     "ChatMessage",
     "validation_error",
     "MAX_TOKENS_LIMIT",
+    # public names the module had besides its __all__
+    "ContentPart",
+    "FileData",
+    "FilePart",
+    "ImagePart",
+    "ImageURL",
+    "InputFilePart",
+    "MAX_PROMPTS",
+    "MAX_SEED",
+    "MAX_TOKEN_ID",
+    "StreamOptions",
+    "TextPart",
+    "TokenId",
 ]
-
-#: The largest ``max_tokens`` a request may name (the engine refuses what its pool cannot hold).
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_TOKEN_ID = (1 << 31) - 1
-MAX_PROMPTS = 64
-MAX_SEED = (1 << 63) - 1
-
-
-class APIError(Exception):
-    """An answer in OpenAI's error object: ``status`` the HTTP status, ``kind`` the error type,
-    ``code`` OpenAI's code (``invalid_value``, ``unsupported_parameter``, ``model_not_found``,
-    ``invalid_api_key``, ...)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = "invalid_value",
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """pydantic's first error as a 400 naming the parameter."""
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
-    path, name = (loc[:-1], loc[-1:]) if err.get("type") == "extra_forbidden" else (loc, [])
-    # pydantic names the member of a union it tried (``prompt.str``): the parameter ends before it
-    param = ".".join([*itertools.takewhile(lambda x: x in _FIELD_NAMES, path), *name]) or None
-    if err.get("type") == "extra_forbidden":
-        return APIError(f"unknown parameter: {param}", param=param, code="unknown_parameter")
-    if err.get("type") == "missing":
-        return APIError(f"missing required parameter: {param}", param=param, code="missing_required_parameter")
-    value = err.get("input")
-    shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
-    return APIError(f"invalid value for {param}: {err.get('msg')} (got {shown})", param=param)
-
-
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    """What completions and chat completions share."""
-
-    model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)] = 0
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
-    ignore_eos: bool = False
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if v in (None, "", []):
-            return None
-        raise ValueError("text stop sequences are not supported (use stop_token_ids, or an empty list)")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported (only an empty object)")
-        return None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data):
-        """OpenAI's optional fields are nullable: null means the default (``"temperature": null``
-        is 1, ``"max_tokens": null`` 16), as OpenAI's API takes them."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
-
-    def sampling(self) -> dict[str, Any]:
-        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        if self.seed is not None:
-            out["seed"] = self.seed
-        return out
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: ``prompt`` is text (``<PAGE>``/``<image*N>`` markup with the demo
-    tokenizer), token ids, or a list of either (one completion each)."""
-
-    prompt: (
-        str
-        | list[TokenId]
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    )
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 16
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
-    echo: Literal[False] = False
-    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
-    suffix: Literal[""] | None = None
-    image_features: list[list[float]] | None = None
-
-    def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            if not p:
-                raise APIError("prompt must be a non-empty string or token ids", param="prompt")
-            return [p]
-        if p and all(isinstance(t, int) for t in p):
-            return [list(p)]
-        if not p:
-            raise APIError("prompt must not be empty", param="prompt")
-        if any(isinstance(x, str) and not x for x in p):
-            raise APIError("prompt strings must not be empty", param="prompt")
-        return list(p)
-
-
-class ImageURL(_Strict):
-    url: Annotated[str, Field(min_length=1)]
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class FileData(_Strict):
-    file_data: str | None = None
-    filename: Annotated[str, Field(max_length=256)] | None = None
-    file_id: str | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Strict):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-class FilePart(_Strict):
-    """OpenAI's PDF part: ``{"type": "file", "file": {"file_data": "data:application/pdf;base64,...",
-    "filename": "doc.pdf"}}``."""
-
-    type: Literal["file"]
-    file: FileData
-
-
-class InputFilePart(_Strict):
-    """The Responses API's spelling, accepted in chat too: ``{"type": "input_file", "file_data": ...,
-    "filename": ...}``."""
-
-    type: Literal["input_file"]
-    file_data: str | None = None
-    filename: Annotated[str, Field(max_length=256)] | None = None
-    file_id: str | None = None
-
-
-ContentPart = Annotated[TextPart | ImagePart | FilePart | InputFilePart, Field(discriminator="type")]
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[ContentPart], Field(max_length=256)] | None = None
-    name: Annotated[str, Field(max_length=64)] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content if isinstance(p, TextPart))
-
-    def attachments(self) -> list[ImagePart | FilePart | InputFilePart]:
-        if not isinstance(self.content, list):
-            return []
-        return [p for p in self.content if not isinstance(p, TextPart)]
-
-
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=512)]
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    #: the document options of dash-trt ocr, for messages with images or files
-    crop: Literal["auto", "on", "off"] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
-
-    def limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
-
-
-#: Every field name of the request models (what a parameter's path in an error is made of).
-_FIELD_NAMES = frozenset(
-    name
-    for m in (StreamOptions, CompletionRequest, ChatCompletionRequest, ChatMessage, ImageURL, FileData)
-    + (TextPart, ImagePart, FilePart, InputFilePart)
-    for name in m.model_fields
-)

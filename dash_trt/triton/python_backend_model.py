@@ -60,6 +60,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
+        from dash_trt import triton_protocol as P
         from dash_trt.models.loader import load_model
         from dash_trt.serving.engine import (
             CANCELLED,
@@ -71,7 +72,6 @@ class TritonPythonModel:
             GenerationEngine,
             RequestError,
         )
-        from dash_trt.triton import protocol as P
 
         self.P = P
         self.torch = torch

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .. import triton_protocol as P
 from ..fileio import file_mode
 from ..modeling import DashModel, ModelContractError
 from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
@@ -48,7 +49,6 @@ from ..models.qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
 from ..models.registry import USER_MODULE_PREFIX
 from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
-from . import protocol as P
 
 __all__ = [
     "RepositoryError",

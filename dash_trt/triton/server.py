@@ -39,7 +39,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, INPUT_IDS, PARAM_ENGINE, STATS
+from ..triton_protocol import DRAIN_ACTION, DRAIN_TOKEN_ENV, ENGINE_CONTROL, GET_STATS, INPUT_IDS, PARAM_ENGINE, STATS
 
 __all__ = [
     "TritonUnavailable",

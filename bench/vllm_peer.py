@@ -133,7 +133,10 @@ def load(root: str) -> types.SimpleNamespace:
     segments, why = _flash_attention(root, mods)
     layers = importlib.import_module("vllm.model_executor.layers.dash_attention")
     ops = importlib.import_module("vllm.v1.attention.ops.dash_attention")
-    return types.SimpleNamespace(layers=layers, ops=ops, segments=segments, fa_unavailable=why)
+    fa3 = None
+    if why is None:  # the library itself, for the dense FA3 peer
+        fa3 = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface").flash_attn_varlen_func
+    return types.SimpleNamespace(layers=layers, ops=ops, segments=segments, fa_unavailable=why, fa3=fa3)
 
 
 def _flash_attention(root: str, mods: dict) -> tuple[str, str | None]:

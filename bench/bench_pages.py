@@ -997,7 +997,8 @@ def table(results: dict) -> str:
         ps = row["paths"]
         for name, r in ps.items():
             if "error" in r:
-                lines.append(f"| {label} | {name} | {r['error']} | | | | | | | | | |")
+                brief = ". ".join(r["error"].split(". ")[:2])  # torch's OOM message runs on for lines
+                lines.append(f"| {label} | {name} | {brief} | | | | | | | | | |")
                 continue
 
             def vs(others, ps=ps, r=r, name=name):

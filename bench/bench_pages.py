@@ -750,16 +750,25 @@ def step_shares(path: DashPath, model, prompts, dev) -> dict:
     while any(rt.seq(i).pending > 1 or rt.seq(i).fed < rt.seq(i).prompt_len for i in range(len(prompts))):
         plan = [(i, rt.seq(i).pending) for i in range(len(prompts)) if rt.seq(i).fed < rt.seq(i).prompt_len]
         rt.step(plan)
-    graphs, rt.cuda_graphs = rt.cuda_graphs, False  # an eager step: its kernels one by one
+    # An eager step, its kernels one by one: graphs off, and the buckets' captured graphs set
+    # aside (a captured bucket replays whatever cuda_graphs says).
+    graphs, rt.cuda_graphs = rt.cuda_graphs, False
+    captured = {size: st.graph for size, st in rt._static.items()}
+    for st in rt._static.values():
+        st.graph = None
     try:
         rt.step([(i, 1) for i in range(len(prompts))])
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with profile(activities=acts) as prof, record_function("bench.step"):
-            rt.step([(i, 1) for i in range(len(prompts))])
+            res = rt.step([(i, 1) for i in range(len(prompts))])
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+        if res.graph:
+            raise RuntimeError("the profiled step replayed a CUDA graph: no module ranges to split it by")
     finally:
         rt.cuda_graphs = graphs
+        for size, g in captured.items():
+            rt._static[size].graph = g
         for h in hooks:
             h.remove()
         for i in range(len(prompts)):

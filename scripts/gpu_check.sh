@@ -66,9 +66,9 @@ case " $what " in *" pages "*|*" all "*)
     2>&1 | tee "$OUT/pages_tests.log" | tail -5
   status=$(( status | ${PIPESTATUS[0]} ))
   vllm_dash=${VLLM_DASH:-.vllm/vllm-0.34.0-dash.tar.xz}
-  paths=${PAGES_PATHS:-dash,vllm,dense}
+  paths=${PAGES_PATHS:-dash,vllm,dense-fa3,dense}
   vllm_args=()
-  if [ -e "$vllm_dash" ]; then vllm_args=(--vllm "$vllm_dash"); else paths=${paths//vllm/}; fi
+  if [ -e "$vllm_dash" ]; then vllm_args=(--vllm "$vllm_dash"); else paths=${paths//vllm,/}; paths=${paths%,vllm}; fi
   read -r -a pages_args <<< "${PAGES_ARGS:---parts --check}"
   python3 bench/bench_pages.py --paths "$paths" "${vllm_args[@]}" "${pages_args[@]}" \
     --json "$OUT/pages.json" --png "$OUT/pages.png" 2>&1 | tee "$OUT/pages.log"

@@ -39,7 +39,7 @@ What is measured, and how (docs/performance.md quotes this):
 Prints markdown tables; ``--json`` writes every number, ``--png`` draws the speed-ups. A
 correctness check of the real-top-k decode step against the paged PyTorch operator runs first
 (``--no-check`` skips it). ``--ab 'KNOBS;KNOBS'`` adds, to every prefill and mixed case, a graph
-of the same call with other kernel knobs (``dash_trt.cuda.Tuning`` names), timed in the same
+of the same call with other kernel knobs (``dash_trt.attention.dash.cuda.Tuning`` names), timed in the same
 rounds as the default, and an A/B table of each variant's time over the default's; ``--only``
 picks the kinds of case. Not a test: nothing here asserts a speed.
 """
@@ -59,9 +59,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dash_trt import cuda as dcuda  # noqa: E402,I001
-from dash_trt import paged as P  # noqa: E402
-from dash_trt.config import DashConfig  # noqa: E402
+from dash_trt.attention.dash import cuda as dcuda  # noqa: E402,I001
+from dash_trt.attention.dash import paged as P  # noqa: E402
+from dash_trt.attention.dash.config import DashConfig  # noqa: E402
 
 H, HKV, D, DI, SBS, TOPK = 32, 8, 128, 128, 64, 16
 G = H // HKV
@@ -73,7 +73,7 @@ CFG = DashConfig.from_dict(
 SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
-AB: list = []  # --ab: (knobs as given, dash_trt.cuda.Tuning) of each variant
+AB: list = []  # --ab: (knobs as given, dash_trt.attention.dash.cuda.Tuning) of each variant
 AB_PREFIX = "ab:"
 #: The SDPA backends timed as peers (--peers).
 PEERS = ("flash", "cudnn", "efficient")
@@ -855,7 +855,7 @@ def main() -> int:
         "tiles; 1: warpgroup block-major tiles only; 2: warpgroup query-major tiles only; "
         "differs on sm_90 only)",
     )
-    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
+    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (attention.dash.cuda.Tuning)")
     ap.add_argument(
         "--ab",
         default="",

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dash_trt import model as M  # noqa: E402
-from dash_trt.paged import PageCoordState, sequence_coords  # noqa: E402
-from dash_trt.reference import ROLE_PAGE, ROLE_TEXT, page_rope  # noqa: E402
+from dash_trt.attention.dash.paged import PageCoordState, sequence_coords  # noqa: E402
+from dash_trt.attention.dash.reference import ROLE_PAGE, ROLE_TEXT, page_rope  # noqa: E402
 from dash_trt.serving.engine import EngineConfig, GenerationEngine  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "export", "configs", "benchmark.json")

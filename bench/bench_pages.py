@@ -72,9 +72,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dash_trt import model as M  # noqa: E402
+from dash_trt.attention.dash.reference import page_rope  # noqa: E402
 from dash_trt.modeling import PAGED, DashContext, prompt_coordinates, token_roles  # noqa: E402
 from dash_trt.models import unlimited_ocr2 as U  # noqa: E402
-from dash_trt.reference import page_rope  # noqa: E402
 from dash_trt.serving.runner import PagedRuntime, greedy_tokens  # noqa: E402
 
 KV_BLOCK = 64

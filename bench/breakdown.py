@@ -64,7 +64,7 @@ def main() -> int:
         action="store_true",
         help="prefill: a page's tokens share one indexer query plus noise (bench_dash's page-correlated case)",
     )
-    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (dash_trt.cuda.Tuning)")
+    ap.add_argument("--tuning", default="", help="kernel knobs, e.g. attend_ctas=128 (attention.dash.cuda.Tuning)")
     a = ap.parse_args()
     B.TUNING = B.dcuda.Tuning.parse(a.tuning) if a.tuning else None
     if any(w not in ("decode", "prefill") for w in a.which):

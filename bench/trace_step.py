@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_dash as B  # noqa: E402
 
-from dash_trt import cuda as dcuda  # noqa: E402
+from dash_trt.attention.dash import cuda as dcuda  # noqa: E402
 
 SLOTS = 8  # marks per CTA (plugins/kernels/common.cuh: kTraceSlots); the clocks follow them
 ROUTE_MARKS = (

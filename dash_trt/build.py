@@ -64,10 +64,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import attributes as A
-from .attributes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from .attention.dash import attributes as A
+from .attention.dash.attributes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from .attention.dash.config import CONFIG_SECTION, DashConfig, DashConfigError
 from .cliutil import EXIT_CODES_NOTE, cli_main
-from .config import CONFIG_SECTION, DashConfig, DashConfigError
 from .onnx_graph import GraphReadError, read_graph
 from .versions import version_line as _version_line
 
@@ -673,7 +673,7 @@ def read_onnx(path: Path) -> tuple[list[InputSpec], list[InputSpec], DashConfig 
 
 def _config_from_node(attributes: Mapping[str, Any]) -> DashConfig | None:
     """The DASH configuration of the layer a DashAttention node computes (its attributes, read by
-    dash_trt.attributes, which needs neither torch nor TensorRT)."""
+    dash_trt.attention.dash.attributes, which needs neither torch nor TensorRT)."""
     try:
         return A.decode(dict(attributes))[0]
     except (ValueError, TypeError):

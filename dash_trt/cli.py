@@ -8,10 +8,10 @@ import time
 
 import torch
 
+from .attention.dash.config import DashConfig
+from .attention.dash.paged import DashKVCache, paged_dash_attention, sequence_coords
+from .attention.dash.reference import Routing, dash_attention
 from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from .config import DashConfig
-from .paged import DashKVCache, paged_dash_attention, sequence_coords
-from .reference import Routing, dash_attention
 from .serving.block_pool import KVBlockPool, blocks_for
 from .testing import compare_outputs, random_inputs, random_roles
 from .versions import version_line as _version_line

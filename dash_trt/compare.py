@@ -111,8 +111,8 @@ class InPlaceTorchRunner(TorchRunner):
         self.caches = None
 
     def infer_impl(self, feed_dict):
-        from .ops import CACHE_FIELDS
-        from .paged import DashBatch, DashKVCache, flat_cache_tensors
+        from .attention.dash.ops import CACHE_FIELDS
+        from .attention.dash.paged import DashBatch, DashKVCache, flat_cache_tensors
 
         device = self.model.device
         names = self.input_names
@@ -192,7 +192,7 @@ def check_model_matches(onnx_path: str, model: DashModel | Qwen2DcaForCausalLM) 
 
 
 def _onnxrt_runner(path: str):
-    from .onnx_ops import OnnxRuntimeMissing, import_onnxruntime, ort_session_options
+    from .attention.dash.onnx import OnnxRuntimeMissing, import_onnxruntime, ort_session_options
 
     try:
         ort = import_onnxruntime()
@@ -280,7 +280,7 @@ def compare(
     if dca:
         report.skipped["pytorch-cuda"] = "no CUDA kernels of Dual Chunk Attention"
     elif use_cuda:
-        from . import cuda as dcuda
+        from .attention.dash import cuda as dcuda
 
         if not torch.cuda.is_available():
             report.skipped["pytorch-cuda"] = "no CUDA device"

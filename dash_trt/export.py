@@ -3,7 +3,7 @@
 ``dash-export model.pt --out model.onnx`` (or ``--demo`` for the built-in random demo
 model) exports with the dynamo ``torch.onnx`` exporter. Every DASH attention call
 becomes one ``dash_trt.DashAttention`` node with the configuration as attributes, and
-the file carries the model-local function of that name (:mod:`dash_trt.onnx_ops`), so
+the file carries the model-local function of that name (:mod:`dash_trt.attention.dash.onnx`), so
 ONNX Runtime runs it as is and TensorRT can run the plugin instead.
 
 Graph interface (T new tokens, B sequences, NB KV blocks, W block-table width, N rows
@@ -44,10 +44,12 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from . import dca_onnx, onnx_ops
+from .attention.dash import onnx as onnx_ops
+from .attention.dash.config import DashConfigError
+from .attention.dash.paged import sequence_coords
+from .attention.dca import onnx as dca_onnx
+from .attention.dca.reference import DcaConfigError
 from .cliutil import EXIT_INTERNAL, cli_main
-from .config import DashConfigError
-from .dca import DcaConfigError
 from .export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
 from .modeling import MODEL_INPUTS, DashModel, ExportGraph, ModelContractError, image_feature_rows, token_roles
 from .models import qwen2_dca
@@ -57,7 +59,6 @@ from .models.loader import is_dca_folder, load_dca
 from .models.prompts import check_prompts, document_prompt
 from .models.registry import demo_model, random_model
 from .onnx_graph import read_graph
-from .paged import sequence_coords
 from .serving.generate import PagedState, generate
 from .versions import version_line as _version_line
 

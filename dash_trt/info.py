@@ -35,7 +35,7 @@ def _dist_version(name: str) -> str | None:
 
 
 def _kernels() -> dict[str, Any]:
-    from . import cuda
+    from .attention.dash import cuda
 
     path = cuda.library_path()
     out: dict[str, Any] = {"expected_abi": cuda.ABI_VERSION, "path": str(path) if path else None}
@@ -168,7 +168,7 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
         for d in g["devices"]:
             print(f"GPU {d['index']}: {d['name']} ({d['capability']}, {d['memory_gib']} GiB)", file=out)
         if k.get("status") == "ok" and k.get("architectures"):
-            from .cuda import runs_on
+            from .attention.dash.cuda import runs_on
 
             for d in g["devices"]:
                 if not runs_on((d["major"], d["minor"]), k["architectures"]):

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attributes as A
-from .config import DashConfig
-from .ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
-from .paged import DashBatch, DashKVCache, PageCoordState, TextCoordState
-from .reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
+from .attention.dash import attributes as A
+from .attention.dash.config import DashConfig
+from .attention.dash.ops import CACHE_FIELDS, paged_attention, paged_attention_inplace
+from .attention.dash.paged import DashBatch, DashKVCache, PageCoordState, TextCoordState
+from .attention.dash.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 
 __all__ = [
     "token_role",
@@ -87,9 +87,9 @@ def token_roles(ids: Sequence[int] | torch.Tensor, config: Any) -> torch.Tensor:
 
 def prompt_coordinates(ids: Sequence[int] | torch.Tensor, config: Any):
     """``(state, coords [S, 4] int32)`` of a prompt: its page coordinates and the state that
-    continues them (:class:`~dash_trt.paged.PageCoordState`, which checks the pages), or, for a
+    continues them (:class:`~dash_trt.attention.dash.paged.PageCoordState`, which checks the pages), or, for a
     model without document pages (its config's ``page_token_id`` is None), token positions
-    (:class:`~dash_trt.paged.TextCoordState`)."""
+    (:class:`~dash_trt.attention.dash.paged.TextCoordState`)."""
     if getattr(config, "page_token_id", None) is None:
         return TextCoordState.from_length(len(ids))
     return PageCoordState.from_prompt(token_roles(ids, config))
@@ -269,7 +269,7 @@ class DashAttention(nn.Module):
     applied inside, from the context's coordinates.
 
     ``config`` is the model's :class:`~dash_trt.model.DashModelConfig` (the sizes come from it)
-    or a :class:`~dash_trt.config.DashConfig` with the sizes given explicitly.
+    or a :class:`~dash_trt.attention.dash.config.DashConfig` with the sizes given explicitly.
     """
 
     def __init__(
@@ -491,7 +491,7 @@ class DashModel(nn.Module):
         image_features: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [S, vocab] of a whole sequence without a cache (dense reference attention,
-        :func:`dash_trt.reference.dash_attention`); ``image_features`` [M, F] go to the
+        :func:`dash_trt.attention.dash.reference.dash_attention`); ``image_features`` [M, F] go to the
         sequence's image tokens in order (all of them, or none)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         roles = token_roles(ids.cpu(), self.config).to(self.device)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .attributes import ONNX_DOMAIN, PLUGIN_NAME
+from .attention.dash.attributes import ONNX_DOMAIN, PLUGIN_NAME
 
 __all__ = ["GraphReadError", "GraphTensor", "GraphIO", "read_graph"]
 

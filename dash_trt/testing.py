@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ROUTE_TOP_M, DashConfig
-from .reference import NOT_CANDIDATE, ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, Routing
+from .attention.dash.config import ROUTE_TOP_M, DashConfig
+from .attention.dash.reference import NOT_CANDIDATE, ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, Routing
 
 __all__ = [
     "TOLERANCES",
@@ -329,7 +329,7 @@ def random_sequences(
 ) -> list[tuple[DashInputs, torch.Tensor]]:
     """``n`` random document sequences sharing one ``head_cls`` (it is a layer weight), each
     with its ``coords`` [S, 4] from the whole sequence: ``[(inputs, coords), ...]``."""
-    from .paged import sequence_coords
+    from .attention.dash.paged import sequence_coords
 
     head_cls = torch.randn(index_dim, generator=gen).to(dtype)
     seqs = []

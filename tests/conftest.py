@@ -105,7 +105,7 @@ def demo_config(layers: int | None = None, **config) -> dict:
     and the other keys given (a ``sparse_attention_config`` dict updates the section's keys)."""
     import copy
 
-    from dash_trt.config import CONFIG_SECTION
+    from dash_trt.attention.dash.config import CONFIG_SECTION
     from dash_trt.model import DEMO_CONFIG
 
     out = copy.deepcopy(DEMO_CONFIG)

@@ -75,7 +75,7 @@ def test_bench_dash_refuses_a_malformed_ab_mma_list_before_it_needs_a_gpu(value,
     ],
 )
 def test_bench_dash_refuses_unknown_knobs_before_it_needs_a_gpu(flag, value, message, monkeypatch, capsys):
-    """``--tuning`` and each ``--ab`` variant name dash_trt.cuda.Tuning knobs, ``--only`` kinds of
+    """``--tuning`` and each ``--ab`` variant name dash_trt.attention.dash.cuda.Tuning knobs, ``--only`` kinds of
     case; an unknown name or a value that is not an integer is an argument error at once (exit
     2), not a traceback after the first cases have run."""
     monkeypatch.syspath_prepend(str(BENCH))

@@ -226,8 +226,8 @@ def test_every_command_prints_the_same_version_line(argv):
     from importlib.metadata import version
 
     import dash_trt
-    from dash_trt.attributes import PLUGIN_VERSION
-    from dash_trt.cuda import ABI_VERSION
+    from dash_trt.attention.dash.attributes import PLUGIN_VERSION
+    from dash_trt.attention.dash.cuda import ABI_VERSION
 
     code = f"import runpy, sys; sys.argv = ['x', '--version']; runpy.run_module({argv[0]!r}, run_name='__main__')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -243,7 +243,7 @@ def test_info_reports_what_is_found_and_what_is_missing(monkeypatch, tmp_path):
     from dash_trt import info
 
     monkeypatch.setenv("DASH_TRT_LIBRARY", str(tmp_path / "none.so"))
-    monkeypatch.setattr("dash_trt.cuda.library_path", lambda: None)
+    monkeypatch.setattr("dash_trt.attention.dash.cuda.library_path", lambda: None)
     out = io.StringIO()
     assert info.main(["info", "--json"], stdout=out) == 0
     got = json.loads(out.getvalue())
@@ -262,7 +262,7 @@ def test_info_reports_what_is_found_and_what_is_missing(monkeypatch, tmp_path):
 
 
 def test_kernel_architectures_are_named_as_torch_names_them():
-    from dash_trt.cuda import arch_names, runs_on
+    from dash_trt.attention.dash.cuda import arch_names, runs_on
 
     assert arch_names("80-real,89-real,90") == ("sm_80", "sm_89", "sm_90", "compute_90")
     assert arch_names("80-real;90-virtual") == ("sm_80", "compute_90")

@@ -2,7 +2,7 @@
 
 import torch
 
-from dash_trt.reference import NOT_CANDIDATE, Routing
+from dash_trt.attention.dash.reference import NOT_CANDIDATE, Routing
 from dash_trt.testing import compare_outputs
 
 NC = NOT_CANDIDATE

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dash_trt.config import CONFIG_SECTION, REQUIRED_FLAGS, DashConfig, DashConfigError
+from dash_trt.attention.dash.config import CONFIG_SECTION, REQUIRED_FLAGS, DashConfig, DashConfigError
 
 BASE = {"sparse_block_size": 64, "sparse_local_block": 1, "sparse_index_dim": 128}
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import DTYPES, require_kernels
 
-from dash_trt import paged as P
-from dash_trt.config import DashConfig
+from dash_trt.attention.dash import paged as P
+from dash_trt.attention.dash.config import DashConfig
 from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import (
     CONFIG_VARIANTS,
@@ -27,7 +27,7 @@ from dash_trt.testing import (
 
 pytestmark = pytest.mark.gpu
 
-from dash_trt import cuda  # noqa: E402
+from dash_trt.attention.dash import cuda  # noqa: E402
 
 require_kernels(cuda.library_path())
 
@@ -1175,9 +1175,9 @@ def test_block_major_decode_only_steps_still_write_the_cache():
 
 
 def test_torch_op_runs_the_kernels_on_cuda():
-    """dash_trt.ops on CUDA tensors goes through the kernels (registered at import when the
+    """dash_trt.attention.dash.ops on CUDA tensors goes through the kernels (registered at import when the
     library is built) and returns updated caches without touching its inputs."""
-    from dash_trt import ops
+    from dash_trt.attention.dash import ops
 
     assert ops.cuda_impls() == (cuda.op_impl, cuda.op_impl_inplace)
     gen = torch.Generator().manual_seed(21)

@@ -316,7 +316,7 @@ def test_guide_shows_the_example_and_the_commands_this_test_runs():
 def _cuda_kernels() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (none visible to torch)"
-    from dash_trt import cuda as dcuda
+    from dash_trt.attention.dash import cuda as dcuda
 
     return None if dcuda.available() else "the kernel library is not built"
 

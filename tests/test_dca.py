@@ -1,4 +1,4 @@
-"""Dual Chunk Attention's PyTorch reference (dash_trt.dca) against independent statements of
+"""Dual Chunk Attention's PyTorch reference (dash_trt.attention.dca.reference) against independent statements of
 the function: dense causal attention with standard RoPE where DCA must reduce to it, a
 loop-based per-(query, key) float64 formulation written here from the definition, and a
 vLLM-shaped chunk loop whose three partial attentions are merged by log-sum-exp."""
@@ -11,8 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dash_trt.dca as dca
-from dash_trt.dca import DcaConfig, DcaConfigError, dca_positions, dual_chunk_attention, length_scale
+import dash_trt.attention.dca.reference as dca
+from dash_trt.attention.dca.reference import (
+    DcaConfig,
+    DcaConfigError,
+    dca_positions,
+    dual_chunk_attention,
+    length_scale,
+)
 
 # chunk_size C, local_size W (c = C - W), heads H / Hkv, head dim D, rotary dim, RoPE base
 CONFIGS = {

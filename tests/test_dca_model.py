@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dash_trt import dca_onnx
-from dash_trt.dca import DcaConfigError, length_scale
+from dash_trt.attention.dash.paged import BatchHost, DashBatch
+from dash_trt.attention.dca import onnx as dca_onnx
+from dash_trt.attention.dca.reference import DcaConfigError, length_scale
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models.checkpoint import CheckpointError
 from dash_trt.models.loader import load_model
-from dash_trt.paged import BatchHost, DashBatch
 from dash_trt.serving.block_pool import KVBlockPool
 
 CHUNK, LOCAL = 32, 8

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_dca_model import dense_qwen2_logits, gated_mlp64
 
-from dash_trt import dca_onnx
-from dash_trt.dca import DcaConfigError
+from dash_trt.attention.dca import onnx as dca_onnx
+from dash_trt.attention.dca.reference import DcaConfigError
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models import qwen2_moe_dca as M
 from dash_trt.models.checkpoint import CheckpointError

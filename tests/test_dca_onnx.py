@@ -1,5 +1,5 @@
 """The ONNX node ``dash_trt.DualChunkAttention`` and its standard-ops function: ONNX Runtime
-running a one-node model against dash_trt.dca_paged.paged_dual_chunk_attention (output and both
+running a one-node model against dash_trt.attention.dca.paged.paged_dual_chunk_attention (output and both
 caches), step after step, over random ragged batches, shuffled block tables and NaN-filled caches."""
 
 import random
@@ -12,7 +12,7 @@ from onnx import TensorProto
 from test_dca_paged import CONFIGS, Scenario, dca_cfg, random_lengths
 
 from dash_trt import dca_onnx, dca_ops
-from dash_trt.dca_paged import paged_dual_chunk_attention
+from dash_trt.attention.dca.paged import paged_dual_chunk_attention
 
 FLOATS = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 INDEX = {torch.int32: TensorProto.INT32, torch.int64: TensorProto.INT64}

@@ -1,5 +1,5 @@
 """The torch custom ops ``dash_trt::dual_chunk_attention`` (functional) and
-``dash_trt::dual_chunk_attention_`` (in place) against dash_trt.dca_paged.paged_dual_chunk_attention."""
+``dash_trt::dual_chunk_attention_`` (in place) against dash_trt.attention.dca.paged.paged_dual_chunk_attention."""
 
 import operator
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_dca_paged import CONFIGS, Scenario, dca_cfg, same
 
-from dash_trt import dca_ops
-from dash_trt.dca import DcaConfig, DcaConfigError
-from dash_trt.dca_paged import DcaKVCache, paged_dual_chunk_attention
+from dash_trt.attention.dca import ops as dca_ops
+from dash_trt.attention.dca.paged import DcaKVCache, paged_dual_chunk_attention
+from dash_trt.attention.dca.reference import DcaConfig, DcaConfigError
 
 
 def _case(name, dtype=torch.float32, seed=0, fill=float("nan")):

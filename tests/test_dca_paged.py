@@ -1,5 +1,5 @@
-"""The paged form of Dual Chunk Attention (dash_trt.dca_paged) against the reference
-dash_trt.dca.dual_chunk_attention: random ragged batches of chunked prefills and decode tokens
+"""The paged form of Dual Chunk Attention (dash_trt.attention.dca.paged) against the reference
+dash_trt.attention.dca.reference.dual_chunk_attention: random ragged batches of chunked prefills and decode tokens
 over shuffled block tables whose unwritten slots hold NaN, the cache contents against RoPE at
 p mod c and the length scale written from their definition, chunked against one-shot prefill,
 the pool's batch metadata, and the refusals."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from dash_trt.dca import DcaConfig, DcaConfigError, dual_chunk_attention
-from dash_trt.dca_paged import DcaKVCache, paged_dual_chunk_attention, token_scale_lengths
+from dash_trt.attention.dca.paged import DcaKVCache, paged_dual_chunk_attention, token_scale_lengths
+from dash_trt.attention.dca.reference import DcaConfig, DcaConfigError, dual_chunk_attention
 from dash_trt.serving.block_pool import KVBlockPool
 
 # chunk_size C, local_size W (c = C - W), heads H / Hkv, head dim D, rotary dim, RoPE base,

@@ -13,13 +13,13 @@ import torch
 from conftest import demo_config
 from test_paged import DI, KV_HEADS, D, make_seq, page_gap_case, permuted_tables, ragged_steps
 
-from dash_trt import attributes as A
 from dash_trt import export as E
 from dash_trt import model as M
-from dash_trt import onnx_ops as O
-from dash_trt import paged as P
-from dash_trt.config import CONFIG_SECTION, DashConfig
-from dash_trt.ops import CACHE_FIELDS
+from dash_trt.attention.dash import attributes as A
+from dash_trt.attention.dash import onnx as O
+from dash_trt.attention.dash import paged as P
+from dash_trt.attention.dash.config import CONFIG_SECTION, DashConfig
+from dash_trt.attention.dash.ops import CACHE_FIELDS
 from dash_trt.testing import TOLERANCES, fill_garbage, random_config
 
 KV_BLOCK_SIZES = [1, 5, 8, 16]
@@ -116,7 +116,7 @@ def test_function_routing_ties_go_to_the_lowest_index(block_size):
     run_function_and_paged(seqs, cfg, 0, block_size, gen)
     # and the rules matter here: selecting 3 of the tied blocks is not selecting all
     x = seqs[0].x
-    from dash_trt.reference import dash_attention
+    from dash_trt.attention.dash.reference import dash_attention
 
     few = dash_attention(x.q, x.k, x.v, x.iq, x.ik, x.roles, x.head_cls, cfg, 0, seqs[0].prompt)
     wide = DashConfig.from_dict({**cfg.to_dict(), "dash_topk_blocks": 16})

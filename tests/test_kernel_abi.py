@@ -6,7 +6,7 @@ import ctypes
 import pytest
 from conftest import require_kernels
 
-from dash_trt import cuda  # noqa: E402
+from dash_trt.attention.dash import cuda  # noqa: E402
 
 require_kernels(cuda.library_path())
 
@@ -206,7 +206,7 @@ def test_plans_are_kept_per_device(monkeypatch):
     import torch
     from conftest import demo_config
 
-    from dash_trt.config import CONFIG_SECTION, as_config
+    from dash_trt.attention.dash.config import CONFIG_SECTION, as_config
 
     lib = cuda._library()
     made_on = []

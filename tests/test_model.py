@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dash_trt import model as M
-from dash_trt.config import CONFIG_SECTION, DashConfig
-from dash_trt.ops import CACHE_FIELDS
+from dash_trt.attention.dash.config import CONFIG_SECTION, DashConfig
+from dash_trt.attention.dash.ops import CACHE_FIELDS
 
 SMALL = {
     **M.DEMO_CONFIG,

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from dash_trt import attributes as A
-from dash_trt import ops
-from dash_trt.config import DashConfig, DashConfigError
-from dash_trt.paged import DashKVCache, paged_dash_attention, sequence_coords
+from dash_trt.attention.dash import attributes as A
+from dash_trt.attention.dash import ops
+from dash_trt.attention.dash.config import DashConfig, DashConfigError
+from dash_trt.attention.dash.paged import DashKVCache, paged_dash_attention, sequence_coords
 from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import TOLERANCES, random_config, random_inputs, random_roles
 
@@ -259,7 +259,7 @@ def test_one_name_per_tensor_from_the_op_to_the_plugin_and_the_params():
 def test_cuda_tensors_without_the_kernel_library_warn_once_and_loudly(monkeypatch):
     import warnings
 
-    from dash_trt import cuda
+    from dash_trt.attention.dash import cuda
 
     saved = ops.cuda_impls()
     monkeypatch.setattr(ops, "_kernels_missing", None)

@@ -4,8 +4,8 @@ and the paged operator.
 The paged operator imports the reference's stages (RoPE, summaries, scores, routing, attention), so
 "paged equals reference" cannot see a bug in a shared stage. The oracle below re-derives the whole
 function from the written definition with plain Python loops over tokens, heads and blocks (float64
-arithmetic, torch only for small vector math); it imports nothing from ``dash_trt.reference`` or
-``dash_trt.paged`` except the role constants and the public entry points under test.
+arithmetic, torch only for small vector math); it imports nothing from ``dash_trt.attention.dash.reference`` or
+``dash_trt.attention.dash.paged`` except the role constants and the public entry points under test.
 
 What this file proves:
 
@@ -49,9 +49,9 @@ import numpy as np
 import pytest
 import torch
 
-from dash_trt.config import DashConfig
-from dash_trt.paged import DashKVCache, paged_dash_attention, sequence_coords
-from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
+from dash_trt.attention.dash.config import DashConfig
+from dash_trt.attention.dash.paged import DashKVCache, paged_dash_attention, sequence_coords
+from dash_trt.attention.dash.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT, dash_attention
 from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import random_config, random_inputs, random_roles
 

@@ -10,9 +10,9 @@ from conftest import DTYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dash_trt import paged as P
-from dash_trt import reference as R
-from dash_trt.config import DashConfig
+from dash_trt.attention.dash import paged as P
+from dash_trt.attention.dash import reference as R
+from dash_trt.attention.dash.config import DashConfig
 from dash_trt.serving.block_pool import CacheFullError, KVBlockPool
 from dash_trt.testing import compare_outputs, fill_garbage, random_config, random_inputs, random_roles
 

@@ -204,7 +204,7 @@ def test_prefix_cache_on_the_cuda_kernels(dtype):
     """On the kernels, the same requests in the same order with and without the cache. float32:
     the same tokens. bfloat16: a cached request's prefill steps hold fewer tokens, so its GEMMs
     round differently; the first token of every request agrees."""
-    from dash_trt import cuda as dcuda
+    from dash_trt.attention.dash import cuda as dcuda
 
     if not dcuda.available():
         pytest.skip("the kernel library is not built")

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import DTYPES, SEEDS
 
-from dash_trt import reference as R
-from dash_trt.config import DashConfig, DashConfigError
+from dash_trt.attention.dash import reference as R
+from dash_trt.attention.dash.config import DashConfig, DashConfigError
 from dash_trt.testing import TOLERANCES, compare_outputs, random_config, random_inputs, random_roles
 
 

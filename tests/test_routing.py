@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dash_trt import paged as P
-from dash_trt import reference as R
-from dash_trt.config import DashConfig, DashConfigError
+from dash_trt.attention.dash import paged as P
+from dash_trt.attention.dash import reference as R
+from dash_trt.attention.dash.config import DashConfig, DashConfigError
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "vllm_dash_golden.npz"
 NOT_CANDIDATE = -1e4

@@ -9,11 +9,11 @@ import torch
 from conftest import demo_config
 from test_ops import _batch
 
-from dash_trt import attributes as A
 from dash_trt import model as M
-from dash_trt import ops
-from dash_trt.paged import DashBatch, PageCoordState, flat_cache_tensors, sequence_coords
-from dash_trt.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
+from dash_trt.attention.dash import attributes as A
+from dash_trt.attention.dash import ops
+from dash_trt.attention.dash.paged import DashBatch, PageCoordState, flat_cache_tensors, sequence_coords
+from dash_trt.attention.dash.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 from dash_trt.serving.block_pool import CacheFullError, KVBlockPool
 from dash_trt.serving.runner import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
 
@@ -316,7 +316,7 @@ GPU_CONFIG = demo_config(
 
 
 def _gpu_model(dtype):
-    from dash_trt import cuda
+    from dash_trt.attention.dash import cuda
 
     if not torch.cuda.is_available() or cuda.library_path() is None:
         pytest.skip("needs a CUDA GPU and the kernel library")

@@ -17,7 +17,7 @@ from tritonclient.grpc import model_config_pb2  # noqa: E402  (Triton's model-co
 
 from dash_trt import model as M
 from dash_trt import triton_protocol as P
-from dash_trt.ops import CACHE_FIELDS
+from dash_trt.attention.dash.ops import CACHE_FIELDS
 from dash_trt.serving.engine import EngineConfig
 from dash_trt.triton import cli
 from dash_trt.triton.repository import (

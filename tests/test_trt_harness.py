@@ -10,8 +10,8 @@ CPU tests (no GPU): the creator's field list against :class:`DashConfig`, attrib
 validation messages, output types and shapes, aliasing, format support, configure and workspace
 sizing, serialization round trips. GPU tests (``gpu``): ragged prefill/decode batches through
 ``enqueue`` on torch CUDA tensors, outputs and caches compared with
-:func:`dash_trt.paged.paged_dash_attention` (the comparison rule of docs/spec.md), caches written in place or
-into separate output buffers, int32 and int64 indices.
+:func:`dash_trt.attention.dash.paged.paged_dash_attention` (the comparison rule of docs/spec.md),
+caches written in place or into separate output buffers, int32 and int64 indices.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dash_trt import ops
-from dash_trt import paged as P
-from dash_trt.attributes import PLUGIN_VERSION
-from dash_trt.config import DashConfig
+from dash_trt.attention.dash import ops
+from dash_trt.attention.dash import paged as P
+from dash_trt.attention.dash.attributes import PLUGIN_VERSION
+from dash_trt.attention.dash.config import DashConfig
 from dash_trt.serving.block_pool import KVBlockPool
 from dash_trt.testing import (
     CONFIG_VARIANTS,
@@ -429,9 +429,9 @@ def node_fields(
 ):
     """The fields the ONNX parser builds from a dash_trt.DashAttention node's attributes
     (INT -> INT32, FLOAT -> FLOAT32, STRING -> CHAR with a NUL): the layer's attributes as the
-    exporter writes them (dash_trt.attributes.encode: routing values resolved for the layer),
+    exporter writes them (dash_trt.attention.dash.attributes.encode: routing values resolved for the layer),
     then plugin_version and plugin_namespace."""
-    from dash_trt import attributes as A
+    from dash_trt.attention.dash import attributes as A
 
     kind = {"INT": ints, "FLOAT": reals, "STRING": "char"}
     out = []
@@ -513,7 +513,7 @@ def test_creator_fields_are_the_config_keys(harness):
 
 def test_node_attribute_table_matches_when_available(harness):
     """At merge time: the exporter's attribute table and the plugin's field list agree."""
-    from dash_trt import attributes
+    from dash_trt.attention.dash import attributes
 
     fields = {v.split(":")[0] for k, v in harness.creator_info() if k == "field"}
     assert {a.name for a in attributes.NODE_ATTRIBUTES} == fields
@@ -522,9 +522,9 @@ def test_node_attribute_table_matches_when_available(harness):
 
 def test_dual_chunk_attention_is_declared_and_refused_with_a_message(harness):
     """The plugin declares the dash_trt.DualChunkAttention creator (TensorRT's ONNX parser finds it
-    by the node's op type and version 1) with the node's attribute table, dash_trt.dca_ops's; it
+    by the node's op type and version 1) with the node's attribute table, dash_trt.attention.dca.ops's; it
     has no kernels yet, so createPlugin refuses, naming a bad attribute first if there is one."""
-    from dash_trt.dca_ops import ATTRIBUTES
+    from dash_trt.attention.dca.ops import ATTRIBUTES
 
     assert harness.select("DualChunkAttention")
     try:
@@ -888,10 +888,10 @@ def _index_type(variant: str, name: str) -> torch.dtype:
 
 
 def _kernel_binding():
-    """dash_trt.cuda when its library is built (for the routing of each token and a bitwise
+    """dash_trt.attention.dash.cuda when its library is built (for the routing of each token and a bitwise
     cross-check: the plugin calls the same dash_run)."""
     try:
-        from dash_trt import cuda
+        from dash_trt.attention.dash import cuda
     except ImportError:  # pragma: no cover
         return None
     return cuda if cuda.available() else None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dash_trt import model as M
-from dash_trt.ops import CACHE_FIELDS
+from dash_trt.attention.dash.ops import CACHE_FIELDS
 from dash_trt.serving.runner import PagedRuntime
 from dash_trt.serving.tensorrt import TensorRTBackend, TensorRTBackendError, TensorRTNotFound
 

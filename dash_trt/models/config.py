@@ -1,7 +1,7 @@
 """A DASH decoder's ``config.json`` (Hugging Face style): :class:`DashModelConfig`.
 
 The usual Hugging Face keys, the ``sparse_attention_config`` section (a
-:class:`~dash_trt.config.DashConfig`, Unlimited-OCR-2's schema), and any keys of the model's
+:class:`~dash_trt.attention.dash.config.DashConfig`, Unlimited-OCR-2's schema), and any keys of the model's
 own, kept in :attr:`DashModelConfig.extra`.
 
 Two layouts are read. Flat: the decoder's keys at the top (``vocab_size``, ``hidden_size``,
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import CONFIG_SECTION, DashConfig, DashConfigError, missing_section_message
+from ..attention.dash.config import CONFIG_SECTION, DashConfig, DashConfigError, missing_section_message
 
 __all__ = ["DashModelConfig", "ModelConfigError", "load_model_config", "DTYPES", "ARCHITECTURE", "MODEL_TYPE"]
 

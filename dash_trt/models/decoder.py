@@ -3,7 +3,7 @@
 Architecture (Llama-like): token embeddings; ``num_hidden_layers`` decoder layers, each
 RMSNorm -> q/k/v projections plus Unlimited-OCR-2's DASH router (:class:`~dash_trt.modeling.
 DashRouter`: the indexer's ``iq``/``ik`` and the learned ``head_cls``) -> DASH attention (the
-torch custom op, :mod:`dash_trt.ops`) -> output projection, residual; RMSNorm -> gated MLP
+torch custom op, :mod:`dash_trt.attention.dash.ops`) -> output projection, residual; RMSNorm -> gated MLP
 (SiLU) -> residual; final RMSNorm; logits. Image tokens are embedded from the token table or
 take image features (``image_feature_dim``); the attention and the cache do not care.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fused as _fused
-from ..config import CONFIG_SECTION
+from ..attention.dash.config import CONFIG_SECTION
 from ..modeling import DashAttention, DashContext, DashModel, DashRouter
 from .config import ARCHITECTURE, MODEL_TYPE, DashModelConfig
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..paged import CACHE_FIELDS
+from ..attention.dash.paged import CACHE_FIELDS
 from .config import DTYPES, DashModelConfig, ModelConfigError, load_model_config
 from .registry import architecture_name, build_model
 

@@ -5,7 +5,7 @@ Qwen2 or Qwen2-MoE decoder with Dual Chunk Attention (:mod:`dash_trt.models.qwen
 :mod:`dash_trt.models.qwen2_moe_dca`); anything else is a DASH checkpoint
 (:func:`dash_trt.models.checkpoint.load_checkpoint`). A DCA folder with a
 ``sparse_attention_config.json`` that vLLM and SGLang would run sparse is refused
-(:func:`dash_trt.dca.check_dense`).
+(:func:`dash_trt.attention.dca.reference.check_dense`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..dca import CONFIG_KEY
+from ..attention.dca.reference import CONFIG_KEY
 from .checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
 from .qwen2_dca import MOE_MODEL_TYPE, Qwen2DcaForCausalLM, load_qwen2_dca
 from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM

@@ -8,21 +8,21 @@ The architecture and parameter names are Hugging Face's ``Qwen2ForCausalLM``:
 ``lm_head`` (the embedding table when ``tie_word_embeddings``). Grouped-query heads
 (``num_key_value_heads``), ``head_dim = hidden_size // num_attention_heads`` unless the config
 gives ``head_dim``, neox RoPE of base ``rope_theta`` over the whole head. The attention is Dual
-Chunk Attention (:mod:`dash_trt.dca`) configured by the config's ``dual_chunk_attention_config``
-(:meth:`dash_trt.dca.DcaConfig.from_model_config`); RoPE is applied inside it, at the DCA
+Chunk Attention (:mod:`dash_trt.attention.dca.reference`) configured by the config's ``dual_chunk_attention_config``
+(:meth:`dash_trt.attention.dca.reference.DcaConfig.from_model_config`); RoPE is applied inside it, at the DCA
 positions.
 
 The three forms share the weights and everything outside the attention:
 
 - :meth:`Qwen2DcaForCausalLM.reference_logits`: a whole sequence, no cache, through
-  :func:`dash_trt.dca.dual_chunk_attention`;
+  :func:`dash_trt.attention.dca.reference.dual_chunk_attention`;
 - :meth:`Qwen2DcaForCausalLM.forward_paged`: a ragged batch of prefill chunks and decode tokens
-  over one :class:`~dash_trt.dca_paged.DcaKVCache` per layer, written in place by the in-place
+  over one :class:`~dash_trt.attention.dca.paged.DcaKVCache` per layer, written in place by the in-place
   op ``dash_trt::dual_chunk_attention_``; logits only for the rows asked for;
 - :meth:`Qwen2DcaForCausalLM.export_forward`: the same with the functional op (caches in, new
   caches out), what :func:`export_program` hands to ``torch.onnx.export``; each layer becomes one
   ``dash_trt.DualChunkAttention`` node and the file carries its standard-ops function
-  (:mod:`dash_trt.dca_onnx`), so ONNX Runtime runs it.
+  (:mod:`dash_trt.attention.dca.onnx`), so ONNX Runtime runs it.
 
 :func:`load_qwen2_dca` reads a Hugging Face folder (``config.json`` and ``model.safetensors`` or
 its shards; a Qwen2-MoE one as :class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`, the
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import dca_ops
-from ..dca import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention, read_model_config
-from ..dca_paged import DcaKVCache
+from ..attention.dca import ops as dca_ops
+from ..attention.dca.paged import DcaKVCache
+from ..attention.dca.reference import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention, read_model_config
 from ..export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
 from ..fileio import atomic_write
 from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_folder
@@ -219,7 +219,7 @@ class Qwen2DcaConfig:
         heads, ``rms_norm_eps`` 1e-6, ``rope_theta`` 10000, ``tie_word_embeddings`` false. Refused:
         another ``model_type``, ``hidden_act`` other than silu, ``rope_scaling``, a sliding window
         in use, a config vLLM and SGLang would run with the sparse DCA mode
-        (:func:`dash_trt.dca.check_dense`)."""
+        (:func:`dash_trt.attention.dca.reference.check_dense`)."""
         if not isinstance(config, Mapping):
             raise Qwen2DcaConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
         # "not a Dual Chunk Attention model", the sparse mode (in the section or beside the weights), ...
@@ -465,7 +465,7 @@ class Qwen2DcaForCausalLM(nn.Module):
     # ------------------------------------------------------------- reference (no cache)
     def reference_logits(self, input_ids: Sequence[int] | torch.Tensor, prompt_len: int | None = None) -> torch.Tensor:
         """Float32 logits [S, vocab] of a whole sequence, no cache, through
-        :func:`dash_trt.dca.dual_chunk_attention`.
+        :func:`dash_trt.attention.dca.reference.dual_chunk_attention`.
 
         ``prompt_len`` says how each token is length-scaled (only matters with
         ``original_max_position_embeddings`` set): None, the sequence is one prompt prefilled at
@@ -568,7 +568,7 @@ class Qwen2DcaForCausalLM(nn.Module):
         coordinates of a DASH model, are not used: positions come from ``batch``): ``input_ids`` [T] the new
         tokens of every sequence in ``batch.query_start_loc`` order; ``batch`` anything with the
         four tensors ``block_tables`` [B, W], ``seq_lens`` [B] (after this call),
-        ``query_start_loc`` [B+1] and ``prompt_lens`` [B] (a :class:`dash_trt.paged.DashBatch`,
+        ``query_start_loc`` [B+1] and ``prompt_lens`` [B] (a :class:`dash_trt.attention.dash.paged.DashBatch`,
         what :meth:`KVBlockPool.schedule` returns, will do); one cache per layer. Returns float32
         logits of the rows ``logits_indices`` [N] (every row if None)."""
         if len(caches) != self.config.num_hidden_layers:
@@ -677,7 +677,7 @@ def load_qwen2_dca(
     picks the class from the folder's config, Qwen2-MoE too). ``dtype`` defaults to the
     config's ``torch_dtype``. Raises :class:`Qwen2DcaConfigError` for the config (also for a
     ``sparse_attention_config.json`` beside the weights that vLLM and SGLang would run sparse:
-    :func:`dash_trt.dca.check_dense`) and :class:`~dash_trt.models.checkpoint.CheckpointError` for
+    :func:`dash_trt.attention.dca.reference.check_dense`) and :class:`~dash_trt.models.checkpoint.CheckpointError` for
     the weights (missing, unexpected, of the wrong shape)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -998,11 +998,11 @@ def _dynamic_shapes(model: Qwen2DcaForCausalLM):
 def export_program(model: Qwen2DcaForCausalLM, *, kv_block_size: int = 8):
     """``torch.onnx.export`` (dynamo) of :meth:`Qwen2DcaForCausalLM.export_forward` as a
     ``torch.onnx.ONNXProgram``: one ``dash_trt.DualChunkAttention`` node per layer
-    (:func:`dash_trt.dca_onnx.translation_table`) and the node's standard-ops function
-    (:func:`dash_trt.dca_onnx.add_function`). Inputs :data:`GRAPH_INPUTS` then
+    (:func:`dash_trt.attention.dca.onnx.translation_table`) and the node's standard-ops function
+    (:func:`dash_trt.attention.dca.onnx.add_function`). Inputs :data:`GRAPH_INPUTS` then
     ``past.{layer}.{key,value}``; outputs ``logits`` then ``present.{layer}.{key,value}``; every
     size dynamic except the KV block size."""
-    from .. import dca_onnx
+    from ..attention.dca import onnx as dca_onnx
 
     reason = exporter_available()
     if reason:
@@ -1040,7 +1040,7 @@ def export_onnx(model: Qwen2DcaForCausalLM, path: str | os.PathLike, *, kv_block
 def ort_forward(path: str | os.PathLike) -> ForwardFn:
     """An ONNX Runtime (CPU) session over an exported file as a :data:`ForwardFn` for
     :func:`generate`: the caches it returns are fed back at the next step."""
-    from ..onnx_ops import import_onnxruntime, ort_session_options
+    from ..attention.dash.onnx import import_onnxruntime, ort_session_options
 
     ort = import_onnxruntime()
     sess = ort.InferenceSession(os.fspath(path), ort_session_options(), providers=["CPUExecutionProvider"])

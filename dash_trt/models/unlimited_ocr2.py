@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fused as _fused
-from ..config import CONFIG_SECTION
+from ..attention.dash.config import CONFIG_SECTION
 from ..modeling import DashContext, DashModel
 from .config import LANGUAGE_SECTION, DashModelConfig, ModelConfigError
 from .decoder import DashSelfAttention, GatedMLP, RMSNorm

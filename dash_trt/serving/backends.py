@@ -2,7 +2,7 @@
 
 The runtime (:class:`~dash_trt.serving.runner.PagedRuntime`) plans a step on the host: the
 new tokens, their page coordinates, the block tables and lengths (a
-:class:`~dash_trt.paged.BatchHost` from the block pool) and the rows whose logits are
+:class:`~dash_trt.attention.dash.paged.BatchHost` from the block pool) and the rows whose logits are
 wanted. That plan is a :class:`ModelStep`; a backend runs the model on it over the
 runtime's caches, written in place, and returns the logits:
 
@@ -29,8 +29,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..attention.dash.paged import BatchHost, DashBatch, DashKVCache, assign_flat_cache_tensors, flat_cache_tensors
 from ..modeling import IMAGE_INPUTS, MODEL_INPUTS
-from ..paged import BatchHost, DashBatch, DashKVCache, assign_flat_cache_tensors, flat_cache_tensors
 
 __all__ = ["ModelStep", "ModelBackend", "TorchBackend", "FunctionalBackend", "ForwardFn"]
 

@@ -1,5 +1,5 @@
 """The KV block pool: which physical KV blocks each sequence holds, the prefix cache of
-shared prompt blocks, and the host-side metadata of a step (:class:`~dash_trt.paged.BatchHost`).
+shared prompt blocks, and the host-side metadata of a step (:class:`~dash_trt.attention.dash.paged.BatchHost`).
 
 One pool serves every layer's cache (the blocks of a sequence are the same in each layer).
 :func:`blocks_for` is the one place "KV blocks for N tokens" is computed.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..paged import BatchHost, DashBatch
+from ..attention.dash.paged import BatchHost, DashBatch
 
 __all__ = ["KVBlockPool", "CacheFullError", "blocks_for", "prefix_block_hashes"]
 

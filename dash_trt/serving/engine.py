@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..attention.dash.paged import PageCoordState, TextCoordState
 from ..modeling import DashModel, prompt_coordinates
 from ..models.prompts import document_prompt
-from ..paged import PageCoordState, TextCoordState
 from .block_pool import blocks_for
 from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
@@ -341,7 +341,7 @@ class GenerationEngine:
     # ----------------------------------------------------------------- requests
     def check(self, prompt: Any, max_new_tokens: Any = None) -> tuple[list[int], int, tuple]:
         """Validate a request; returns (prompt ids, max_new_tokens, prompt coordinates: a
-        :class:`~dash_trt.paged.PageCoordState` and the rows) or raises :class:`RequestError`
+        :class:`~dash_trt.attention.dash.paged.PageCoordState` and the rows) or raises :class:`RequestError`
         with a message that says what is wrong. Sizes are checked before any work that grows
         with the prompt."""
         cfg, ecfg = self.model_config, self.config

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.dash.paged import assign_flat_cache_tensors, flat_cache_tensors
 from ..modeling import DashModel
 from ..models.config import DashModelConfig
-from ..paged import assign_flat_cache_tensors, flat_cache_tensors
 from .block_pool import KVBlockPool, blocks_for
 from .rules import DecodingRules
 from .runner import ForwardFn, PagedRuntime, greedy_tokens

@@ -8,7 +8,7 @@ each sequence contributing its next prefill chunk or its next decode token:
 1. **One plan per step.** :meth:`KVBlockPool.schedule_host` builds the step's metadata
    (block tables, lengths, query starts, prompt lengths) on the host from the pool's own
    state, so it is valid by construction; it reaches the device in one copy as a
-   :class:`~dash_trt.paged.DashBatch` (with ``max_query_len``) and is handed unchanged to
+   :class:`~dash_trt.attention.dash.paged.DashBatch` (with ``max_query_len``) and is handed unchanged to
    every layer. Nothing in a step reads the device back except the chosen tokens.
 2. **In place.** Each layer calls the in-place op (``torch.ops.dash_trt.paged_attention_``):
    the cache tensors keep their storage for the runtime's whole life (no step copies the
@@ -17,7 +17,7 @@ each sequence contributing its next prefill chunk or its next decode token:
    needs them; :class:`~dash_trt.serving.block_pool.CacheFullError` if none is free).
    :meth:`PagedRuntime.preempt` takes a sequence's blocks back and keeps its tokens;
    :meth:`PagedRuntime.resume` recomputes its cache from them.
-3. **O(1) page coordinates.** A sequence keeps a :class:`~dash_trt.paged.PageCoordState`;
+3. **O(1) page coordinates.** A sequence keeps a :class:`~dash_trt.attention.dash.paged.PageCoordState`;
    a generated token's coordinates come from it, not from the whole sequence again.
 4. **Logits only where a token is chosen** (the model's ``logits_indices``), and the
    greedy choice (image tokens masked, as :func:`dash_trt.model.generate` always did) on
@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import cuda as dcuda
+from ..attention.dash import cuda as dcuda
+from ..attention.dash.paged import DashBatch, DashKVCache, PageCoordState, TextCoordState, flat_cache_tensors
 from ..modeling import image_feature_rows, prompt_coordinates, token_role
 from ..models.prompts import document_prompt
-from ..paged import DashBatch, DashKVCache, PageCoordState, TextCoordState, flat_cache_tensors
 from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
 from .block_pool import KVBlockPool, blocks_for, prefix_block_hashes
 from .rules import DecodingRules

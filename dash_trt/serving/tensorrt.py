@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..attention.dash.ops import CACHE_FIELDS
+from ..attention.dash.paged import DashKVCache
 from ..modeling import IMAGE_INPUTS, MODEL_INPUTS
-from ..ops import CACHE_FIELDS
-from ..paged import DashKVCache
 from .backends import ModelStep
 
 __all__ = ["TensorRTNotFound", "TensorRTBackendError", "TensorRTBackend"]

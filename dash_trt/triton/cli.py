@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from .. import triton_protocol as P
+from ..attention.dash.config import DashConfigError
+from ..attention.dca.reference import DcaConfigError
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..config import DashConfigError
-from ..dca import DcaConfigError
 from ..modeling import ModelContractError
 from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfigError

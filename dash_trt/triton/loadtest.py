@@ -265,7 +265,7 @@ def _pair(text: str) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
     a = _parser().parse_args(argv)
     out = stdout or sys.stdout
-    from ..config import DashConfigError
+    from ..attention.dash.config import DashConfigError
     from ..modeling import ModelContractError
     from ..models.checkpoint import CheckpointError
     from ..models.config import ModelConfigError

@@ -1,0 +1,1 @@
+"""DASH attention: see :mod:`dash_trt.attention`."""

@@ -1,0 +1,1 @@
+"""Dual Chunk Attention: see :mod:`dash_trt.attention`."""

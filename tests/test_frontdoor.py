@@ -83,6 +83,7 @@ def door(triton, folder):
         max_body_bytes=1 << 20,
         header_timeout=2.0,
         body_timeout=2.0,
+        body_deadline=4.0,
     )
     d = FrontDoor(settings, port=0).start()
     yield d
@@ -385,6 +386,34 @@ def test_http_defects_of_the_old_proxy(door):
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
     )
     assert out.startswith(b"HTTP/1.1 408")
+
+
+def test_a_trickling_body_meets_the_deadline(door):
+    """A byte every 0.2 s never stalls the 2 s body timeout, but 99 of them never complete the
+    declared 100-byte body: it is answered 408 once 4 s have passed since its first byte (without
+    the deadline it would be read for as long as the client kept sending)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    out = b""
+    with socket.create_connection(("127.0.0.1", door.port), timeout=30) as s:
+        s.sendall(head)
+        s.settimeout(0.2)
+        for _ in range(99):
+            try:
+                s.sendall(b" ")
+                out = s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # answered and closed between two bytes
+                pass
+            break
+        s.settimeout(30)
+        while not out.endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    assert b"not complete within 4 s" in out, out
 
 
 def test_malformed_json_is_a_400_on_every_json_route(door):

@@ -9,6 +9,7 @@ the same interface, so every tool can take either.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -48,6 +49,18 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token covers, for a BPE vocabulary that never
+        stands one unknown token for a run of text (no ``unk_token``, or byte fallback): its
+        longest entry, since each input character is spelled by at least one character of the
+        entries (bytes in a byte-level vocabulary), so ``len(text) <= tokens * max_token_chars``.
+        None for other models (WordPiece's ``[UNK]`` stands for a whole word)."""
+        model = self.tokenizer.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None and not model.byte_fallback):
+            return None
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)
@@ -95,6 +108,11 @@ class ByteTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token covers: ``<image>`` (a byte token covers at most one)."""
+        return max(len(t) for t in self._special.values())
 
     def token_id(self, token: str) -> int:
         for tid, text in self._special.items():

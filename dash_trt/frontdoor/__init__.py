@@ -10,7 +10,8 @@ Endpoints (every path but ``/health`` needs ``Authorization: Bearer KEY`` when a
 The HTTP layer is uvicorn's (h11): chunked bodies, bad ``Content-Length`` and pipelining are
 handled as HTTP says. On top of it: a listen backlog of 2048; bodies larger than
 ``--max-body-mb`` answered 413 before they are read; a request whose headers do not arrive
-within ``--header-timeout`` seconds, or whose body stalls past ``--body-timeout``, is closed
+within ``--header-timeout`` seconds, or whose body stalls past ``--body-timeout`` or is not
+complete within ``--body-deadline`` of its first byte however it trickles, is closed
 (a slow client holds no worker); JSON endpoints take ``application/json`` only (a form post
 from a web page cannot drive the server); refusals are 4xx on the streaming path too (the first
 answer from Triton is awaited before the event stream starts), 5xx only for outages; a client

@@ -33,11 +33,17 @@ class TritonBackend:
         self.client = None  # made in start(): gRPC's asyncio channel belongs to the loop it is made in
         self.config = None
         self.tokenizer = None
+        #: the most prompt tokens the model can admit (its engine config's longest request)
+        self.max_prompt_tokens: int | None = None
+        #: the longest text one token stands for (the tokenizer's longest token): a prompt of
+        #: more than max_prompt_tokens times this many characters is too long before tokenizing
+        self.max_token_chars: int | None = None
         self.has_documents = False
 
     async def start(self) -> None:
         from ..documents.tokenizer import ByteTokenizer, load_tokenizer
         from ..models.config import DashModelConfig
+        from ..serving.limits import longest_request
 
         self.client = self.aio.InferenceServerClient(self.s.triton_grpc)
         try:
@@ -51,6 +57,9 @@ class TritonBackend:
             raise RuntimeError(f"model '{self.s.model}' is not a DASH generation model (no {P.PARAM_MODEL_CONFIG})")
         self.config = DashModelConfig.from_dict(json.loads(params[P.PARAM_MODEL_CONFIG]))
         self.tokenizer = load_tokenizer(self.s.tokenizer) if self.s.tokenizer else ByteTokenizer(self.config)
+        if P.PARAM_ENGINE in params:
+            self.max_prompt_tokens = longest_request(params[P.PARAM_ENGINE])
+        self.max_token_chars = self.tokenizer.max_token_chars
         try:
             self.has_documents = await self.client.is_model_ready(self.s.model + P.DOCUMENT_SUFFIX)
         except Exception:  # noqa: BLE001 - no document model: documents are refused

@@ -6,6 +6,7 @@ answered by the repository's document model (one section a page, each under a
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -102,7 +103,7 @@ class ChatCompletions(Endpoint):
                 return reply.answer(text, reason, use)
             return event_stream(reply.events(text, reason, use if req.include_usage else None))
 
-        ids = self.prompt(req)
+        ids = await self.prompt(req)
         args = (max_tokens, not req.ignore_eos, req.stop_token_ids, req.sampling())
         if req.stream:
             return await stream_response(
@@ -119,18 +120,20 @@ class ChatCompletions(Endpoint):
         )
 
     # ----------------------------------------------------------------- text
-    def prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The messages' token ids through the tokenizer's chat template (or the plain one)."""
+    async def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages' token ids through the tokenizer's chat template (or the plain one):
+        their length checked first, rendered and tokenized off the event loop."""
         tok = self.backend.tokenizer
         template = getattr(tok, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
         special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token")}
         try:
-            text = render_chat(template, messages, special)
+            text = await asyncio.to_thread(render_chat, template, messages, special)
         except PromptError as exc:
             raise APIError(str(exc), param="messages") from None
         try:
-            ids = tok.encode(text)
+            ids = await asyncio.to_thread(tok.encode, text)
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from None
         if not ids:

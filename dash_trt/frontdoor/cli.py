@@ -47,6 +47,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="(%(default)g)")
     o.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds (%(default)g)")
     o.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a body may stall (%(default)g)")
+    o.add_argument(
+        "--body-deadline",
+        type=float,
+        default=d.body_deadline,
+        help="seconds a whole body may take from its first read, however it trickles (%(default)g)",
+    )
     o.add_argument("--allow-file-root", help="file:// attachments are read only under this folder (default: none)")
     o.add_argument(
         "--allow-url-host", action="append", default=[], help="a host http(s) attachments may come from (repeatable)"
@@ -61,7 +67,7 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
     if not 0 < a.port <= 65535:
         print(f"dash-triton openai: error: --port must be 1..65535, got {a.port}", file=err)
         return 2
-    for name in ("max_body_mb", "header_timeout", "body_timeout", "fetch_max_mb", "fetch_timeout"):
+    for name in ("max_body_mb", "header_timeout", "body_timeout", "body_deadline", "fetch_max_mb", "fetch_timeout"):
         if getattr(a, name) <= 0:
             print(f"dash-triton openai: error: --{name.replace('_', '-')} must be positive", file=err)
             return 2
@@ -74,6 +80,7 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
         max_body_bytes=int(a.max_body_mb * 2**20),
         header_timeout=a.header_timeout,
         body_timeout=a.body_timeout,
+        body_deadline=a.body_deadline,
         allow_file_root=a.allow_file_root,
         allow_url_hosts=tuple(a.allow_url_host),
         fetch_max_bytes=int(a.fetch_max_mb * 2**20),

@@ -29,7 +29,7 @@ class Completions(Endpoint):
         t0 = time.perf_counter()
         req: CompletionRequest = await self.read_json(request, CompletionRequest)
         self.check_model(req.model)
-        prompts = [self.encode(p) for p in req.prompts()]
+        prompts = [await self.encode(p) for p in req.prompts()]
         feats = _features(req)
         if feats is not None and len(prompts) > 1:
             raise APIError("image_features go with a single prompt", param="image_features")

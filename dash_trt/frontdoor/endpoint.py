@@ -115,10 +115,26 @@ class Endpoint:
             return "stop"
         return "length" if len(tokens) >= max_tokens else "stop"
 
-    def encode(self, prompt) -> list[int]:
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuses text too long for the model before it is tokenized: more characters than
+        the model's longest prompt times the most characters one token covers (exact: what is
+        refused here could never be admitted; tokenizers without that bound are not checked)."""
+        most, per = self.backend.max_prompt_tokens, self.backend.max_token_chars
+        if most and per and chars > most * per:
+            raise APIError(
+                f"the prompt's {chars} characters are more than this model's {most} tokens can hold "
+                f"(one token is at most {per} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (text, length-checked first and tokenized off the event loop so
+        a long text stalls no other client; or ids as given)."""
         if isinstance(prompt, str):
+            self.check_length(len(prompt), "prompt")
             try:
-                ids = self.backend.tokenizer.encode(prompt)
+                ids = await asyncio.to_thread(self.backend.tokenizer.encode, prompt)
             except ValueError as exc:
                 raise APIError(str(exc), param="prompt") from None
             bos = self.backend.tokenizer.bos_id

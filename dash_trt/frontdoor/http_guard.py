@@ -3,7 +3,8 @@
 - :class:`GuardMiddleware` (pure ASGI): the API key (every path but ``/health``, and
   ``/metrics`` with ``--public-metrics``; compared in constant time), ``Content-Length`` against
   ``--max-body-mb`` (413 before the body is read), ``application/json`` on JSON posts, the body
-  counted as it arrives (over the cap: 413; stalled past ``--body-timeout``: 408), every answer
+  counted as it arrives (over the cap: 413; stalled past ``--body-timeout``, or not complete
+  within ``--body-deadline`` of its first read however it trickles: 408), every answer
   counted by endpoint and status for ``/metrics``;
 - :func:`guarded_protocol`: uvicorn's h11 protocol with ``--header-timeout`` (a slow client
   holds no socket);
@@ -31,7 +32,12 @@ class BodyTooLarge(Exception):
 
 
 class BodyTimeout(Exception):
-    """The body stalled past ``--body-timeout`` (answered 408)."""
+    """The body stalled past ``--body-timeout``, or was not complete within ``--body-deadline``
+    (answered 408 with ``reason``)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def json_error(exc: APIError) -> JSONResponse:
@@ -61,7 +67,13 @@ class GuardMiddleware:
             self._check(path, method, headers)
         except APIError as exc:
             return await json_error(exc)(scope, receive, self._counted(send, path))
-        body = _BodyGuard(receive, self.s.max_body_bytes, self.s.body_timeout, done=method in ("GET", "HEAD"))
+        body = _BodyGuard(
+            receive,
+            self.s.max_body_bytes,
+            self.s.body_timeout,
+            self.s.body_deadline,
+            done=method in ("GET", "HEAD"),
+        )
         # a body over the cap or stalled raises in the app, whose handlers answer 413 / 408
         await self.app(scope, body, self._counted(send, path))
 
@@ -108,20 +120,32 @@ class GuardMiddleware:
 
 class _BodyGuard:
     """An ASGI ``receive`` that counts the body as it arrives: past ``limit`` bytes it raises
-    :class:`BodyTooLarge`, after ``timeout`` seconds without a message :class:`BodyTimeout`;
-    once the body is complete (or for a request without one) it waits as long as ``receive``."""
+    :class:`BodyTooLarge`; after ``timeout`` seconds without a message, or ``deadline`` seconds
+    after its first read with the body still incomplete (a client sending a byte just inside
+    every timeout), :class:`BodyTimeout`. Once the body is complete (or for a request without
+    one) it waits as long as ``receive``. ``clock``: seconds, monotonic (the event loop's)."""
 
-    def __init__(self, receive, limit: int, timeout: float, *, done: bool):
-        self.receive, self.limit, self.timeout, self.done = receive, limit, timeout, done
+    def __init__(self, receive, limit: int, timeout: float, deadline: float, *, done: bool, clock=None):
+        self.receive, self.limit, self.timeout, self.deadline, self.done = receive, limit, timeout, deadline, done
+        self.clock = clock
         self.seen = 0
+        self.start = None
 
     async def __call__(self):
         if self.done:
             return await self.receive()
+        clock = self.clock or asyncio.get_running_loop().time
+        if self.start is None:
+            self.start = clock()
+        left = self.deadline - (clock() - self.start)
+        if left <= 0:
+            raise BodyTimeout(f"the request body was not complete within {self.deadline:g} s")
         try:
-            message = await asyncio.wait_for(self.receive(), self.timeout)
+            message = await asyncio.wait_for(self.receive(), min(self.timeout, left))
         except asyncio.TimeoutError:
-            raise BodyTimeout() from None
+            if self.timeout < left:
+                raise BodyTimeout(f"the request body stalled for {self.timeout:g} s") from None
+            raise BodyTimeout(f"the request body was not complete within {self.deadline:g} s") from None
         if message["type"] == "http.request":
             self.seen += len(message.get("body", b""))
             if self.seen > self.limit:
@@ -141,10 +165,8 @@ def error_handlers(settings: FrontDoorSettings) -> dict:
         limit = settings.max_body_bytes // 2**20
         return json_error(APIError(f"the request body is over {limit} MiB", status=413, code="too_large"))
 
-    async def stalled(request, exc):
-        return json_error(
-            APIError(f"the request body stalled for {settings.body_timeout:g} s", status=408, code="timeout")
-        )
+    async def stalled(request, exc: BodyTimeout):
+        return json_error(APIError(exc.reason, status=408, code="timeout"))
 
     async def validation(request, exc):
         return json_error(APIError(f"invalid request: {exc.errors()[0].get('msg')}"))

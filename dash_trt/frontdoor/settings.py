@@ -18,7 +18,8 @@ class FrontDoorSettings:
     tokenizer: str | None = None  #: a checkpoint folder with tokenizer.json (default: the demo's byte tokenizer)
     max_body_bytes: int = 64 * 2**20
     header_timeout: float = 10.0
-    body_timeout: float = 30.0
+    body_timeout: float = 30.0  #: seconds a body may stall between two reads
+    body_deadline: float = 300.0  #: seconds a body may take in all, from its first read
     request_timeout: float = 3600.0
     allow_file_root: str | None = None
     allow_url_hosts: tuple[str, ...] = ()

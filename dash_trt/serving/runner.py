@@ -56,6 +56,7 @@ from ..modeling import image_feature_rows, prompt_coordinates, token_role
 from ..models.prompts import document_prompt
 from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
 from .block_pool import KVBlockPool, blocks_for, prefix_block_hashes
+from .limits import DEFAULT_MAX_MODEL_LEN
 from .rules import DecodingRules
 from .sampling import Sampler, SamplingParams
 
@@ -77,10 +78,6 @@ __all__ = [
 #: Decode batch sizes a CUDA graph is captured for (a step of B sequences runs the graph of
 #: the smallest size >= B; up to the runtime's ``max_num_seqs``).
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-#: Longest sequence (prompt + generated tokens) when ``max_model_len`` is not given: the
-#: pool's size, at most this (it sets the block-table width of every kernel call).
-DEFAULT_MAX_MODEL_LEN = 131072
 
 
 class RuntimeConfigError(ValueError):

@@ -49,6 +49,7 @@ from ..models.qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
 from ..models.registry import USER_MODULE_PREFIX
 from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
+from ..serving.limits import longest_request
 
 __all__ = [
     "RepositoryError",
@@ -758,7 +759,7 @@ def write_repository(
                 if os.path.isfile(src):
                     shutil.copyfile(src, os.path.join(vdir, fname))
             _write(os.path.join(vdir, P.DOCUMENT_CONFIG), json.dumps(model.config.to_dict(), indent=2) + "\n")
-            limit = engine.max_model_len or min(engine.num_blocks * engine.kv_block_size, 131072)
+            limit = longest_request(engine.to_json())
             dcfg = document_model_config(
                 doc_name,
                 name,

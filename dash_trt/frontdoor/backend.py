@@ -3,7 +3,8 @@
 :func:`triton_error` (a Triton or gRPC failure as OpenAI's error object).
 
 A backend is anything with this class's methods (``start``, ``close``, ``ready``, ``generate``,
-``stream``, ``document``) and attributes (``config``, ``tokenizer``, ``has_documents``):
+``stream``, ``document``) and attributes (``config``, ``tokenizer``, ``has_documents``; optionally
+``max_prompt_tokens`` and ``max_token_chars``, the prompt bound checked before tokenizing):
 :func:`~dash_trt.frontdoor.app.create_app` takes another for embedding and tests.
 """
 

@@ -119,7 +119,8 @@ class Endpoint:
         """Refuses text too long for the model before it is tokenized: more characters than
         the model's longest prompt times the most characters one token covers (exact: what is
         refused here could never be admitted; tokenizers without that bound are not checked)."""
-        most, per = self.backend.max_prompt_tokens, self.backend.max_token_chars
+        most = getattr(self.backend, "max_prompt_tokens", None)  # optional in a backend
+        per = getattr(self.backend, "max_token_chars", None)
         if most and per and chars > most * per:
             raise APIError(
                 f"the prompt's {chars} characters are more than this model's {most} tokens can hold "

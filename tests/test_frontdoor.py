@@ -484,10 +484,20 @@ def _triton_failed(triton, model: str) -> float:
     return _triton_metric(triton, "dash_requests_total", model, 'outcome="failed"')
 
 
+def _door_in_flight(door) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{door.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("dash_frontdoor_in_flight "))
+
+
 def test_a_client_that_disconnects_cancels_its_request(door, triton):
     """Streaming and not: the client goes away, its Triton request is cancelled, and the engine
-    drops it (counted failed) long before its 3000 tokens, its KV blocks freed."""
+    drops it (counted failed) long before its 3000 tokens, its KV blocks freed; the front door's
+    in-flight gauge is back where it was (a stream's used to stay counted for ever)."""
     for stream, model in ((True, "dash_stream"), (False, "dash")):
+        in_flight = _door_in_flight(door)
         before = _triton_failed(triton, model)
         body = {"prompt": prompt_text(0), "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": stream}
         s = socket.create_connection(("127.0.0.1", door.port), timeout=60)
@@ -506,6 +516,10 @@ def test_a_client_that_disconnects_cancels_its_request(door, triton):
         # and its blocks are back in the pool (the gauges are set when the engine answers it)
         assert _triton_metric(triton, "dash_requests_running", model) == 0
         assert _triton_metric(triton, "dash_kv_blocks_in_use", model) == 0, model
+        deadline = time.monotonic() + 30  # the handler's cleanup may end just after Triton's
+        while _door_in_flight(door) != in_flight and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _door_in_flight(door) == in_flight, (model, in_flight)
 
 
 def test_finish_reason_and_stop_token_ids_field_by_field(door, model, tok):

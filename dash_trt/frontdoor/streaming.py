@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 from fastapi.responses import StreamingResponse
 
 from ..documents.tokenizer import IncrementalDecoder
@@ -106,12 +107,16 @@ class _Interleaved:
             yield "data: [DONE]\n\n"
             self.ep.metrics.count_tokens(prompt_tokens, completion_tokens)
         finally:  # also when the client disconnects: the streams are cancelled in Triton
+            self.ep.metrics.in_flight.dec()  # first: nothing below may skip it
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for s in self.streams:
-                await s.aclose()
-            self.ep.metrics.in_flight.dec()
+            # A disconnect cancels the response's task scope, and anyio cancels every await in
+            # a cancelled scope again: unshielded, the first await here raised and the streams
+            # stayed open (and the gauge counted one more request for ever).
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for s in self.streams:
+                    await s.aclose()
 
     def _take(self, i: int, item: tuple, decoder: IncrementalDecoder) -> str | None:
         """The event for one item of stream ``i``: an error, nothing (the cached count, a token

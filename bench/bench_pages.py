@@ -369,7 +369,7 @@ class DensePath(PeerPath):
             q, k = self._rope(module, q, k, coords)
             self.k[i][base + a : base + b] = k
             self.v[i][base + a : base + b] = v
-            return _flash(q, self.k[i][base : base + b], self.v[i][base : base + b], None, None, b, True)
+            return self._prefill_flash(q, self.k[i][base : base + b], self.v[i][base : base + b])
 
         return attend
 
@@ -379,13 +379,22 @@ class DensePath(PeerPath):
         rows = self.cu_k[:-1].long() + self.lens.long() - 1
         self.k[i].index_copy_(0, rows, k)
         self.v[i].index_copy_(0, rows, v)
-        return _flash(q, self.k[i], self.v[i], (self.cu_q, self.cu_k), self.lens, self.max_len, False)
+        return self._decode_flash(q, self.k[i], self.v[i])
+
+    def _prefill_flash(self, q, k, v):
+        """One sequence's chunk (its last ``len(q)`` keys are the queries'), causal."""
+        return _flash(q, k, v, None, None, k.shape[0], True)
+
+    def _decode_flash(self, q, k, v):
+        """One query row per sequence over its ``lens`` keys of the contiguous cache."""
+        return _flash(q, k, v, (self.cu_q, self.cu_k), self.lens, self.max_len, False)
 
 
 class DenseFa3Path(DensePath):
     """Dense attention as vLLM serves a dense model on Hopper: its FlashAttention 3 library
     (``--vllm``'s ``vllm_flash_attn``), the decode over the cache as pages of 16 with a block
-    table and FA3's own split-KV heuristic (``num_splits=0``), the prefill causal varlen."""
+    table and FA3's own split-KV heuristic (``num_splits=0``), the prefill causal varlen. The
+    driver, the cache and its writes are :class:`DensePath`'s."""
 
     name = "dense-fa3"
     segments = "vLLM FA3, dense"
@@ -401,33 +410,18 @@ class DenseFa3Path(DensePath):
         width = max_len // self.page
         self.block_table = torch.arange(batch * width, dtype=torch.int32, device=self.dev).view(batch, width)
 
-    def _prefill_attend(self, seq, s, a, b):
-        coords = s["coords"][a:b].to(self.dev)
-        base = seq * self.max_len
-        n = b - a
+    def _prefill_flash(self, q, k, v):
+        n, m = q.shape[0], k.shape[0]
         cu_q = torch.tensor([0, n], dtype=torch.int32, device=self.dev)
-        cu_k = torch.tensor([0, b], dtype=torch.int32, device=self.dev)
+        cu_k = torch.tensor([0, m], dtype=torch.int32, device=self.dev)
+        return self.fa3(
+            q, k, v, max_seqlen_q=n, cu_seqlens_q=cu_q, max_seqlen_k=m, cu_seqlens_k=cu_k,
+            softmax_scale=q.shape[-1] ** -0.5, causal=True, fa_version=3,
+        )  # fmt: skip
 
-        def attend(module, q, k, v, iq, ik, head_cls):
-            i = module.layer_idx
-            q, k = self._rope(module, q, k, coords)
-            self.k[i][base + a : base + b] = k
-            self.v[i][base + a : base + b] = v
-            return self.fa3(
-                q, self.k[i][base : base + b], self.v[i][base : base + b], max_seqlen_q=n, cu_seqlens_q=cu_q,
-                max_seqlen_k=b, cu_seqlens_k=cu_k, softmax_scale=q.shape[-1] ** -0.5, causal=True, fa_version=3,
-            )  # fmt: skip
-
-        return attend
-
-    def _decode_attend(self, module, q, k, v, iq, ik, head_cls):
-        i = module.layer_idx
-        q, k = self._rope(module, q, k, self.coords)
-        rows = self.cu_k[:-1].long() + self.lens.long() - 1
-        self.k[i].index_copy_(0, rows, k)
-        self.v[i].index_copy_(0, rows, v)
-        kc = self.k[i].view(-1, self.page, *self.k[i].shape[1:])
-        vc = self.v[i].view(-1, self.page, *self.v[i].shape[1:])
+    def _decode_flash(self, q, k, v):
+        kc = k.view(-1, self.page, *k.shape[1:])  # the contiguous cache as pages of 16
+        vc = v.view(-1, self.page, *v.shape[1:])
         return self.fa3(
             q, kc, vc, max_seqlen_q=1, cu_seqlens_q=self.cu_q, max_seqlen_k=self.max_len, seqused_k=self.lens,
             softmax_scale=q.shape[-1] ** -0.5, causal=True, block_table=self.block_table, num_splits=0, fa_version=3,
@@ -750,12 +744,7 @@ def step_shares(path: DashPath, model, prompts, dev) -> dict:
     while any(rt.seq(i).pending > 1 or rt.seq(i).fed < rt.seq(i).prompt_len for i in range(len(prompts))):
         plan = [(i, rt.seq(i).pending) for i in range(len(prompts)) if rt.seq(i).fed < rt.seq(i).prompt_len]
         rt.step(plan)
-    # An eager step, its kernels one by one: graphs off, and the buckets' captured graphs set
-    # aside (a captured bucket replays whatever cuda_graphs says).
-    graphs, rt.cuda_graphs = rt.cuda_graphs, False
-    captured = {size: st.graph for size, st in rt._static.items()}
-    for st in rt._static.values():
-        st.graph = None
+    graphs, rt.cuda_graphs = rt.cuda_graphs, False  # an eager step: its kernels one by one
     try:
         rt.step([(i, 1) for i in range(len(prompts))])
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -767,8 +756,6 @@ def step_shares(path: DashPath, model, prompts, dev) -> dict:
             raise RuntimeError("the profiled step replayed a CUDA graph: no module ranges to split it by")
     finally:
         rt.cuda_graphs = graphs
-        for size, g in captured.items():
-            rt._static[size].graph = g
         for h in hooks:
             h.remove()
         for i in range(len(prompts)):
@@ -853,9 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     build_s = time.perf_counter() - t_build
     vllm = None
-    if "vllm" in paths:
-        if not a.vllm:
-            raise SystemExit("--paths vllm needs --vllm (vLLM 0.34.0's DASH files: bench/vllm_peer.py)")
+    if "vllm" in paths and not a.vllm:
+        raise SystemExit("--paths vllm needs --vllm (vLLM 0.34.0's DASH files: bench/vllm_peer.py)")
+    if a.vllm and ("vllm" in paths or "dense-fa3" in paths):  # dense-fa3 runs on its FA3 library
         import vllm_peer
 
         vllm = vllm_peer.load_from(a.vllm)

@@ -189,3 +189,55 @@ def test_bench_pages_runs_on_cpu_and_its_figures_add_up(tmp_path, capsys):
             assert r["pages_per_s"] == pytest.approx(pages / (per_page * pages + r["prefill_s"] + decode))
             assert r["ttft_last_s"] <= r["prefill_s"] + 1e-6
     assert "| 1 p x 2 | dash |" in capsys.readouterr().out
+
+
+def _fake_fa3(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, softmax_scale, causal, fa_version,
+              cu_seqlens_k=None, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+    """vLLM's ``flash_attn_varlen_func`` in the two forms dense-fa3 calls, in float32 on a CPU,
+    checking the arguments as FA3 takes them: int32 offsets, a paged cache [pages, 16, H, D] with
+    a block table and used lengths for decode, contiguous keys with offsets for prefill."""
+    import torch
+
+    assert fa_version == 3 and causal and cu_seqlens_q.dtype == torch.int32
+    g = q.shape[1] // k.shape[-2]
+
+    def attend(qq, kk, vv):  # the last len(qq) keys are the queries', bottom-right causal
+        n, m = qq.shape[0], kk.shape[0]
+        logits = torch.einsum("qhd,khd->hqk", qq.float(), kk.float().repeat_interleave(g, 1)) * softmax_scale
+        mask = torch.arange(m)[None, :] <= torch.arange(m - n, m)[:, None]
+        p = logits.masked_fill(~mask, -float("inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", p, vv.float().repeat_interleave(g, 1)).to(qq.dtype)
+
+    if block_table is None:  # prefill: one sequence's chunk
+        assert k.dim() == 3 and int(cu_seqlens_k[-1]) == k.shape[0] == max_seqlen_k and seqused_k is None
+        return attend(q, k, v)
+    assert k.dim() == 4 and k.shape[1] == 16 and num_splits == 0 and seqused_k.dtype == torch.int32
+    assert block_table.shape[1] * 16 == max_seqlen_k and max_seqlen_q == 1
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        used = int(seqused_k[b])
+        keys = k[block_table[b].long()].flatten(0, 1)[:used]
+        vals = v[block_table[b].long()].flatten(0, 1)[:used]
+        out[b : b + 1] = attend(q[b : b + 1], keys, vals)
+    return out
+
+
+def test_bench_pages_dense_fa3_computes_the_dense_peer_s_tokens():
+    """dense-fa3's calls into FlashAttention 3 (its page view of the cache, block table, used
+    lengths and prefill offsets), through a CPU stand-in of vLLM's function that checks them:
+    the same greedy tokens as the dense FA2 path, prefill and decode; without the library the
+    path is reported unavailable, not a crash."""
+    import types
+
+    import torch
+
+    module = _load(BENCH / "bench_pages.py")
+    conf = module.published_config(quick=True)
+    model = module.M.random_model(conf, seed=0, dtype=torch.float32, device=torch.device("cpu"))
+    fake = types.SimpleNamespace(fa_unavailable=None, fa3=_fake_fa3, segments="stand-in")
+    clock = module.Clock(torch.device("cpu"))
+    got = module.check_paths(model, ["dense", "dense-fa3"], fake, 32768, 60, 64, torch.device("cpu"), clock)
+    (agree,) = got["agree"].values()  # "dense vs dense-fa3": the one pair checked
+    assert agree["equal_prefix"] == [agree["length"]] * 2, got["tokens"]
+    with pytest.raises(module.PathUnavailable, match="FlashAttention 3"):
+        module.make_path("dense-fa3", model, 1, 64, 64, None, 32768)

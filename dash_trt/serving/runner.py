@@ -757,8 +757,9 @@ class PagedRuntime:
         hv["coords"][:b] = [s.coords[s.fed] for s in seqs]
         if st.device is not st.host:
             st.device.copy_(st.host, non_blocking=True)
-        if st.graph is not None:
+        replay = self.cuda_graphs and st.graph is not None  # graphs turned off: eager, captured or not
+        if replay:
             st.graph.replay()
         else:
             self._run_static(st)
-        return st.tokens[:b], st.logits[:b], st.graph is not None
+        return st.tokens[:b], st.logits[:b], replay

@@ -1,7 +1,10 @@
 """DASH kernels against pinned dense SDPA peers, timed alike, on realistic and cold data.
 
-Shape: H=32, Hkv=8, D=128, Di=128, sparse blocks of 64 (= KV blocks), local window of one block,
-top-16, bf16.
+Shapes (``--shape``, :data:`SHAPES`): ``published`` is one Unlimited-OCR-2 decoder layer as its
+checkpoint configures DASH (10 heads of 128 with 10 KV heads, index dim 128, sparse blocks of 32 in
+KV blocks of 64, one local block, keep 12 of the top 16 with the published routing scale and prior
+floor); ``legacy`` (the default, the shape of the figures before the real routing) is H=32, Hkv=8,
+D=128, Di=128, sparse blocks of 64 (= KV blocks), every one of the top 16 kept. bf16 throughout.
 
 What is measured, and how (docs/performance.md quotes this):
 
@@ -28,7 +31,7 @@ What is measured, and how (docs/performance.md quotes this):
   page-correlated ones (a page's tokens share a random query plus 10% noise, as a trained
   indexer's tokens of one page would), so that neighbouring tokens select largely the same blocks.
 - **Bytes and FLOPs** come from :func:`decode_traffic` and :func:`prefill_flops` (one place):
-  decode reads, per sequence and KV head, 17 blocks of K and V (16 selected + the local one),
+  decode reads, per sequence and KV head, K + 1 sparse blocks of K and V (K kept + the local one),
   the summaries and page ranges of every remote block (routing), and its own inputs and outputs.
   Roofline: against a measured streaming read of 4 GiB (``torch.sum``) and the H200's 4.8 TB/s
   datasheet figure; prefill TFLOP/s on DASH's FLOPs beside the dense peer's achieved rate on
@@ -53,6 +56,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +67,51 @@ from dash_trt.attention.dash import cuda as dcuda  # noqa: E402,I001
 from dash_trt.attention.dash import paged as P  # noqa: E402
 from dash_trt.attention.dash.config import DashConfig  # noqa: E402
 
-H, HKV, D, DI, SBS, TOPK = 32, 8, 128, 128, 64, 16
-G = H // HKV
+#: The attention shapes a run can take (``--shape``): heads, KV heads, head and index width, sparse
+#: block, KV block, and the DASH keys of the configuration. ``legacy``: the shape of the figures
+#: before the real routing (GQA 32/8, blocks of 64, every one of the top 16 kept, no per-layer
+#: scale); ``published``: one Unlimited-OCR-2 decoder layer (10 heads of 128, MHA, blocks of 32 in
+#: KV blocks of 64 as the serving runtime allocates them, keep 12 of the top 16, routing scale 32,
+#: prior floor 1e-4: the published ``sparse_attention_config``).
+SHAPES = {
+    "legacy": dict(heads=32, kv_heads=8, head_dim=128, kv_block=64, sparse={"dash_topk_blocks": 16}),
+    "published": dict(
+        heads=10,
+        kv_heads=10,
+        head_dim=128,
+        kv_block=64,
+        sparse={
+            "sparse_block_size": 32,
+            "dash_topk_blocks": 12,
+            "dash_scale_per_layer": [32.0],
+            "dash_floor_per_layer": [1e-4],
+        },
+    ),
+}
 DT = torch.bfloat16
 BLOCKS_PER_PAGE = 16
-CFG = DashConfig.from_dict(
-    {"sparse_block_size": SBS, "sparse_local_block": 1, "sparse_index_dim": DI, "dash_topk_blocks": TOPK}
-)
+TOP_M = 16  #: blocks routing scores before it keeps K of them (the kernels' ROUTE_TOP_M)
+
+
+def use_shape(name: str) -> None:
+    """Set the module's shape (``H``, ``HKV``, ``G``, ``D``, ``DI``, ``SBS``, ``KVB``, ``KEEP``,
+    ``CFG``) to one of :data:`SHAPES`; every case and peer reads these."""
+    global H, HKV, G, D, DI, SBS, KVB, KEEP, CFG, SHAPE
+    s = SHAPES[name]
+    sparse = {"sparse_block_size": 64, "sparse_local_block": 1, "sparse_index_dim": s["head_dim"], **s["sparse"]}
+    CFG = DashConfig.from_dict(sparse)
+    H, HKV, D, KVB = s["heads"], s["kv_heads"], s["head_dim"], s["kv_block"]
+    G, DI, SBS, KEEP = H // HKV, CFG.sparse_index_dim, CFG.sparse_block_size, CFG.dash_topk_blocks
+    SHAPE = name
+
+
+use_shape("legacy")
+
+
+def shape_label() -> str:
+    return f"{SHAPE}: H={H}, Hkv={HKV}, D={D}, keep {KEEP} of top {TOP_M} {SBS}-token blocks, KV blocks of {KVB}"
+
+
 SPEC_BANDWIDTH_GBS = 4800.0  #: H200 datasheet HBM3e bandwidth
 #: The kernels' tuning knobs for every DASH call (--tuning; None: the library's defaults).
 TUNING = None
@@ -220,13 +262,13 @@ def peer_graphs(q, k, v, causal, only=None) -> tuple[dict[str, object], dict[str
 # ------------------------------------------------------------------- bytes and FLOPs
 def decode_traffic(lengths: list[int]) -> dict:
     """Fewest bytes one decode step over sequences of these lengths must move (each read once):
-    K and V of the 17 blocks each (sequence, KV head) attends (16 selected + the local one), the
+    K and V of the blocks each (sequence, KV head) attends (K selected + the local one), the
     routing's summaries and page ranges of every remote block, and the step's own inputs and
     outputs."""
     kv = route = io = 0
     for length in lengths:
         n_remote = max(length // SBS - 1, 0)
-        kv += HKV * (min(TOPK, n_remote) + 1) * SBS * D * 2 * 2
+        kv += HKV * (min(KEEP, n_remote) + 1) * SBS * D * 2 * 2
         route += n_remote * (DI * 4 + 12)
         io += (H * D * 2) * 2 + HKV * D * 2 * 2 * 2 + DI * 2 * 2 * 2
     return {"kv_bytes": kv, "route_bytes": route, "io_bytes": io, "bytes": kv + route + io}
@@ -238,10 +280,10 @@ def dense_decode_bytes(lengths: list[int]) -> int:
 
 def prefill_flops(seq: int) -> tuple[float, float]:
     """(DASH's FLOPs, dense causal attention's FLOPs) of one ``seq``-token prompt: QK and PV over
-    each token's keys (DASH: its top-16 remote blocks and its local window), plus block scoring."""
+    each token's keys (DASH: its K kept remote blocks and its local window), plus block scoring."""
     pos = torch.arange(seq, dtype=torch.float64)
     n_remote = (pos // SBS).clamp(min=0)
-    keys = n_remote.clamp(max=TOPK) * SBS + (pos % SBS + 1)
+    keys = n_remote.clamp(max=KEEP) * SBS + (pos % SBS + 1)
     dash = float((4 * H * D * keys).sum() + (2 * DI * n_remote).sum())
     dense = float((4 * H * D * (pos + 1)).sum())
     return dash, dense
@@ -258,27 +300,28 @@ def decode_inputs(nseq: int, ctx: int, gen, *, forced: int, mid_block: bool, len
     ``forced``: image blocks of the query token's own page (0: a response token, no page)."""
     if lengths is None:
         lengths = [ctx - 32 if mid_block else ctx] * nseq
-    blocks = [-(-n // SBS) for n in lengths]
+    blocks = [-(-n // KVB) for n in lengths]
     width = max(blocks)
     nb = sum(blocks)
-    cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
+    per = KVB // SBS  # sparse blocks per KV block
+    cache = P.DashKVCache.allocate(nb, KVB, HKV, D, DI, SBS, DT, "cuda")
     for t in (cache.key, cache.value, cache.index_key, cache.summary):
         t.normal_(generator=gen)
     perm = torch.randperm(nb, device="cuda", generator=gen).to(torch.int32)
     tables = torch.full((nseq, width), -1, dtype=torch.int32, device="cuda")
-    # page of each logical block: the first `forced` blocks are page 0 (the query's page when
-    # forced > 0), then pages of 16 blocks
-    logical = torch.arange(width, device="cuda")
-    page_of = torch.where(logical < forced, 0, 1 + (logical - forced) // BLOCKS_PER_PAGE).int()
-    phys_page = torch.empty(nb, dtype=torch.int32, device="cuda")
+    # page of each logical sparse block: the first `forced` blocks are page 0 (the query's page
+    # when forced > 0), then pages of 16 blocks
+    logical = torch.arange(width * per, device="cuda")
+    page_of = torch.where(logical < forced, 0, 1 + (logical - forced) // BLOCKS_PER_PAGE).int().view(width, per)
+    phys_page = torch.empty(nb, per, dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = perm[start : start + n]
         phys_page[perm[start : start + n].long()] = page_of[:n]
         start += n
-    cache.summary_pages[:, 0, 0] = phys_page
-    cache.summary_pages[:, 0, 1] = phys_page
-    cache.summary_pages[:, 0, 2] = 1
+    cache.summary_pages[:, :, 0] = phys_page
+    cache.summary_pages[:, :, 1] = phys_page
+    cache.summary_pages[:, :, 2] = 1
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     batch = dict(
         block_tables=tables,
@@ -347,25 +390,31 @@ def dense_decode_peers(args, cache, batch, lengths):
         return peer_graphs(q, k, v, causal=False)
     ks, vs = [], []
     for i, length in enumerate(lengths):
-        rows = tables[i, : -(-length // SBS)]
+        rows = tables[i, : -(-length // KVB)]
         ks.append(cache.key[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
         vs.append(cache.value[rows].reshape(-1, HKV, D)[:length].transpose(0, 1)[None].contiguous())
     return peer_graphs([q[i : i + 1] for i in range(nseq)], ks, vs, causal=False)
 
 
 def same_sparsity_peers(args, cache, batch, lengths):
-    """The same-sparsity peer: dense SDPA over just the blocks DASH attends (its 16 selected and
-    the local one, gathered once, outside the timing): what a dense kernel takes for the same
-    keys, without routing. Peers are named ``same-<backend>``."""
+    """The same-sparsity peer: dense SDPA over just the sparse blocks DASH attends (its K selected
+    and the local one, gathered once, outside the timing): what a dense kernel takes for the same
+    keys, without routing. Peers are named ``same-<backend>``. Every sequence here has at least K
+    remote blocks and the kernels keep exactly K (checked: a padded selection would make the
+    peer read blocks DASH does not)."""
     nseq = len(lengths)
     _, sel = dcuda.paged_dash_attention_cuda(
         *args, cache, **batch, sp=CFG, layer_idx=0, max_query_len=1, tuning=TUNING, return_selected=True
     )
+    sel = sel.sort(1, descending=True).values[:, :KEEP]
+    if bool((sel < 0).any()):
+        raise SystemExit(f"bench_dash: a decode token kept fewer than {KEEP} blocks; the same-sparsity peer needs K")
     local = torch.tensor([(n - 1) // SBS for n in lengths], device="cuda")[:, None]
-    blocks = torch.cat([sel.clamp(min=0), local], 1)  # every sequence here has >= 16 remote blocks
-    phys = batch["block_tables"].long().gather(1, blocks)
-    k = cache.key[phys].reshape(nseq, -1, HKV, D).transpose(1, 2).contiguous()
-    v = cache.value[phys].reshape(nseq, -1, HKV, D).transpose(1, 2).contiguous()
+    blocks = torch.cat([sel, local], 1)  # logical sparse blocks [nseq, K + 1]
+    phys = batch["block_tables"].long().gather(1, blocks // (KVB // SBS))
+    rows = (blocks % (KVB // SBS))[..., None] * SBS + torch.arange(SBS, device="cuda")  # [nseq, K + 1, SBS]
+    gathered = (t[phys[..., None], rows] for t in (cache.key, cache.value))  # [nseq, K + 1, SBS, HKV, D]
+    k, v = (t.reshape(nseq, -1, HKV, D).transpose(1, 2).contiguous() for t in gathered)
     graphs, skipped = peer_graphs(args[0].view(nseq, HKV, G, D), k, v, causal=False)
     return {f"same-{n}": g for n, g in graphs.items()}, {f"same-{n}": w for n, w in skipped.items()}
 
@@ -395,7 +444,7 @@ def check_decode(gen) -> str:
     args, cache, batch, _ = decode_inputs(4, 8192, gen, forced=0, mid_block=False)
     report, ref_r = against_reference(args, cache, batch, 1)
     chosen = (ref_r.selected >= 0).sum(1).tolist()
-    if not report.ok or chosen != [TOPK] * len(chosen):
+    if not report.ok or chosen != [KEEP] * len(chosen):
         raise SystemExit(
             f"bench_dash: the real-top-k decode step is wrong or not real top-k ({report}; selected per token {chosen})"
         )
@@ -520,8 +569,8 @@ def prefill_step(seq: int, gen, tuning=None, correlated: bool = False):
     same inputs and cache). ``correlated``: the indexer queries of a page's tokens are one random
     vector of the page plus a tenth of its size in per-token noise (what a trained indexer does
     for tokens that read alike), instead of independent for every token."""
-    nb = seq // SBS + 1
-    cache = P.DashKVCache.allocate(nb, SBS, HKV, D, DI, SBS, DT, "cuda")
+    nb = seq // KVB + 1
+    cache = P.DashKVCache.allocate(nb, KVB, HKV, D, DI, SBS, DT, "cuda")
     pages = 64
     per = seq // pages
     roles = torch.zeros(seq, dtype=torch.long)
@@ -660,6 +709,7 @@ def print_tables(rows, env, out=sys.stdout) -> None:
         f"{SPEC_BANDWIDTH_GBS:.0f} GB/s",
         file=out,
     )
+    print(f"shape {env.get('shape', '?')}", file=out)
     print("\nDecode (ms per step; median over rounds [IQR]; speed-up = dense peer / DASH, median (min-max)):", file=out)
     print(
         "| case | forced | DASH warm | DASH cold | dense peer | peer warm | peer cold | speed-up warm | "
@@ -813,11 +863,28 @@ def draw(rows, path: str) -> None:
         )
         ax2.legend(fontsize=8)
     fig.suptitle(
-        "DASH kernels vs the fastest pinned dense SDPA backend (H=32, Hkv=8, D=128, top-16 of 64-token blocks, bf16)",
+        f"DASH kernels vs the fastest pinned dense SDPA backend ({shape_label()}, bf16)",
         fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+class Rows(list):
+    """The table's rows; ``add`` runs a case unless ``budget`` seconds have passed since the
+    start, in which case it counts the case as skipped (a run that must end by a deadline keeps
+    what it measured)."""
+
+    def __init__(self, budget: float | None):
+        super().__init__()
+        self.start, self.budget, self.skipped = time.perf_counter(), budget, 0
+
+    def add(self, case, *args, **kwargs) -> None:
+        if self.budget is not None and time.perf_counter() - self.start > self.budget:
+            self.skipped += 1
+            print("(next case skipped: --time-budget spent)", flush=True)
+            return
+        self.append(case(*args, **kwargs))
 
 
 def main() -> int:
@@ -826,6 +893,9 @@ def main() -> int:
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--png", help="draw the speed-ups here")
     ap.add_argument("--quick", action="store_true", help="small cases, 3 rounds (smoke test)")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default="legacy", help="attention shape (default %(default)s; see above)"
+    )
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default %(default)s)")
     ap.add_argument("--reps", type=int, default=20, help="back-to-back replays per warm timing (%(default)s)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
@@ -835,6 +905,13 @@ def main() -> int:
         default="",
         metavar="KIND[,KIND]",
         help="only these kinds of case: decode, mixed (prefill chunk + decode in one call), prefill",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start no case after S seconds; the cases left are counted as skipped",
     )
     ap.add_argument("--no-sweep", action="store_true", help="only the headline decode cases (32 x 8k/32k/128k)")
     ap.add_argument("--no-same", action="store_true", help="leave out the same-sparsity peer")
@@ -865,6 +942,7 @@ def main() -> int:
         "default: the A/B table gives each variant's time over the default's",
     )
     a = ap.parse_args()
+    use_shape(a.shape)
     try:
         mma_ab = [int(v) for v in a.ab_mma.split(",") if v.strip()]
     except ValueError:
@@ -891,6 +969,7 @@ def main() -> int:
         a.rounds = min(a.rounds, 3)
     gen = torch.Generator(device="cuda").manual_seed(0)
     env = provenance()
+    env["shape"] = shape_label()
     env["read_gbs"], env["copy_gbs"] = streaming_read_gbs(), copy_gbs()
     torch.cuda.empty_cache()
     if not a.no_check and "decode" in kinds:
@@ -898,38 +977,38 @@ def main() -> int:
     if not a.no_check and "mixed" in kinds:
         print(f"check: mixed prefill + decode step vs the paged operator: {check_mixed(gen)}", flush=True)
     flush = Flusher()
-    rows = []
+    rows = Rows(a.time_budget)
     if "decode" in kinds:
         headline = [(4, 8192)] if a.quick else [(32, 8192), (32, 32768), (32, 131072)]
         for nseq, ctx in headline:
             for mid in (False, True):
-                rows.append(decode_case(nseq, ctx, gen, flush, a, mid_block=mid))
+                rows.add(decode_case, nseq, ctx, gen, flush, a, mid_block=mid)
                 print(f"decode {nseq} x {ctx // 1024}k{' mid' if mid else ''} done", flush=True)
             for forced in (4, 8, 16):
-                rows.append(decode_case(nseq, ctx, gen, flush, a, forced=forced))
+                rows.add(decode_case, nseq, ctx, gen, flush, a, forced=forced)
         if not a.quick:
             # mixed lengths: 32 sequences of 4k-128k (block-completing), one graph of per-sequence
             # dense calls as the peer
             mixed = sorted(
-                int(x) * SBS
+                int(x) * KVB
                 for x in torch.randint(
-                    4096 // SBS, 131072 // SBS + 1, (32,), generator=torch.Generator().manual_seed(1)
+                    4096 // KVB, 131072 // KVB + 1, (32,), generator=torch.Generator().manual_seed(1)
                 )
             )
-            rows.append(decode_case(32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k"))
+            rows.add(decode_case, 32, max(mixed), gen, flush, a, lengths=mixed, label="mixed 4k-128k")
             print("decode 32 x mixed done", flush=True)
     if "mixed" in kinds:
         for ndec, ctx, chunk in [(3, 8192, 512)] if a.quick else [(31, 32768, 2048), (31, 131072, 2048)]:
-            rows.append(mixed_case(ndec, ctx, chunk, gen, flush, a))
+            rows.add(mixed_case, ndec, ctx, chunk, gen, flush, a)
             print(f"mixed {ndec} decode + {chunk} chunk at {ctx // 1024}k done", flush=True)
     if "decode" in kinds:
         if not a.no_sweep and not a.quick:
-            for nseq in (1, 8, 32, 128):
+            for nseq in (1, 8, 32, 64, 128):
                 for ctx in (4096, 8192, 32768, 131072):
                     if nseq == 32 and ctx != 4096:
                         continue  # the headline rows above
                     if nseq * ctx <= 32 * 131072:
-                        rows.append(decode_case(nseq, ctx, gen, flush, a))
+                        rows.add(decode_case, nseq, ctx, gen, flush, a)
                         print(f"decode {nseq} x {ctx // 1024}k done", flush=True)
     if "prefill" in kinds:
         no_tiles = dataclasses.replace(TUNING or dcuda.Tuning(), tile_share_min=-1)
@@ -939,28 +1018,30 @@ def main() -> int:
             2: " (warpgroup query-major tiles only)",
         }
         for seq in [4096] if a.quick else [4096, 16384, 65536, 131072]:
-            rows.append(prefill_case(seq, gen, flush, a))
+            rows.add(prefill_case, seq, gen, flush, a)
             print(f"prefill {seq // 1024}k done", flush=True)
             if a.ab_tiles:
-                rows.append(prefill_case(seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)"))
+                rows.add(prefill_case, seq, gen, flush, a, tuning=no_tiles, label=" (block-major only)")
             for v in mma_ab:
-                rows.append(
-                    prefill_case(
-                        seq,
-                        gen,
-                        flush,
-                        a,
-                        tuning=dataclasses.replace(TUNING or dcuda.Tuning(), warpgroup_mma=v),
-                        label=mma_label.get(v, f" (warpgroup_mma={v})"),
-                    )
+                rows.add(
+                    prefill_case,
+                    seq,
+                    gen,
+                    flush,
+                    a,
+                    tuning=dataclasses.replace(TUNING or dcuda.Tuning(), warpgroup_mma=v),
+                    label=mma_label.get(v, f" (warpgroup_mma={v})"),
                 )
         for seq in [] if a.quick else [16384, 65536]:
-            rows.append(prefill_case(seq, gen, flush, a, label=" page-correlated indexer", correlated=True))
+            rows.add(prefill_case, seq, gen, flush, a, label=" page-correlated indexer", correlated=True)
             print(f"prefill {seq // 1024}k page-correlated done", flush=True)
+    env["skipped_cases"] = rows.skipped
     print_tables(rows, env)
+    if rows.skipped:
+        print(f"\n{rows.skipped} case(s) not run: --time-budget {a.time_budget:.0f} s spent")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"env": env, "rows": rows}, fh, indent=1)
+            json.dump({"env": env, "rows": list(rows)}, fh, indent=1)
     if a.png:
         draw(rows, a.png)
     return 0

@@ -715,6 +715,56 @@ def bench_tower(config: dict, dev, dtype, pages: int, quick: bool) -> dict:
     }
 
 
+def busy_ms(prof) -> float:
+    """Time the device was busy in a profile: the union of its kernel and copy intervals (ms)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total / 1e3
+
+
+def step_busy(path: DashPath, prompts, dev, steps: int = 8) -> dict:
+    """Wall time of a decode step as the engine runs it (CUDA graphs on) beside the time the GPU
+    is busy in it: the host work the step does not hide. ``wall_ms``: median of ``steps`` steps
+    without the profiler; ``gpu_ms``: the device's busy time of ``steps`` more steps under the
+    profiler, per step (None on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rt = path.rt
+    for i, p in enumerate(prompts):
+        rt.add(i, p, len(p) + 2 * steps + 4)
+    try:
+        while any(rt.seq(i).fed < rt.seq(i).prompt_len for i in range(len(prompts))):
+            rt.step([(i, rt.seq(i).pending) for i in range(len(prompts)) if rt.seq(i).fed < rt.seq(i).prompt_len])
+        plan = [(i, 1) for i in range(len(prompts))]
+        rt.step(plan)  # the first decode step captures its graph
+        walls = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            rt.step(plan)  # returns after reading the step's tokens back
+            walls.append(time.perf_counter() - t)
+        gpu = None
+        if dev.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    rt.step(plan)
+                torch.cuda.synchronize()
+            gpu = busy_ms(prof) / steps
+    finally:
+        for i in range(len(prompts)):
+            rt.free(i)
+    wall = statistics.median(walls) * 1e3
+    return {"wall_ms": wall, "gpu_ms": gpu, "wall_over_gpu": wall / gpu if gpu else None, "steps": steps}
+
+
 def step_shares(path: DashPath, model, prompts, dev) -> dict:
     """The share of one eager decode step's kernel time in attention, the experts (every MoE
     layer: gate, routed and shared experts), and the rest (profiler ranges around modules)."""
@@ -927,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["segments"] = path.segments
                 if a.parts and pname == "dash" and (pages, b) == shares_case:
                     results["parts"]["shares"] = step_shares(path, model, prompts, dev)
+                    results["parts"]["busy"] = step_busy(path, prompts, dev)
                 del path
             except torch.cuda.OutOfMemoryError as exc:  # noqa: PERF203 - one case's failure is a result
                 r = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
@@ -1022,6 +1073,13 @@ def table(results: dict) -> str:
             "",
             f"decode step kernel time {s['total_ms']:.2f} ms: attention {s['attention']:.0%}, "
             f"experts {s['experts']:.0%}, rest {s['rest']:.0%}",
+        ]
+    if parts.get("busy") and parts["busy"].get("gpu_ms"):
+        s = parts["busy"]
+        lines += [
+            "",
+            f"decode step (CUDA graphs) wall {s['wall_ms']:.2f} ms, GPU busy {s['gpu_ms']:.2f} ms: "
+            f"wall/GPU {s['wall_over_gpu']:.2f}",
         ]
     return "\n".join(lines)
 

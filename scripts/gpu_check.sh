@@ -103,7 +103,9 @@ case " $what " in *" memcheck-meta "*|*" all "*)
   status=$(( status | rc ));;
 esac
 case " $what " in *" bench "*|*" all "*)
-  python3 bench/bench_dash.py --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  # BENCH_ARGS: bench_dash's options, e.g. "--shape published --decode-only --time-budget 300".
+  read -r -a bench_args <<< "${BENCH_ARGS:-}"
+  python3 bench/bench_dash.py "${bench_args[@]}" --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" prefill "*)

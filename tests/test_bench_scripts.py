@@ -177,6 +177,8 @@ def test_bench_pages_runs_on_cpu_and_its_figures_add_up(tmp_path, capsys):
     moe = {r["form"]: r for r in result["parts"]["moe"] if r["tokens"] == 64}
     assert set(moe) == {"grouped", "sparse", "dense"} and all(r["rel_err_vs_loop"] < 1e-5 for r in moe.values())
     assert abs(sum(result["parts"]["shares"][k] for k in ("attention", "experts", "rest")) - 1) < 1e-6
+    busy = result["parts"]["busy"]
+    assert busy["wall_ms"] > 0 and busy["gpu_ms"] is None and busy["steps"] == 8  # no device to be busy on a CPU
     per_page = tower["ms"] / tower["pages"] / 1e3
     for case in result["cases"]:
         assert set(case["paths"]) == {"dash", "dense"}
@@ -241,3 +243,47 @@ def test_bench_pages_dense_fa3_computes_the_dense_peer_s_tokens():
     assert agree["equal_prefix"] == [agree["length"]] * 2, got["tokens"]
     with pytest.raises(module.PathUnavailable, match="FlashAttention 3"):
         module.make_path("dense-fa3", model, 1, 64, 64, None, 32768)
+
+
+def test_bench_pages_busy_time_is_the_union_of_device_intervals():
+    """Overlapping and nested kernel intervals count once, CPU events not at all."""
+    import types
+
+    import torch
+
+    module = _load(BENCH / "bench_pages.py")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(a, b, kind=cuda):
+        return types.SimpleNamespace(device_type=kind, time_range=types.SimpleNamespace(start=a, end=b))
+
+    prof = types.SimpleNamespace(
+        events=lambda: [ev(0, 100), ev(50, 150), ev(60, 70), ev(300, 400), ev(0, 1000, cpu), ev(500, 500)]
+    )
+    assert module.busy_ms(prof) == 0.25  # (0-150) + (300-400) us
+
+
+def test_bench_dash_published_shape_is_the_checkpoint_s_dash_layer(monkeypatch):
+    """``--shape published`` sets every constant the cases read from one Unlimited-OCR-2 layer's
+    configuration (10 MHA heads of 128, blocks of 32 in KV blocks of 64, keep 12 of 16, scale
+    32, floor 1e-4), and the fewest-bytes model counts K + 1 blocks of 32."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench_dash = _load(BENCH / "bench_dash.py")
+    bench_dash.use_shape("published")
+    b = bench_dash
+    assert (b.H, b.HKV, b.G, b.D, b.DI, b.SBS, b.KVB, b.KEEP) == (10, 10, 1, 128, 128, 32, 64, 12)
+    assert tuple(b.CFG.routing(0)) == (12, 1.0, 32.0, 1e-4)
+    traffic = b.decode_traffic([8192])
+    assert traffic["kv_bytes"] == 10 * (12 + 1) * 32 * 128 * 2 * 2
+    b.use_shape("legacy")
+    assert (b.H, b.HKV, b.SBS, b.KVB, b.KEEP) == (32, 8, 64, 64, 16)
+
+
+def test_bench_dash_time_budget_skips_the_cases_left():
+    bench_dash = _load(BENCH / "bench_dash.py")
+    done = bench_dash.Rows(None)
+    done.add(lambda x, y=0: x + y, 1, y=2)
+    assert list(done) == [3] and done.skipped == 0
+    spent = bench_dash.Rows(-1.0)
+    spent.add(lambda: pytest.fail("a case ran after its budget"))
+    assert list(spent) == [] and spent.skipped == 1

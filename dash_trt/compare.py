@@ -39,9 +39,9 @@ import torch
 from .cliutil import EXIT_CODES_NOTE, cli_main
 from .export_tools import to_numpy, to_torch
 from .modeling import DashModel
+from .models.families import family_of
+from .models.interface import CUDA_KERNELS, TENSORRT, ServedModel
 from .models.loader import load_model
-from .models.prompts import check_prompts
-from .models.qwen2_dca import Qwen2DcaForCausalLM
 from .models.registry import demo_model
 from .onnx_graph import GraphReadError, read_graph
 from .serving.generate import generate
@@ -173,20 +173,11 @@ def _onnx_io(path: str):
     return ins, [t.name for t in graph.outputs], graph.kv_block_size
 
 
-def check_model_matches(onnx_path: str, model: DashModel | Qwen2DcaForCausalLM) -> None:
+def check_model_matches(onnx_path: str, model: ServedModel) -> None:
     """CompareError naming every way ``model`` is not the model the file was exported from
     (layers, cache shapes, vocabulary), before anything runs."""
-    ins, _, _ = _onnx_io(onnx_path)  # a readable dash-export file
-    if isinstance(model, Qwen2DcaForCausalLM):
-        past = [n for n in ins if n.startswith("past.")]
-        if past != model.cache_names("past"):
-            raise CompareError(
-                f"{onnx_path} was not exported from this checkpoint: its caches are {len(past)} inputs "
-                f"({', '.join(past[:4])}...), the model's {len(model.cache_names('past'))} "
-                "(a key and a value per layer)"
-            )
-        return
-    problems = read_graph(onnx_path).mismatches(model)
+    _onnx_io(onnx_path)  # a readable dash-export file
+    problems = family_of(model).onnx_mismatches(model, onnx_path, None)
     if problems:
         raise CompareError(f"{onnx_path} was not exported from this checkpoint: " + "; ".join(problems))
 
@@ -232,24 +223,14 @@ def _tensorrt_runner(engine: str, plugin: str | None):
     return TrtRunner(EngineFromBytes(data), name="tensorrt")
 
 
-def default_prompts(model: DashModel, seed: int) -> list[list[int]]:
-    """The check's prompts (:func:`dash_trt.model.check_prompts`)."""
-    return check_prompts(model, seed)[0]
-
-
-def dca_prompts(model: Qwen2DcaForCausalLM, seed: int) -> list[list[int]]:
-    """A Dual Chunk Attention model's check prompts: random tokens, one prompt across more than
-    two chunks (intra, successive and inter attention), one shorter than a chunk."""
-    span, vocab = model.config.dca.chunk_len, model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (2 * span + span // 2 + 3, max(2, span // 3))
-    ]
+def default_prompts(model: ServedModel, seed: int) -> list[list[int]]:
+    """The check's prompts (the model family's ``check_prompts``)."""
+    return family_of(model).check_prompts(model, seed)[0]
 
 
 def compare(
     onnx_path: str,
-    model: DashModel | Qwen2DcaForCausalLM,
+    model: ServedModel,
     *,
     engine: str | None = None,
     plugin: str | None = None,
@@ -274,11 +255,11 @@ def compare(
     reference = TorchRunner(model, in_names, out_names, "pytorch")
     runners = [reference, _onnxrt_runner(onnx_path)]
     report = CompareReport(runners=[])
-    dca = isinstance(model, Qwen2DcaForCausalLM)
-    if dca and engine is not None:
-        raise CompareError("no TensorRT engine of a Dual Chunk Attention model: the plugin has no DCA kernels")
-    if dca:
-        report.skipped["pytorch-cuda"] = "no CUDA kernels of Dual Chunk Attention"
+    family = family_of(model)
+    if engine is not None and family.refuse([TENSORRT]):
+        raise CompareError(f"no TensorRT engine of a {family.label}: {family.refuse([TENSORRT])}")
+    if family.refuse([CUDA_KERNELS]):
+        report.skipped[CUDA_KERNELS] = family.refuse([CUDA_KERNELS])
     elif use_cuda:
         from .attention.dash import cuda as dcuda
 
@@ -330,7 +311,7 @@ def compare(
             )
             return _to_torch(out[out_names[0]])[wanted.cpu()], [_to_torch(out[n]) for n in out_names[1:]]
 
-        prompts, features = (dca_prompts(model, seed), None) if dca else check_prompts(model, seed)
+        prompts, features = family.check_prompts(model, seed)
         generate(
             model,
             prompts,

@@ -29,6 +29,7 @@ __all__ = [
     "MODEL_ENTRY_POINTS",
     "BUILTIN_ARCHITECTURES",
     "architecture_name",
+    "is_default_class",
 ]
 
 
@@ -46,6 +47,12 @@ BUILTIN_ARCHITECTURES: dict[str, type[DashModel]] = {
     ARCHITECTURE: DashForCausalLM,
     UnlimitedOCR2ForCausalLM.architecture_name: UnlimitedOCR2ForCausalLM,
 }
+
+
+def is_default_class(cls: type) -> bool:
+    """Whether ``cls`` is the class a config without ``architectures`` builds (the built-in
+    decoder): a served repository then names no class."""
+    return cls is DashForCausalLM
 
 
 def resolve_model_class(spec: str | type | None = None, config: DashModelConfig | None = None) -> type[DashModel]:

@@ -42,10 +42,11 @@ from safetensors.torch import save_file
 
 from .. import triton_protocol as P
 from ..fileio import file_mode
-from ..modeling import DashModel, ModelContractError
-from ..models.checkpoint import CheckpointError, read_folder, save_checkpoint
+from ..modeling import DashModel
+from ..models.checkpoint import CheckpointError, read_folder
 from ..models.deepencoder import tower_state
-from ..models.qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
+from ..models.families import family_of
+from ..models.interface import DOCUMENTS, TENSORRT
 from ..models.registry import USER_MODULE_PREFIX
 from ..onnx_graph import GraphIO, GraphReadError, GraphTensor, read_graph
 from ..serving.engine import EngineConfig
@@ -476,10 +477,6 @@ class WrittenRepository:
     messages: list[str] = field(default_factory=list)
 
 
-#: The version folder's checkpoint of a Dual Chunk Attention model (a Hugging Face folder).
-DCA_CHECKPOINT = "checkpoint"
-
-
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
@@ -504,37 +501,16 @@ def check_served_path(path: str) -> None:
         )
 
 
-def _check_model_contract(model: DashModel) -> None:
-    """What the server would find wrong with ``model`` only when it loads it (Triton then exits):
-    the attention layers the config promises, and image features of the config's
-    ``image_feature_dim`` taken by ``embed_image_features`` (the built-in decoder passes through
-    only features of the hidden size). Raises ModelContractError. (A Dual Chunk Attention model
-    is checked when it is loaded: it has no other contract.)"""
-    if isinstance(model, Qwen2DcaForCausalLM):
-        return
-    model.dash_layers()
-    if model.takes_image_features:
-        with torch.no_grad():
-            probe = torch.zeros(1, model.config.image_feature_dim, dtype=model.dtype, device=model.device)
-            out = model.embed_image_features(probe)
-        if tuple(out.shape) != (1, model.config.hidden_size):
-            raise ModelContractError(
-                f"{type(model).__name__}.embed_image_features maps [1, {model.config.image_feature_dim}] image "
-                f"features to {list(out.shape)}, not [1, {model.config.hidden_size}] (hidden_size)"
-            )
-
-
 def model_class_source(model: DashModel) -> tuple[str | None, str]:
     """``(file to copy into the version folder or None, the model_class parameter)`` of a
     model: "" for the built-in DashForCausalLM; a class loaded from a file (``--model
     path/file.py:Class``) is served from a copy of that file ("file.py:Class"); any other class
     as ``module:Class``, which the server's Python must import (PYTHONPATH or an installed
     package)."""
-    from ..models.decoder import DashForCausalLM
-    from ..models.registry import model_class_spec
+    from ..models.registry import is_default_class, model_class_spec
 
     cls = type(model)
-    if cls is DashForCausalLM:
+    if is_default_class(cls):
         return None, ""
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None)
@@ -680,11 +656,14 @@ def write_repository(
         if not os.path.isfile(plan) or os.path.getsize(plan) == 0:
             raise RepositoryError(f"plan not found or empty: {plan}")
         libraries = plugin_libraries(plugin)
-    dca = isinstance(model, Qwen2DcaForCausalLM)
-    if dca and (onnx is not None or plan is not None or documents is not None):
+    family = family_of(model)
+    refused = family.refuse([TENSORRT] if onnx is not None or plan is not None else []) or family.refuse(
+        [DOCUMENTS] if documents is not None else []
+    )
+    if refused:
         raise RepositoryError(
-            "a Dual Chunk Attention model is served by the Python generation model only: no --onnx, "
-            "--plan (the plugin has no DualChunkAttention kernels) or document model"
+            f"a {family.label} is served by the Python generation model only: no --onnx, --plan or "
+            f"document model ({refused})"
         )
     if onnx is not None:
         inputs, outputs = onnx_io(onnx)
@@ -707,7 +686,7 @@ def write_repository(
                 f"model.vision_model.) in the checkpoint folder"
             )
 
-    _check_model_contract(model)
+    family.check_contract(model)
     class_file, class_spec = model_class_source(model)
     tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
     try:
@@ -720,18 +699,15 @@ def write_repository(
             shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
             if class_file is not None:  # the user's model source travels with the repository
                 shutil.copyfile(class_file, os.path.join(vdir, os.path.basename(class_file)))
-            # A DASH model as model.pt; a DCA model as its Hugging Face folder.
-            ckpt = os.path.join(vdir, DCA_CHECKPOINT if dca else "model.pt")
-            if first_ckpt is not None and dca:
+            # The family's checkpoint (a DASH model's model.pt, a DCA model's Hugging Face
+            # folder), written once and linked into the other version folders.
+            ckpt = os.path.join(vdir, family.checkpoint_name)
+            if first_ckpt is not None and os.path.isdir(first_ckpt):
                 shutil.copytree(first_ckpt, ckpt, copy_function=_link_or_copy)
             elif first_ckpt is not None:
                 _link_or_copy(first_ckpt, ckpt)
-            elif dca:
-                save_qwen2_dca(model, ckpt)
-            elif checkpoint is not None:
-                shutil.copyfile(checkpoint, ckpt)
             else:
-                save_checkpoint(model, ckpt)
+                family.save(model, ckpt, checkpoint)
             first_ckpt = first_ckpt or ckpt
             cfg = python_model_config(
                 model_name,

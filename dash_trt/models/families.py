@@ -1,0 +1,116 @@
+"""The model families the tools know (:class:`~dash_trt.models.interface.ModelFamily`), and
+:func:`family_of`: DASH decoders (:class:`dash_trt.modeling.DashModel` and every subclass:
+the built-in decoder, Unlimited-OCR-2, a user's class) and the Qwen2 / Qwen2-MoE models with
+Dual Chunk Attention."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ..modeling import DashModel, ModelContractError
+from ..onnx_graph import read_graph
+from .checkpoint import save_checkpoint
+from .interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, CheckPrompts, ModelFamily
+from .prompts import check_prompts
+from .qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
+
+__all__ = ["FAMILIES", "DASH", "DCA", "family_of"]
+
+
+# ----------------------------------------------------------------------------- DASH decoders
+def _dash_onnx_mismatches(model: DashModel, path: str | os.PathLike, kv_block_size: int | None) -> list[str]:
+    return read_graph(path).mismatches(model, kv_block_size)
+
+
+def _dash_contract(model: DashModel) -> None:
+    """The attention layers the config promises, and image features of the config's
+    ``image_feature_dim`` taken by ``embed_image_features`` (the built-in decoder passes through
+    only features of the hidden size)."""
+    model.dash_layers()
+    if model.takes_image_features:
+        with torch.no_grad():
+            probe = torch.zeros(1, model.config.image_feature_dim, dtype=model.dtype, device=model.device)
+            out = model.embed_image_features(probe)
+        if tuple(out.shape) != (1, model.config.hidden_size):
+            raise ModelContractError(
+                f"{type(model).__name__}.embed_image_features maps [1, {model.config.image_feature_dim}] image "
+                f"features to {list(out.shape)}, not [1, {model.config.hidden_size}] (hidden_size)"
+            )
+
+
+def _dash_save(model: DashModel, path: str, source: str | None) -> None:
+    if source is not None:
+        shutil.copyfile(source, path)
+    else:
+        save_checkpoint(model, path)
+
+
+DASH = ModelFamily(
+    label="DASH decoder",
+    classes=(DashModel,),
+    checkpoint_name="model.pt",
+    check_prompts=check_prompts,
+    onnx_mismatches=_dash_onnx_mismatches,
+    save=_dash_save,
+    check_contract=_dash_contract,
+)
+
+
+# ------------------------------------------------------------------ Dual Chunk Attention models
+def _dca_prompts(model: Qwen2DcaForCausalLM, seed: int = 0) -> CheckPrompts:
+    """Random tokens: one prompt across more than two chunks (intra, successive and inter
+    attention), one shorter than a chunk; no image features."""
+    span, vocab = model.config.dca.chunk_len, model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (2 * span + span // 2 + 3, max(2, span // 3))
+    ]
+    return prompts, None
+
+
+def _dca_onnx_mismatches(model: Qwen2DcaForCausalLM, path: str | os.PathLike, kv_block_size: int | None) -> list[str]:
+    past = [t.name for t in read_graph(path).inputs if t.name.startswith("past.")]
+    want = model.cache_names("past")
+    if past == want:
+        return []
+    return [
+        f"its caches are {len(past)} inputs ({', '.join(past[:4])}...), the model's {len(want)} "
+        "(a key and a value per layer)"
+    ]
+
+
+def _dca_save(model: Qwen2DcaForCausalLM, path: str, source: str | None) -> None:
+    save_qwen2_dca(model, path)  # a Hugging Face folder, whatever the user loaded it from
+
+
+DCA = ModelFamily(
+    label="Dual Chunk Attention model",
+    classes=(Qwen2DcaForCausalLM,),
+    checkpoint_name="checkpoint",
+    check_prompts=_dca_prompts,
+    onnx_mismatches=_dca_onnx_mismatches,
+    save=_dca_save,
+    unsupported={
+        CUDA_KERNELS: "no CUDA kernels of Dual Chunk Attention",
+        TENSORRT: "the plugin has no DualChunkAttention kernels",
+        DOCUMENTS: "a Dual Chunk Attention model reads token ids, not documents",
+    },
+)
+
+#: Every family, searched in order by :func:`family_of`.
+FAMILIES: tuple[ModelFamily, ...] = (DASH, DCA)
+
+
+def family_of(model: Any) -> ModelFamily:
+    """The family ``model`` belongs to (ModelContractError if none)."""
+    for family in FAMILIES:
+        if family.owns(model):
+            return family
+    raise ModelContractError(
+        f"{type(model).__name__} is not a model dash-trt knows: subclass dash_trt.modeling.DashModel "
+        "(docs/models.md) or load a Qwen2 Dual Chunk Attention folder"
+    )

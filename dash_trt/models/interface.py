@@ -1,0 +1,97 @@
+"""The model contract: what serving, export, compare and deploy ask of a model, declared once.
+
+Two parts:
+
+- :class:`ServedModel`, the methods the serving runtime and the generation loop call on any
+  model (a DASH decoder, :class:`dash_trt.modeling.DashModel`, or the Qwen2 Dual Chunk Attention
+  model): cache allocation, the paged forward, the prefix-cache hooks, the cache-free reference.
+- :class:`ModelFamily`, what the tools ask beyond that, for one family of model classes: the
+  check prompts (``dash-export``'s check, ``dash-compare``), how an ONNX file is told apart from
+  the model, the checks the Triton server would otherwise run only when it loads the model, the
+  checkpoint a Triton version folder holds, and the backends the family does not run on (with
+  why). :func:`family_of` finds a model's family in :data:`dash_trt.models.families.FAMILIES`.
+
+A tool asks the family, never the model's class: no module outside :mod:`dash_trt.models`
+names a concrete model class.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "ServedModel",
+    "ModelFamily",
+    "CheckPrompts",
+    "CUDA_KERNELS",
+    "TENSORRT",
+    "DOCUMENTS",
+]
+
+#: Backend names of :attr:`ModelFamily.unsupported`: the CUDA kernels (``pytorch-cuda`` in
+#: dash-compare), a TensorRT engine or ONNX model served by Triton, the document model.
+CUDA_KERNELS, TENSORRT, DOCUMENTS = "pytorch-cuda", "tensorrt", "documents"
+
+#: ``(prompts, image features per prompt or None)``.
+CheckPrompts = tuple[list[list[int]], "list[torch.Tensor | None] | None"]
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What the serving runtime (:mod:`dash_trt.serving`) and the generation loop ask of a model."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allocate_cache(self, *args: Any, **kwargs: Any) -> list: ...
+
+    def forward_paged(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def prefix_cacheable(self, kv_block_size: int) -> bool: ...
+
+    def prefix_hash_seed(self, prompt_length: int) -> bytes: ...
+
+    def cache_names(self, prefix: str) -> list[str]: ...
+
+    def reference_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the tools ask of one family of model classes (see the module's docstring).
+
+    ``classes``: the model classes of the family (their subclasses too); ``label``: how messages
+    name it; ``checkpoint_name``: the file or folder a Triton version folder holds the weights
+    in; ``check_prompts(model, seed)``; ``onnx_mismatches(model, path, kv_block_size)``: every way
+    a dash-export file is not this model (empty: it is); ``check_contract(model)``: raises what
+    the server would find wrong only on loading; ``save(model, path, source)``: write the
+    serving checkpoint at ``path`` (``source``: a checkpoint file the user named, copied as it
+    is where the family's format allows); ``unsupported``: backend (:data:`CUDA_KERNELS`,
+    :data:`TENSORRT`, :data:`DOCUMENTS`) to the reason the family does not run on it."""
+
+    label: str
+    classes: tuple[type, ...]
+    checkpoint_name: str
+    check_prompts: Callable[[Any, int], CheckPrompts]
+    onnx_mismatches: Callable[[Any, str | os.PathLike, int | None], list[str]]
+    save: Callable[[Any, str, str | None], None]
+    check_contract: Callable[[Any], None] = lambda model: None
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+
+    def owns(self, model: Any) -> bool:
+        return isinstance(model, self.classes)
+
+    def refuse(self, backends: Sequence[str]) -> str | None:
+        """The reason (the first) the family does not run on one of ``backends``, or None."""
+        for b in backends:
+            if b in self.unsupported:
+                return self.unsupported[b]
+        return None

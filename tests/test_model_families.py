@@ -1,0 +1,66 @@
+"""The model contract's families (dash_trt.models.families): each model finds its family, the
+tools ask the family instead of naming model classes."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from dash_trt.modeling import ModelContractError
+from dash_trt.models import qwen2_dca as Q
+from dash_trt.models.families import DASH, DCA, FAMILIES, family_of
+from dash_trt.models.interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, ServedModel
+from dash_trt.models.registry import demo_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "dash_trt"
+
+
+def _dca_model():
+    return Q.init_random_weights(Q.Qwen2DcaForCausalLM(Q.Qwen2DcaConfig.from_dict(Q.tiny_qwen2_dca_config())), 0)
+
+
+def test_each_model_finds_its_family_and_both_serve():
+    dash, dca = demo_model(), _dca_model()
+    assert family_of(dash) is DASH and family_of(dca) is DCA
+    assert isinstance(dash, ServedModel) and isinstance(dca, ServedModel)
+    with pytest.raises(ModelContractError, match="not a model dash-trt knows"):
+        family_of(object())
+
+
+def test_only_dca_refuses_the_kernel_backends():
+    assert DASH.refuse([CUDA_KERNELS, TENSORRT, DOCUMENTS]) is None
+    assert DCA.refuse([TENSORRT]) == DCA.unsupported[TENSORRT]
+    assert DCA.refuse([]) is None
+    assert DASH.checkpoint_name != DCA.checkpoint_name
+
+
+def test_check_prompts_of_each_family():
+    dash, dca = demo_model(), _dca_model()
+    prompts, _ = DASH.check_prompts(dash, 0)
+    assert len(prompts) == 2 and all(prompts)
+    prompts, features = DCA.check_prompts(dca, 0)
+    span = dca.config.dca.chunk_len
+    assert features is None and len(prompts[0]) > 2 * span and len(prompts[1]) < span  # crosses chunks
+    assert DCA.check_prompts(dca, 0) == (prompts, None)  # seeded
+
+
+def test_dca_save_writes_a_loadable_folder(tmp_path):
+    model = _dca_model()
+    DCA.save(model, str(tmp_path / DCA.checkpoint_name), None)
+    again = Q.load_qwen2_dca(tmp_path / DCA.checkpoint_name)
+    assert all((a == b).all() for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.mark.parametrize("module", ["compare.py", "triton/repository.py"])
+def test_tools_ask_the_family_not_the_model_class(module):
+    """compare and the repository writer import no concrete model module."""
+    tree = ast.parse((ROOT / module).read_text())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    concrete = {"models.qwen2_dca", "models.qwen2_moe_dca", "models.unlimited_ocr2", "models.decoder"}
+    assert not {m.lstrip(".") for m in imported} & concrete
+
+
+def test_every_family_is_distinct():
+    assert len({f.checkpoint_name for f in FAMILIES}) == len(FAMILIES)

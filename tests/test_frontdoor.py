@@ -84,6 +84,7 @@ def door(triton, folder):
         header_timeout=2.0,
         body_timeout=2.0,
         body_deadline=4.0,
+        allow_control_text=True,  # the tests type the page markup
     )
     d = FrontDoor(settings, port=0).start()
     yield d
@@ -94,7 +95,10 @@ def door(triton, folder):
 def keyed(triton, folder):
     from dash_trt.triton.openai import FrontDoor, FrontDoorSettings
 
-    d = FrontDoor(FrontDoorSettings(triton_grpc=triton.grpc_url, tokenizer=str(folder), api_key=KEY), port=0).start()
+    settings = FrontDoorSettings(
+        triton_grpc=triton.grpc_url, tokenizer=str(folder), api_key=KEY, allow_control_text=True
+    )
+    d = FrontDoor(settings, port=0).start()
     yield d
     d.close()
 

@@ -37,7 +37,7 @@ def door():
             return (self.answer(max_tokens) if self.answer else [65] * max_tokens), 0
 
     fake = Recording()
-    with TestClient(create_app(FrontDoorSettings(), backend=fake)) as c:
+    with TestClient(create_app(FrontDoorSettings(allow_control_text=True), backend=fake)) as c:
         yield c, fake
 
 

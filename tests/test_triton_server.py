@@ -1358,7 +1358,7 @@ def _ppid(pid: int) -> int | None:
 def openai(server):
     from dash_trt.triton.openai import OpenAIServer
 
-    srv = OpenAIServer(server.http_url, server.grpc_url, port=0).start()
+    srv = OpenAIServer(server.http_url, server.grpc_url, port=0, allow_control_text=True).start()
     yield srv
     srv.close()
 
@@ -1387,7 +1387,7 @@ def test_the_front_door_names_tritons_address_once_triton_is_gone(tmp_path, mode
     door = None
     try:
         srv.start(timeout=240)
-        door = OpenAIServer(srv.http_url, srv.grpc_url, port=0).start()
+        door = OpenAIServer(srv.http_url, srv.grpc_url, port=0, allow_control_text=True).start()
         body = {"model": "dash", "prompt": "<PAGE><image*8>Title?", "max_tokens": 2, "temperature": 0}
         assert _post(door.url + "/v1/completions", body)[0] == 200
         assert srv.stop() == 0

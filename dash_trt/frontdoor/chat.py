@@ -17,7 +17,7 @@ from fastapi import Request
 
 from .. import triton_protocol as P
 from ..chat_template import PromptError, render_chat
-from .attachments import fetch_attachment
+from .attachments import Budget, fetch_attachment
 from .endpoint import Endpoint, usage
 from .models import APIError, ChatCompletionRequest
 from .streaming import event, event_stream, stream_response
@@ -96,6 +96,8 @@ class ChatCompletions(Endpoint):
         self.check_model(req.model)
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model)
         max_tokens = req.limit(self.settings.default_max_tokens)
+        for i, m in enumerate(req.messages):
+            self.check_text(m.text(), f"messages[{i}].content")
         if any(m.attachments() for m in req.messages):
             text, reason, use = await self.document(request, req, max_tokens)
             self.metrics.seconds.labels(ROUTE).observe(time.perf_counter() - t0)
@@ -189,8 +191,9 @@ class ChatCompletions(Endpoint):
             raise APIError("a document is answered in one turn: only the last message may hold images or files")
 
     async def _files(self, req: ChatCompletionRequest) -> list[tuple[str, bytes]]:
-        """The last message's attachments as ``(name, bytes)``, each through the URL guard."""
-        files = []
+        """The last message's attachments as ``(name, bytes)``, each through the URL guard, all
+        of them within the request's ``--fetch-total-mb`` (counted as they are fetched)."""
+        files, budget = [], Budget(self.settings.fetch_total_bytes)
         for i, part in enumerate(req.messages[-1].attachments()):
             param = f"messages[{len(req.messages) - 1}].content[{i}]"
             if part.type == "image_url":
@@ -202,5 +205,5 @@ class ChatCompletions(Endpoint):
                 url, name = spec.file_data, spec.filename or f"file {i + 1}"
                 if not url.startswith("data:"):
                     url = "data:application/octet-stream;base64," + url  # bare base64, as OpenAI accepts
-            files.append((name, await fetch_attachment(url, self.settings, param)))
+            files.append((name, await fetch_attachment(url, self.settings, param, budget)))
         return files

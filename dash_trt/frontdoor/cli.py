@@ -57,8 +57,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument(
         "--allow-url-host", action="append", default=[], help="a host http(s) attachments may come from (repeatable)"
     )
-    o.add_argument("--fetch-max-mb", type=float, default=d.fetch_max_bytes / 2**20, help="(%(default)g)")
+    o.add_argument(
+        "--fetch-max-mb", type=float, default=d.fetch_max_bytes / 2**20, help="MiB of one attachment (%(default)g)"
+    )
+    o.add_argument(
+        "--fetch-total-mb",
+        type=float,
+        default=d.fetch_total_bytes / 2**20,
+        help="MiB of all the attachments of one request together, counted as they are fetched: past it the "
+        "request is refused (413) and fetching stops (%(default)g)",
+    )
     o.add_argument("--fetch-timeout", type=float, default=d.fetch_timeout, help="seconds (%(default)g)")
+    o.add_argument(
+        "--allow-control-text",
+        action="store_true",
+        help="prompt and message text may spell control tokens (<PAGE>, <image>, <image*N>, the tokenizer's special "
+        "tokens), which then become those tokens: for trusted clients only (default: such text is refused, 400; "
+        "token-id prompts are never affected)",
+    )
     o.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return o
 
@@ -67,7 +83,15 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
     if not 0 < a.port <= 65535:
         print(f"dash-triton openai: error: --port must be 1..65535, got {a.port}", file=err)
         return 2
-    for name in ("max_body_mb", "header_timeout", "body_timeout", "body_deadline", "fetch_max_mb", "fetch_timeout"):
+    for name in (
+        "max_body_mb",
+        "header_timeout",
+        "body_timeout",
+        "body_deadline",
+        "fetch_max_mb",
+        "fetch_total_mb",
+        "fetch_timeout",
+    ):
         if getattr(a, name) <= 0:
             print(f"dash-triton openai: error: --{name.replace('_', '-')} must be positive", file=err)
             return 2
@@ -84,6 +108,8 @@ def openai_main(a, out: TextIO, err: TextIO) -> int:
         allow_file_root=a.allow_file_root,
         allow_url_hosts=tuple(a.allow_url_host),
         fetch_max_bytes=int(a.fetch_max_mb * 2**20),
+        fetch_total_bytes=int(a.fetch_total_mb * 2**20),
+        allow_control_text=a.allow_control_text,
         fetch_timeout=a.fetch_timeout,
     )
     try:

@@ -1,18 +1,20 @@
 """What every route handler of the front door shares (:class:`Endpoint`): the settings, the
 metrics, the backend the app's lifespan started, and the steps of a request that completions,
 chat and OCR have in common (the model check, the JSON body, a Triton call that a client's
-disconnect cancels, usage, finish reasons, encoding and decoding)."""
+disconnect cancels, usage, finish reasons, encoding and decoding, and the refusal of text that
+spells a control token)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..documents.tokenizer import TextTokenizer
+from ..documents.tokenizer import ByteTokenizer, TextTokenizer
 from .backend import TritonBackend, triton_error
 from .metrics import Metrics
 from .models import APIError, validation_error
@@ -82,17 +84,21 @@ class Endpoint:
 
     # ----------------------------------------------------------------- Triton calls
     async def guarded(self, request: Request, coro):
-        """``coro``'s result, or its cancellation when the client disconnects."""
+        """``coro``'s result, or its cancellation when the client disconnects (or this handler
+        is cancelled). A cancelled ``coro`` (an ``asyncio.gather`` too) has its outcome
+        retrieved when it ends, so asyncio logs no "exception was never retrieved"."""
         task = asyncio.ensure_future(coro)
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
-                task.cancel()
                 raise APIError("the client disconnected", status=499, code="client_disconnected")
             return task.result()
         finally:
             gone.cancel()
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieved)
 
     async def infer(self, request: Request, coro):
         """:meth:`guarded` counted in flight, a Triton failure raised as its OpenAI error."""
@@ -129,10 +135,31 @@ class Endpoint:
                 code="context_length_exceeded",
             )
 
+    def check_text(self, text: str, param: str) -> None:
+        """Refuses client text that spells a control token (``<PAGE>``, ``<image>``, the
+        tokenizer's special tokens), which the tokenizer would turn into that token: a client
+        could then fake pages or a template's turns. ``--allow-control-text`` lets it through
+        (the markup of trusted clients); token ids are never checked."""
+        if self.settings.allow_control_text or not text:
+            return
+        tok = self.backend.tokenizer
+        made = self.state.get("control_pattern")
+        if made is None or made[0] is not tok:  # made once per tokenizer, for every handler
+            made = self.state["control_pattern"] = (tok, control_pattern(tok, getattr(self.backend, "config", None)))
+        pattern = made[1]
+        m = pattern.search(text) if pattern is not None else None
+        if m:
+            raise APIError(
+                f"{param} spells the control token {m.group(0)!r} as text, which is refused: send token ids, "
+                "or write it some other way (a server for trusted clients may pass --allow-control-text)",
+                param=param,
+            )
+
     async def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt (text, length-checked first and tokenized off the event loop so
-        a long text stalls no other client; or ids as given)."""
+        """Token ids of a prompt (text, checked for control tokens and its length first and
+        tokenized off the event loop so a long text stalls no other client; or ids as given)."""
         if isinstance(prompt, str):
+            self.check_text(prompt, "prompt")
             self.check_length(len(prompt), "prompt")
             try:
                 ids = await asyncio.to_thread(self.backend.tokenizer.encode, prompt)
@@ -149,6 +176,34 @@ class Endpoint:
 
     def decode(self, tokens: list[int]) -> str:
         return self.backend.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens())
+
+
+#: The demo's byte tokenizer's markup (``dash_trt.models.prompts.tokenize``).
+_BYTE_MARKUP = re.compile(r"<PAGE>|<image(?:\*\d+)?>")
+
+
+def control_pattern(tokenizer, config=None) -> re.Pattern | None:
+    """A pattern of the text ``tokenizer`` turns into a control token: the demo's markup, or a
+    checkpoint tokenizer's special tokens with the model's (``config``'s) ``<PAGE>`` and
+    ``<image>`` tokens; None for another tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return _BYTE_MARKUP
+    if not isinstance(tokenizer, TextTokenizer):
+        return None
+    texts = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
+    for tid in (getattr(config, "page_token_id", None), getattr(config, "image_token_id", None)):
+        if tid is not None:
+            texts.add(tokenizer.tokenizer.id_to_token(tid) or "")
+    texts.discard("")
+    # the longest first: a token that holds another one is told whole
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True))) if texts else None
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """Marks a cancelled future's outcome as seen (a cancelled ``gather`` holds a
+    CancelledError as its exception)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -11,7 +11,6 @@ known field sent as null takes its default, as OpenAI's nullable fields do.
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -54,12 +53,18 @@ class APIError(Exception):
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    """pydantic's first error as a 400 naming the parameter."""
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
-    path, name = (loc[:-1], loc[-1:]) if err.get("type") == "extra_forbidden" else (loc, [])
-    # pydantic names the member of a union it tried (``prompt.str``): the parameter ends before it
-    param = ".".join([*itertools.takewhile(lambda x: x in _FIELD_NAMES, path), *name]) or None
+    """pydantic's first error as a 400 naming the parameter. Where that error is a list's
+    failure as the text member of a ``str | list of parts`` union (``content``), the parts' own
+    error is told instead: it names the field that is wrong (``messages.content.image_url``)."""
+    errors = exc.errors()
+    err = errors[0]
+    if err.get("type") == "string_type" and isinstance(err.get("input"), list):
+        base = tuple(err.get("loc", ()))[:-1]
+        parts = [e for e in errors[1:] if tuple(e["loc"])[: len(base)] == base and _in_parts(e["loc"][len(base) :])]
+        err = parts[0] if parts else err
+    loc = list(err.get("loc", ()))
+    path, name = (loc[:-1], [str(loc[-1])]) if err.get("type") == "extra_forbidden" else (loc, [])
+    param = ".".join([*_field_path(path), *name]) or None
     if err.get("type") == "extra_forbidden":
         return APIError(f"unknown parameter: {param}", param=param, code="unknown_parameter")
     if err.get("type") == "missing":
@@ -67,6 +72,31 @@ def validation_error(exc: ValidationError) -> APIError:
     value = err.get("input")
     shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
     return APIError(f"invalid value for {param}: {err.get('msg')} (got {shown})", param=param)
+
+
+def _in_parts(loc) -> bool:
+    """A location inside a member of a list of tagged unions (chat's content parts)."""
+    return any(isinstance(x, str) and "tagged-union[" in x for x in loc) and len(loc) > 1
+
+
+def _field_path(loc: list) -> list[str]:
+    """The field names of a pydantic error's location: list indices left out, a tagged
+    union's member (its tag) skipped, ending at the first other name pydantic gives a union's
+    member (``prompt.str``: the parameter is ``prompt``)."""
+    out, tag_next = [], False
+    for x in loc:
+        if isinstance(x, int):
+            continue
+        if tag_next:  # the member of a tagged union, named by its tag ("image_url")
+            tag_next = False
+            continue
+        if "tagged-union[" in x:
+            tag_next = True
+            continue
+        if x not in _FIELD_NAMES:
+            break
+        out.append(x)
+    return out
 
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]

@@ -44,6 +44,8 @@ class OCR(Endpoint):
         if max_tokens is not None and (not str(max_tokens).isdigit() or not 1 <= int(max_tokens) <= 1 << 20):
             raise APIError("max_tokens must be an integer in 1..1048576", param="max_tokens")
         limit = int(max_tokens) if max_tokens else None
+        if isinstance(form.get("prompt"), str):
+            self.check_text(form.get("prompt"), "prompt")
         result = await self.infer(
             request, self.backend.document(files, form.get("prompt") or None, limit, _CROP[crop_text], None)
         )

@@ -23,9 +23,13 @@ class FrontDoorSettings:
     request_timeout: float = 3600.0
     allow_file_root: str | None = None
     allow_url_hosts: tuple[str, ...] = ()
-    fetch_max_bytes: int = 32 * 2**20
+    fetch_max_bytes: int = 32 * 2**20  #: one attachment
+    fetch_total_bytes: int = 128 * 2**20  #: every attachment of one request, counted as they are fetched
     fetch_timeout: float = 10.0
     default_max_tokens: int = 2048  #: chat completions without max_tokens
     #: with an API key, /metrics answers without it too (a Prometheus scraper without the key)
     public_metrics: bool = False
+    #: text (prompts, messages) may spell control tokens (<PAGE>, <image>, the tokenizer's special
+    #: tokens), which then become those tokens; off: such text is refused (400)
+    allow_control_text: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -8,10 +8,13 @@ model (``<model>_document``, written by ``dash-triton write`` for a checkpoint w
 tower and a tokenizer); with ``--checkpoint`` the same steps run here
 (:class:`~dash_trt.serving.documents.DocumentOCR`). For ``NAME.pdf`` it writes ``OUT/NAME.md``
 (every page under a ``<!-- page N: source -->`` comment) and ``OUT/NAME/page-0001.md`` ... (one
-file a page), each written whole. Documents go out ``--concurrency`` at a time; a request the
-server could not take (UNAVAILABLE, a lost connection) is retried ``--retries`` times with a
-growing pause; a document that fails is reported with its reason (which names the page) and
-the others go on. A progress bar counts documents.
+file a page), each written whole. With ``--server``, documents go out ``--concurrency`` at a
+time, and a request the server could not take (UNAVAILABLE, a refused or lost connection) is
+retried ``--retries`` times with a growing pause (0.5 s, doubling, at most 30 s); a failure to
+reach the server names its URL. With ``--checkpoint`` the one model in this process takes
+documents one at a time (``--concurrency`` above 1 is ignored, with a note). A document that
+fails is reported with its reason (which names the page) and the others go on. A progress bar
+counts documents.
 
 Exit codes: 0 every document transcribed, 1 some failed (each listed), 2 bad arguments.
 """
@@ -22,7 +25,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -31,8 +34,23 @@ from .fileio import atomic_write
 
 __all__ = ["add_parser", "ocr_main", "DocumentOutcome"]
 
-#: Statuses of a request that may succeed when sent again.
-RETRYABLE = ("UNAVAILABLE", "StatusCode.UNAVAILABLE", "503", "connection")
+#: Statuses or messages (compared ignoring case) of a request that may succeed when sent again:
+#: the server busy or not (yet) reachable, ``ConnectionRefusedError: ... Connection refused``, a
+#: connection lost on the way.
+RETRYABLE = ("unavailable", "503", "connection")
+#: The pause before resend ``n`` (0-based): ``BACKOFF[0] * 2**n`` seconds, at most ``BACKOFF[1]``.
+BACKOFF = (0.5, 30.0)
+#: Documents in flight at once through a server unless --concurrency says otherwise.
+DEFAULT_CONCURRENCY = 4
+
+
+def _retryable(status: str | None, message: str) -> bool:
+    text = f"{status or ''} {message}".lower()
+    return any(s in text for s in RETRYABLE)
+
+
+def _pause(attempt: int) -> float:
+    return min(BACKOFF[1], BACKOFF[0] * 2**attempt)
 
 
 @dataclass
@@ -81,8 +99,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--no-page-guard", action="store_true", help="do not hold the answer to one section a page")
     o.add_argument("--no-repeat-ngram", type=int, help="n-gram size the answer may not repeat (default 35; 0 off)")
     o.add_argument("--no-repeat-window", type=int, help="... within this many tokens (default 128 / 1024)")
-    o.add_argument("--concurrency", type=int, default=4, help="documents in flight at once (%(default)s)")
-    o.add_argument("--retries", type=int, default=3, help="resends of a request the server could not take (3)")
+    o.add_argument(
+        "--concurrency",
+        type=int,
+        help=f"with --server: documents in flight at once ({DEFAULT_CONCURRENCY}); with --checkpoint documents "
+        f"run one at a time",
+    )
+    o.add_argument(
+        "--retries",
+        type=int,
+        default=3,
+        help="resends of a request the server could not take, a refused connection included (3; 0.5 s, "
+        "doubling, between them)",
+    )
     o.add_argument("--timeout", type=float, default=3600.0, help="seconds a document may take (%(default)s)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--json", action="store_true", help="print one JSON line a document instead of the summary")
@@ -138,7 +167,7 @@ def _options(a) -> tuple[dict[str, Any], dict[str, Any]]:
     return {k: v for k, v in rules.items() if v is not None}, {"crop": crop}
 
 
-def _remote(a, rules: dict[str, Any], crop: bool | None):
+def _remote(a, rules: dict[str, Any], crop: bool | None, sleep: Callable[[float], None] = time.sleep):
     from .triton.client import DashClient, DashClientError
 
     client = DashClient(a.server, protocol="http", model=a.model, timeout=a.timeout, concurrency=a.concurrency)
@@ -147,6 +176,9 @@ def _remote(a, rules: dict[str, Any], crop: bool | None):
         outcome = DocumentOutcome(path)
         with open(path, "rb") as fh:
             data = fh.read()
+        if not data:  # as in this process (the server would not know the file's name)
+            outcome.error = f"{os.path.basename(path)}: the file is empty"
+            return outcome
         for attempt in range(a.retries + 1):
             outcome.attempts = attempt + 1
             try:
@@ -163,11 +195,15 @@ def _remote(a, rules: dict[str, Any], crop: bool | None):
                 outcome.error = None
                 return outcome
             except DashClientError as exc:
-                outcome.error = str(exc)
-                retry = any(s in str(exc.status or "") or s in str(exc) for s in RETRYABLE)
+                retry = _retryable(exc.status, str(exc))
+                outcome.error = (
+                    f"server {a.server} not reached or busy after {attempt + 1} attempt(s): {exc}"
+                    if retry
+                    else str(exc)
+                )
                 if not retry or attempt == a.retries:
                     return outcome
-                time.sleep(min(30.0, 0.5 * 2**attempt))
+                sleep(_pause(attempt))
         return outcome
 
     return run, client.close
@@ -200,10 +236,20 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
     return run, lambda: None
 
 
-def ocr_main(a, out: TextIO, err: TextIO) -> int:
-    if a.concurrency < 1 or a.retries < 0:
+def ocr_main(a, out: TextIO, err: TextIO, *, sleep: Callable[[float], None] = time.sleep) -> int:
+    """``sleep``: how to pause between resends (a test passes one that records the pauses)."""
+    if (a.concurrency is not None and a.concurrency < 1) or a.retries < 0:
         print("dash-trt ocr: error: --concurrency must be >= 1 and --retries >= 0", file=err)
         return 2
+    if a.concurrency is None:
+        a.concurrency = DEFAULT_CONCURRENCY if a.server else 1
+    elif a.checkpoint and a.concurrency > 1:
+        print(
+            f"dash-trt ocr: note: --concurrency {a.concurrency} is for --server; with --checkpoint the model in "
+            f"this process takes documents one at a time",
+            file=err,
+        )
+        a.concurrency = 1
     if a.server and (a.device or a.dtype):
         print("dash-trt ocr: error: --device and --dtype are for --checkpoint (a server runs its own)", file=err)
         return 2
@@ -217,7 +263,7 @@ def ocr_main(a, out: TextIO, err: TextIO) -> int:
     os.makedirs(a.out, exist_ok=True)
     rules, opts = _options(a)
     try:
-        run, close = (_remote if a.server else _local)(a, rules, opts["crop"])
+        run, close = _remote(a, rules, opts["crop"], sleep) if a.server else _local(a, rules, opts["crop"])
     except Exception as exc:  # noqa: BLE001 - a server that cannot be reached, a checkpoint that cannot load
         print(f"dash-trt ocr: error: {exc}", file=err)
         return 2

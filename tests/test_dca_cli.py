@@ -112,3 +112,40 @@ def test_the_tools_refuse_a_folder_with_a_sparse_attention_config(sparse_folder,
     assert T.main(["write", str(sparse_folder), "--out", str(repo), "--kv-block-size", "8"]) == 2
     _one_line_refusal(capsys.readouterr().err, "dash-triton write", sparse_folder)
     assert not repo.exists()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_script_writes_a_tiny_dca_folder_the_tools_take(tmp_path, moe):
+    """scripts/make_tiny_qwen2_dca.py, as scripts/make_tiny_unlimited_ocr2.py is for Unlimited-OCR-2:
+    a folder dash-export takes (its DualChunkAttention nodes checked against PyTorch); a
+    configuration the model refuses is one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "make_tiny_qwen2_dca.py"
+    )
+    folder = tmp_path / "qwen2-dca"
+    res = subprocess.run(
+        [sys.executable, script, str(folder), "--seed", "3"] + (["--moe"] if moe else []),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "divide 24 (chunk_size - local_size)" in res.stdout
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dual_chunk_attention_config"] == DCA and config["rope_theta"] == 1e6
+    cls = M.Qwen2MoeDcaForCausalLM if moe else Q.Qwen2DcaForCausalLM
+    assert type(Q.load_qwen2_dca(folder, model_class=cls)) is cls
+    if not moe:  # the tools on both families: the tests above
+        out = tmp_path / "dca.onnx"
+        assert E.main([str(folder), "--out", str(out), "--kv-block-size", "8", "--decode-steps", "2", "--quiet"]) == 0
+    bad = subprocess.run(
+        [sys.executable, script, str(tmp_path / "bad"), "--local-size", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "--local-size must be smaller than --chunk-size" in bad.stderr

@@ -103,7 +103,62 @@ def test_unreadable_documents_get_one_line_naming_them(tmp_path, monkeypatch):
         load_pages([("big.png", png_bytes(page_image(20, 20)))])
 
 
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG of ``w`` x ``h`` pixels as far as its header goes (no pixel data: never decoded)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_the_documented_pixel_limit_is_the_one_that_applies(recwarn):
+    """Issue D15: Pillow's own guard refused anything over 178,956,970 pixels with its message, so
+    the documented 200 M pixels a page was never reached. Up to MAX_PIXELS an image is read, without
+    a warning; over it, by a little or by far, the one documented message."""
+    from dash_trt.documents.pages import MAX_PIXELS, open_pages
+
+    assert MAX_PIXELS == 200_000_000
+    (page,) = open_pages([("wide.png", _png_header(19000, 10000))])  # 190 M pixels
+    assert page.size == (19000, 10000)
+    assert not [w for w in recwarn if "decompression" in str(w.message).lower()]
+    with pytest.raises(DocumentError, match=r"^big\.png: image of 20000x10001 pixels is larger than 200,000,000"):
+        open_pages([("big.png", _png_header(20000, 10001))])
+    with pytest.raises(DocumentError, match=r"^huge\.png: image of 600,000,000 pixels is larger than 200,000,000"):
+        open_pages([("huge.png", _png_header(30000, 20000))])
+
+
+def test_an_unreadable_image_is_not_described_by_an_in_memory_file():
+    """Issue D16: 'cannot identify image file <_io.BytesIO object at 0x...>' named nothing sent."""
+    with pytest.raises(DocumentError) as info:
+        load_pages([("notes.txt", b"hello, world")])
+    text = str(info.value)
+    assert "BytesIO" not in text and "0x" not in text
+    assert text.startswith("notes.txt: not a supported image (its format is not recognised); send PNG")
+
+
 # ------------------------------------------------------------------------------ views
+def test_a_page_limit_below_the_global_view_does_not_advise_turning_crop_mode_off():
+    """Issue D16: a limit below the global view's tokens refuses every page, tiled or not; the
+    message says so instead of 'send the page without crop mode'."""
+    from dash_trt.documents.views import check_page_tokens
+
+    spec = ViewSpec(256, 160, max_crops=6, max_page_tokens=10)  # the global view: 4 x 5 + 1 = 21
+    for crop in (True, False):
+        with pytest.raises(DocumentError) as info:
+            check_page_tokens(742, 960, spec, crop, "doc.pdf page 1")
+        text = str(info.value)
+        assert "without crop mode" not in text and "smaller" not in text
+        assert text.endswith("more than the 10 a page may take; every page takes at least the global view's 21: "
+                             "allow at least that many")  # fmt: skip
+    spec = ViewSpec(256, 160, max_crops=6, max_page_tokens=30)  # tiles are what is over
+    with pytest.raises(DocumentError, match=r"84 image tokens .* 2 x 3 tiles\), more than the 30 .* without crop mode"):
+        check_page_tokens(742, 960, spec, True, "doc.pdf page 1")
+
+
 def test_image_token_counts_by_hand():
     spec = ViewSpec()  # 1024 global, 640 tiles, 16 px patches, 4x downsampling: 16 and 10 features a side
     assert image_token_count(500, 640, spec, crop=True) == 16 * 17 + 1  # fits one tile: the global view only

@@ -19,6 +19,8 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +41,9 @@ __all__ = [
 #: A document larger than this is refused (one request holds every page's image tokens).
 MAX_PAGES = 1000
 #: An image larger than this (width x height) is refused before it is decoded (a decompression
-#: bomb: a small file that decodes to gigabytes).
+#: bomb: a small file that decodes to gigabytes). Pillow's own guard (``MAX_IMAGE_PIXELS``, about
+#: 179 M pixels by default) is raised to this in :func:`_pil`, so that this limit is the one that
+#: applies, with this module's message.
 MAX_PIXELS = 200_000_000
 #: The pages of one request together (width x height summed) may not be larger than this: a few
 #: hundred KB of PDF or GIF can ask for many gigapixels, each page rendered or decoded in turn.
@@ -95,12 +99,37 @@ class PageSource:
         return Page(self._render(), self.source)
 
 
+#: Pillow's ``MAX_IMAGE_PIXELS`` as :func:`_pil` sets it (Pillow warns above it and refuses above
+#: twice it): :data:`MAX_PIXELS`'s documented value.
+PIL_MAX_IMAGE_PIXELS = MAX_PIXELS
+
+
 def _pil():
     try:
         from PIL import Image, ImageOps
     except ImportError:  # a declared dependency of the documents extra
         raise DocumentError("reading images needs Pillow (pip install 'dash-trt[documents]')") from None
+    # the one place Pillow's decompression-bomb guard is set: never below this module's limit (a
+    # caller that lifted it, or switched it off with None, is left alone)
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < PIL_MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS
     return Image, ImageOps
+
+
+def _too_large(source: str, size: tuple[int, int] | None = None, pixels: int | None = None) -> DocumentError:
+    """The one message for an image over :data:`MAX_PIXELS` (its size, or Pillow's pixel count)."""
+    what = f"{size[0]}x{size[1]} pixels" if size else f"{pixels:,} pixels" if pixels else "pixels"
+    return DocumentError(f"{source}: image of {what} is larger than {MAX_PIXELS:,} pixels")
+
+
+def _reason(exc: Exception) -> str:
+    """Pillow's reason without the reprs of the in-memory file it read (``<_io.BytesIO object at
+    0x...>``, which names nothing the user sent)."""
+    Image, _ = _pil()
+    if isinstance(exc, Image.UnidentifiedImageError):
+        return "its format is not recognised"
+    text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _rgb(image, source: str):
@@ -121,20 +150,23 @@ def _rgb(image, source: str):
 def _image_sources(data: bytes, source: str) -> list[PageSource]:
     """The pages of an image file's bytes (one per frame), their sizes read from the header."""
     Image, _ = _pil()
-    try:  # Pillow reads the header only here, and refuses a decompression bomb itself
-        img = Image.open(io.BytesIO(data), formats=_formats())
-        img.verify()  # structure check; the file must be reopened afterwards
-        img = Image.open(io.BytesIO(data), formats=_formats())
-    except Image.DecompressionBombError as exc:
-        raise DocumentError(f"{source}: image too large ({exc})") from None
+    try:  # Pillow reads the header only here
+        with warnings.catch_warnings():
+            # between MAX_PIXELS and twice it Pillow warns and opens the header: refused below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=_formats())
+            img.verify()  # structure check; the file must be reopened afterwards
+            img = Image.open(io.BytesIO(data), formats=_formats())
+    except Image.DecompressionBombError as exc:  # more than twice MAX_PIXELS: Pillow refused it
+        count = re.search(r"\((\d+) pixels\)", str(exc))
+        raise _too_large(source, pixels=int(count.group(1)) if count else None) from None
     except Exception as exc:  # noqa: BLE001 - Pillow raises UnidentifiedImageError, OSError, SyntaxError ...
         raise DocumentError(
-            f"{source}: not a supported image ({type(exc).__name__}: {exc}); send PNG, JPEG, TIFF, WebP, BMP, "
-            f"GIF or a PDF"
+            f"{source}: not a supported image ({_reason(exc)}); send PNG, JPEG, TIFF, WebP, BMP, GIF or a PDF"
         ) from None
     w, h = img.size
     if w * h > MAX_PIXELS:
-        raise DocumentError(f"{source}: image of {w}x{h} pixels is larger than {MAX_PIXELS:,} pixels")
+        raise _too_large(source, (w, h))
     if w < 1 or h < 1:
         raise DocumentError(f"{source}: image of {w}x{h} pixels is empty")
     frames = getattr(img, "n_frames", 1)
@@ -149,10 +181,10 @@ def _image_sources(data: bytes, source: str) -> list[PageSource]:
             try:
                 img.seek(i)  # the frame's header, not its pixels
             except Exception as exc:  # noqa: BLE001 - a truncated file
-                raise DocumentError(f"{source} page {i + 1}: cannot be read ({type(exc).__name__}: {exc})") from None
+                raise DocumentError(f"{source} page {i + 1}: cannot be read ({_reason(exc)})") from None
             fw, fh = img.size
             if fw * fh > MAX_PIXELS:
-                raise DocumentError(f"{source} page {i + 1}: {fw}x{fh} pixels is larger than {MAX_PIXELS:,} pixels")
+                raise _too_large(f"{source} page {i + 1}", (fw, fh))
             sizes.append((fw, fh))
 
     def frame(i: int, name: str):
@@ -165,7 +197,7 @@ def _image_sources(data: bytes, source: str) -> list[PageSource]:
             except DocumentError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a truncated frame
-                raise DocumentError(f"{name}: cannot be decoded ({type(exc).__name__}: {exc})") from None
+                raise DocumentError(f"{name}: cannot be decoded ({_reason(exc)})") from None
 
         return render
 
@@ -192,8 +224,6 @@ def open_image(data: bytes, source: str) -> list[Page]:
 def _declares_no_pages(data: bytes) -> bool:
     """The file's page tree says it has no page (``/Type /Pages ... /Count 0``) and it holds no
     page object (read in the uncompressed objects only)."""
-    import re
-
     return bool(re.search(rb"/Count\s*0(?![0-9])", data)) and not re.search(rb"/Type\s*/Page(?![a-zA-Z])", data)
 
 

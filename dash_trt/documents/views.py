@@ -149,11 +149,19 @@ def check_page_tokens(width: int, height: int, spec: ViewSpec, crop: bool, sourc
     if spec.max_page_tokens is not None and n > spec.max_page_tokens:
         w, h = tile_grid(width, height, spec) if crop else (1, 1)
         qb, q = spec.base_queries, spec.queries
+        base = qb * (qb + 1) + 1
+        # tiles can be avoided (crop mode off, a smaller page); the global view cannot: every page,
+        # whatever its size, takes its tokens, so a limit below them refuses every page
+        advice = (
+            f"; every page takes at least the global view's {base}: allow at least that many"
+            if base > spec.max_page_tokens
+            else "; send the page without crop mode or smaller"
+        )
         raise DocumentError(
             f"{source}: {width}x{height} pixels take {n} image tokens ({qb} x {qb + 1} + 1 for the global view"
             + (f" + ({q} x {w} + 1) x ({q} x {h}) for {w} x {h} tiles" if w * h > 1 else "")
             + f"), more than the {spec.max_page_tokens} a page may take"
-            + ("; send the page without crop mode or smaller" if crop and w * h > 1 else "; send it smaller")
+            + advice
         )
     return n
 

@@ -27,7 +27,15 @@ import torch
 
 from ..attention.dash.config import CONFIG_SECTION, DashConfig, DashConfigError, missing_section_message
 
-__all__ = ["DashModelConfig", "ModelConfigError", "load_model_config", "DTYPES", "ARCHITECTURE", "MODEL_TYPE"]
+__all__ = [
+    "DashModelConfig",
+    "ModelConfigError",
+    "TokenIdModelError",
+    "load_model_config",
+    "DTYPES",
+    "ARCHITECTURE",
+    "MODEL_TYPE",
+]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -45,6 +53,23 @@ LANGUAGE_SECTION = "language_config"
 
 class ModelConfigError(ValueError):
     """A model ``config.json`` is missing a key or holds a bad value."""
+
+
+#: The section a Dual Chunk Attention (Qwen) model's config.json carries instead of DASH's.
+DCA_SECTION = "dual_chunk_attention_config"
+
+
+class TokenIdModelError(ModelConfigError):
+    """The config describes a Dual Chunk Attention text model: one that takes and returns token
+    ids, not a DASH document model (no pages, no images, no tokenizer here)."""
+
+
+def token_id_model_message(source: str) -> str:
+    return (
+        f"{source} describes a Dual Chunk Attention text model ('{DCA_SECTION}'), not a DASH document "
+        f"model: it takes and returns token ids (no documents, images or text prompts); send it token "
+        f"ids through its Triton service (dash-triton write, then dash-client --ids; docs/dca_model.md)"
+    )
 
 
 # --------------------------------------------------------------------------- config
@@ -238,6 +263,8 @@ class DashModelConfig:
     def from_dict(cls, config: Mapping[str, Any], *, source: str = "model config") -> DashModelConfig:
         if not isinstance(config, Mapping):
             raise ModelConfigError(f"{source} must be a JSON object, got {type(config).__name__}")
+        if CONFIG_SECTION not in config and isinstance(config.get(DCA_SECTION), Mapping):
+            raise TokenIdModelError(token_id_model_message(source))
         if CONFIG_SECTION not in config:
             raise ModelConfigError(
                 missing_section_message(config, source)

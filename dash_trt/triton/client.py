@@ -31,11 +31,11 @@ import numpy as np
 
 from .. import triton_protocol as P
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..models.config import DashModelConfig, ModelConfigError
+from ..models.config import DashModelConfig, ModelConfigError, TokenIdModelError
 from ..models.prompts import detokenize, document_prompt, tokenize
 from ..versions import version_line as _version_line
 
-__all__ = ["DashClient", "DashClientError", "Generation", "main"]
+__all__ = ["DashClient", "DashClientError", "TokenIdModel", "Generation", "main"]
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
@@ -48,6 +48,12 @@ class DashClientError(RuntimeError):
     def __init__(self, message: str, status: str | None = None):
         super().__init__(message)
         self.status = status
+
+
+class TokenIdModel(DashClientError):
+    """The served model takes and returns token ids only (a Dual Chunk Attention text model): the
+    client has no tokenizer and no page marker for it, so text prompts and ``--pages`` are refused
+    and token ids are sent as they are."""
 
 
 @dataclass
@@ -123,6 +129,7 @@ class DashClient:
 
             self.client.register_plugin(admin_key_plugin(admin_key))
         self._config: DashModelConfig | None = None
+        self._token_ids_only: TokenIdModel | None = None
 
     # ------------------------------------------------------------- server info
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -139,6 +146,8 @@ class DashClient:
 
     def model_config(self) -> DashModelConfig:
         """The served model's config.json (cached)."""
+        if self._token_ids_only is not None:
+            raise self._token_ids_only
         if self._config is None:
             try:
                 raw = self.client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc" else {}))
@@ -154,12 +163,27 @@ class DashClient:
             text = params[P.PARAM_MODEL_CONFIG].get("string_value", params[P.PARAM_MODEL_CONFIG].get("stringValue"))
             try:
                 self._config = DashModelConfig.from_dict(json.loads(text), source=f"model '{self.model}'")
-            except ModelConfigError as exc:  # a served text model (Dual Chunk Attention): no demo tokenizer
+            except TokenIdModelError:  # a served text model (Dual Chunk Attention): token ids only
+                self._token_ids_only = TokenIdModel(
+                    f"model '{self.model}' at {self.url} is a Dual Chunk Attention text model: it takes token "
+                    f"ids only (dash-client --ids 1,2,3), and this client has no tokenizer for its text"
+                )
+                raise self._token_ids_only from None
+            except ModelConfigError as exc:
                 raise DashClientError(
                     f"model '{self.model}' at {self.url} is not a DASH document model, so this client has no "
                     f"tokenizer for it (send token ids): {exc}"
                 ) from None
         return self._config
+
+    def takes_token_ids_only(self) -> bool:
+        """Whether the served model is a token-id text model (:class:`TokenIdModel`): no tokenizer,
+        no pages (other errors reading its config are raised)."""
+        try:
+            self.model_config()
+        except TokenIdModel:
+            return True
+        return False
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt: text with ``<PAGE>``, ``<image>``, ``<image*N>`` (see
@@ -287,6 +311,9 @@ class DashClient:
         files = [(name, bytes(document))] if isinstance(document, (bytes, bytearray, memoryview)) else list(document)
         if not files:
             raise DashClientError("a document needs at least one file")
+        empty = [n for n, data in files if not data]
+        if empty:  # named here: the server sees only bytes, and would not say which file
+            raise DashClientError(f"{empty[0]}: the file is empty")
         add(P.DOCUMENT, np.frombuffer(b"".join(data for _, data in files), dtype=np.uint8), "UINT8")
         add(P.DOCUMENT_SIZES, np.array([len(data) for _, data in files], dtype=np.int64), "INT64")
         names = "\n".join(n.replace("\n", " ") for n, _ in files)
@@ -669,11 +696,15 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                 if v is not None
             } or None
             opts = {"stop_token_ids": stop_ids, "sampling": sampling}
-            cfg = client.model_config()
-            pages = sum(1 for i in ids if i == cfg.page_token_id)
+            # a token-id model (Dual Chunk Attention) has no pages and no tokenizer: ids only
+            has_tokenizer = not client.takes_token_ids_only()
+            pages = ""
+            if has_tokenizer:
+                cfg = client.model_config()
+                pages = f", {sum(1 for i in ids if i == cfg.page_token_id)} page(s)"
             served_by = client.stream_model if a.stream else client.model
             print(
-                f"prompt: {len(ids)} tokens, {pages} page(s); model '{served_by}' at {client.url} ({protocol})",
+                f"prompt: {len(ids)} tokens{pages}; model '{served_by}' at {client.url} ({protocol})",
                 file=err,
                 flush=True,
             )
@@ -715,7 +746,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
                 {
                     "prompt_tokens": gen.prompt_tokens,
                     "tokens": gen.tokens,
-                    "text": gen.text,
+                    "text": gen.text if has_tokenizer else None,
                     "seconds": round(gen.seconds, 4),
                 }
             ),
@@ -724,7 +755,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     else:
         if not a.stream:
             print("tokens: " + " ".join(map(str, gen.tokens)), file=out)
-        print(f"text: {gen.text!r}", file=out)
+        if has_tokenizer:
+            print(f"text: {gen.text!r}", file=out)
         rate = len(gen.tokens) / gen.seconds if gen.seconds > 0 else 0.0
         print(f"{len(gen.tokens)} tokens in {gen.seconds:.2f} s ({rate:.1f} tokens/s)", file=err)
     return 0

@@ -86,7 +86,12 @@ class TritonPythonModel:
         P = self.P
         data = self._bytes(request, P.DOCUMENT)
         if not data:
-            raise _Refused(f"{P.DOCUMENT} is required: the bytes of a PDF or an image file")
+            name = (self._bytes(request, P.DOCUMENT_NAME) or b"").decode("utf-8", "replace").split("\n")[0][:200]
+            raise _Refused(
+                f"{name}: the file is empty"
+                if name
+                else f"{P.DOCUMENT} is required: the bytes of a PDF or an image file"
+            )
         sizes = self._read(request, P.DOCUMENT_SIZES)
         sizes = [len(data)] if sizes is None else [int(x) for x in sizes.reshape(-1)]
         if not sizes or len(sizes) > P.MAX_DOCUMENT_FILES or min(sizes) < 1 or sum(sizes) != len(data):

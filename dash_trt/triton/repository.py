@@ -581,6 +581,111 @@ def _not_replaceable(out: str) -> str | None:
     return None
 
 
+def _check_destination(out: str, force: bool) -> None:
+    """RepositoryError unless ``out`` may be written: new, or (``force``) empty or a repository
+    this module wrote holding nothing else, in a folder that exists."""
+    if os.path.exists(out) and not force:
+        raise RepositoryError(f"{out} already exists (pass --force to replace it)")
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise RepositoryError(f"cannot write {out}: it is a file, not a folder")
+        why = _not_replaceable(out)
+        if why is not None:
+            raise RepositoryError(
+                f"--force replaces only a repository that dash-triton wrote, holding only what it wrote, or an empty "
+                f"folder; {out}: {why}. Nothing was changed: choose another --out, or remove it yourself"
+            )
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise RepositoryError(f"cannot write {out}: folder {parent} does not exist")
+
+
+def _write_generation_models(tmp: str, model, family, names, checkpoint, class_file, *, engine, **config) -> list[str]:
+    """The Python-backend generation models ``names`` (``(name, streaming)``) in ``tmp``: the
+    backend file, the user's model source, the family's checkpoint (a DASH model's model.pt, a
+    DCA model's Hugging Face folder) written once and linked into the other version folders,
+    and each config. Returns the names."""
+    first_ckpt = None
+    for model_name, stream in names:
+        vdir = os.path.join(tmp, model_name, "1")
+        os.makedirs(vdir)
+        shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
+        if class_file is not None:  # the user's model source travels with the repository
+            shutil.copyfile(class_file, os.path.join(vdir, os.path.basename(class_file)))
+        ckpt = os.path.join(vdir, family.checkpoint_name)
+        if first_ckpt is not None and os.path.isdir(first_ckpt):
+            shutil.copytree(first_ckpt, ckpt, copy_function=_link_or_copy)
+        elif first_ckpt is not None:
+            _link_or_copy(first_ckpt, ckpt)
+        else:
+            family.save(model, ckpt, checkpoint)
+        first_ckpt = first_ckpt or ckpt
+        cfg = python_model_config(
+            model_name, model, engine, streaming=stream, checkpoint=os.path.basename(ckpt), **config
+        )
+        _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
+    return [n for n, _ in names]
+
+
+def _write_document_model(tmp: str, name: str, docs, model, engine: EngineConfig, **config) -> str:
+    """The ``<name>_document`` model in ``tmp``: the backend file, the vision tower's weights,
+    the tokenizer files and the decoder's config. Returns its name."""
+    doc_name = name + P.DOCUMENT_SUFFIX
+    vdir = os.path.join(tmp, doc_name, "1")
+    os.makedirs(vdir)
+    shutil.copyfile(DOCUMENT_MODEL_SOURCE, os.path.join(vdir, "model.py"))
+    save_file({k: v.contiguous() for k, v in docs[1].items()}, os.path.join(vdir, P.VISION_WEIGHTS))
+    for fname in TOKENIZER_FILES:
+        src = os.path.join(docs[0], fname)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(vdir, fname))
+    _write(os.path.join(vdir, P.DOCUMENT_CONFIG), json.dumps(model.config.to_dict(), indent=2) + "\n")
+    limit = longest_request(engine.to_json())
+    dcfg = document_model_config(doc_name, name, max_prompt_tokens=limit, **config)
+    _write(os.path.join(tmp, doc_name, "config.pbtxt"), to_pbtxt(dcfg))
+    return doc_name
+
+
+def _write_plan_model(tmp: str, out: str, plan_cfg: dict, plan: str, libraries) -> str:
+    """The ``tensorrt_plan`` model in ``tmp``: the engine and the plugin libraries. Returns the
+    message that says how to start the server for it."""
+    vdir = os.path.join(tmp, plan_cfg["name"], "1")
+    os.makedirs(vdir)
+    shutil.copyfile(plan, os.path.join(vdir, "model.plan"))
+    for lib, target in zip(libraries, (PLUGIN_LIBRARY, PLUGIN_DEPENDENCY)):
+        shutil.copy2(lib, os.path.join(vdir, target))
+    _write(os.path.join(tmp, plan_cfg["name"], "config.pbtxt"), to_pbtxt(plan_cfg))
+    return (
+        f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
+        f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}"
+    )
+
+
+def _seal(tmp: str, out: str, private: bool) -> None:
+    """Give ``tmp``'s files the umask's modes (or private ones), write the marker, and move it to
+    ``out`` (the old repository moves aside first: a failure leaves one of the two)."""
+    for root, dirs, files in os.walk(tmp):  # the umask's modes (mkdtemp made the top 0700), or private
+        for entry in dirs:
+            os.chmod(os.path.join(root, entry), file_mode(directory=True, private=private))
+        for entry in files:  # every file too: safetensors' save_file leaves its own 0600
+            os.chmod(os.path.join(root, entry), file_mode(private=private))
+    os.chmod(tmp, file_mode(directory=True, private=private))
+    _write(
+        os.path.join(tmp, MARKER),
+        "A Triton model repository written by `dash-triton write`; `dash-triton write --force` may replace "
+        "this folder while it holds only these files:\n" + json.dumps({"written": _manifest(tmp)}, indent=1) + "\n",
+    )
+    if private:
+        os.chmod(os.path.join(tmp, MARKER), file_mode(private=True))
+    old = None
+    if os.path.exists(out):
+        old = tempfile.mkdtemp(prefix=".dash-triton-old-", dir=os.path.dirname(out))
+        os.replace(out, os.path.join(old, "repo"))
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def write_repository(
     out: str | os.PathLike,
     model: DashModel,
@@ -623,20 +728,8 @@ def write_repository(
     engine = engine or EngineConfig()
     if not name or not all(c.isalnum() or c in "_-" for c in name):
         raise RepositoryError(f"model name must be letters, digits, '_' or '-', got {name!r}")
-    if os.path.exists(out) and not force:
-        raise RepositoryError(f"{out} already exists (pass --force to replace it)")
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise RepositoryError(f"cannot write {out}: it is a file, not a folder")
-        why = _not_replaceable(out)
-        if why is not None:
-            raise RepositoryError(
-                f"--force replaces only a repository that dash-triton wrote, holding only what it wrote, or an empty "
-                f"folder; {out}: {why}. Nothing was changed: choose another --out, or remove it yourself"
-            )
+    _check_destination(out, force)
     parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise RepositoryError(f"cannot write {out}: folder {parent} does not exist")
     if checkpoint is not None and not os.path.isfile(checkpoint):
         raise RepositoryError(f"checkpoint not found: {checkpoint}")
 
@@ -690,95 +783,39 @@ def write_repository(
     class_file, class_spec = model_class_source(model)
     tmp = tempfile.mkdtemp(prefix=".dash-triton-", dir=parent)
     try:
-        models = []
-        names = [(name, False)] + ([(name + P.STREAM_SUFFIX, True)] if streaming else [])
-        first_ckpt = None
-        for model_name, stream in names:
-            vdir = os.path.join(tmp, model_name, "1")
-            os.makedirs(vdir)
-            shutil.copyfile(PYTHON_MODEL_SOURCE, os.path.join(vdir, "model.py"))
-            if class_file is not None:  # the user's model source travels with the repository
-                shutil.copyfile(class_file, os.path.join(vdir, os.path.basename(class_file)))
-            # The family's checkpoint (a DASH model's model.pt, a DCA model's Hugging Face
-            # folder), written once and linked into the other version folders.
-            ckpt = os.path.join(vdir, family.checkpoint_name)
-            if first_ckpt is not None and os.path.isdir(first_ckpt):
-                shutil.copytree(first_ckpt, ckpt, copy_function=_link_or_copy)
-            elif first_ckpt is not None:
-                _link_or_copy(first_ckpt, ckpt)
-            else:
-                family.save(model, ckpt, checkpoint)
-            first_ckpt = first_ckpt or ckpt
-            cfg = python_model_config(
-                model_name,
-                model,
-                engine,
-                streaming=stream,
-                device=device,
-                checkpoint=os.path.basename(ckpt),
-                model_class=class_spec,
-                warmup=warmup,
-                torch_num_threads=torch_num_threads,
-                allow_engine_control=allow_engine_control,
-                gpus=gpus,
-            )
-            _write(os.path.join(tmp, model_name, "config.pbtxt"), to_pbtxt(cfg))
-            models.append(model_name)
-        if docs is not None:
-            doc_name = name + P.DOCUMENT_SUFFIX
-            vdir = os.path.join(tmp, doc_name, "1")
-            os.makedirs(vdir)
-            shutil.copyfile(DOCUMENT_MODEL_SOURCE, os.path.join(vdir, "model.py"))
-            save_file({k: v.contiguous() for k, v in docs[1].items()}, os.path.join(vdir, P.VISION_WEIGHTS))
-            for fname in TOKENIZER_FILES:
-                src = os.path.join(docs[0], fname)
-                if os.path.isfile(src):
-                    shutil.copyfile(src, os.path.join(vdir, fname))
-            _write(os.path.join(vdir, P.DOCUMENT_CONFIG), json.dumps(model.config.to_dict(), indent=2) + "\n")
-            limit = longest_request(engine.to_json())
-            dcfg = document_model_config(
-                doc_name,
-                name,
-                max_prompt_tokens=limit,
-                device=device,
-                instances=document_instances,
-                torch_num_threads=torch_num_threads,
-            )
-            _write(os.path.join(tmp, doc_name, "config.pbtxt"), to_pbtxt(dcfg))
-            models.append(doc_name)
-        if plan_cfg is not None:
-            vdir = os.path.join(tmp, plan_cfg["name"], "1")
-            os.makedirs(vdir)
-            shutil.copyfile(plan, os.path.join(vdir, "model.plan"))
-            for lib, target in zip(libraries, (PLUGIN_LIBRARY, PLUGIN_DEPENDENCY)):
-                shutil.copy2(lib, os.path.join(vdir, target))
-            _write(os.path.join(tmp, plan_cfg["name"], "config.pbtxt"), to_pbtxt(plan_cfg))
-            models.append(plan_cfg["name"])
-            messages.append(
-                f"{plan_cfg['name']}: start tritonserver with --backend-config=tensorrt,plugins="
-                f"{out}/{plan_cfg['name']}/1/{PLUGIN_LIBRARY}. {PLAN_MODEL_NOTE}"
-            )
-        _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
-        for root, dirs, files in os.walk(tmp):  # the umask's modes (mkdtemp made the top 0700), or private
-            for entry in dirs:
-                os.chmod(os.path.join(root, entry), file_mode(directory=True, private=private))
-            for entry in files:  # every file too: safetensors' save_file leaves its own 0600
-                os.chmod(os.path.join(root, entry), file_mode(private=private))
-        os.chmod(tmp, file_mode(directory=True, private=private))
-        _write(
-            os.path.join(tmp, MARKER),
-            "A Triton model repository written by `dash-triton write`; `dash-triton write --force` may replace "
-            "this folder while it holds only these files:\n" + json.dumps({"written": _manifest(tmp)}, indent=1) + "\n",
+        models = _write_generation_models(
+            tmp,
+            model,
+            family,
+            [(name, False)] + ([(name + P.STREAM_SUFFIX, True)] if streaming else []),
+            checkpoint,
+            class_file,
+            engine=engine,
+            device=device,
+            model_class=class_spec,
+            warmup=warmup,
+            torch_num_threads=torch_num_threads,
+            allow_engine_control=allow_engine_control,
+            gpus=gpus,
         )
-        if private:
-            os.chmod(os.path.join(tmp, MARKER), file_mode(private=True))
-        old = None
-        if os.path.exists(out):  # the old repository moves aside first: a failure leaves one of the two
-            old = tempfile.mkdtemp(prefix=".dash-triton-old-", dir=parent)
-            os.replace(out, os.path.join(old, "repo"))
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if docs is not None:
+            models.append(
+                _write_document_model(
+                    tmp,
+                    name,
+                    docs,
+                    model,
+                    engine,
+                    device=device,
+                    instances=document_instances,
+                    torch_num_threads=torch_num_threads,
+                )
+            )
+        if plan_cfg is not None:
+            messages.append(_write_plan_model(tmp, out, plan_cfg, plan, libraries))
+            models.append(plan_cfg["name"])
+        _write(os.path.join(tmp, "README.md"), _readme(out, name, models, engine, model, plan_cfg))
+        _seal(tmp, out, private)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,6 +1,6 @@
 """``dash-trt ocr``: PDFs and images in, markdown out, one section per page.
 
-    dash-trt ocr report.pdf scans/*.png --server 127.0.0.1:8000 --out out/
+    dash-trt ocr report.pdf scans/*.png --server 127.0.0.1:8001 --out out/
     dash-trt ocr report.pdf --checkpoint MODEL_FOLDER --out out/      # offline, in this process
 
 Each input file is one document (one request): with ``--server`` it goes to the Triton document
@@ -74,8 +74,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     o.add_argument("files", nargs="+", help="PDF or image files; each is one document")
     where = o.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", metavar="URL", help="a Triton server's HTTP address (host:port)")
+    where.add_argument(
+        "--server",
+        metavar="URL",
+        help="a Triton server's gRPC address (host:port; dash-triton serve's is 127.0.0.1:8001), or its HTTP "
+        "address with --protocol http",
+    )
     where.add_argument("--checkpoint", metavar="FOLDER", help="run the model here, from its checkpoint folder")
+    o.add_argument(
+        "--protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="with --server: how to reach it (default %(default)s; dash-triton serve keys HTTP inference, so "
+        "over http pass --admin-key-file)",
+    )
+    o.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="with --server over http: the admin key dash-triton serve --admin-key-file wrote",
+    )
     o.add_argument(
         "--device", help="with --checkpoint: where the model runs (cpu, cuda, cuda:1; default: where it loads, the CPU)"
     )
@@ -170,7 +187,14 @@ def _options(a) -> tuple[dict[str, Any], dict[str, Any]]:
 def _remote(a, rules: dict[str, Any], crop: bool | None, sleep: Callable[[float], None] = time.sleep):
     from .triton.client import DashClient, DashClientError
 
-    client = DashClient(a.server, protocol="http", model=a.model, timeout=a.timeout, concurrency=a.concurrency)
+    key = None
+    if a.admin_key_file:
+        from .triton.server import read_admin_key
+
+        key = read_admin_key(a.admin_key_file)
+    client = DashClient(
+        a.server, protocol=a.protocol, model=a.model, timeout=a.timeout, concurrency=a.concurrency, admin_key=key
+    )
 
     def run(path: str) -> DocumentOutcome:
         outcome = DocumentOutcome(path)

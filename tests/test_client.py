@@ -101,7 +101,7 @@ def _run(*argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("how", [[], ["--protocol", "grpc"], ["--stream"]])
+@pytest.mark.parametrize("how", [["--protocol", "http"], [], ["--stream"]])  # [] is grpc, the default
 def test_dash_client_sends_token_ids_to_a_dual_chunk_attention_model(dca_server, how):
     rc, out, err = _run("--ids", "3,10,17", "--max-new-tokens", "3", *how)
     assert rc == 0, err

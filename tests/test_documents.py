@@ -499,7 +499,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
                 "ocr",
                 *(str(tmp_path / f) for f in files),
                 "--server",
-                srv.http_url,
+                srv.grpc_url,  # gRPC: the default protocol
                 "--out",
                 str(out),
                 "--max-new-tokens",

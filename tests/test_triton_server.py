@@ -141,12 +141,12 @@ def test_streaming_reports_progress_and_tokens(grpc, model):
 def test_client_command(server, model, prompts, want, admin_key_file, capsys):
     text = "Doc <PAGE><image*20><PAGE><image*9><PAGE><image*14>Read page 2."
     # this server's HTTP inference needs the admin key: refused without it, with a hint
-    assert C.main(["--url", server.http_url, "--prompt", text]) == 1
+    assert C.main(["--url", server.http_url, "--protocol", "http", "--prompt", text]) == 1
     assert "expecting header 'dash-admin-key' (the server wants its admin key" in capsys.readouterr().err
     url = server.http_url
 
     def main(argv):  # dash-client over HTTP, with the key
-        return C.main([*argv, "--admin-key-file", admin_key_file])
+        return C.main([*argv, "--protocol", "http", "--admin-key-file", admin_key_file])
 
     assert main(["--url", url, "--prompt", text, "--max-new-tokens", str(MAX_NEW[0])]) == 0
     out, err = capsys.readouterr()
@@ -502,6 +502,27 @@ def test_requests_that_crash_triton_are_refused_while_128_good_ones_run(server, 
     assert report.pool_free and report.ok and server.alive()
 
 
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["--http-address", "0.0.0.0", "--expose-triton-http"], "a non-loopback --http-address does not allow"),
+        (["--key-http-inference"], "--key-http-inference contradicts"),
+    ],
+)
+def test_serve_refuses_open_http_inference_where_it_would_be_exposed(tmp_path, model, extra, why):
+    """--open-http-inference (HTTP inference without the key) is refused with exit 2 on a
+    non-loopback address and beside the old opt-in, before any server starts."""
+    import io
+
+    from dash_trt.triton.cli import main as dash_triton
+
+    write_repository(tmp_path / "repo", model, engine=ENGINE, streaming=False, warmup=False)
+    err = io.StringIO()
+    argv = ["serve", str(tmp_path / "repo"), "--open-http-inference", *extra]
+    assert dash_triton(argv, stdout=io.StringIO(), stderr=err) == 2
+    assert why in err.getvalue()
+
+
 def test_serve_refuses_a_non_loopback_http_address_without_the_opt_in(tmp_path, model):
     """Triton's HTTP front end on a non-loopback address needs --expose-triton-http: refused with
     exit 2 before any server starts."""
@@ -519,9 +540,10 @@ def test_serve_refuses_a_non_loopback_http_address_without_the_opt_in(tmp_path, 
 
 
 def test_serve_keys_http_inference_and_gives_the_admin_key_to_its_owner_only(tmp_path, model):
-    """`serve --key-http-inference --admin-key-file PATH`: the key file is 0600 whatever the umask;
-    the crashing HTTP request is refused (403) and the server stays up; dash-client over HTTP and
-    dash-triton probe work with the key file; SIGTERM stops it with exit 0."""
+    """`serve --admin-key-file PATH` (HTTP inference keyed by default): the key file is 0600
+    whatever the umask; the crashing HTTP request is refused (403) and the server stays up;
+    dash-client over gRPC (its default) needs no key, over HTTP it works with the key file, as
+    dash-triton probe does; SIGTERM stops it with exit 0."""
     import io
     import signal
     import stat
@@ -532,7 +554,7 @@ def test_serve_keys_http_inference_and_gives_the_admin_key_to_its_owner_only(tmp
     key_file = tmp_path / "admin.key"
     old = os.umask(0o022)
     try:
-        serve, grpc_url = _serve(repo, "--key-http-inference", "--admin-key-file", str(key_file))
+        serve, grpc_url = _serve(repo, "--admin-key-file", str(key_file))
     finally:
         os.umask(old)
     try:
@@ -543,8 +565,12 @@ def test_serve_keys_http_inference_and_gives_the_admin_key_to_its_owner_only(tmp
         prompt = M.document_prompt([20, 9], "Keyed?", model.config)
         want_tokens = offline(model, [prompt], [4])[0]
         out = io.StringIO()
-        argv = ["--url", http_url, "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--json"]
+        ids = ["--ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--json"]
+        argv = ["--url", http_url, "--protocol", "http", *ids]
         assert C.main([*argv, "--admin-key-file", str(key_file)], stdout=out, stderr=io.StringIO()) == 0
+        assert json.loads(out.getvalue())["tokens"] == want_tokens
+        out = io.StringIO()
+        assert C.main(["--url", grpc_url, *ids], stdout=out, stderr=io.StringIO()) == 0  # gRPC: no key
         assert json.loads(out.getvalue())["tokens"] == want_tokens
         out = io.StringIO()
         probe = ["probe", "--url", grpc_url, "--admin-key-file", str(key_file)]

@@ -180,11 +180,14 @@ def _parser() -> argparse.ArgumentParser:
         "host); Triton's HTTP inference then needs the admin key too (docs/triton.md, What listens where)",
     )
     s.add_argument(
-        "--key-http-inference",
+        "--open-http-inference",
         action="store_true",
-        help="Triton's HTTP inference API answers only requests with the admin key (a crafted HTTP "
-        "inference request can crash this Triton version; gRPC, which clients use without a key, refuses it)",
+        help="let Triton's HTTP inference API answer requests without the admin key (by default it needs the "
+        "key: a crafted HTTP inference request can crash this Triton version, and gRPC, which dash-client and "
+        "dash-trt ocr use without a key, refuses it); any process on the machine can then crash the server",
     )
+    # HTTP inference is keyed by default now; the old opt-in stays accepted
+    s.add_argument("--key-http-inference", action="store_true", help=argparse.SUPPRESS)
     s.add_argument(
         "--admin-key-file",
         metavar="PATH",
@@ -383,6 +386,13 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
     )
 
     exposed = not is_loopback(a.http_address)
+    if a.open_http_inference and (exposed or a.key_http_inference):
+        print(
+            "dash-triton serve: error: --open-http-inference leaves Triton's HTTP inference unkeyed, which "
+            + ("a non-loopback --http-address does not allow" if exposed else "--key-http-inference contradicts"),
+            file=err,
+        )
+        return EXIT_BAD_INPUT
     if exposed and not a.expose_triton_http:
         print(
             f"dash-triton serve: error: --http-address {a.http_address} is not a loopback address: Triton's HTTP "
@@ -400,7 +410,7 @@ def serve_main(a, out: TextIO, err: TextIO) -> int:
             log_path=a.log,
             verbose=a.verbose,
             http_address=a.http_address,
-            key_http_inference=a.key_http_inference or exposed,
+            key_http_inference=not a.open_http_inference,
         )
     except (FileNotFoundError, RepositoryError) as exc:  # RepositoryError: a name unsafe for Triton's launch shell
         print(f"dash-triton serve: error: {exc}", file=err)

@@ -528,8 +528,13 @@ def _parser() -> argparse.ArgumentParser:
         "2 bad arguments (or tritonclient not installed), 3 server not reachable, " + EXIT_CODES_NOTE,
     )
     p.add_argument("--version", action="version", version=_version_line())
-    p.add_argument("--url", help="host:port (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="http")
+    p.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)")
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="grpc",
+        help="%(default)s (default; dash-triton serve keys Triton's HTTP inference: over http, pass --admin-key-file)",
+    )
     p.add_argument("--model", default=P.DEFAULT_NAME, help="generation model name (default %(default)s)")
     p.add_argument(
         "--stream",
@@ -561,8 +566,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-key-file",
         metavar="PATH",
-        help="send the admin key that dash-triton serve --admin-key-file wrote (needed over HTTP when the server "
-        "was started with --key-http-inference or --expose-triton-http)",
+        help="send the admin key that dash-triton serve --admin-key-file wrote (needed over HTTP unless the server "
+        "was started with --open-http-inference)",
     )
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument(

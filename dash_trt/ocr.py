@@ -16,7 +16,17 @@ documents one at a time (``--concurrency`` above 1 is ignored, with a note). A d
 fails is reported with its reason (which names the page) and the others go on. A progress bar
 counts documents.
 
-Exit codes: 0 every document transcribed, 1 some failed (each listed), 2 bad arguments.
+Every page has its own token budget, the same on both paths and on the server's other doors:
+``--max-page-tokens`` (default 20000, :data:`~dash_trt.documents.budget.DEFAULT_MAX_PAGE_TOKENS`),
+and the document as a whole ``(pages + 1) x (max-page-tokens + 1)`` unless ``--max-new-tokens``
+says, held to what the model admits. A page that ran out of its budget (finish reason
+``length``) is written but counted and named in the summary, and the exit status is 3.
+``--format jsonl`` prints one JSON record a page: the input file, page number, output file,
+markdown, finish reason (``stop``, ``length``, ``guard``), tokens and seconds.
+
+Exit codes: 0 every document transcribed, every page complete; 1 some failed (each listed);
+2 bad arguments; 3 every document written, but some page ran out of its token budget (each
+named).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from .documents.budget import DEFAULT_MAX_PAGE_TOKENS
 from .fileio import atomic_write
 
 __all__ = ["add_parser", "ocr_main", "DocumentOutcome"]
@@ -42,6 +53,12 @@ RETRYABLE = ("unavailable", "503", "connection")
 BACKOFF = (0.5, 30.0)
 #: Documents in flight at once through a server unless --concurrency says otherwise.
 DEFAULT_CONCURRENCY = 4
+#: The exit status of a run that wrote every document but cut a page at its token budget.
+EXIT_TRUNCATED = 3
+EXIT_CODES = (
+    "Exit codes: 0 every document transcribed, every page complete; 1 some failed (each listed); 2 bad "
+    "arguments; 3 every document written, but some page ran out of its token budget (each named)."
+)
 
 
 def _retryable(status: str | None, message: str) -> bool:
@@ -64,13 +81,18 @@ class DocumentOutcome:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def truncated(self) -> list[int]:
+        """The pages that ran out of their token budget (finish reason ``length``)."""
+        return [p["page"] for p in self.pages or [] if p.get("finish_reason") == "length"]
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     o = sub.add_parser(
         "ocr",
         help="PDFs and images to markdown, one section per page (through a server or in this process)",
         description=__doc__.split("\n\n")[0],
-        epilog="Exit codes: 0 every document transcribed, 1 some failed (each listed), 2 bad arguments.",
+        epilog=EXIT_CODES,
     )
     o.add_argument("files", nargs="+", help="PDF or image files; each is one document")
     where = o.add_mutually_exclusive_group(required=True)
@@ -110,8 +132,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default="auto",
         help="tiles of each page: auto (upstream's default: every page), on, off",
     )
-    o.add_argument("--max-new-tokens", type=int, help="tokens to generate a document (default: the server's)")
-    o.add_argument("--max-page-tokens", type=int, help="tokens a page may take before the next (default 20000)")
+    o.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="tokens to generate a document (default: (pages + 1) x (--max-page-tokens + 1), within what the "
+        "model admits)",
+    )
+    o.add_argument(
+        "--max-page-tokens",
+        type=int,
+        help=f"each page's token budget: a page reaching it moves on to the next (default {DEFAULT_MAX_PAGE_TOKENS})",
+    )
     o.add_argument("--max-page-image-tokens", type=int, help="refuse a page that takes more image tokens")
     o.add_argument("--no-page-guard", action="store_true", help="do not hold the answer to one section a page")
     o.add_argument("--no-repeat-ngram", type=int, help="n-gram size the answer may not repeat (default 35; 0 off)")
@@ -131,7 +162,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     o.add_argument("--timeout", type=float, default=3600.0, help="seconds a document may take (%(default)s)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    o.add_argument("--json", action="store_true", help="print one JSON line a document instead of the summary")
+    o.add_argument(
+        "--format",
+        choices=("text", "json", "jsonl"),
+        default="text",
+        help="what to print: text (a summary), json (one JSON line a document), jsonl (one JSON record a page)",
+    )
+    o.add_argument("--json", action="store_true", help="the same as --format json")
     return o
 
 
@@ -160,6 +197,10 @@ def _write_text(path: str, text: str) -> None:
     atomic_write(path, write)
 
 
+def page_file(out: str, stem: str, page: int) -> str:
+    return os.path.join(out, stem, f"page-{page:04d}.md")
+
+
 def write_outputs(out: str, stem: str, pages: list[dict[str, Any]]) -> None:
     """``OUT/STEM.md`` and ``OUT/STEM/page-NNNN.md``. A symbolic link at ``OUT/STEM`` is refused
     (the pages would be written wherever it points)."""
@@ -168,7 +209,7 @@ def write_outputs(out: str, stem: str, pages: list[dict[str, Any]]) -> None:
         raise OSError(f"{folder} is a symbolic link: not written through")
     os.makedirs(folder, exist_ok=True)
     for p in pages:
-        _write_text(os.path.join(folder, f"page-{p['page']:04d}.md"), p["text"].rstrip() + "\n")
+        _write_text(page_file(out, stem, p["page"]), p["text"].rstrip() + "\n")
     body = "\n\n".join(f"<!-- page {p['page']}: {p['source']} -->\n\n{p['text'].strip()}" for p in pages)
     _write_text(os.path.join(out, stem + ".md"), body + "\n")
 
@@ -251,8 +292,18 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
             with open(path, "rb") as fh:
                 source = (os.path.basename(path), fh.read())  # named as the server names it
             with lock:
-                result = ocr.transcribe([source], options, max_new_tokens=a.max_new_tokens or 2048, rules=rules)
-            outcome.pages = [{"page": p.page, "source": p.source, "text": p.text} for p in result.pages]
+                result = ocr.transcribe([source], options, max_new_tokens=a.max_new_tokens, rules=rules)
+            outcome.pages = [
+                {
+                    "page": p.page,
+                    "source": p.source,
+                    "text": p.text,
+                    "finish_reason": p.finish_reason,
+                    "tokens": len(p.tokens),
+                    "seconds": p.seconds,
+                }
+                for p in result.pages
+            ]
         except DocumentError as exc:
             outcome.error = str(exc)
         return outcome
@@ -319,15 +370,61 @@ def ocr_main(a, out: TextIO, err: TextIO, *, sleep: Callable[[float], None] = ti
             bar.close()
         close()
     outcomes = [o for _, o in sorted(outcomes, key=lambda x: x[0])]
+    report(outcomes, stems, a, out)
     failed = [o for o in outcomes if not o.ok]
-    if a.json:
-        for o in outcomes:
-            out.write(json.dumps({"file": o.path, "ok": o.ok, "pages": len(o.pages or []), "error": o.error}) + "\n")
-    else:
-        pages = sum(len(o.pages) for o in outcomes if o.ok)
-        print(
-            f"{len(outcomes) - len(failed)} of {len(outcomes)} documents, {pages} pages, written to {a.out}", file=out
-        )
-        for o in failed:
-            print(f"FAILED {o.path}: {o.error}", file=out)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    return EXIT_TRUNCATED if any(o.truncated for o in outcomes) else 0
+
+
+def _pages_text(pages: list[int]) -> str:
+    """``3``, ``2, 5`` or ``2-17`` (runs of consecutive pages joined)."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def report(outcomes: list[DocumentOutcome], stems: list[str], a, out: TextIO) -> None:
+    """What ``--format`` says: a summary (failed documents and pages cut at their budget named),
+    one JSON line a document, or one JSON record a page."""
+    fmt = "json" if a.json else a.format
+    if fmt == "json":
+        for o, stem in zip(outcomes, stems):
+            line = {"file": o.path, "ok": o.ok, "pages": len(o.pages or []), "error": o.error}
+            line.update(length_pages=o.truncated, output=os.path.join(a.out, stem + ".md") if o.ok else None)
+            out.write(json.dumps(line) + "\n")
+        return
+    if fmt == "jsonl":
+        for o, stem in zip(outcomes, stems):
+            if not o.ok:
+                out.write(json.dumps({"file": o.path, "page": None, "error": o.error}) + "\n")
+                continue
+            for p in o.pages:
+                record = {"file": o.path, "page": p["page"], "source": p["source"]}
+                record["output"] = page_file(a.out, stem, p["page"])
+                record["markdown"] = p["text"]
+                for key in ("finish_reason", "tokens", "seconds"):
+                    record[key] = p.get(key)
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return
+    failed = [o for o in outcomes if not o.ok]
+    pages = sum(len(o.pages) for o in outcomes if o.ok)
+    cut = sum(len(o.truncated) for o in outcomes if o.ok)
+    cut_text = f" ({cut} cut at their token budget)" if cut else ""
+    print(
+        f"{len(outcomes) - len(failed)} of {len(outcomes)} documents, {pages} pages{cut_text}, written to {a.out}",
+        file=out,
+    )
+    for o in outcomes:
+        if o.ok and o.truncated:
+            print(
+                f"TRUNCATED {o.path}: page(s) {_pages_text(o.truncated)} ran out of tokens (finish reason length; "
+                f"raise --max-page-tokens or --max-new-tokens)",
+                file=out,
+            )
+    for o in failed:
+        print(f"FAILED {o.path}: {o.error}", file=out)

@@ -434,6 +434,52 @@ def test_a_pdf_gives_one_section_a_page_offline(ocr):
         ocr.prepare([("one.png", png_bytes(page_image(300, 500)))], DocumentOptions(max_page_tokens=40))
 
 
+def test_every_page_has_its_own_budget_by_default_offline(ocr, monkeypatch):
+    """Issue D1: in process a document had 2048 tokens in all and the page guard 20000 a page, so
+    page 1 took them all and the other pages were empty. By default every page now has the one
+    page budget (set small here: random weights run every page to it) and the document the total
+    derived from it; a budget given per request takes its place the same way."""
+    from dash_trt.documents import budget as B
+
+    monkeypatch.setattr(B, "DEFAULT_MAX_PAGE_TOKENS", 5)
+    result = ocr.transcribe([("doc.pdf", three_pages())])
+    assert result.max_page_tokens == 5 and result.max_new_tokens == (3 + 1) * (5 + 1)
+    # 5 tokens before the first marker (page 1's), then 5 a page, each ended at its budget
+    assert [len(p.tokens) for p in result.pages] == [10, 5, 5]
+    assert result.generated_tokens == 24 and result.truncated == [1, 2, 3] and result.finish_reason == "length"
+    given = ocr.transcribe([("doc.pdf", three_pages())], rules={"max_page_tokens": 3})
+    assert given.max_new_tokens == 16 and [len(p.tokens) for p in given.pages] == [6, 3, 3]
+    # a total given by the request is used as it is: the pages it does not reach say length
+    short = ocr.transcribe([("doc.pdf", three_pages())], max_new_tokens=8, rules={"max_page_tokens": 3})
+    assert [len(p.tokens) for p in short.pages] == [6, 0, 0] and short.truncated == [1, 2, 3]
+
+
+def test_dash_trt_ocr_in_process_reports_pages_cut_at_their_budget(folder, tmp_path):
+    """--checkpoint with a tiny page budget: every page is written, each record of --format
+    jsonl says length with its tokens, the summary counts and names them, and the exit status
+    is 3 (written but truncated)."""
+    doc = tmp_path / "doc.pdf"
+    doc.write_bytes(three_pages())
+
+    def ocr_cli(*extra):
+        cmd = [sys.executable, "-m", "dash_trt.info", "ocr", str(doc), "--checkpoint", str(folder)]
+        cmd += ["--out", str(tmp_path / "out"), "--no-progress", "--max-page-tokens", "4", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    res = ocr_cli("--format", "jsonl")
+    assert res.returncode == 3, res.stdout + res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["page"] for r in records] == [1, 2, 3] and all(r["file"] == str(doc) for r in records)
+    assert [(r["finish_reason"], r["tokens"]) for r in records] == [("length", 8), ("length", 4), ("length", 4)]
+    for r in records:
+        assert isinstance(r["seconds"], float) and r["seconds"] >= 0 and r["source"].startswith("doc.pdf page ")
+        assert open(r["output"], encoding="utf-8").read() == r["markdown"].rstrip() + "\n"
+    res = ocr_cli()
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "1 of 1 documents, 3 pages (3 cut at their token budget)" in res.stdout
+    assert f"TRUNCATED {doc}: page(s) 1-3 ran out of tokens" in res.stdout
+
+
 def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_path):
     """The Done-when of the documents issue on CPU: a 3-page PDF through dash-trt ocr and the real
     Triton server gives 3 sections, equal to offline generation with the same processor; a page
@@ -485,10 +531,11 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
         assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, f
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        want = ocr.transcribe([("report.pdf", files["report.pdf"])], max_new_tokens=24, rules={"max_page_tokens": 6})
+    try:  # no total given: both ways derive it from the page budget, (3 + 1) x (6 + 1)
+        want = ocr.transcribe([("report.pdf", files["report.pdf"])], rules={"max_page_tokens": 6})
     finally:
         torch.set_num_threads(threads)
+    assert want.max_new_tokens == 28 and [len(p.tokens) for p in want.pages] == [12, 6, 6]
     out = tmp_path / "out"
     with running_triton(repo, tmp_path / "tritonserver.log") as srv:
         res = subprocess.run(
@@ -502,8 +549,6 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
                 srv.grpc_url,  # gRPC: the default protocol
                 "--out",
                 str(out),
-                "--max-new-tokens",
-                "24",
                 "--max-page-tokens",
                 "6",
                 "--max-page-image-tokens",
@@ -513,6 +558,14 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
                 "--no-progress",
                 "--json",
             ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        jsonl = subprocess.run(
+            [sys.executable, "-m", "dash_trt.info", "ocr", str(tmp_path / "report.pdf"), "--server", srv.http_url]
+            + ["--out", str(tmp_path / "out-jsonl"), "--max-page-tokens", "6", "--no-progress", "--format", "jsonl"],
             capture_output=True,
             text=True,
             timeout=600,
@@ -532,6 +585,15 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
     combined = (out / "report.md").read_text()
     assert combined.count("<!-- page ") == 3 and "<!-- page 2: report.pdf page 2 -->" in combined
     assert not (out / "corrupt.md").exists()
+    assert lines["report.pdf"]["length_pages"] == [1, 2, 3]  # every page ran to its budget of 6
+    # one record a page, the server's finish reasons and token counts, the same as offline
+    records = [json.loads(x) for x in jsonl.stdout.splitlines()]
+    assert jsonl.returncode == 3, jsonl.stdout + jsonl.stderr  # written, but pages cut at their budget
+    assert [r["markdown"].rstrip() + "\n" for r in records] == got
+    assert [(r["page"], r["finish_reason"], r["tokens"]) for r in records] == [
+        (p.page, p.finish_reason, len(p.tokens)) for p in want.pages
+    ]
+    assert all(isinstance(r["seconds"], float) for r in records)
 
 
 def test_the_vision_tower_exports_and_compares(folder, tmp_path):

@@ -271,3 +271,46 @@ def test_a_bad_content_part_names_its_field(part, param, fragment):
         err = r.json()["error"]
         assert err["param"] == param and fragment in err["message"], err
         assert "valid string" not in err["message"], err
+
+
+# ----------------------------------------------------------------------------- one page budget
+class Budgets(Fake):
+    """Records the budgets a document was sent with; answers two pages, the second cut."""
+
+    async def document(self, files, instruction, max_tokens, crop, rules):
+        self.calls.append(("document", max_tokens, rules))
+        pages = [
+            {"page": 1, "source": "a", "text": "x", "finish_reason": "stop", "tokens": 1, "seconds": 0.1},
+            {"page": 2, "source": "b", "text": "y", "finish_reason": "length", "tokens": 4, "seconds": 0.2},
+        ]
+        return {"pages": pages, "prompt_tokens": 1, "generated_tokens": 5, "finish_reason": "length"}
+
+
+def test_chat_and_ocr_leave_a_document_s_budget_to_the_page_budget():
+    """Issue D1: a chat document got the text chat's 2048 tokens in all. Chat and /v1/ocr now
+    send no total unless the request gives one (the document model derives it from the page
+    budget), pass max_page_tokens as the page budget, and say length when a page was cut; /v1/ocr
+    gives each page's finish_reason, tokens and seconds."""
+    c, fake = client(FrontDoorSettings(), Budgets())
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"x").decode()}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "read"}, image]}]}
+    with c:
+        r = c.post(CHAT, json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        r = c.post(CHAT, json={**body, "max_tokens": 50, "max_page_tokens": 7})
+        assert r.status_code == 200, r.text
+        assert fake.calls == [("document", None, None), ("document", 50, {"max_page_tokens": 7})]
+        r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_page_tokens": 7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_page_tokens"
+        files = {"file": ("a.png", b"x", "image/png")}
+        r = c.post("/v1/ocr", files=files, data={"max_page_tokens": "9"})
+        assert r.status_code == 200, r.text
+        assert fake.calls[-1] == ("document", None, {"max_page_tokens": 9})
+        out = r.json()
+        assert out["finish_reason"] == "length"
+        assert [(p["finish_reason"], p["tokens"], p["seconds"]) for p in out["pages"]] == [
+            ("stop", 1, 0.1),
+            ("length", 4, 0.2),
+        ]
+        r = c.post("/v1/ocr", files=files, data={"max_page_tokens": "0"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_page_tokens"

@@ -106,7 +106,8 @@ class _InTurn:
     def transcribe(self, sources, options, **kw):
         from types import SimpleNamespace
 
-        return SimpleNamespace(pages=[SimpleNamespace(page=1, source=sources[0][0], text="x")])
+        page = SimpleNamespace(page=1, source=sources[0][0], text="x", tokens=[5], finish_reason="stop", seconds=0.0)
+        return SimpleNamespace(pages=[page])
 
 
 @pytest.mark.parametrize("given", [None, "1", "8"])
@@ -140,3 +141,83 @@ def test_a_dca_folder_as_a_checkpoint_is_called_a_token_id_model(tmp_path):
     (line,) = err.strip().splitlines()
     assert rc == 2 and line.startswith("dash-trt ocr: error: ")
     assert "Dual Chunk Attention text model" in line and "token ids" in line and "sparse_*" not in line
+
+
+def test_jsonl_gives_a_record_a_page_and_a_page_cut_at_its_budget_exits_3(doc, tmp_path, monkeypatch):
+    """Issue D1: a page that ran out of its token budget was reported as written and complete,
+    exit 0. Its record says length, the summary counts and names it, and the exit status is 3."""
+
+    def ocr(self, data, name, **kw):
+        pages = [
+            {
+                "page": 1,
+                "source": f"{name} page 1",
+                "text": "one",
+                "finish_reason": "stop",
+                "tokens": 2,
+                "seconds": 0.5,
+            },
+            {
+                "page": 2,
+                "source": f"{name} page 2",
+                "text": "tw",
+                "finish_reason": "length",
+                "tokens": 6,
+                "seconds": 1.5,
+            },
+        ]
+        return {"pages": pages, "finish_reason": "length"}
+
+    monkeypatch.setattr(C.DashClient, "ocr", ocr)
+    out_dir = tmp_path / "o"
+    rc, out, err = _ocr(
+        str(doc), "--server", "127.0.0.1:9", "--out", str(out_dir), "--no-progress", "--format", "jsonl"
+    )
+    assert rc == O.EXIT_TRUNCATED == 3, out + err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["page"] for r in records] == [1, 2]
+    for r in records:
+        assert set(r) >= {"file", "page", "source", "output", "markdown", "finish_reason", "tokens", "seconds"}
+        assert r["file"] == str(doc) and open(r["output"], encoding="utf-8").read() == r["markdown"] + "\n"
+    assert [(r["finish_reason"], r["tokens"], r["seconds"]) for r in records] == [("stop", 2, 0.5), ("length", 6, 1.5)]
+    rc, out, err = _ocr(str(doc), "--server", "127.0.0.1:9", "--out", str(out_dir), "--no-progress")
+    assert rc == 3
+    assert "1 of 1 documents, 2 pages (1 cut at their token budget), written to" in out
+    assert f"TRUNCATED {doc}: page(s) 2 ran out of tokens" in out
+    rc, out, err = _ocr(str(doc), "--server", "127.0.0.1:9", "--out", str(out_dir), "--no-progress", "--json")
+    (line,) = map(json.loads, out.splitlines())
+    assert rc == 3 and line["ok"] and line["pages"] == 2 and line["length_pages"] == [2]
+    assert line["output"] == str(out_dir / "scan.md")
+
+
+def test_every_page_complete_exits_0_and_the_page_ranges_are_named():
+    assert O._pages_text([2, 3, 4, 7, 9, 10]) == "2-4, 7, 9-10"
+    outcome = O.DocumentOutcome("a.pdf", pages=[{"page": 1, "finish_reason": "stop"}, {"page": 2}])
+    assert outcome.truncated == []
+
+
+def test_the_budget_of_a_document_and_how_each_page_ended():
+    """(pages + 1) x (page budget + 1): every page's budget and marker, as much again before the
+    first marker, the end; held to the room the model leaves. Page ends by hand (P: <PAGE>, E: EOS)."""
+    from dash_trt.documents import budget as B
+
+    assert B.DEFAULT_MAX_PAGE_TOKENS == 20000
+    assert B.document_max_new_tokens(3) == 4 * 20001 and B.document_max_new_tokens(3, 6) == 28
+    assert B.document_max_new_tokens(17, 6, room=100) == 100 and B.document_max_new_tokens(2, 0) == 3 * 20001
+    P, E = 100, 101
+
+    def reasons(tokens, pages, cap=4, guard=True):
+        return B.finish_reasons(tokens, P, E, pages, cap, guard)
+
+    assert reasons([P, 1, 2, P, 3, E], 2) == ["stop", "stop"]
+    assert reasons([P, 1, 2, 3, 4, P, 5, E], 2) == ["length", "stop"]  # page 1 reached its 4
+    assert reasons([1, 2, 3, 4, P, 5, P, 6, E], 2) == ["length", "stop"]  # 4 before the first marker
+    assert reasons([P, 1, P, 2, 3], 3) == ["stop", "length", "length"]  # the total ran out in page 2
+    assert reasons([P, 1, P, 2, P, E], 2) == ["stop", "guard"]  # a marker too many, ended by the guard
+    assert reasons([P, 1, 2, 3, 4, 5, E], 1, guard=False) == ["stop"]  # no guard: no page cap
+    assert reasons([P, 1, E], 3, guard=False) == ["stop", "stop", "stop"]  # the model ended it
+    assert B.document_finish_reason(["stop", "guard"]) == "stop"
+    assert B.document_finish_reason(["stop", "length"]) == "length"
+    entries = B.page_entries([P, 1, 2, P, 3, E], ["a", "b"], lambda s: "".join(map(str, s)), P, E, seconds=5.0)
+    assert [(e["text"], e["tokens"], e["finish_reason"]) for e in entries] == [("12", 2, "stop"), ("3", 1, "stop")]
+    assert [e["seconds"] for e in entries] == [3.0, 2.0]  # shared by tokens, each counted one more

@@ -2,7 +2,10 @@
 jinja2, :func:`dash_trt.chat_template.render_chat`); content parts ``text``, ``image_url`` and
 ``file`` / ``input_file`` (a PDF): a last user message with images or files is a document,
 answered by the repository's document model (one section a page, each under a
-``<!-- page N: ... -->`` comment), its text the instruction."""
+``<!-- page N: ... -->`` comment), its text the instruction. A document's budget is the
+document model's (every page its own ``max_page_tokens``), not the text chat's 2048, unless
+``max_tokens`` / ``max_completion_tokens`` says; its finish reason is ``length`` when a page
+ran out of its budget."""
 
 from __future__ import annotations
 
@@ -99,11 +102,15 @@ class ChatCompletions(Endpoint):
         for i, m in enumerate(req.messages):
             self.check_text(m.text(), f"messages[{i}].content")
         if any(m.attachments() for m in req.messages):
-            text, reason, use = await self.document(request, req, max_tokens)
+            # a document's default budget is the document model's: every page its own
+            text, reason, use = await self.document(request, req, req.max_completion_tokens or req.max_tokens)
             self.metrics.seconds.labels(ROUTE).observe(time.perf_counter() - t0)
             if not req.stream:
                 return reply.answer(text, reason, use)
             return event_stream(reply.events(text, reason, use if req.include_usage else None))
+        if req.max_page_tokens is not None:
+            message = "max_page_tokens is for a document: a message with images or files"
+            raise APIError(message, param="max_page_tokens")
 
         ids = await self.prompt(req)
         args = (max_tokens, not req.ignore_eos, req.stop_token_ids, req.sampling())
@@ -143,7 +150,9 @@ class ChatCompletions(Endpoint):
         return ids
 
     # ----------------------------------------------------------------- documents
-    async def document(self, request: Request, req: ChatCompletionRequest, max_tokens: int) -> tuple[str, str, dict]:
+    async def document(
+        self, request: Request, req: ChatCompletionRequest, max_tokens: int | None
+    ) -> tuple[str, str, dict]:
         """A conversation whose last user message holds images or files: a document. Returns
         the text (one section a page), the finish reason and the usage."""
         self._check_document(req)
@@ -152,7 +161,8 @@ class ChatCompletions(Endpoint):
         system = "\n".join(m.text() for m in req.messages[:-1] if m.role in ("system", "developer") and m.text())
         instruction = "\n".join(x for x in (system, last.text()) if x) or None
         crop = {"auto": None, "on": True, "off": False, None: None}[req.crop]
-        result = await self.infer(request, self.backend.document(files, instruction, max_tokens, crop, None))
+        rules = None if req.max_page_tokens is None else {"max_page_tokens": req.max_page_tokens}
+        result = await self.infer(request, self.backend.document(files, instruction, max_tokens, crop, rules))
         pages = result["pages"]
         text = "\n\n".join(
             f"<!-- page {p['page']}: {p['source']} -->\n\n{p['text'].strip()}" if len(pages) > 1 else p["text"]

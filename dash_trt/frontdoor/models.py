@@ -267,6 +267,8 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     #: the document options of dash-trt ocr, for messages with images or files
     crop: Literal["auto", "on", "off"] | None = None
+    #: each page's token budget (default: dash_trt.documents.budget.DEFAULT_MAX_PAGE_TOKENS)
+    max_page_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
 
     @field_validator("response_format")
     @classmethod

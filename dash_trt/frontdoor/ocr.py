@@ -1,6 +1,10 @@
 """``POST /v1/ocr``: uploaded PDFs and images (``multipart/form-data``, field ``file``, one or
 more) as one document, with the optional fields ``prompt``, ``crop`` (auto, on, off),
-``max_tokens`` and ``model``: one section per page (JSON)."""
+``max_page_tokens`` (each page's token budget; default
+:data:`~dash_trt.documents.budget.DEFAULT_MAX_PAGE_TOKENS`), ``max_tokens`` (the document's;
+default derived from the page budget) and ``model``: one section per page (JSON), each with its
+``finish_reason`` (``stop``, ``length``: it ran out of its budget, ``guard``), ``tokens`` and
+``seconds``, and the document's ``finish_reason`` (``length`` when a page did)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ __all__ = ["OCR"]
 
 ROUTE = "/v1/ocr"
 #: The form fields ``/v1/ocr`` takes.
-FIELDS = frozenset({"file", "prompt", "crop", "max_tokens", "model"})
+FIELDS = frozenset({"file", "prompt", "crop", "max_tokens", "max_page_tokens", "model"})
 _CROP = {"auto": None, "on": True, "off": False}
 
 
@@ -40,14 +44,12 @@ class OCR(Endpoint):
         crop_text = form.get("crop", "auto")
         if crop_text not in ("auto", "on", "off"):
             raise APIError("crop must be auto, on or off", param="crop")
-        max_tokens = form.get("max_tokens")
-        if max_tokens is not None and (not str(max_tokens).isdigit() or not 1 <= int(max_tokens) <= 1 << 20):
-            raise APIError("max_tokens must be an integer in 1..1048576", param="max_tokens")
-        limit = int(max_tokens) if max_tokens else None
+        limit, per_page = _count(form, "max_tokens"), _count(form, "max_page_tokens")
+        rules = None if per_page is None else {"max_page_tokens": per_page}
         if isinstance(form.get("prompt"), str):
             self.check_text(form.get("prompt"), "prompt")
         result = await self.infer(
-            request, self.backend.document(files, form.get("prompt") or None, limit, _CROP[crop_text], None)
+            request, self.backend.document(files, form.get("prompt") or None, limit, _CROP[crop_text], rules)
         )
         pages = result["pages"]
         self.metrics.pages.inc(len(pages))
@@ -57,6 +59,7 @@ class OCR(Endpoint):
             "object": "ocr.result",
             "model": self.settings.model,
             "pages": pages,
+            "finish_reason": result.get("finish_reason", "stop"),
             "usage": usage(
                 result["prompt_tokens"],
                 result["generated_tokens"],
@@ -64,6 +67,16 @@ class OCR(Endpoint):
                 pages=len(pages),
             ),
         }
+
+
+def _count(form, name: str) -> int | None:
+    """A token-count field: None when absent, else an integer in 1..2**20."""
+    value = form.get(name)
+    if value is None:
+        return None
+    if not str(value).isdigit() or not 1 <= int(value) <= 1 << 20:
+        raise APIError(f"{name} must be an integer in 1..1048576", param=name)
+    return int(value)
 
 
 async def _files(form) -> list[tuple[str, bytes]]:

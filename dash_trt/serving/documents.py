@@ -11,6 +11,7 @@ no-repeat n-grams), and :func:`~dash_trt.documents.processor.split_pages`.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..documents.budget import document_finish_reason, document_max_new_tokens, page_entries
 from ..documents.pages import DocumentError
 from ..documents.processor import DocumentOptions, DocumentProcessor, PreparedDocument, split_pages
 from ..documents.tokenizer import load_tokenizer
@@ -35,6 +37,9 @@ class PageText:
     source: str  #: ``file.pdf page 3``
     text: str
     tokens: list[int] = field(default_factory=list)
+    #: ``stop``, ``length`` (ran out of its budget) or ``guard`` (:mod:`dash_trt.documents.budget`)
+    finish_reason: str = "stop"
+    seconds: float = 0.0  #: the document's seconds shared out by the pages' tokens
 
 
 @dataclass
@@ -42,6 +47,18 @@ class OCRResult:
     pages: list[PageText]
     prompt_tokens: int
     generated_tokens: int
+    max_new_tokens: int = 0  #: the document's budget (the request's, or derived from the page budget)
+    max_page_tokens: int = 0  #: each page's budget (the page guard's cap)
+
+    @property
+    def finish_reason(self) -> str:
+        """``length`` when a page ran out of its budget, else ``stop``."""
+        return document_finish_reason([p.finish_reason for p in self.pages])
+
+    @property
+    def truncated(self) -> list[int]:
+        """The pages (1-based) that ran out of their budget."""
+        return [p.page for p in self.pages if p.finish_reason == "length"]
 
     def markdown(self) -> str:
         """The pages as one markdown document, each under a ``<!-- page N: source -->`` comment."""
@@ -145,31 +162,59 @@ class DocumentOCR:
         sources: Sequence,
         options: DocumentOptions | None = None,
         *,
-        max_new_tokens: int = 2048,
+        max_new_tokens: int | None = None,
         rules: DecodingRules | dict[str, Any] | None = None,
     ) -> OCRResult:
         """One text section per page of ``sources`` (paths, bytes or ``(name, bytes)``). ``rules``:
-        the decoding rules, or a dict of overrides of upstream's (:meth:`rules_for`)."""
+        the decoding rules, or a dict of overrides of upstream's (:meth:`rules_for`; its
+        ``max_page_tokens`` is each page's budget). ``max_new_tokens``: the document's budget;
+        None: derived from the page budget
+        (:func:`~dash_trt.documents.budget.document_max_new_tokens`), at most what the model's
+        ``max_position_embeddings`` leaves after the prompt, as the document model does."""
+        t0 = time.perf_counter()
         if isinstance(sources, (str, os.PathLike, bytes)):
             sources = [sources]
         doc = self.prepare(sources, options)
         feats = page_features(self.tower, doc, self.cache)
         if not isinstance(rules, DecodingRules):
             rules = self.rules_for(len(doc.pages), **(rules or {}))
+        if max_new_tokens is None:
+            context = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+            room = context - len(doc.prompt_ids) + 1 if context > 0 else None
+            max_new_tokens = document_max_new_tokens(len(doc.pages), rules.max_page_tokens, room)
         out = generate(
             self.model, [doc.prompt_ids], max_new_tokens, image_features=[feats], rules=rules, keep_logits=False
         )
-        return self.result(doc, out.tokens[0])
+        return self.result(doc, out.tokens[0], rules, max_new_tokens, time.perf_counter() - t0)
 
-    def result(self, doc: PreparedDocument, tokens: Sequence[int]) -> OCRResult:
-        """An answer's tokens as one :class:`PageText` per page."""
+    def result(
+        self,
+        doc: PreparedDocument,
+        tokens: Sequence[int],
+        rules: DecodingRules | None = None,
+        max_new_tokens: int = 0,
+        seconds: float = 0.0,
+    ) -> OCRResult:
+        """An answer's tokens as one :class:`PageText` per page, each with how it ended under
+        ``rules`` (upstream's for the document when None)."""
         cfg = self.config
+        rules = rules if rules is not None else self.rules_for(len(doc.pages))
         sections = split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
+        entries = page_entries(
+            tokens,
+            [p.source for p in doc.pages],
+            lambda sec: self.tokenizer.decode(sec, skip_special_tokens=True),
+            cfg.page_token_id,
+            cfg.eos_token_id,
+            max_page_tokens=rules.max_page_tokens,
+            page_guard=rules.page_guard,
+            seconds=seconds,
+        )
         pages = [
-            PageText(i + 1, page.source, self.tokenizer.decode(sec, skip_special_tokens=True), sec)
-            for i, (page, sec) in enumerate(zip(doc.pages, sections))
+            PageText(e["page"], e["source"], e["text"], sec, e["finish_reason"], e["seconds"])
+            for e, sec in zip(entries, sections)
         ]
-        return OCRResult(pages, len(doc.prompt_ids), len(tokens))
+        return OCRResult(pages, len(doc.prompt_ids), len(tokens), max_new_tokens, rules.max_page_tokens)
 
 
 def check_document(sources: Sequence) -> None:

@@ -15,7 +15,8 @@ chosen (greedy or sampled), given the tokens the sequence has generated so far:
   complete an n-gram already generated within the last ``window`` tokens is masked, so a
   sequence cannot loop over the same ``n`` tokens; ``whitelist`` tokens are never masked.
 
-Defaults for a document (:func:`document_rules`): the guard on with 20000 tokens a page, n-grams
+Defaults for a document (:func:`document_rules`): the guard on with
+:data:`~dash_trt.documents.budget.DEFAULT_MAX_PAGE_TOKENS` (20000, vLLM's) tokens a page, n-grams
 of 35 within 128 tokens for one page and 1024 for several (upstream's recipe).
 """
 
@@ -27,6 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..documents import budget as _budget
+from ..documents.budget import DEFAULT_MAX_PAGE_TOKENS
+
 __all__ = [
     "RulesError",
     "DecodingRules",
@@ -35,9 +39,6 @@ __all__ = [
     "document_rules",
     "DEFAULT_MAX_PAGE_TOKENS",
 ]
-
-#: Upstream's per-page cap (vLLM's ``DEFAULT_MAX_PAGE_TOKENS``).
-DEFAULT_MAX_PAGE_TOKENS = 20000
 
 
 class RulesError(ValueError):
@@ -159,7 +160,7 @@ def document_rules(pages: int, **overrides) -> DecodingRules:
     """Upstream's defaults for a document of ``pages`` pages (module docstring), then ``overrides``."""
     base = {
         "page_guard": True,
-        "max_page_tokens": DEFAULT_MAX_PAGE_TOKENS,
+        "max_page_tokens": _budget.DEFAULT_MAX_PAGE_TOKENS,  # read when called: the one owner's value
         "no_repeat_ngram": 35,
         "no_repeat_window": 128 if pages <= 1 else 1024,
     }

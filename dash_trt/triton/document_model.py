@@ -10,15 +10,23 @@ rendered with pypdfium2 or image files decoded, views, the prompt) and the visio
 (image features of a page already seen come from an LRU keyed by the page's pixels); the prompt
 and features go to the generation model through a BLS request with upstream's decoding rules
 (the page-count guard, no-repeat n-grams; a request may override them); the answer is split into
-one section per page and decoded. Errors: a document that cannot be read, a page over the
-budget, bad options are ``INVALID_ARG`` naming the page and the arithmetic; the generation model's
-errors are passed on with their code. Requests in one call are independent: one failing does
-not fail the others. Several CPU instances (``instance_group``) serve documents in parallel, and
-the generation model batches their prompts.
+one section per page and decoded, each page with how it ended (``finish_reason`` ``stop``,
+``length`` or ``guard``), its token count and its share of the seconds. A request without
+``max_new_tokens`` gets the document's budget derived from the page budget
+(:func:`~dash_trt.documents.budget.document_max_new_tokens`: every page its own
+``max_page_tokens``, 20000 unless the request says), held to what the generation model admits
+(its longest request after the prompt, its ``max_new_tokens_limit``). Errors: a document that
+cannot be read, a page over the budget, bad options are ``INVALID_ARG`` naming the page and the
+arithmetic; the generation model's errors are passed on with their code. Requests in one call
+are independent: one failing does not fail the others. Several CPU instances
+(``instance_group``) serve documents in parallel, and the generation model batches their
+prompts.
 """
 
 import json
 import os
+import re
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -29,6 +37,7 @@ class TritonPythonModel:
         import torch
 
         from dash_trt import triton_protocol as P
+        from dash_trt.documents import budget
         from dash_trt.documents.pages import DocumentError
         from dash_trt.documents.processor import DocumentOptions, DocumentProcessor, split_pages
         from dash_trt.documents.tokenizer import load_tokenizer
@@ -41,6 +50,7 @@ class TritonPythonModel:
         self.DocumentError, self.DocumentOptions, self.split_pages = DocumentError, DocumentOptions, split_pages
         self.DecodingRules, self.RulesError, self.document_rules = DecodingRules, RulesError, document_rules
         self.page_features = page_features
+        self.budget = budget
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
@@ -53,6 +63,9 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
         folder = os.path.join(args["model_repository"], args["model_version"])
+        self.max_new_tokens_limit = _generation_limit(
+            os.path.dirname(os.path.abspath(args["model_repository"])), self.generation_model
+        )
         self.model_config = load_model_config(os.path.join(folder, P.DOCUMENT_CONFIG))
         self.tokenizer = load_tokenizer(folder)
         self.processor = DocumentProcessor.for_config(self.tokenizer, self.model_config)
@@ -84,6 +97,7 @@ class TritonPythonModel:
 
     def _one(self, request):
         P = self.P
+        t0 = time.perf_counter()
         data = self._bytes(request, P.DOCUMENT)
         if not data:
             name = (self._bytes(request, P.DOCUMENT_NAME) or b"").decode("utf-8", "replace").split("\n")[0][:200]
@@ -133,18 +147,31 @@ class TritonPythonModel:
             rules = self.document_rules(len(doc.pages), **overrides)
         except self.RulesError as exc:
             raise _Refused(str(exc)) from None
+        if max_new is None:  # every page its own budget, within what the generation model admits
+            room = self.max_new_tokens_limit
+            if self.max_prompt_tokens:
+                room = min(room, self.max_prompt_tokens - len(doc.prompt_ids) + 1)
+            max_new = self.budget.document_max_new_tokens(len(doc.pages), rules.max_page_tokens, room)
         tokens = self._generate(doc.prompt_ids, feats, max_new, rules)
         cfg = self.model_config
-        sections = self.split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
+        pages = self.budget.page_entries(
+            tokens,
+            [p.source for p in doc.pages],
+            lambda sec: self.tokenizer.decode(sec, skip_special_tokens=True),
+            cfg.page_token_id,
+            cfg.eos_token_id,
+            max_page_tokens=rules.max_page_tokens,
+            page_guard=rules.page_guard,
+            seconds=time.perf_counter() - t0,
+        )
         result = {
-            "pages": [
-                {"page": i + 1, "source": p.source, "text": self.tokenizer.decode(sec, skip_special_tokens=True)}
-                for i, (p, sec) in enumerate(zip(doc.pages, sections))
-            ],
+            "pages": pages,
             "prompt_tokens": len(doc.prompt_ids),
             "image_tokens": sum(doc.page_tokens),
             "generated_tokens": len(tokens),
-            "finish_reason": "stop" if tokens and tokens[-1] == cfg.eos_token_id else "length",
+            "finish_reason": self.budget.document_finish_reason([p["finish_reason"] for p in pages]),
+            "max_new_tokens": max_new,
+            "max_page_tokens": rules.max_page_tokens,
             "image_feature_cache": {"hits": self.cache.hits, "misses": self.cache.misses},
         }
         blob = bytearray(json.dumps(result, ensure_ascii=False).encode("utf-8"))
@@ -159,8 +186,7 @@ class TritonPythonModel:
             pb_utils.Tensor.from_dlpack(P.INPUT_IDS, torch.tensor(ids, dtype=torch.int64)),
             pb_utils.Tensor.from_dlpack(P.IMAGE_FEATURES, feats.float().contiguous()),
         ]
-        if max_new is not None:
-            inputs.append(pb_utils.Tensor.from_dlpack(P.MAX_NEW_TOKENS, torch.tensor([max_new], dtype=torch.int32)))
+        inputs.append(pb_utils.Tensor.from_dlpack(P.MAX_NEW_TOKENS, torch.tensor([max_new], dtype=torch.int32)))
         for field, (iname, dtype) in P.RULE_INPUTS.items():
             value = getattr(rules, field)
             t = torch.tensor([value], dtype=torch.bool if dtype == "TYPE_BOOL" else torch.int32)
@@ -197,6 +223,23 @@ class TritonPythonModel:
 
     def _error(self, message, code):
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
+
+def _generation_limit(repository, name):
+    """The generation model's ``max_new_tokens_limit``: from the engine configuration in its
+    config.pbtxt beside this model (what ``dash-triton write`` writes), else the engine's default."""
+    from dash_trt import triton_protocol as P
+    from dash_trt.serving.engine import EngineConfig
+
+    try:
+        with open(os.path.join(repository, name, "config.pbtxt"), encoding="utf-8") as fh:
+            text = fh.read()
+        pattern = r'key:\s*"' + P.PARAM_ENGINE + r'"\s*value\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"'
+        found = re.search(pattern, text)
+        engine = json.loads(re.sub(r"\\(.)", r"\1", found.group(1))) if found else {}
+        return int(engine.get("max_new_tokens_limit") or EngineConfig.max_new_tokens_limit)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return EngineConfig.max_new_tokens_limit
 
 
 class _Refused(Exception):

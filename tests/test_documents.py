@@ -564,7 +564,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
             cwd=ROOT,
         )
         jsonl = subprocess.run(
-            [sys.executable, "-m", "dash_trt.info", "ocr", str(tmp_path / "report.pdf"), "--server", srv.http_url]
+            [sys.executable, "-m", "dash_trt.info", "ocr", str(tmp_path / "report.pdf"), "--server", srv.grpc_url]
             + ["--out", str(tmp_path / "out-jsonl"), "--max-page-tokens", "6", "--no-progress", "--format", "jsonl"],
             capture_output=True,
             text=True,

@@ -56,6 +56,14 @@ DATA_ERRORS = {
 }
 
 
+#: Why the kernels refuse an fp8 cache (no ``DASH_ERR_UNSUPPORTED``: no silent fallback either).
+FP8_UNSUPPORTED = (
+    "the DASH CUDA kernels do not support an fp8 KV cache (kv_cache_dtype='fp8_e4m3') yet: they would "
+    "read its e4m3 bytes as the model dtype. Use a cache in the model dtype, or the PyTorch paged "
+    "operator (dash_trt.attention.dash.paged.paged_dash_attention), which defines the fp8 semantics"
+)
+
+
 class DashKernelsNotFound(RuntimeError):
     """The compiled kernel library is not available."""
 
@@ -474,6 +482,8 @@ def paged_dash_attention_cuda(
     q, k, v, iq, ik, coords, head_cls = call.token_tensors()
     cache, cfg, layer_idx = call.cache, call.cfg, call.layer_idx
     block_tables, seq_lens, query_start_loc, prompt_lens = call.batch.tensors()
+    if cache.quantized:  # before anything else: the kernels would read fp8 bytes as q's dtype
+        raise DashKernelError(FP8_UNSUPPORTED)
     lib = _library()
     if validate:
         call.check()
@@ -612,10 +622,18 @@ def _warn_fallback(exc: Exception) -> None:
 
 
 def supports(
-    head_dim: int, index_dim: int, kv_block_size: int, sparse_block_size: int, dtype: torch.dtype
+    head_dim: int,
+    index_dim: int,
+    kv_block_size: int,
+    sparse_block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> str | None:
     """None if the kernels run these sizes (so the in-place op never falls back to the PyTorch
-    operator, and a step can be captured in a CUDA graph), else the reason."""
+    operator, and a step can be captured in a CUDA graph), else the reason. ``kv_cache_dtype``:
+    the cache's storage (``DashKVCache.kv_cache_dtype``); the kernels read only ``"auto"``."""
+    if kv_cache_dtype != "auto":
+        return FP8_UNSUPPORTED
     if not available():
         return "the kernel library or a CUDA device is not available"
     if head_dim not in supported_head_dims():

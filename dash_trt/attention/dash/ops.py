@@ -37,6 +37,12 @@ same table the ONNX node and the TensorRT plugin creator use.
 Implementations: a fake (meta) one for tracing (``torch.export``, ``torch.compile``,
 the ONNX exporter), and one for CPU and CUDA tensors that clones the caches and runs the
 paged PyTorch operator. CUDA kernels plug in through :func:`register_cuda_impl`.
+
+fp8 caches (``kv_cache_dtype="fp8_e4m3"``, :mod:`dash_trt.attention.dash.kv_quant`): the ops'
+schema has no ``k_scale``/``v_scale`` inputs (nor has the ONNX node or the TensorRT plugin), so
+neither op takes an fp8 cache: both refuse it (:data:`FP8_REFUSAL`). The in-place front end
+:func:`paged_attention_inplace` runs the PyTorch paged operator directly for an fp8 cache of CPU
+tensors (the reference semantics) and refuses one of CUDA tensors (no kernels for it yet).
 """
 
 from __future__ import annotations
@@ -102,6 +108,20 @@ _INPLACE_SCHEMA = (
     + ") -> Tensor"
 )
 torch.library.define(INPLACE_QUALNAME, _INPLACE_SCHEMA)
+
+
+#: Why the ops refuse an fp8 cache.
+FP8_REFUSAL = (
+    "an fp8 KV cache (kv_cache_dtype='fp8_e4m3') is supported by the PyTorch paged operator only "
+    "(dash_trt.attention.dash.paged.paged_dash_attention, or paged_attention_inplace on CPU): the "
+    "dash_trt::paged_attention ops, the ONNX node and the TensorRT plugin have no k_scale/v_scale "
+    "inputs, and the CUDA kernels do not read fp8 yet"
+)
+
+
+def _refuse_fp8(*caches: torch.Tensor) -> None:
+    if any(c.dtype == torch.float8_e4m3fn for c in caches):
+        raise NotImplementedError(FP8_REFUSAL)
 
 
 # --------------------------------------------------------------- CUDA kernel hook
@@ -189,6 +209,7 @@ def _paged_attention_inplace_impl(*args: torch.Tensor, max_query_len: int, **att
 @torch.library.register_fake(INPLACE_QUALNAME)
 def _paged_attention_inplace_fake(*args: torch.Tensor, max_query_len: int, **attrs: Any) -> torch.Tensor:
     q = args[0]
+    _refuse_fp8(*args[7:9])
     if q.dim() != 3:
         raise ValueError(f"{INPLACE_QUALNAME}: q must be [T, H, D], got {q.dim()} dims")
     return torch.empty_like(q)
@@ -198,6 +219,7 @@ def _paged_attention_inplace_fake(*args: torch.Tensor, max_query_len: int, **att
 def _paged_attention_fake(*args: torch.Tensor, **attrs: Any) -> tuple[torch.Tensor, ...]:
     # Shapes only: the output has q's shape and dtype, each cache keeps its own.
     q, caches = args[0], args[7:13]
+    _refuse_fp8(*caches[:2])
     if q.dim() != 3 or len(caches) != len(CACHE_FIELDS):
         raise ValueError(f"{QUALNAME}: q must be [T, H, D], got {q.dim()} dims")
     return (torch.empty_like(q), *(torch.empty_like(c) for c in caches))
@@ -215,6 +237,7 @@ def paged_attention(*args, **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, 
     tensors in :data:`CACHE_FIELDS` order); returns ``(out, new_cache_tensors)``: the cache
     returned updated instead of written in place."""
     call = OperatorCall.bind(*args, **kwargs)
+    _refuse_fp8(call.cache.key, call.cache.value)
     res = paged_attention_op()(*_flat(call), **A.encode(call.cfg, call.layer_idx))
     return res[0], tuple(res[1:])
 
@@ -231,6 +254,10 @@ def paged_attention_inplace(*args, attrs: Mapping[str, Any] | None = None, **kwa
     (``dash_trt.attributes.encode(sp, layer_idx)``) may be passed in to skip encoding the
     config on every call."""
     call = OperatorCall.bind(*args, **kwargs)
+    if call.cache.quantized:
+        if call.q.device.type != "cpu":
+            raise NotImplementedError(FP8_REFUSAL)
+        return paged_dash_attention(*call.args())
     most = call.batch.max_query_len if call.batch.max_query_len is not None else call.q.shape[0]
     attrs = attrs if attrs is not None else A.encode(call.cfg, call.layer_idx)
     return paged_attention_inplace_op()(*_flat(call), max_query_len=int(most), **attrs)
@@ -245,6 +272,7 @@ def _call(args: tuple, attrs: Mapping[str, Any], max_query_len: int | None = Non
     """The call of the op's 17 tensors and encoded attributes."""
     cfg, layer_idx = A.decode(attrs)
     tokens, caches, batch = args[:7], args[7:13], args[13:]
+    _refuse_fp8(*caches[:2])
     cache = DashKVCache.of(caches, cfg.sparse_block_size)
     return OperatorCall(*tokens, cache, DashBatch(*batch, max_query_len=max_query_len), cfg, layer_idx)
 

@@ -6,8 +6,8 @@ Layout (per layer), for ``num_blocks`` KV blocks of ``block_size`` tokens:
 ====================  ==========================================  ==============
 tensor                shape                                       dtype
 ====================  ==========================================  ==============
-``key``               [num_blocks, block_size, Hkv, D]            q dtype
-``value``             [num_blocks, block_size, Hkv, D]            q dtype
+``key``               [num_blocks, block_size, Hkv, D]            q dtype or fp8
+``value``             [num_blocks, block_size, Hkv, D]            q dtype or fp8
 ``index_key``         [num_blocks, block_size, Di]                q dtype
 ``image_page``        [num_blocks, block_size]                    int32
 ``summary``           [num_blocks, summaries_per_block, Di]       float32
@@ -17,6 +17,12 @@ tensor                shape                                       dtype
 ``key`` and ``index_key`` hold keys *after* page RoPE (index keys also with
 non-finite values zeroed), so nothing is rotated twice. ``image_page`` is each
 token's image page (-1 for non-image tokens).
+
+An fp8 cache (``kv_cache_dtype="fp8_e4m3"``) stores ``key`` and ``value`` as
+``torch.float8_e4m3fn`` with per-KV-head float32 scales ``k_scale`` and ``v_scale`` [Hkv]
+(fields of :class:`DashKVCache`, not among the six tensors): written as
+``e4m3(clamp(x / scale, -448, 448))``, read as ``x8 * scale`` in q's dtype
+(:mod:`~dash_trt.attention.dash.kv_quant`). The other four tensors keep their dtypes.
 
 A *sparse block* (the routing unit, ``sparse_block_size`` tokens) is summarised
 once, when its last token is written; summaries of complete blocks never change,
@@ -58,6 +64,15 @@ import numpy as np
 import torch
 
 from .config import DashConfig, as_config
+from .kv_quant import (
+    FP8_DTYPE,
+    check_scale,
+    dequantize_fp8,
+    is_fp8,
+    kv_cache_dtype_name,
+    kv_storage_dtype,
+    quantize_fp8,
+)
 from .reference import (
     FLOAT_DTYPES,
     ROLE_IMAGE,
@@ -212,7 +227,11 @@ CACHE_FIELDS = ("key", "value", "index_key", "image_page", "summary", "summary_p
 
 @dataclass
 class DashKVCache:
-    """One layer's paged DASH cache (see the module docstring for the layout)."""
+    """One layer's paged DASH cache (see the module docstring for the layout).
+
+    ``k_scale`` and ``v_scale`` ([Hkv] float32) belong to an fp8 cache only (``key`` and
+    ``value`` of dtype ``torch.float8_e4m3fn``): the per-KV-head scales its keys and values are
+    stored with. A cache in the model dtype has none."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -221,6 +240,8 @@ class DashKVCache:
     summary: torch.Tensor
     summary_pages: torch.Tensor
     sparse_block_size: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -233,7 +254,15 @@ class DashKVCache:
         sparse_block_size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str | torch.dtype | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> DashKVCache:
+        """A zeroed cache. ``dtype`` is the model's (index keys, and keys and values unless
+        quantised); ``kv_cache_dtype`` ("auto" = None, "fp8_e4m3"/"fp8", or
+        ``torch.float8_e4m3fn``) picks the storage of keys and values. An fp8 cache takes
+        ``k_scale`` and ``v_scale`` (a number for every KV head, or a tensor [Hkv]; default 1.0,
+        vLLM's default without calibrated scales)."""
         for name, val in (
             ("num_blocks", num_blocks),
             ("block_size", block_size),
@@ -246,26 +275,51 @@ class DashKVCache:
                 raise ValueError(f"{name} must be positive, got {val}")
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"cache dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        scales = {}
+        if is_fp8(kv_dtype):
+            for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+                s = 1.0 if s is None else s
+                if not isinstance(s, torch.Tensor):
+                    s = torch.full((num_kv_heads,), float(s))
+                scales[name] = s.to(device=device, dtype=torch.float32)
+                check_scale(name, scales[name], num_kv_heads)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale and v_scale belong to an fp8 cache (kv_cache_dtype='fp8_e4m3'), not a {kv_dtype} one"
+            )
         per = summaries_per_block(block_size, sparse_block_size)
         return cls(
-            key=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
-            value=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+            key=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device),
+            value=torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device),
             index_key=torch.zeros(num_blocks, block_size, index_dim, dtype=dtype, device=device),
             image_page=torch.full((num_blocks, block_size), -1, dtype=torch.int32, device=device),
             summary=torch.zeros(num_blocks, per, index_dim, dtype=torch.float32, device=device),
             summary_pages=torch.full((num_blocks, per, 3), -1, dtype=torch.int32, device=device),
             sparse_block_size=int(sparse_block_size),
+            **scales,
         )
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], sparse_block_size: int) -> DashKVCache:
-        """A cache of its six tensors in :data:`CACHE_FIELDS` order."""
+    def of(
+        cls,
+        tensors: Sequence[torch.Tensor],
+        sparse_block_size: int,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> DashKVCache:
+        """A cache of its six tensors in :data:`CACHE_FIELDS` order (and an fp8 cache's scales)."""
         tensors = tuple(tensors)
         if len(tensors) != len(CACHE_FIELDS):
             raise ValueError(
                 f"a cache holds {len(CACHE_FIELDS)} tensors ({', '.join(CACHE_FIELDS)}), got {len(tensors)}"
             )
-        return cls(**dict(zip(CACHE_FIELDS, tensors)), sparse_block_size=int(sparse_block_size))
+        return cls(
+            **dict(zip(CACHE_FIELDS, tensors)),
+            sparse_block_size=int(sparse_block_size),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -275,27 +329,77 @@ class DashKVCache:
     def block_size(self) -> int:
         return self.key.shape[1]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are stored in fp8 (e4m3) with per-head scales."""
+        return is_fp8(self.key.dtype)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """``"fp8_e4m3"`` for an fp8 cache, ``"auto"`` (the model dtype) otherwise."""
+        return kv_cache_dtype_name(self.key.dtype)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the operator computes in and reads keys and values as (q's)."""
+        return self.index_key.dtype
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f: getattr(self, f) for f in CACHE_FIELDS}
 
     def clone(self) -> DashKVCache:
+        scales = {n: getattr(self, n) for n in ("k_scale", "v_scale") if getattr(self, n) is not None}
         return DashKVCache(
-            **{k: v.clone() for k, v in self.tensors().items()}, sparse_block_size=self.sparse_block_size
+            **{k: v.clone() for k, v in self.tensors().items()},
+            sparse_block_size=self.sparse_block_size,
+            **{n: s.clone() for n, s in scales.items()},
         )
 
+    def write_kv(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store rotated keys and values [T, Hkv, D] (q's dtype) at flat ``slots`` [T]: as they
+        are, or quantised to fp8 with the cache's scales."""
+        k_flat = self.key.view(-1, *self.key.shape[2:])
+        v_flat = self.value.view(-1, *self.value.shape[2:])
+        if self.quantized:
+            k_flat[slots] = quantize_fp8(key, self.k_scale)
+            v_flat[slots] = quantize_fp8(value, self.v_scale)
+        else:
+            k_flat[slots] = key
+            v_flat[slots] = value
+
+    def read_kv(self, flat: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at flat slots ``flat`` [...] as [..., Hkv, D]: as stored, or
+        dequantised (``x8 * scale``) to ``dtype``."""
+        keys = self.key.view(-1, *self.key.shape[2:])[flat]
+        values = self.value.view(-1, *self.value.shape[2:])[flat]
+        if self.quantized:
+            return dequantize_fp8(keys, self.k_scale, dtype), dequantize_fp8(values, self.v_scale, dtype)
+        return keys, values
+
     def validate(self) -> None:
-        """Check the six tensors agree with each other (shapes, dtypes, device)."""
+        """Check the six tensors agree with each other (shapes, dtypes, device), and an fp8
+        cache's scales."""
         nb, bsz = self.key.shape[:2]
-        check_shape("cache.key", self.key, (nb, bsz, None, None), FLOAT_DTYPES)
+        if self.quantized:
+            check_shape("cache.key", self.key, (nb, bsz, None, None), (FP8_DTYPE,))
+            check_scale("cache.k_scale", self.k_scale, self.key.shape[2])
+            check_scale("cache.v_scale", self.v_scale, self.key.shape[2])
+            model_dtypes = FLOAT_DTYPES
+        else:
+            check_shape("cache.key", self.key, (nb, bsz, None, None), FLOAT_DTYPES)
+            if self.k_scale is not None or self.v_scale is not None:
+                raise ValueError(f"cache has k_scale/v_scale but stores keys in {self.key.dtype}: scales are for fp8")
+            model_dtypes = (self.key.dtype,)
         hkv, d = self.key.shape[2:]
         check_shape("cache.value", self.value, (nb, bsz, hkv, d), (self.key.dtype,))
-        check_shape("cache.index_key", self.index_key, (nb, bsz, None), (self.key.dtype,))
+        check_shape("cache.index_key", self.index_key, (nb, bsz, None), model_dtypes)
         di = self.index_key.shape[2]
         per = summaries_per_block(bsz, self.sparse_block_size)
         check_shape("cache.image_page", self.image_page, (nb, bsz), (torch.int32,))
         check_shape("cache.summary", self.summary, (nb, per, di), (torch.float32,))
         check_shape("cache.summary_pages", self.summary_pages, (nb, per, 3), (torch.int32,))
         devices = {t.device for t in self.tensors().values()}
+        devices |= {s.device for s in (self.k_scale, self.v_scale) if s is not None}
         if len(devices) != 1:
             raise ValueError(f"cache tensors live on different devices: {sorted(map(str, devices))}")
 
@@ -508,8 +612,7 @@ def paged_dash_attention(*args, return_routing: bool = False, attend_routing: Ro
     slots = slot_mapping(block_tables, seq_idx, new_pos, bsz)
     k_rot = page_rope(k, tok, page, cfg, main=True)
     ik_rot = torch.nan_to_num(page_rope(ik, tok, page, cfg, main=False), nan=0.0, posinf=0.0, neginf=0.0)
-    cache.key.view(-1, *cache.key.shape[2:])[slots] = k_rot
-    cache.value.view(-1, *cache.value.shape[2:])[slots] = v
+    cache.write_kv(slots, k_rot, v)
     cache.index_key.view(-1, cache.index_key.shape[-1])[slots] = ik_rot
     cache.image_page.view(-1)[slots] = coords[:, COORD_IMAGE_PAGE].to(torch.int32)
 
@@ -535,7 +638,7 @@ def paged_dash_attention(*args, return_routing: bool = False, attend_routing: Ro
 
         def gather_kv(idx: torch.Tensor, table=table) -> tuple[torch.Tensor, torch.Tensor]:
             flat = table[idx // bsz] * bsz + idx % bsz
-            return (cache.key.view(-1, *cache.key.shape[2:])[flat], cache.value.view(-1, *cache.value.shape[2:])[flat])
+            return cache.read_kv(flat, q.dtype)
 
         for c0 in range(0, n_new, chunk):
             c1 = min(c0 + chunk, n_new)
@@ -676,8 +779,8 @@ def check_paged_inputs(
         raise ValueError(f"cache.key holds [*, *, {chkv}, {cd}] heads/dim, k has [{hkv}, {d}]")
     if cache.index_key.shape[-1] != di:
         raise ValueError(f"cache.index_key has dim {cache.index_key.shape[-1]}, ik has {di}")
-    if cache.key.dtype != q.dtype:
-        raise ValueError(f"cache dtype {cache.key.dtype} differs from q dtype {q.dtype}")
+    if cache.model_dtype != q.dtype:
+        raise ValueError(f"cache dtype {cache.model_dtype} differs from q dtype {q.dtype}")
     if cache.key.device != q.device:
         raise ValueError(f"cache is on {cache.key.device}, inputs on {q.device}")
     check_shape("block_tables", block_tables, (None, None), INDEX_DTYPES)

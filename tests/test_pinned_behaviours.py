@@ -13,8 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dash_trt.documents.pages import DocumentError
+from dash_trt.documents.prompt import document_prompt_ids
+from dash_trt.documents.views import ViewSpec, check_page_tokens, image_token_count, page_views, tile_grid
 from dash_trt.models import unlimited_ocr2 as U
 from dash_trt.models.config import DashModelConfig
+from dash_trt.models.deepencoder import assemble_page
 from dash_trt.serving.block_pool import KVBlockPool, prefix_block_hashes
 from dash_trt.serving.rules import DecodingRules, NoRepeatNGram, PageCountGuard, document_rules
 from dash_trt.serving.scheduler import Scheduler
@@ -290,3 +294,66 @@ def test_prefix_hashes_without_image_tokens_leave_the_last_prompt_token_to_compu
     a = prefix_block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], None, 4)
     b = prefix_block_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9], None, 4)
     assert a[0] == b[0] and a[1] != b[1]  # the chain: a block's hash covers its tokens
+
+
+# ------------------------------------------------------------------------------ documents
+def test_a_page_that_fits_a_tile_on_one_side_only_is_still_tiled():
+    """vLLM's processor keeps one view only when both sides are <= image_size."""
+    spec = ViewSpec()  # 1024 global, 640 tiles: 16 x 17 + 1 = 273 tokens, tiles of 10 x 10
+    assert tile_grid(640, 640, spec) == (1, 1)
+    assert tile_grid(640, 1300, spec) == (1, 2)  # aspect 0.49: (1, 2) before the equal (2, 4)
+    assert tile_grid(1300, 640, spec) == (2, 1)
+    assert image_token_count(640, 1300, spec, crop=True) == 273 + (10 * 1 + 1) * (10 * 2)
+    assert image_token_count(640, 640, spec, crop=True) == 273
+
+
+def test_tiles_are_cut_and_assembled_row_by_row():
+    from PIL import Image
+
+    spec = ViewSpec(base_size=64, image_size=32, patch_size=16, downsample_ratio=2)
+    im = Image.new("RGB", (64, 64))
+    for k, color in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)]):
+        im.paste(color, ((k % 2) * 32, (k // 2) * 32, (k % 2 + 1) * 32, (k // 2 + 1) * 32))
+    views = page_views(im, spec, crop=True)
+    assert views.grid == (2, 2)
+    means = [tuple(round(float(c)) for c in crop.reshape(3, -1).mean(1)) for crop in views.crops]
+    assert means == [(1, -1, -1), (-1, 1, -1), (-1, -1, 1), (1, 1, 1)]  # top left, top right, ...
+    # vLLM's _assemble_patch_grid: view(rows, cols, q, q, d).permute(0, 2, 1, 3, 4), newline per row
+    tiles = torch.arange(6.0).view(6, 1, 1)  # 3 x 2 tiles of q = 1: tile t is t
+    out = assemble_page(torch.tensor([[100.0]]), tiles, (3, 2), torch.tensor([-1.0]), torch.tensor([-2.0]))
+    assert out.view(-1).tolist() == [0, 1, 2, -1, 3, 4, 5, -1, 100, -1, -2]
+    a, b = [10.0, 11.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0]  # q = 2, 2 x 1 tiles
+    out = assemble_page(
+        torch.tensor([[100.0]]), torch.tensor([a, b]).view(2, 4, 1), (2, 1), torch.tensor([-1.0]), torch.tensor([-2.0])
+    )
+    assert out.view(-1).tolist() == [10, 11, 20, 21, -1, 12, 13, 22, 23, -1, 100, -1, -2]
+
+
+def test_a_page_of_exactly_the_image_token_limit_is_accepted():
+    n = image_token_count(640, 1300, ViewSpec(), crop=True)
+    assert check_page_tokens(640, 1300, ViewSpec(max_page_tokens=n), crop=True) == n
+    with pytest.raises(DocumentError, match=f"more than the {n - 1} a page may take"):
+        check_page_tokens(640, 1300, ViewSpec(max_page_tokens=n - 1), crop=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from dash_trt.documents.tokenizer import TextTokenizer
+
+    return TextTokenizer(U.tiny_tokenizer(), {"bos_token": U.TINY_SPECIAL_TOKENS[0]})
+
+
+def test_one_page_gets_the_single_page_instruction(tokenizer):
+    one = document_prompt_ids(tokenizer, [2], image_token_id=3, page_token_id=2)
+    assert one == [0, 2, 3, 3] + tokenizer.encode("document parsing.")
+    two = document_prompt_ids(tokenizer, [1, 1], image_token_id=3, page_token_id=2)
+    assert two == [0, 2, 3, 2, 3] + tokenizer.encode("Multi page parsing.")
+
+
+def test_a_document_chat_template_gets_the_generation_prompt(tokenizer):
+    from dash_trt.documents.tokenizer import TextTokenizer
+
+    template = "{% for m in messages %}U:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    tok = TextTokenizer(tokenizer.tokenizer, tokenizer.config, template)
+    ids = document_prompt_ids(tok, [1], image_token_id=3, page_token_id=2, instruction="Go.")
+    assert ids == tokenizer.encode("U:") + [2, 3] + tokenizer.encode("Go.\nA:")

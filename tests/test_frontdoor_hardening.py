@@ -314,3 +314,39 @@ def test_chat_and_ocr_leave_a_document_s_budget_to_the_page_budget():
         ]
         r = c.post("/v1/ocr", files=files, data={"max_page_tokens": "0"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_page_tokens"
+
+
+class Instructions(Budgets):
+    """Records the instruction a document was sent with."""
+
+    async def document(self, files, instruction, max_tokens, crop, rules):
+        self.calls.append(("instruction", instruction))
+        return await super().document(files, instruction, max_tokens, crop, rules)
+
+
+def test_a_document_chat_s_instruction_holds_system_and_developer_messages():
+    c, fake = client(FrontDoorSettings(), Instructions())
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"x").decode()}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Tables as HTML."},
+        {"role": "user", "content": [{"type": "text", "text": "read"}, image]},
+    ]
+    with c:
+        r = c.post(CHAT, json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert fake.calls[0] == ("instruction", "Be brief.\nTables as HTML.\nread")
+        r = c.post(CHAT, json={"messages": messages[1:]})
+        assert r.status_code == 200, r.text
+        assert fake.calls[2] == ("instruction", "Tables as HTML.\nread")
+
+
+def test_ocr_refuses_max_tokens_0():
+    c, fake = client(FrontDoorSettings(), Budgets())
+    files = {"file": ("a.png", b"x", "image/png")}
+    with c:
+        r = c.post("/v1/ocr", files=files, data={"max_tokens": "0"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert fake.calls == []
+        r = c.post("/v1/ocr", files=files, data={"max_tokens": "1"})
+        assert r.status_code == 200 and fake.calls[-1] == ("document", 1, None), r.text

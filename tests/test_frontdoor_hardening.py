@@ -350,3 +350,52 @@ def test_ocr_refuses_max_tokens_0():
         assert fake.calls == []
         r = c.post("/v1/ocr", files=files, data={"max_tokens": "1"})
         assert r.status_code == 200 and fake.calls[-1] == ("document", 1, None), r.text
+
+
+class _FakeAio:
+    """tritonclient.grpc.aio as far as TritonBackend.start reads it: the demo model's config and
+    whether a document model is ready."""
+
+    def __init__(self, documents: bool):
+        self.documents = documents
+
+    def InferenceServerClient(self, url):  # noqa: N802 - tritonclient's name
+        import json as _json
+
+        from dash_trt import triton_protocol as P
+        from dash_trt.models.registry import demo_model
+
+        documents = self.documents
+
+        class Client:
+            async def get_model_config(self, name, as_json=True):
+                cfg = _json.dumps(demo_model().config.to_dict())
+                return {"config": {"parameters": {P.PARAM_MODEL_CONFIG: {"string_value": cfg}}}}
+
+            async def is_model_ready(self, name):
+                return documents and name.endswith(P.DOCUMENT_SUFFIX)
+
+            async def close(self):
+                pass
+
+        return Client()
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_repository_with_a_document_model_needs_its_tokenizer(documents):
+    """A repository with a document model was written from a checkpoint with its own tokenizer:
+    the front door refuses to start without --tokenizer rather than encode text with the demo's
+    bytes (a new user's D10); without a document model the demo tokenizer is the model's."""
+    import asyncio
+
+    from dash_trt.documents.tokenizer import ByteTokenizer
+    from dash_trt.frontdoor.backend import TritonBackend
+
+    backend = TritonBackend(FrontDoorSettings())
+    backend.aio = _FakeAio(documents)
+    if documents:
+        with pytest.raises(RuntimeError, match="pass --tokenizer FOLDER"):
+            asyncio.run(backend.start())
+    else:
+        asyncio.run(backend.start())
+        assert isinstance(backend.tokenizer, ByteTokenizer) and not backend.has_documents

@@ -64,3 +64,14 @@ def test_tools_ask_the_family_not_the_model_class(module):
 
 def test_every_family_is_distinct():
     assert len({f.checkpoint_name for f in FAMILIES}) == len(FAMILIES)
+
+
+def test_a_dca_repository_is_not_told_to_build_a_tensorrt_engine(tmp_path):
+    """dash-triton write of a DCA model says why there is no engine instead of how to build one
+    (a new user's D14)."""
+    from dash_trt.serving.engine import EngineConfig
+    from dash_trt.triton.repository import NO_PLAN_MESSAGE, write_repository
+
+    written = write_repository(tmp_path / "repo", _dca_model(), engine=EngineConfig(kv_block_size=8), warmup=False)
+    assert NO_PLAN_MESSAGE not in written.messages
+    assert f"no TensorRT engine: {DCA.unsupported[TENSORRT]}" in written.messages

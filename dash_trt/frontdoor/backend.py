@@ -57,14 +57,22 @@ class TritonBackend:
         if P.PARAM_MODEL_CONFIG not in params:
             raise RuntimeError(f"model '{self.s.model}' is not a DASH generation model (no {P.PARAM_MODEL_CONFIG})")
         self.config = DashModelConfig.from_dict(json.loads(params[P.PARAM_MODEL_CONFIG]))
-        self.tokenizer = load_tokenizer(self.s.tokenizer) if self.s.tokenizer else ByteTokenizer(self.config)
-        if P.PARAM_ENGINE in params:
-            self.max_prompt_tokens = longest_request(params[P.PARAM_ENGINE])
-        self.max_token_chars = self.tokenizer.max_token_chars
         try:
             self.has_documents = await self.client.is_model_ready(self.s.model + P.DOCUMENT_SUFFIX)
         except Exception:  # noqa: BLE001 - no document model: documents are refused
             self.has_documents = False
+        if self.has_documents and not self.s.tokenizer:
+            # dash-triton write adds a document model only from a checkpoint folder with its
+            # tokenizer.json: the demo's byte tokenizer would turn text into the wrong tokens
+            raise RuntimeError(
+                f"model '{self.s.model}' has a document model ('{self.s.model}{P.DOCUMENT_SUFFIX}'), so it was "
+                "written from a checkpoint with its own tokenizer: pass --tokenizer FOLDER (that checkpoint "
+                "folder); the demo model's byte tokenizer would encode text into the wrong tokens"
+            )
+        self.tokenizer = load_tokenizer(self.s.tokenizer) if self.s.tokenizer else ByteTokenizer(self.config)
+        if P.PARAM_ENGINE in params:
+            self.max_prompt_tokens = longest_request(params[P.PARAM_ENGINE])
+        self.max_token_chars = self.tokenizer.max_token_chars
 
     async def close(self) -> None:
         if self.client is not None:

@@ -43,7 +43,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="with an API key: /metrics answers without it (/health always does)",
     )
-    o.add_argument("--tokenizer", help="a checkpoint folder with tokenizer.json (default: the demo model's bytes)")
+    o.add_argument(
+        "--tokenizer",
+        help="a checkpoint folder with tokenizer.json (default: the demo model's bytes; required in front of a "
+        "repository with a document model)",
+    )
     o.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="(%(default)g)")
     o.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds (%(default)g)")
     o.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds a body may stall (%(default)g)")

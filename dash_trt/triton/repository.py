@@ -767,8 +767,10 @@ def write_repository(
             plan_cfg = plan_model_config(
                 name + P.PLAN_SUFFIX, inputs, outputs, instances=plan_instances, gpus=plan_gpus
             )
-    if plan_cfg is None:
-        messages.append(NO_PLAN_MESSAGE)
+    if plan_cfg is None:  # a family the plugin cannot run gets no advice to build an engine
+        messages.append(
+            NO_PLAN_MESSAGE if not family.refuse([TENSORRT]) else f"no TensorRT engine: {family.refuse([TENSORRT])}"
+        )
 
     docs = None
     if documents is not None:

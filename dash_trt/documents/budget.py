@@ -131,3 +131,20 @@ def page_entries(
         }
         for i, (source, sec, reason) in enumerate(zip(sources, sections, reasons))
     ]
+
+
+def document_page_entries(tokens: Sequence[int], doc, tokenizer, config, rules, seconds: float = 0.0) -> list[dict]:
+    """:func:`page_entries` of a processed document's answer: its pages' sources, the
+    tokenizer's text without special tokens, the model config's page and end ids, and the
+    decoding ``rules``' page budget and guard (what the serving pipeline and the Triton document
+    model both report)."""
+    return page_entries(
+        tokens,
+        [p.source for p in doc.pages],
+        lambda sec: tokenizer.decode(sec, skip_special_tokens=True),
+        config.page_token_id,
+        config.eos_token_id,
+        max_page_tokens=rules.max_page_tokens,
+        page_guard=rules.page_guard,
+        seconds=seconds,
+    )

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..documents.budget import document_finish_reason, document_max_new_tokens, page_entries
+from ..documents.budget import document_finish_reason, document_max_new_tokens, document_page_entries
 from ..documents.pages import DocumentError
 from ..documents.processor import DocumentOptions, DocumentProcessor, PreparedDocument, split_pages
 from ..documents.tokenizer import load_tokenizer
@@ -200,16 +200,7 @@ class DocumentOCR:
         cfg = self.config
         rules = rules if rules is not None else self.rules_for(len(doc.pages))
         sections = split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
-        entries = page_entries(
-            tokens,
-            [p.source for p in doc.pages],
-            lambda sec: self.tokenizer.decode(sec, skip_special_tokens=True),
-            cfg.page_token_id,
-            cfg.eos_token_id,
-            max_page_tokens=rules.max_page_tokens,
-            page_guard=rules.page_guard,
-            seconds=seconds,
-        )
+        entries = document_page_entries(tokens, doc, self.tokenizer, cfg, rules, seconds)
         pages = [
             PageText(e["page"], e["source"], e["text"], sec, e["finish_reason"], e["seconds"])
             for e, sec in zip(entries, sections)

@@ -154,15 +154,8 @@ class TritonPythonModel:
             max_new = self.budget.document_max_new_tokens(len(doc.pages), rules.max_page_tokens, room)
         tokens = self._generate(doc.prompt_ids, feats, max_new, rules)
         cfg = self.model_config
-        pages = self.budget.page_entries(
-            tokens,
-            [p.source for p in doc.pages],
-            lambda sec: self.tokenizer.decode(sec, skip_special_tokens=True),
-            cfg.page_token_id,
-            cfg.eos_token_id,
-            max_page_tokens=rules.max_page_tokens,
-            page_guard=rules.page_guard,
-            seconds=time.perf_counter() - t0,
+        pages = self.budget.document_page_entries(
+            tokens, doc, self.tokenizer, cfg, rules, seconds=time.perf_counter() - t0
         )
         result = {
             "pages": pages,

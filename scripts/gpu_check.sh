@@ -3,7 +3,7 @@
 # Used for the H200 figures in docs/performance.md; works on any CUDA machine with
 # torch, cmake and nvcc. Results go to ${OUT:-./gpu-out}.
 #   scripts/gpu_check.sh [tests|sanitize|memcheck-meta|sanitize-quick|bench|pages|prefill|generate|triton|breakdown|ab|trace|ncu|
-#                         ncu-prefill|ncu-source|ncu-source-prefill|ncu-source-route|gather|compare|all]...
+#                         ncu-prefill|ncu-source|ncu-source-prefill|ncu-source-route|gather|compare|dca|all]...
 # Modes run in this order whatever the order given; sanitize-quick stops after
 # ${SANITIZE_QUICK_S:-240} s (memcheck runs each test 10-50x slower). GPU_CHECK_PACK=1 leaves
 # everything in one archive, $OUT/gpu_check_logs.tgz.
@@ -106,6 +106,13 @@ case " $what " in *" bench "*|*" all "*)
   # BENCH_ARGS: bench_dash's options, e.g. "--shape published --decode-only --time-budget 300".
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
   python3 bench/bench_dash.py "${bench_args[@]}" --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  status=$(( status | ${PIPESTATUS[0]} ));;
+esac
+case " $what " in *" dca "*)
+  # Dual Chunk Attention beside its peers (bench/bench_dca.py: the brute-force three-call
+  # approach, dense attention, the reference); DCA_ARGS: its options, e.g. "--time-budget 300".
+  read -r -a dca_args <<< "${DCA_ARGS:-}"
+  python3 bench/bench_dca.py "${dca_args[@]}" --json "$OUT/dca.json" --png "$OUT/dca.png" 2>&1 | tee "$OUT/dca.log"
   status=$(( status | ${PIPESTATUS[0]} ));;
 esac
 case " $what " in *" prefill "*)

@@ -287,3 +287,53 @@ def test_bench_dash_time_budget_skips_the_cases_left():
     spent = bench_dash.Rows(-1.0)
     spent.add(lambda: pytest.fail("a case ran after its budget"))
     assert list(spent) == [] and spent.skipped == 1
+
+
+def test_bench_dca_runs_on_cpu_and_its_peers_compute_dca(tmp_path, capsys):
+    """bench_dca on the CPU at toy sizes: the brute-force peer (three attentions per chunk and
+    a log-sum-exp merge) and the dense peer agree with dash-trt's DCA reference before anything
+    is timed, every path has figures at every length, and the table and plot are written
+    (nothing about speed is checked)."""
+    import json
+
+    module = _load(BENCH / "bench_dca.py")
+    out, png = tmp_path / "dca.json", tmp_path / "dca.png"
+    argv = ["--device", "cpu", "--lengths", "100", "--chunk-size", "40", "--local-size", "8"]
+    argv += ["--original-max-position-embeddings", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    argv += ["--dtype", "float32", "--reps", "1", "--rounds", "1", "--json", str(out), "--png", str(png)]
+    assert module.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["check"]) == {"seed prefill", "seed decode", "dense prefill", "dense decode"}
+    assert max(result["check"].values()) < 1e-4
+    assert [(r["kind"], r["chunks"]) for r in result["rows"]] == [("prefill", 4), ("decode", 4)]
+    for row in result["rows"]:
+        assert set(row["paths"]) == {"seed", "dense", "torch"}
+        assert all(p["ms"]["median"] > 0 for p in row["paths"].values())
+    assert png.stat().st_size > 0
+    assert "| 100 | 4 |" in capsys.readouterr().out
+
+
+def test_bench_dca_seed_peer_equals_the_reference_over_three_regions():
+    """The brute-force peer, at toy sizes with all three regions in play (keys in the query's
+    chunk, the one before and earlier ones), equals the reference for prefill and decode; a
+    peer that rotated a region wrongly would not (checked: the inter region rotated like the
+    successive one differs)."""
+    import torch
+
+    module = _load(BENCH / "bench_dca.py")
+    shape = {"heads": 2, "kv_heads": 1, "head_dim": 8, "rope_theta": 1e4}
+    x = module.Layer(70, module.DcaConfig(16, 4), shape, torch.float32, torch.device("cpu"), seed=3)
+    ref = module.torch_prefill(x)
+    assert (module.seed_prefill(x) - ref).abs().max() < 1e-5
+    assert (module.seed_decode(x) - ref[-1]).abs().max() < 1e-5
+    wrong = module.Layer(70, module.DcaConfig(16, 4), shape, torch.float32, torch.device("cpu"), seed=3)
+    wrong.cfg = type("Wrong", (), {})()
+    cfg = module.DcaConfig(16, 4)
+    wrong.cfg.chunk_len, wrong.cfg.length_scale = cfg.chunk_len, cfg.length_scale
+
+    def positions(p):
+        r = cfg.positions(p)
+        return r._replace(inter=r.successive)
+
+    wrong.cfg.positions = positions
+    assert (module.seed_prefill(wrong) - ref).abs().max() > 1e-3

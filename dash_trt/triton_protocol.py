@@ -201,6 +201,7 @@ DOCUMENT_OUTPUTS = ((RESULT, "TYPE_UINT8", (-1,)),)
 #: Parameters of the document model.
 PARAM_GENERATION_MODEL = "generation_model"  # the generation model it calls
 PARAM_MAX_PROMPT_TOKENS = "max_prompt_tokens"  # the longest prompt the generation model admits
+PARAM_RENDER_LIMITS = "render_limits"  # JSON of documents.render.RenderLimits ("": the defaults)
 #: Files of the document model's version folder.
 VISION_WEIGHTS = "vision.safetensors"
 DOCUMENT_CONFIG = "config.json"

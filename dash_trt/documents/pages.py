@@ -12,6 +12,11 @@ pages, and each page's size in pixels (a PDF page's from its size in points, an 
 header). Every budget (pages, pixels a page, pixels a request) is checked there, and a caller
 checks its own (image tokens a page and a prompt) from the sizes, before any page is rendered;
 :meth:`PageSource.render` then renders one page at a time. :func:`load_pages` does both.
+
+PDFs are read and rendered by a :class:`~dash_trt.documents.render.Renderer` (one a request): in
+a worker process held to a CPU-time and memory budget (:class:`RenderLimits`) and killed when a
+page goes over it or the request is cancelled; pdfium never parses an uploaded file in this
+process. Between pages (images too) the renderer checks the request's cancellation and deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from .render import RenderCancelled, Renderer, RenderLimits
 
 __all__ = [
     "DocumentError",
@@ -36,6 +43,9 @@ __all__ = [
     "MAX_PIXELS",
     "MAX_REQUEST_PIXELS",
     "IMAGE_FORMATS",
+    "Renderer",
+    "RenderLimits",
+    "RenderCancelled",
 ]
 
 #: A document larger than this is refused (one request holds every page's image tokens).
@@ -147,7 +157,7 @@ def _rgb(image, source: str):
     return image.convert("RGB")
 
 
-def _image_sources(data: bytes, source: str) -> list[PageSource]:
+def _image_sources(data: bytes, source: str, renderer: Renderer | None = None) -> list[PageSource]:
     """The pages of an image file's bytes (one per frame), their sizes read from the header."""
     Image, _ = _pil()
     try:  # Pillow reads the header only here
@@ -189,6 +199,8 @@ def _image_sources(data: bytes, source: str) -> list[PageSource]:
 
     def frame(i: int, name: str):
         def render():
+            if renderer is not None:
+                renderer.check(name)
             try:
                 with Image.open(io.BytesIO(data), formats=_formats()) as im:
                     im.seek(i)
@@ -227,17 +239,56 @@ def _declares_no_pages(data: bytes) -> bool:
     return bool(re.search(rb"/Count\s*0(?![0-9])", data)) and not re.search(rb"/Type\s*/Page(?![a-zA-Z])", data)
 
 
-def _pdf_sources(data: bytes, source: str, render_side: int) -> list[PageSource]:
+def _pdf_sources(data: bytes, source: str, render_side: int, renderer: Renderer | None = None) -> list[PageSource]:
     """The pages of a PDF, each to be rendered with its longer side ``render_side`` pixels: their
-    count and sizes read from the document (no page rendered)."""
+    count and sizes read from the document (no page rendered), by ``renderer``'s worker process
+    (in this process when it renders in-process)."""
+    if renderer is None or not renderer.limits.isolate:
+        return _pdf_sources_here(data, source, render_side, renderer)
+    n, sizes = renderer.open_pdf(data, source)
+    _check_count(n, source)
+    out = []
+    for i, (w, h) in enumerate(sizes):
+        name = f"{source} page {i + 1}"
+        out.append(
+            _sized(name, w, h, render_side, lambda scale, i=i, name=name: _isolated(renderer, data, i, scale, name))
+        )
+    return out
+
+
+def _sized(
+    name: str, w: float, h: float, render_side: int, make: Callable[[float], Callable[[], object]]
+) -> PageSource:
+    """A PDF page of ``w`` x ``h`` points rendered with its longer side ``render_side`` pixels
+    (``make(scale)``: its render function)."""
+    if not (w > 0 and h > 0):
+        raise DocumentError(f"{name}: the page has no area ({w:g} x {h:g} points)")
+    scale = render_side / max(w, h)
+    # pypdfium2 renders ceil(points x scale) pixels a side
+    return PageSource(name, math.ceil(w * scale), math.ceil(h * scale), make(scale))
+
+
+def _check_count(n: int, source: str) -> None:
+    if n == 0:
+        raise DocumentError(f"{source}: the PDF has 0 pages")
+    if n > MAX_PAGES:
+        raise DocumentError(f"{source}: {n} pages, more than {MAX_PAGES}")
+
+
+def _isolated(renderer: Renderer, data: bytes, index: int, scale: float, name: str):
+    def render():
+        return _rgb(renderer.render_pdf_page(data, index, scale, name), name)
+
+    return render
+
+
+def _pdf_sources_here(data: bytes, source: str, render_side: int, renderer: Renderer | None) -> list[PageSource]:
+    """:func:`_pdf_sources` in this process (``RenderLimits(isolate=False)``)."""
     pdfium = _pdfium()
     pdf = _open_pdf(pdfium, data, source)
     try:
         n = len(pdf)
-        if n == 0:
-            raise DocumentError(f"{source}: the PDF has 0 pages")
-        if n > MAX_PAGES:
-            raise DocumentError(f"{source}: {n} pages, more than {MAX_PAGES}")
+        _check_count(n, source)
         out = []
         for i in range(n):
             name = f"{source} page {i + 1}"
@@ -247,11 +298,9 @@ def _pdf_sources(data: bytes, source: str, render_side: int) -> list[PageSource]
                 page.close()
             except Exception as exc:  # noqa: BLE001 - a damaged page
                 raise DocumentError(f"{name}: cannot be read ({type(exc).__name__}: {exc})") from None
-            if not (w > 0 and h > 0):
-                raise DocumentError(f"{name}: the page has no area ({w:g} x {h:g} points)")
-            scale = render_side / max(w, h)
-            # pypdfium2 renders ceil(points x scale) pixels a side
-            out.append(PageSource(name, math.ceil(w * scale), math.ceil(h * scale), _pdf_page(data, i, scale, name)))
+            out.append(
+                _sized(name, w, h, render_side, lambda scale, i=i, name=name: _pdf_page(data, i, scale, name, renderer))
+            )
         return out
     finally:
         pdf.close()
@@ -274,8 +323,10 @@ def _open_pdf(pdfium, data: bytes, source: str):
         raise DocumentError(f"{source}: not a readable PDF ({exc})") from None
 
 
-def _pdf_page(data: bytes, index: int, scale: float, name: str):
+def _pdf_page(data: bytes, index: int, scale: float, name: str, renderer: Renderer | None = None):
     def render():
+        if renderer is not None:
+            renderer.check(name)
         pdfium = _pdfium()
         pdf = _open_pdf(pdfium, data, name)
         try:
@@ -291,19 +342,27 @@ def _pdf_page(data: bytes, index: int, scale: float, name: str):
     return render
 
 
-def render_pdf(data: bytes, source: str, render_side: int) -> list[Page]:
-    """Every page of a PDF rendered so that its longer side is ``render_side`` pixels."""
-    return [p.render() for p in _pdf_sources(data, source, render_side)]
+def render_pdf(data: bytes, source: str, render_side: int, *, limits: RenderLimits | None = None) -> list[Page]:
+    """Every page of a PDF rendered so that its longer side is ``render_side`` pixels, within
+    ``limits`` (:class:`RenderLimits`, the defaults when None)."""
+    with Renderer(limits) as renderer:
+        return [p.render() for p in _pdf_sources(data, source, render_side, renderer)]
 
 
 def open_pages(
-    sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]], *, render_side: int = 1024
+    sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]],
+    *,
+    render_side: int = 1024,
+    renderer: Renderer | None = None,
 ) -> list[PageSource]:
     """The pages of ``sources`` in order, not rendered (module docstring): paths, raw bytes, or
     ``(name, bytes)`` pairs, each a PDF (recognised by its ``%PDF-`` header) or an image file. The
     request's budgets (:data:`MAX_PAGES` pages, :data:`MAX_PIXELS` a page,
-    :data:`MAX_REQUEST_PIXELS` together) are checked here. Raises :class:`DocumentError` naming the
-    file and page."""
+    :data:`MAX_REQUEST_PIXELS` together) are checked here. ``renderer``: the request's
+    (:class:`Renderer`; the caller closes it), else one with the default limits, closed when the
+    pages are let go. Raises :class:`DocumentError` naming the file and page, and
+    :class:`RenderCancelled` when ``renderer``'s request is cancelled."""
+    renderer = renderer if renderer is not None else Renderer()
     pages: list[PageSource] = []
     pixels = 0
     for i, src in enumerate(sources):
@@ -321,9 +380,9 @@ def open_pages(
         if not data:
             raise DocumentError(f"{name}: the file is empty")
         if data[:1024].lstrip()[:5] == _PDF_MAGIC:
-            more = _pdf_sources(data, name, render_side)
+            more = _pdf_sources(data, name, render_side, renderer)
         else:
-            more = _image_sources(data, name)
+            more = _image_sources(data, name, renderer)
         pages += more
         if len(pages) > MAX_PAGES:
             raise DocumentError(f"the request holds more than {MAX_PAGES} pages")
@@ -343,12 +402,17 @@ def open_pages(
 
 
 def load_pages(
-    sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]], *, render_side: int = 1024
+    sources: Iterable[str | os.PathLike | bytes | tuple[str, bytes]],
+    *,
+    render_side: int = 1024,
+    limits: RenderLimits | None = None,
 ) -> list[Page]:
     """The pages of ``sources`` in order, rendered (:func:`open_pages`, then each page's
-    :meth:`PageSource.render`). PDF pages are rendered with their longer side ``render_side``
-    pixels. Raises :class:`DocumentError` naming the file and page."""
-    return [p.render() for p in open_pages(sources, render_side=render_side)]
+    :meth:`PageSource.render`) within ``limits`` (:class:`RenderLimits`, the defaults when
+    None). PDF pages are rendered with their longer side ``render_side`` pixels. Raises
+    :class:`DocumentError` naming the file and page."""
+    with Renderer(limits) as renderer:
+        return [p.render() for p in open_pages(sources, render_side=render_side, renderer=renderer)]
 
 
 def page_names(pages: Sequence[Page]) -> list[str]:

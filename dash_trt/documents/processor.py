@@ -9,10 +9,10 @@ build the same prompt for the same pages.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .pages import DocumentError, Page, open_pages
+from .pages import DocumentError, Page, Renderer, RenderLimits, open_pages
 from .prompt import document_prompt_ids
 from .views import PageViews, ViewSpec, check_page_tokens, page_views
 
@@ -70,22 +70,34 @@ def _digest(v: PageViews) -> str:
 
 class DocumentProcessor:
     """Files to model inputs for one model: its view sizes (:class:`ViewSpec` from its config),
-    its special tokens and its tokenizer."""
+    its special tokens and its tokenizer; ``render_limits``: what reading and rendering one
+    request's PDFs may take (:class:`~dash_trt.documents.render.RenderLimits`, the defaults
+    when None)."""
 
-    def __init__(self, tokenizer, *, image_token_id: int, page_token_id: int, spec: ViewSpec | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        image_token_id: int,
+        page_token_id: int,
+        spec: ViewSpec | None = None,
+        render_limits: RenderLimits | None = None,
+    ):
         self.tokenizer = tokenizer
         self.image_token_id = int(image_token_id)
         self.page_token_id = int(page_token_id)
         self.spec = spec or ViewSpec()
+        self.render_limits = render_limits or RenderLimits()
 
     @classmethod
-    def for_config(cls, tokenizer, config) -> DocumentProcessor:
+    def for_config(cls, tokenizer, config, render_limits: RenderLimits | None = None) -> DocumentProcessor:
         """For a model config (:class:`~dash_trt.models.config.DashModelConfig`)."""
         return cls(
             tokenizer,
             image_token_id=config.image_token_id,
             page_token_id=config.page_token_id,
             spec=ViewSpec.from_config(config),
+            render_limits=render_limits,
         )
 
     def render_side(self, options: DocumentOptions) -> int:
@@ -102,14 +114,22 @@ class DocumentProcessor:
         options: DocumentOptions | None = None,
         *,
         max_prompt_tokens: int | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> PreparedDocument:
         """Pages, views and prompt of ``sources`` (:func:`~dash_trt.documents.pages.load_pages`).
         Raises :class:`DocumentError` naming the page and the arithmetic when a page takes more
         than ``options.max_page_tokens`` image tokens or the prompt more than
-        ``max_prompt_tokens``."""
+        ``max_prompt_tokens``, or naming the page and the limit when reading or rendering goes
+        over :attr:`render_limits`; :class:`~dash_trt.documents.render.RenderCancelled` when
+        ``cancelled()`` says so (checked between pages and while one renders: the rendering
+        process is killed)."""
         options = options or DocumentOptions()
+        with Renderer(self.render_limits, cancelled=cancelled) as renderer:
+            return self._prepare(sources, options, max_prompt_tokens, renderer)
+
+    def _prepare(self, sources, options: DocumentOptions, max_prompt_tokens, renderer: Renderer) -> PreparedDocument:
         # every budget from the pages' sizes first: nothing is rendered for a refused request
-        pages = open_pages(sources, render_side=self.render_side(options))
+        pages = open_pages(sources, render_side=self.render_side(options), renderer=renderer)
         crop = options.crop_for(len(pages))
         spec = self.spec
         if options.max_page_tokens is not None:

@@ -17,7 +17,13 @@ one section per page and decoded, each page with how it ended (``finish_reason``
 ``max_page_tokens``, 20000 unless the request says), held to what the generation model admits
 (its longest request after the prompt, its ``max_new_tokens_limit``). Errors: a document that
 cannot be read, a page over the budget, bad options are ``INVALID_ARG`` naming the page and the
-arithmetic; the generation model's errors are passed on with their code. Requests in one call
+arithmetic; the generation model's errors are passed on with their code. PDFs are read and
+rendered in a worker process held to the model's ``render_limits`` parameter
+(:class:`~dash_trt.documents.render.RenderLimits`: CPU seconds a page and a request, memory;
+``dash-triton write --render-page-seconds``, ``--render-seconds``, ``--render-memory-mb``): a
+page over them is ``INVALID_ARG`` naming the page and the limit. A request cancelled by its
+client (Triton's ``is_cancelled``, e.g. the front door's client went away) stops rendering
+there (the worker is killed) and is answered ``CANCELLED``. Requests in one call
 are independent: one failing does not fail the others. Several CPU instances
 (``instance_group``) serve documents in parallel, and the generation model batches their
 prompts.
@@ -40,6 +46,7 @@ class TritonPythonModel:
         from dash_trt.documents import budget
         from dash_trt.documents.pages import DocumentError
         from dash_trt.documents.processor import DocumentOptions, DocumentProcessor, split_pages
+        from dash_trt.documents.render import RenderCancelled, RenderLimits
         from dash_trt.documents.tokenizer import load_tokenizer
         from dash_trt.models.config import load_model_config
         from dash_trt.models.deepencoder import DeepEncoderConfig, VisionTower
@@ -50,6 +57,7 @@ class TritonPythonModel:
         self.DocumentError, self.DocumentOptions, self.split_pages = DocumentError, DocumentOptions, split_pages
         self.DecodingRules, self.RulesError, self.document_rules = DecodingRules, RulesError, document_rules
         self.page_features = page_features
+        self.RenderCancelled = RenderCancelled
         self.budget = budget
         config = json.loads(args["model_config"])
         self.name = config["name"]
@@ -68,7 +76,8 @@ class TritonPythonModel:
         )
         self.model_config = load_model_config(os.path.join(folder, P.DOCUMENT_CONFIG))
         self.tokenizer = load_tokenizer(folder)
-        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model_config)
+        render_limits = RenderLimits.from_json(params.get(P.PARAM_RENDER_LIMITS))
+        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model_config, render_limits)
         import safetensors.torch as st
 
         state = st.load_file(os.path.join(folder, P.VISION_WEIGHTS))
@@ -78,7 +87,7 @@ class TritonPythonModel:
         self.cache = FeatureCache()
         pb_utils.Logger.log_info(
             f"{self.name}: documents for {self.generation_model}; vision tower on {device}; "
-            f"prompts up to {self.max_prompt_tokens or 'any number of'} tokens"
+            f"prompts up to {self.max_prompt_tokens or 'any number of'} tokens; rendering {render_limits.to_json()}"
         )
 
     # ------------------------------------------------------------------ requests
@@ -89,6 +98,8 @@ class TritonPythonModel:
                 responses.append(self._one(request))
             except self.DocumentError as exc:
                 responses.append(self._error(str(exc), pb_utils.TritonError.INVALID_ARG))
+            except self.RenderCancelled as exc:
+                responses.append(self._error(str(exc), _cancelled_code()))
             except _Refused as exc:
                 responses.append(self._error(exc.message, exc.code))
             except Exception as exc:  # one request never takes the model down
@@ -135,7 +146,10 @@ class TritonPythonModel:
         budget = None
         if self.max_prompt_tokens:
             budget = self.max_prompt_tokens - (max_new if max_new is not None else 1) + 1
-        doc = self.processor.prepare(files, options, max_prompt_tokens=budget)
+        cancelled = getattr(request, "is_cancelled", None)  # Triton 23.10 on
+        doc = self.processor.prepare(files, options, max_prompt_tokens=budget, cancelled=cancelled)
+        if cancelled is not None and cancelled():  # no vision tower, no generation for a client gone
+            raise self.RenderCancelled("the request was cancelled")
         feats = self.page_features(self.tower, doc, self.cache)
         overrides = {}
         for field, (iname, dtype) in P.RULE_INPUTS.items():
@@ -233,6 +247,11 @@ def _generation_limit(repository, name):
         return int(engine.get("max_new_tokens_limit") or EngineConfig.max_new_tokens_limit)
     except (OSError, ValueError, TypeError, AttributeError):
         return EngineConfig.max_new_tokens_limit
+
+
+def _cancelled_code():
+    """Triton's CANCELLED error code (UNAVAILABLE on a Python backend without it)."""
+    return getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)
 
 
 class _Refused(Exception):

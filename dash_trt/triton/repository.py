@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import triton_protocol as P
+from ..documents.render import RenderLimits
 from ..fileio import file_mode
 from ..modeling import DashModel
 from ..models.checkpoint import CheckpointError, read_folder
@@ -361,8 +362,11 @@ def document_model_config(
     device: str = "cpu",
     instances: int = 2,
     torch_num_threads: int = 0,
+    render_limits: RenderLimits | None = None,
 ) -> dict[str, Any]:
-    """config.pbtxt (as a dict) of the document model (:mod:`dash_trt.triton.document_model`)."""
+    """config.pbtxt (as a dict) of the document model (:mod:`dash_trt.triton.document_model`).
+    ``render_limits``: what reading and rendering one request's PDFs may take (the defaults
+    when None)."""
     if instances < 1:
         raise RepositoryError(f"document model instances must be >= 1, got {instances}")
     inputs = []
@@ -389,6 +393,7 @@ def document_model_config(
             {"key": P.PARAM_MAX_PROMPT_TOKENS, "value": {"string_value": str(int(max_prompt_tokens))}},
             {"key": P.PARAM_DEVICE, "value": {"string_value": device}},
             {"key": P.PARAM_TORCH_THREADS, "value": {"string_value": str(int(torch_num_threads))}},
+            {"key": P.PARAM_RENDER_LIMITS, "value": {"string_value": (render_limits or RenderLimits()).to_json()}},
         ],
     }
 
@@ -707,6 +712,7 @@ def write_repository(
     gpus: Sequence[int] | None = None,
     documents: str | None = None,
     document_instances: int = 2,
+    render_limits: RenderLimits | None = None,
     private: bool = False,
 ) -> WrittenRepository:
     """Write the repository at ``out``.
@@ -720,7 +726,8 @@ def write_repository(
     ``checkpoint`` the ``model.pt`` to copy (written from ``model`` when None).
     The plan model needs ``plan``, ``onnx`` and ``plugin`` together. ``documents``: the checkpoint
     folder, when it holds a vision tower and a tokenizer: a ``<name>_document`` model is written
-    too (``document_instances`` CPU instances), documents in, text out.
+    too (``document_instances`` CPU instances), documents in, text out, rendering each request's
+    PDFs within ``render_limits`` (the defaults when None).
     """
     out = os.path.abspath(os.fspath(out))
     check_served_path(out)
@@ -811,6 +818,7 @@ def write_repository(
                     device=device,
                     instances=document_instances,
                     torch_num_threads=torch_num_threads,
+                    render_limits=render_limits,
                 )
             )
         if plan_cfg is not None:

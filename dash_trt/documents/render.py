@@ -15,9 +15,9 @@ either kills the worker. Between pages (images too) it checks them again. A page
 is a :class:`~dash_trt.documents.pages.DocumentError` naming the page and the limit; a
 cancelled request :class:`RenderCancelled`.
 
-Measured overhead (a 3-page PDF of 1024 px pages, CPU, 2 shared cores): starting the worker is
-one Python start with pypdfium2 imported, ~0.15 s a request; rendering moves each bitmap through
-a pipe (~3 MB a page, a few ms). ``RenderLimits(isolate=False)`` renders in this process instead
+Measured overhead (a 3-page PDF of scanned A4 pages rendered at 1280 px, on 2 CPU cores shared
+with other work): 0.29 s in this process, 0.50 to 0.70 s through the worker: its start (one
+Python, ``-S``, with pypdfium2 imported; 0.25 to 0.35 s a request) and each bitmap through a pipe. ``RenderLimits(isolate=False)`` renders in this process instead
 (limits checked between pages only: a bomb page is not stopped).
 """
 
@@ -215,7 +215,7 @@ class Renderer:
             "memory_mb": max(int(lim.memory_mb), 0),
             "max_pages": _max_pages(),
         }
-        command = self.command or [_python(), "-c", _BOOT, WORKER]
+        command = self.command or [_python(), "-S", "-c", _BOOT, WORKER]  # -S: sys.path comes from here
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # pypdfium2 where this process finds it
         self.proc = subprocess.Popen(

@@ -17,7 +17,8 @@ cancelled request :class:`RenderCancelled`.
 
 Measured overhead (a 3-page PDF of scanned A4 pages rendered at 1280 px, on 2 CPU cores shared
 with other work): 0.29 s in this process, 0.50 to 0.70 s through the worker: its start (one
-Python, ``-S``, with pypdfium2 imported; 0.25 to 0.35 s a request) and each bitmap through a pipe. ``RenderLimits(isolate=False)`` renders in this process instead
+Python, ``-S``, with pypdfium2 imported; 0.25 to 0.35 s a request) and each bitmap through a pipe.
+``RenderLimits(isolate=False)`` renders in this process instead
 (limits checked between pages only: a bomb page is not stopped).
 """
 

@@ -97,6 +97,27 @@ def test_engine_equals_offline_generation(model, prompts, offline, config):
         assert max(sum(1 for e in events if e.request is r and e.kind == "progress") for r in reqs) >= 2
 
 
+def test_engine_counts_document_pages_waiting_running_and_done(model, prompts):
+    """A request's pages are its prompt's <PAGE> markers: the stats show them waiting, then
+    running once admitted, then done (a failed request's pages are not counted done)."""
+    engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=8, prefill_chunk=512))
+    page = model.config.page_token_id
+    pages = [p.count(page) for p in prompts]
+    assert pages == [3, 1, 4, 2, 1]
+    reqs = [engine.submit(p, 2) for p in prompts]
+    assert [r.pages for r in reqs] == pages
+    stats = engine.stats()
+    assert stats["pages_waiting"] == 11 and stats["pages_running"] == 0
+    engine.step()
+    stats = engine.stats()
+    assert stats["pages_running"] + stats["pages_waiting"] == 11 and stats["pages_running"] > 0
+    engine._fail(reqs[0], "refused for the test", INTERNAL)
+    engine.run_until_idle()
+    stats = engine.stats()
+    assert stats["pages_running"] == stats["pages_waiting"] == 0
+    assert stats["pages_done"] == 11 - 3 and stats["done"] == 4 and stats["failed"] == 1
+
+
 def test_requests_join_while_others_decode(model, prompts, offline):
     engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16))
     first = engine.submit(prompts[0], MAX_NEW[0])

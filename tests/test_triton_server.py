@@ -869,7 +869,7 @@ def _metrics(server) -> dict[str, float]:
     return out
 
 
-def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
+def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts, model):
     """Triton's metrics endpoint carries the generation model's counters and gauges
     (dash_trt.triton.metrics): three requests add exactly their requests, prompt and
     generated tokens and first tokens; the pool gauges show it free afterwards."""
@@ -895,6 +895,9 @@ def test_generation_metrics_on_the_metrics_endpoint(server, grpc, prompts):
     assert delta("dash_time_to_first_token_seconds") > 0 and delta("dash_request_seconds") > 0
     assert after["dash_kv_blocks_total"] == ENGINE.num_blocks
     assert after["dash_kv_blocks_in_use"] == 0 and after["dash_requests_running"] == 0
+    page = model.config.page_token_id
+    assert delta("dash_pages_total") == sum(p.count(page) for p in [*prompts, again]) == 11
+    assert after["dash_pages_in_flight"] == 0
 
 
 # ------------------------------------------------------------------ fault injection

@@ -200,6 +200,7 @@ class Request:
     sampling: SamplingParams | None = None  #: None: greedy
     rules: DecodingRules | None = None  #: the page-count guard, no-repeat n-grams (None: none)
     image_features: torch.Tensor | None = None  #: [image tokens, image_feature_dim], float32 on the CPU
+    pages: int = 0  #: document pages in the prompt (its ``<PAGE>`` markers; 0 for a text prompt)
     prompt_cached: int = 0  #: prompt tokens found in the prefix cache (not computed)
     tokens: list[int] = field(default_factory=list)  #: generated so far
     status: str = "queued"  #: queued -> waiting -> running (-> waiting: preempted -> running) -> done | failed
@@ -326,6 +327,7 @@ class GenerationEngine:
             "refused": 0,
             "done": 0,
             "failed": 0,
+            "pages_done": 0,
             "steps": 0,
             "tokens_generated": 0,
             "prompt_tokens_computed": 0,
@@ -388,6 +390,11 @@ class GenerationEngine:
                 f"<image> is id {cfg.image_token_id})"
             ) from None
         return ids, max_new, coords
+
+    def _pages(self, ids: list[int]) -> int:
+        """Document pages in a prompt: its ``<PAGE>`` markers (0 for a model without pages)."""
+        page = self.model_config.page_token_id
+        return 0 if page is None else ids.count(page)
 
     def check_options(
         self, stop_token_ids: Any = None, sampling: Any = None
@@ -506,6 +513,7 @@ class GenerationEngine:
             sampling=params,
             rules=checked_rules,
             image_features=feats,
+            pages=self._pages(ids),
         )
         req._coords = coords
         if self.runtime.prefix_caching:  # hashed here, on the caller's thread, not the engine's
@@ -771,6 +779,7 @@ class GenerationEngine:
         req.status, req.t_end = "done", time.perf_counter()
         with self._lock:
             self.counters["done"] += 1
+            self.counters["pages_done"] += req.pages
         self._emit(Event("done", req, tuple(req.tokens), step=self._step_no))
         req._finished.set()
 
@@ -825,6 +834,8 @@ class GenerationEngine:
                 kv_block_size=pool.block_size,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting) + len(self._incoming),
+                pages_running=sum(r.pages for r in self.scheduler.running),
+                pages_waiting=sum(r.pages for r in self.scheduler.waiting) + sum(r.pages for r in self._incoming),
                 closed=self._closed is not None,
                 paused=self._paused,
             )

@@ -20,6 +20,9 @@ name                                   kind     meaning
 ``dash_kv_blocks_in_use``              gauge    KV blocks held by sequences now
 ``dash_kv_blocks_total``               gauge    KV blocks in the pool
 ``dash_kv_blocks_cached``              gauge    KV blocks in the prefix cache (held or not)
+``dash_pages_in_flight``               gauge    document pages (``<PAGE>`` markers) of the requests
+                                                running or waiting now
+``dash_pages_total``                   counter  document pages of the requests that finished done
 =====================================  =======  ==============================================
 
 Rates (tokens/s) and means (time to first token) come from the counters, as Prometheus'
@@ -47,6 +50,8 @@ FAMILIES = (
     ("kv_blocks_in_use", "GAUGE", "KV blocks held by sequences"),
     ("kv_blocks_total", "GAUGE", "KV blocks in the pool"),
     ("kv_blocks_cached", "GAUGE", "KV blocks in the prefix cache"),
+    ("pages_in_flight", "GAUGE", "document pages of the requests running or waiting"),
+    ("pages_total", "COUNTER", "document pages of the requests that finished done"),
 )
 
 
@@ -68,6 +73,8 @@ class GenerationMetrics:
         """A request ended (done or failed): its tokens and times into the counters."""
         m = self._m
         self._outcome["done" if ok else "failed"].increment(1)
+        if ok:
+            m["pages_total"].increment(request.pages)
         m["prompt_tokens_total"].increment(len(request.prompt))
         m["prompt_tokens_cached_total"].increment(request.prompt_cached)
         m["prompt_tokens_computed_total"].increment(len(request.prompt) - request.prompt_cached)
@@ -86,3 +93,4 @@ class GenerationMetrics:
         m["kv_blocks_in_use"].set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
         m["kv_blocks_total"].set(stats["kv_blocks_total"])
         m["kv_blocks_cached"].set(stats["kv_blocks_cached"])
+        m["pages_in_flight"].set(stats["pages_running"] + stats["pages_waiting"])

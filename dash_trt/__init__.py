@@ -5,7 +5,11 @@ ONNX, TensorRT and Triton.
 paged-KV form, the contract every kernel and plugin implements.
 """
 
+from ._moved import __getattr__  # noqa: F401 - old module paths (dash_trt.paged, ...), one release
+from ._moved import install as _install_moved
 from .attention.dash.config import DashConfig, DashConfigError
+
+_install_moved()
 
 __version__ = "0.1.0"
 

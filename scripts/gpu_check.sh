@@ -137,7 +137,7 @@ case " $what " in *" breakdown "*)
 esac
 case " $what " in *" ab "*)
   # The decode-only benchmark once per setting of AB_SETTINGS (space-separated), an A/B in one
-  # call. A setting is kernel knobs (dash_trt.cuda.Tuning: "front_writer=1 front_writer=2"), or a
+  # call. A setting is kernel knobs (dash_trt.attention.dash.cuda.Tuning: "front_writer=1 front_writer=2"), or a
   # second library, "lib=$PWD/build-base/plugins/libdash_trt_kernels.so", with build-base
   # configured from an older tree (`git archive <commit> CMakeLists.txt plugins` unpacked into a
   # git-ignored folder that travels with the call).

@@ -91,7 +91,7 @@ TOML
   unset DASH_TRT_LIBRARY
   python3 -c "
 import dash_trt, sys
-from dash_trt import cuda
+from dash_trt.attention.dash import cuda
 here = dash_trt.__file__
 assert '/site-packages/' in here, here
 lib = cuda.library_path()

@@ -11,7 +11,8 @@ import torch
 from onnx import TensorProto
 from test_dca_paged import CONFIGS, Scenario, dca_cfg, random_lengths
 
-from dash_trt import dca_onnx, dca_ops
+from dash_trt.attention.dca import onnx as dca_onnx
+from dash_trt.attention.dca import ops as dca_ops
 from dash_trt.attention.dca.paged import paged_dual_chunk_attention
 
 FLOATS = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}

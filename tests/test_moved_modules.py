@@ -1,9 +1,12 @@
 """The attention modules' old top-level paths (moved to ``dash_trt.attention``) are the same
-module objects for one release, and nothing in the package imports them by the old path."""
+module objects for one release, served by one table (:mod:`dash_trt._moved`) with no file at the
+old path, and nothing in the package imports them by the old path."""
 
 import ast
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -29,6 +32,51 @@ def test_old_path_is_the_moved_module(old):
     assert importlib.import_module(f"dash_trt.{old}") is new
     pkg = importlib.import_module("dash_trt")
     assert getattr(pkg, old) is new  # `from dash_trt import paged` too
+    assert sys.modules[f"dash_trt.{old}"] is new
+    assert new.__spec__.name == new.__name__ == f"dash_trt.{MOVED[old]}"  # the alias left them alone
+    assert not (PACKAGE / f"{old}.py").exists()  # the table serves it, no file
+
+
+def test_every_import_form_of_an_old_path_in_a_fresh_interpreter():
+    """The old path imported first, before anything imported the new one: each form of import gives
+    the new path's module, loaded once."""
+    code = """
+import importlib, sys
+import dash_trt.paged
+from dash_trt.dca_ops import ATTRIBUTES
+from dash_trt import cuda
+new = importlib.import_module("dash_trt.attention.dash.paged")
+assert dash_trt.paged is new, (dash_trt.paged, new)
+assert importlib.import_module("dash_trt.dca_ops") is sys.modules["dash_trt.attention.dca.ops"]
+assert ATTRIBUTES is sys.modules["dash_trt.attention.dca.ops"].ATTRIBUTES
+assert cuda is sys.modules["dash_trt.attention.dash.cuda"] and cuda.__spec__.name == "dash_trt.attention.dash.cuda"
+assert new.__spec__.name == "dash_trt.attention.dash.paged"
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_an_unknown_name_is_still_not_found():
+    import dash_trt
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dash_trt.nonexistent")
+    with pytest.raises(ModuleNotFoundError):
+        exec("import dash_trt.nonexistent", {})
+    with pytest.raises(ImportError):
+        exec("from dash_trt import nonexistent", {})
+    with pytest.raises(AttributeError):
+        dash_trt.nonexistent  # noqa: B018
+
+
+def test_the_finder_is_installed_once():
+    import dash_trt
+    from dash_trt import _moved
+
+    _moved.install()
+    importlib.reload(dash_trt)
+    assert sum(isinstance(f, _moved.MovedFinder) for f in sys.meta_path) == 1
 
 
 def _imported(tree: ast.AST, module: str) -> set[str]:
@@ -49,11 +97,8 @@ def _imported(tree: ast.AST, module: str) -> set[str]:
 
 def test_the_package_imports_the_new_paths():
     old_paths = {f"dash_trt.{o}" for o in MOVED}
-    shims = {PACKAGE / f"{o}.py" for o in MOVED}
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if path in shims:
-            continue
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
         module = ".".join(rel.parts)
         if path.name == "__init__.py":
@@ -61,3 +106,9 @@ def test_the_package_imports_the_new_paths():
         bad = _imported(ast.parse(path.read_text(encoding="utf-8")), module) & old_paths
         found += [f"{path.relative_to(PACKAGE.parent)}: {b}" for b in sorted(bad)]
     assert not found, found
+
+
+def test_the_table_is_the_one_tested_here():
+    from dash_trt._moved import MOVED as TABLE
+
+    assert TABLE == {f"dash_trt.{old}": f"dash_trt.{new}" for old, new in MOVED.items()}

@@ -10,5 +10,5 @@
   ``DcaConfig``), ``paged``, ``ops``, ``onnx`` (the ``dash_trt.DualChunkAttention`` node).
 
 The modules' old top-level paths (``dash_trt.paged``, ``dash_trt.dca_ops``, ...) are the same
-module objects, kept for one release.
+module objects for one release, served by the table in :mod:`dash_trt._moved`.
 """

@@ -1,10 +1,10 @@
 """The DASH attention attributes, declared once.
 
 Every front end that carries the configuration as flat scalars reads this table:
-the torch custom op's schema (:mod:`dash_trt.ops`), the ONNX ``dash_trt.DashAttention``
-node, its ``OpSchema`` and its local function (:mod:`dash_trt.onnx_ops`), and later the
+the torch custom op's schema (:mod:`dash_trt.attention.dash.ops`), the ONNX ``dash_trt.DashAttention``
+node, its ``OpSchema`` and its local function (:mod:`dash_trt.attention.dash.onnx`), and later the
 TensorRT plugin creator's field list. The table is generated from the fields of
-:class:`~dash_trt.config.DashConfig` that a node carries (plus the per-call ``layer_idx``),
+:class:`~dash_trt.attention.dash.config.DashConfig` that a node carries (plus the per-call ``layer_idx``),
 so a new config key shows up everywhere at once and no front end repeats a name as a string
 literal.
 
@@ -189,7 +189,7 @@ def encode(sp: DashConfig | Mapping[str, Any], layer_idx: int) -> dict[str, Any]
 def decode(attrs: Mapping[str, Any]) -> tuple[DashConfig, int]:
     """Inverse of :func:`encode` (missing optional attributes take their defaults).
 
-    Raises :class:`~dash_trt.config.DashConfigError` for bad values (validated by
+    Raises :class:`~dash_trt.attention.dash.config.DashConfigError` for bad values (validated by
     :class:`DashConfig`) and ``ValueError`` for a missing required attribute.
     """
     sp = {}

@@ -456,17 +456,17 @@ def paged_dash_attention_cuda(
     tuning: Tuning | None = None,
     **kwargs,
 ):
-    """:func:`dash_trt.paged.paged_dash_attention` on the CUDA kernels: the same arguments
+    """:func:`dash_trt.attention.dash.paged.paged_dash_attention` on the CUDA kernels: the same arguments
     (``q, k, v, iq, ik, coords, head_cls, cache, block_tables, seq_lens, query_start_loc,
-    prompt_lens, sp, layer_idx``, bound by :meth:`~dash_trt.paged.OperatorCall.bind`; a
-    :class:`~dash_trt.paged.DashBatch` may stand for the four batch tensors).
+    prompt_lens, sp, layer_idx``, bound by :meth:`~dash_trt.attention.dash.paged.OperatorCall.bind`; a
+    :class:`~dash_trt.attention.dash.paged.DashBatch` may stand for the four batch tensors).
 
     ``validate=True`` checks the batch metadata on the host first (a device sync);
     ``check_errors`` (default: ``validate``) reads the kernels' data-error flag afterwards
     (another sync). Pass ``validate=False`` inside CUDA-graph capture: the kernels still
     never access memory out of bounds on bad metadata, they skip it and flag it.
     ``return_selected`` also returns the selected sparse blocks [T, kmax] (-1 padded);
-    ``return_routing`` a :class:`~dash_trt.reference.Routing` of them and their logit bias
+    ``return_routing`` a :class:`~dash_trt.attention.dash.reference.Routing` of them and their logit bias
     [T, kmax] float32 (0 at the padding), what the attention stage added.
     ``max_query_len`` is the most new tokens any one sequence has in this call (vLLM's
     ``max_query_len``; ``None``: T). With 1, a decode-only step, the kernels fold the cache
@@ -662,7 +662,7 @@ def _kernels_or_fallback(call: OperatorCall, **options) -> torch.Tensor:
 
 def op_impl_inplace(call: OperatorCall, max_query_len: int) -> torch.Tensor:
     """The CUDA implementation of the in-place op ``dash_trt::paged_attention_`` (see
-    :func:`dash_trt.ops.register_cuda_impl`): the kernels write the caches where they are,
+    :func:`dash_trt.attention.dash.ops.register_cuda_impl`): the kernels write the caches where they are,
     with no host validation and no sync (the runtime's metadata is built by its own pool),
     so the call can be captured in a CUDA graph."""
     return _kernels_or_fallback(call, validate=False, check_errors=False, max_query_len=int(max_query_len))
@@ -670,7 +670,7 @@ def op_impl_inplace(call: OperatorCall, max_query_len: int) -> torch.Tensor:
 
 def op_impl(call: OperatorCall) -> tuple[torch.Tensor, ...]:
     """The CUDA implementation of the functional torch op ``dash_trt::paged_attention``
-    (see :func:`dash_trt.ops.register_cuda_impl`): the kernels write into clones of the
+    (see :func:`dash_trt.attention.dash.ops.register_cuda_impl`): the kernels write into clones of the
     caches, which are returned."""
     cache = call.cache.clone()
     out = _kernels_or_fallback(dataclasses.replace(call, cache=cache))

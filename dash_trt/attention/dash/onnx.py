@@ -2,8 +2,8 @@
 function.
 
 Every DASH attention call becomes ONE node (op_type ``DashAttention``, domain
-``dash_trt``) with the 17 inputs and 7 outputs of the torch op (:mod:`dash_trt.ops`)
-and the configuration as attributes (:mod:`dash_trt.attributes`, plus
+``dash_trt``) with the 17 inputs and 7 outputs of the torch op (:mod:`dash_trt.attention.dash.ops`)
+and the configuration as attributes (:mod:`dash_trt.attention.dash.attributes`, plus
 ``plugin_version`` and ``plugin_namespace``). The model also carries a model-local
 function of the same domain and name whose body uses standard ONNX ops only, so ONNX
 Runtime (or any runtime without the plugin) runs the file as is, while TensorRT runs the
@@ -41,12 +41,12 @@ B sequences, every step vectorised over tokens):
 2. A new token completes sparse block ``pos // sbs`` exactly when
    ``(pos + 1) % sbs == 0``; those tokens (``NonZero``) gather their block's index
    keys and image pages from the updated cache and ``ScatterND`` the summaries and page
-   ranges into place (same formulas as :func:`dash_trt.reference.block_summaries`).
+   ranges into place (same formulas as :func:`dash_trt.attention.dash.reference.block_summaries`).
 3. Scores against every complete block of every sequence in one ``MatMul``
    ([T, Di] x [Di, B * N]), then each token keeps its own sequence's row; blocks that
    are not remote get -1e9. Candidates from the page ranges; the rare "page strictly
    inside the range" pairs are resolved from the image pages (``NonZero`` + gather +
-   ``ScatterND``), like :func:`dash_trt.paged._candidates`.
+   ``ScatterND``), like :func:`dash_trt.attention.dash.paged._candidates`.
 4. Routing exactly as docs/spec.md's (Unlimited-OCR-2's): each token's candidates are its
    page's remote image blocks, or every remote block when there are none; routing values
    ``x = score * scale / sqrt(Di)`` there, -1e4 elsewhere. The block axis is the batch's
@@ -154,7 +154,7 @@ def register_schema() -> None:
         DOMAIN,
         DOMAIN_VERSION,
         doc="DASH attention over a paged KV cache (block-sparse, page-aware RoPE); "
-        "returns the output and the updated caches. See dash_trt.onnx_ops.",
+        "returns the output and the updated caches. See dash_trt.attention.dash.onnx.",
         inputs=[S.FormalParameter(n, _INPUT_TYPES[n]) for n in TENSOR_INPUTS],
         outputs=[S.FormalParameter(n, _OUTPUT_TYPES[n]) for n in OUTPUTS],
         type_constraints=[
@@ -288,7 +288,7 @@ class _Builder:
 
 
 def _rope(g: _Builder, x: str, rank: int, tok_f: str, page_f: str, mode_attr: str) -> str:
-    """``page_rope`` (dash_trt.reference) of ``x`` [T, (heads,) dim] in x's dtype.
+    """``page_rope`` (dash_trt.attention.dash.reference) of ``x`` [T, (heads,) dim] in x's dtype.
 
     ``tok_f`` [T] float32 token coordinates, ``page_f`` [T] float32 page coordinates
     (already reduced modulo ``sparse_rope_page_mod``).
@@ -619,7 +619,7 @@ def dash_attention_function() -> onnx.FunctionProto:
         g.nodes,
         [helper.make_opsetid("", OPSET)],
         attributes=[a.name for a in A.NODE_ATTRIBUTES],
-        doc_string="DASH attention over a paged KV cache in standard ONNX ops (see dash_trt.onnx_ops).",
+        doc_string="DASH attention over a paged KV cache in standard ONNX ops (see dash_trt.attention.dash.onnx).",
     )
 
 
@@ -633,7 +633,7 @@ def node_config(node: onnx.NodeProto):
 # ---------------------------------------------------------------- standalone models
 def make_node(inputs: list[str], outputs: list[str], attrs: dict, name: str = "dash_attention") -> onnx.NodeProto:
     """A ``dash_trt.DashAttention`` node with the op attributes ``attrs`` (from
-    :func:`dash_trt.attributes.encode`), ``plugin_version`` and ``plugin_namespace``."""
+    :func:`dash_trt.attention.dash.attributes.encode`), ``plugin_version`` and ``plugin_namespace``."""
     node = helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN)
     for a in A.OP_ATTRIBUTES:
         node.attribute.append(helper.make_attribute(a.name, attrs[a.name], attr_type=_ATTR_TYPE[a.onnx_type]))

@@ -10,14 +10,14 @@
   through it.
 
 Why a *functional* op (the cache tensors go in, updated copies come out) when the paged
-operator (:func:`dash_trt.paged.paged_dash_attention`) writes the cache in place:
+operator (:func:`dash_trt.attention.dash.paged.paged_dash_attention`) writes the cache in place:
 ``torch.export`` rewrites a mutating custom op into ``auto_functionalized_v2(...)`` and
 the ONNX exporter (torch 2.13, dynamo) has no translation for that wrapper, so export
 fails ("Error when translating node %auto_functionalized_v2", measured). A functional
 op exports as one node whose outputs are the new caches, which is also what an ONNX or
 TensorRT graph with caches as inputs and outputs needs. The price in eager PyTorch is
 a copy of the six cache tensors per call; serving code that wants the in-place form
-calls :func:`dash_trt.paged.paged_dash_attention` (or the CUDA kernels) directly.
+calls :func:`dash_trt.attention.dash.paged.paged_dash_attention` (or the CUDA kernels) directly.
 
 Schema (``T`` new tokens, ``B`` sequences; shapes and layouts as in ``docs/api.md``)::
 
@@ -26,12 +26,12 @@ Schema (``T`` new tokens, ``B`` sequences; shapes and layouts as in ``docs/api.m
         Tensor key_cache, Tensor value_cache, Tensor index_key_cache,
         Tensor image_page_cache, Tensor summary_cache, Tensor summary_pages_cache,
         Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor prompt_lens,
-        *, <one scalar per entry of dash_trt.attributes.OP_ATTRIBUTES>)
+        *, <one scalar per entry of dash_trt.attention.dash.attributes.OP_ATTRIBUTES>)
       -> (Tensor out, Tensor key_cache, Tensor value_cache, Tensor index_key_cache,
           Tensor image_page_cache, Tensor summary_cache, Tensor summary_pages_cache)
 
 The configuration travels as plain scalars (``int``, ``float``, ``str``, ``int[]``)
-generated from :class:`~dash_trt.config.DashConfig` by :mod:`dash_trt.attributes`, the
+generated from :class:`~dash_trt.attention.dash.config.DashConfig` by :mod:`dash_trt.attention.dash.attributes`, the
 same table the ONNX node and the TensorRT plugin creator use.
 
 Implementations: a fake (meta) one for tracing (``torch.export``, ``torch.compile``,
@@ -136,9 +136,9 @@ def register_cuda_impl(
 ) -> None:
     """Plug the CUDA kernels into the op (``None`` restores the PyTorch fallback).
 
-    ``fn(call)`` receives the op's arguments as a :class:`~dash_trt.paged.OperatorCall` (its
+    ``fn(call)`` receives the op's arguments as a :class:`~dash_trt.attention.dash.paged.OperatorCall` (its
     tensors all on one CUDA device, layouts as in ``docs/api.md``; the decoded
-    :class:`~dash_trt.config.DashConfig` and the layer index) and returns ``(out, key, value,
+    :class:`~dash_trt.attention.dash.config.DashConfig` and the layer index) and returns ``(out, key, value,
     index_key, image_page, summary, summary_pages)``. The returned caches must be new tensors
     (the op is functional: it may not return or modify its inputs); the usual kernel writes
     into clones.
@@ -232,8 +232,8 @@ def paged_attention_op() -> torch._ops.OpOverload:
 
 
 def paged_attention(*args, **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Call the functional op with :func:`dash_trt.paged.paged_dash_attention`'s arguments
-    (bound by :meth:`~dash_trt.paged.OperatorCall.bind`; the cache may also be its six
+    """Call the functional op with :func:`dash_trt.attention.dash.paged.paged_dash_attention`'s arguments
+    (bound by :meth:`~dash_trt.attention.dash.paged.OperatorCall.bind`; the cache may also be its six
     tensors in :data:`CACHE_FIELDS` order); returns ``(out, new_cache_tensors)``: the cache
     returned updated instead of written in place."""
     call = OperatorCall.bind(*args, **kwargs)
@@ -248,10 +248,10 @@ def paged_attention_inplace_op() -> torch._ops.OpOverload:
 
 
 def paged_attention_inplace(*args, attrs: Mapping[str, Any] | None = None, **kwargs) -> torch.Tensor:
-    """The in-place op with :func:`dash_trt.paged.paged_dash_attention`'s arguments (the
-    batch as the step's :class:`~dash_trt.paged.DashBatch`, the same object for every layer):
+    """The in-place op with :func:`dash_trt.attention.dash.paged.paged_dash_attention`'s arguments (the
+    batch as the step's :class:`~dash_trt.attention.dash.paged.DashBatch`, the same object for every layer):
     writes the new tokens into the cache and returns ``out`` [T, H, D]. ``attrs``
-    (``dash_trt.attributes.encode(sp, layer_idx)``) may be passed in to skip encoding the
+    (``dash_trt.attention.dash.attributes.encode(sp, layer_idx)``) may be passed in to skip encoding the
     config on every call."""
     call = OperatorCall.bind(*args, **kwargs)
     if call.cache.quantized:

@@ -50,7 +50,7 @@ tokens in total):
 ``coords`` [T, 4] int32/int64 carries each new token's page coordinates, columns
 :data:`COORD_TOK`, :data:`COORD_PAGE`, :data:`COORD_IMAGE_PAGE`,
 :data:`COORD_QUERY_PAGE`: the four outputs of
-:func:`dash_trt.reference.page_coordinates` for the whole sequence (see
+:func:`dash_trt.attention.dash.reference.page_coordinates` for the whole sequence (see
 :func:`sequence_coords`). With them, the output for every token equals
 ``dash_attention`` on the sequence's contiguous history (docs/spec.md, property 6).
 """

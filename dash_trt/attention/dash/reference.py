@@ -11,7 +11,7 @@ fixed temporary size. Chunking never changes the output (docs/spec.md, property 
 
 The building blocks (:func:`block_summaries`, :func:`routing_scores`,
 :func:`route_blocks`, :func:`sparse_attend`) are shared with the paged operator in
-:mod:`dash_trt.paged`, so the two differ only in where keys come from.
+:mod:`dash_trt.attention.dash.paged`, so the two differ only in where keys come from.
 """
 
 from __future__ import annotations

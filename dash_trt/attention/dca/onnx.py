@@ -2,16 +2,16 @@
 model-local function in standard ONNX ops.
 
 One node (op_type ``DualChunkAttention``, domain ``dash_trt``) with the 9 inputs and 3 outputs of
-the functional torch op ``dash_trt::dual_chunk_attention`` (:mod:`dash_trt.dca_ops`) and its six
-scalars as attributes (:data:`dash_trt.dca_ops.ATTRIBUTES`: ``chunk_size``, ``local_size``,
+the functional torch op ``dash_trt::dual_chunk_attention`` (:mod:`dash_trt.attention.dca.ops`) and its six
+scalars as attributes (:data:`dash_trt.attention.dca.ops.ATTRIBUTES`: ``chunk_size``, ``local_size``,
 ``original_max_position_embeddings`` and ``rotary_dim`` INT, ``rope_theta`` and
 ``softmax_scale`` FLOAT; ``rotary_dim`` 0 = head dim, ``softmax_scale`` 0.0 = head_dim ** -0.5).
 The schema also declares the optional STRING attributes ``plugin_version`` and
-``plugin_namespace`` (the fields a TensorRT plugin node carries, see :mod:`dash_trt.onnx_ops`);
+``plugin_namespace`` (the fields a TensorRT plugin node carries, see :mod:`dash_trt.attention.dash.onnx`);
 :func:`make_node` sets them only when asked, since no TensorRT plugin implements this op.
 
 The model-local function of the same domain and name computes what
-:func:`dash_trt.dca_paged.paged_dual_chunk_attention` computes, with the same roundings (only the
+:func:`dash_trt.attention.dca.paged.paged_dual_chunk_attention` computes, with the same roundings (only the
 float32 sums run in another order), in standard ops only (opset :data:`OPSET`), so ONNX Runtime
 runs the file. No loops; ``T`` new tokens, ``B`` sequences:
 
@@ -118,7 +118,7 @@ def register_schema() -> None:
         DOMAIN,
         DOMAIN_VERSION,
         doc="Dual Chunk Attention over a paged KV cache (keys cached rotated at p mod c and length-scaled); "
-        "returns the output and the updated caches. See dash_trt.dca_onnx.",
+        "returns the output and the updated caches. See dash_trt.attention.dca.onnx.",
         inputs=[S.FormalParameter(n, _INPUT_TYPES[n]) for n in TENSOR_INPUTS],
         outputs=[S.FormalParameter(n, "T") for n in OUTPUTS],
         type_constraints=[
@@ -168,7 +168,7 @@ def add_function(program) -> None:
 
 # ------------------------------------------------------------------- function builder
 class _DcaBuilder(_Builder):
-    """:class:`dash_trt.onnx_ops._Builder` reading this node's attributes."""
+    """:class:`dash_trt.attention.dash.onnx._Builder` reading this node's attributes."""
 
     def attr(self, name: str) -> str:
         kind = next(o for n, o, _, _ in NODE_ATTRIBUTES if n == name)
@@ -301,18 +301,18 @@ def dual_chunk_attention_function() -> onnx.FunctionProto:
         g.nodes,
         [helper.make_opsetid("", OPSET)],
         attributes=[n for n, _, _, _ in NODE_ATTRIBUTES],
-        doc_string="Paged Dual Chunk Attention in standard ONNX ops (see dash_trt.dca_onnx).",
+        doc_string="Paged Dual Chunk Attention in standard ONNX ops (see dash_trt.attention.dca.onnx).",
     )
 
 
 # ------------------------------------------------------------------------- the node
 def node_attributes(cfg, *, rope_theta: float = 10000.0, rotary_dim=None, softmax_scale=None) -> dict:
-    """The node's config attributes of a call (:func:`dash_trt.dca_ops.encode`)."""
+    """The node's config attributes of a call (:func:`dash_trt.attention.dca.ops.encode`)."""
     return dca_ops.encode(cfg, rope_theta=rope_theta, rotary_dim=rotary_dim, softmax_scale=softmax_scale)
 
 
 def node_config(node: onnx.NodeProto) -> dca_ops.DcaAttributes:
-    """The decoded config of a ``DualChunkAttention`` node (:func:`dash_trt.dca_ops.decode`)."""
+    """The decoded config of a ``DualChunkAttention`` node (:func:`dash_trt.attention.dca.ops.decode`)."""
     if (node.domain, node.op_type) != (DOMAIN, OP_TYPE):
         raise ValueError(f"not a {DOMAIN}.{OP_TYPE} node: {node.domain}.{node.op_type}")
     return dca_ops.decode({a.name: helper.get_attribute_value(a) for a in node.attribute})

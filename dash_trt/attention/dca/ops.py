@@ -1,14 +1,14 @@
-"""Paged Dual Chunk Attention as PyTorch custom ops, in the two forms of :mod:`dash_trt.ops`:
+"""Paged Dual Chunk Attention as PyTorch custom ops, in the two forms of :mod:`dash_trt.attention.dash.ops`:
 
 - ``torch.ops.dash_trt.dual_chunk_attention`` (:func:`dual_chunk_attention_functional`):
   **functional, for export**. The two caches go in and updated copies come out (what an ONNX or
   TensorRT graph with caches as inputs and outputs needs; ``torch.export`` cannot hand a mutating
-  custom op to the ONNX exporter, see :mod:`dash_trt.ops`).
+  custom op to the ONNX exporter, see :mod:`dash_trt.attention.dash.ops`).
 - ``torch.ops.dash_trt.dual_chunk_attention_`` (:func:`dual_chunk_attention_inplace`): **in
   place, for serving**. The two caches are declared mutated (``Tensor(a!)``, ``Tensor(b!)``)
   and written where they are; only ``out`` is returned.
 
-Both delegate to :func:`dash_trt.dca_paged.paged_dual_chunk_attention` (docs/dca_paged.md), which
+Both delegate to :func:`dash_trt.attention.dca.paged.paged_dual_chunk_attention` (docs/dca_paged.md), which
 checks every input before writing anything; the functional form runs it on clones of the caches.
 
 Schema (``T`` new tokens, ``B`` sequences; shapes as in docs/dca_paged.md)::
@@ -24,7 +24,7 @@ Schema (``T`` new tokens, ``B`` sequences; shapes as in docs/dca_paged.md)::
         <the same, key_cache as Tensor(a!) and value_cache as Tensor(b!)>) -> Tensor out
 
 The configuration travels as scalars (:func:`encode` / :func:`decode`, :data:`ATTRIBUTES`), the
-same names the ONNX node ``dash_trt.DualChunkAttention`` (:mod:`dash_trt.dca_onnx`) carries as
+same names the ONNX node ``dash_trt.DualChunkAttention`` (:mod:`dash_trt.attention.dca.onnx`) carries as
 attributes. Two sentinels: ``rotary_dim`` 0 means the head dim, ``softmax_scale`` 0.0 means
 ``head_dim ** -0.5``. ``prompt_lens`` is always a tensor: -1 for a sequence without one (allowed
 only while the length scaling is off, ``original_max_position_embeddings`` 0).
@@ -249,7 +249,7 @@ def dual_chunk_attention_functional(
     prompt_lens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The functional op with :func:`~dash_trt.dca_paged.paged_dual_chunk_attention`'s
+    """The functional op with :func:`~dash_trt.attention.dca.paged.paged_dual_chunk_attention`'s
     arguments (the cache a :class:`DcaKVCache` or its ``(key, value)``); returns ``(out,
     (key_cache, value_cache))``, the caches updated copies, the inputs untouched."""
     args = _tensors(q, k, v, cache, block_tables, seq_lens, query_start_loc, prompt_lens)

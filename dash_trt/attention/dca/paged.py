@@ -1,5 +1,5 @@
 """The paged form of Dual Chunk Attention: a ragged batch of prefill chunks and decode tokens
-over a paged KV cache, equal to :func:`dash_trt.dca.dual_chunk_attention` (docs/dca.md states
+over a paged KV cache, equal to :func:`dash_trt.attention.dca.reference.dual_chunk_attention` (docs/dca.md states
 the function, docs/dca_paged.md this form).
 
 Layout (per layer), for ``num_blocks`` KV blocks of ``block_size`` tokens:
@@ -16,7 +16,7 @@ dims) at ``p mod c`` and multiplied by the length scale ``s`` it was written wit
 to the cache dtype. The scale is folded into the key, so the cache needs no other per-token
 field, and a key is never rotated or scaled again. ``value`` holds the values unchanged.
 
-Batch metadata, the conventions of :mod:`dash_trt.paged` (``B`` sequences, ``T`` new tokens):
+Batch metadata, the conventions of :mod:`dash_trt.attention.dash.paged` (``B`` sequences, ``T`` new tokens):
 
 - ``block_tables`` [B, W] int32/int64: physical KV block of each logical block, -1 pad;
 - ``seq_lens`` [B]: tokens of each sequence *after* this call;
@@ -26,7 +26,7 @@ Batch metadata, the conventions of :mod:`dash_trt.paged` (``B`` sequences, ``T``
   length, constant over its life (:class:`dash_trt.serving.block_pool.KVBlockPool` hands out
   the ``prompt_length`` a sequence was added with; -1 for none).
 
-Scaling (vLLM's semantics, as :func:`dash_trt.dca.dual_chunk_attention` documents them), per
+Scaling (vLLM's semantics, as :func:`dash_trt.attention.dca.reference.dual_chunk_attention` documents them), per
 token at position ``t`` of a sequence whose prompt holds ``P`` tokens:
 
 - ``t < P`` (a prompt token, in a one-shot or a chunked prefill): its query and its key are

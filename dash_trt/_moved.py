@@ -1,9 +1,9 @@
 """Old module paths, kept for one release: each old name is the very module of its new path.
 
 ``import dash_trt.paged``, ``from dash_trt import paged`` and ``import_module("dash_trt.paged")``
-all give :mod:`dash_trt.attention.dash.paged` itself, not a copy. ``dash_trt`` installs
-:class:`MovedFinder` once, at its import; a new path is imported only when its old name is asked
-for.
+all give :mod:`dash_trt.attention.dash.paged` itself, not a copy; ``python -m dash_trt.info`` runs
+:mod:`dash_trt.commands.info`. ``dash_trt`` installs :class:`MovedFinder` once, at its import; a
+new path is imported only when its old name is asked for.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ MOVED = {
     "dash_trt.dca_onnx": "dash_trt.attention.dca.onnx",
     "dash_trt.dca_ops": "dash_trt.attention.dca.ops",
     "dash_trt.dca_paged": "dash_trt.attention.dca.paged",
+    "dash_trt.cli": "dash_trt.commands.demo",
+    "dash_trt.info": "dash_trt.commands.info",
+    "dash_trt.ocr": "dash_trt.commands.ocr",
 }
 
 
@@ -42,6 +45,14 @@ class MovedFinder:
 
     def exec_module(self, module):
         module.__spec__ = module.__spec__.loader_state  # the new path's import ran it; its spec again
+
+    def get_code(self, fullname):
+        """``python -m dash_trt.info``: runs the new path as ``__main__``."""
+        return compile(
+            f"import runpy; runpy.run_module({MOVED[fullname]!r}, run_name='__main__', alter_sys=True)",
+            fullname,
+            "exec",
+        )
 
 
 def install() -> None:

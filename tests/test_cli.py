@@ -5,29 +5,29 @@ import io
 import pytest
 import torch
 
-from dash_trt import cli
+from dash_trt.commands import demo
 
 
 def test_demo_passes_and_reports(capsys):
     stream = io.StringIO()
-    assert cli.run_demo(seed=3, sequences=2, pages=2, decode_steps=5, kv_block_size=16, stream=stream)
+    assert demo.run_demo(seed=3, sequences=2, pages=2, decode_steps=5, kv_block_size=16, stream=stream)
     text = stream.getvalue()
     assert "RESULT: paged operator matches the reference" in text
     assert text.count("-> OK") == 2
 
 
 def test_demo_main_exit_codes(capsys, monkeypatch):
-    assert cli.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 0
+    assert demo.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 0
     assert "matches the reference" in capsys.readouterr().out
     # A broken operator must turn into a failing exit code, not a printed "OK".
-    real = cli.paged_dash_attention
+    real = demo.paged_dash_attention
 
     def broken(*a, **kw):
         out, routing = real(*a, **kw)
         return out + 0.1, routing
 
-    monkeypatch.setattr(cli, "paged_dash_attention", broken)
-    assert cli.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 1
+    monkeypatch.setattr(demo, "paged_dash_attention", broken)
+    assert demo.demo_main(["--sequences", "1", "--pages", "2", "--decode-steps", "3"]) == 1
     assert "DOES NOT match" in capsys.readouterr().out
 
 
@@ -35,15 +35,15 @@ def test_demo_rejects_bad_arguments(capsys):
     import pytest
 
     with pytest.raises(SystemExit) as e:
-        cli.demo_main(["--pages", "0"])
+        demo.demo_main(["--pages", "0"])
     assert e.value.code == 2
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            cli.demo_main(["--device", "cuda"])
+            demo.demo_main(["--device", "cuda"])
         assert "no CUDA device" in capsys.readouterr().err
     for bad, message in (("bogus", "is not a device"), ("meta", "only cpu and cuda")):
         with pytest.raises(SystemExit) as e:
-            cli.demo_main(["--device", bad])
+            demo.demo_main(["--device", bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -75,9 +75,9 @@ def test_model_load_errors_from_a_triton_log():
         ["dash_trt.triton.cli", "openai"],
         ["dash_trt.triton.cli", "probe"],
         ["dash_trt.triton.client"],
-        ["dash_trt.info"],
+        ["dash_trt.commands.info"],
         ["dash_trt.triton.loadtest"],
-        ["dash_trt.cli"],
+        ["dash_trt.commands.demo"],
     ],
 )
 def test_every_command_line_builds_its_parser_and_prints_help(argv):
@@ -214,8 +214,8 @@ def test_probe_without_a_server_or_with_a_bad_timeout_says_so_in_one_line():
         ["dash_trt.triton.cli"],
         ["dash_trt.triton.client"],
         ["dash_trt.triton.loadtest"],
-        ["dash_trt.cli"],
-        ["dash_trt.info"],
+        ["dash_trt.commands.demo"],
+        ["dash_trt.commands.info"],
     ],
 )
 def test_every_command_prints_the_same_version_line(argv):
@@ -240,7 +240,7 @@ def test_info_reports_what_is_found_and_what_is_missing(monkeypatch, tmp_path):
     import io
     import json
 
-    from dash_trt import info
+    from dash_trt.commands import info
 
     monkeypatch.setenv("DASH_TRT_LIBRARY", str(tmp_path / "none.so"))
     monkeypatch.setattr("dash_trt.attention.dash.cuda.library_path", lambda: None)

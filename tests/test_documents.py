@@ -462,7 +462,7 @@ def test_dash_trt_ocr_in_process_reports_pages_cut_at_their_budget(folder, tmp_p
     doc.write_bytes(three_pages())
 
     def ocr_cli(*extra):
-        cmd = [sys.executable, "-m", "dash_trt.info", "ocr", str(doc), "--checkpoint", str(folder)]
+        cmd = [sys.executable, "-m", "dash_trt.commands.info", "ocr", str(doc), "--checkpoint", str(folder)]
         cmd += ["--out", str(tmp_path / "out"), "--no-progress", "--max-page-tokens", "4", *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
@@ -542,7 +542,7 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
             [
                 sys.executable,
                 "-m",
-                "dash_trt.info",
+                "dash_trt.commands.info",
                 "ocr",
                 *(str(tmp_path / f) for f in files),
                 "--server",
@@ -564,8 +564,9 @@ def test_dash_trt_ocr_through_the_real_server_equals_offline(ocr, folder, tmp_pa
             cwd=ROOT,
         )
         jsonl = subprocess.run(
-            [sys.executable, "-m", "dash_trt.info", "ocr", str(tmp_path / "report.pdf"), "--server", srv.grpc_url]
-            + ["--out", str(tmp_path / "out-jsonl"), "--max-page-tokens", "6", "--no-progress", "--format", "jsonl"],
+            [sys.executable, "-m", "dash_trt.commands.info", "ocr", str(tmp_path / "report.pdf")]
+            + ["--server", srv.grpc_url, "--out", str(tmp_path / "out-jsonl"), "--max-page-tokens", "6"]
+            + ["--no-progress", "--format", "jsonl"],
             capture_output=True,
             text=True,
             timeout=600,
@@ -652,8 +653,8 @@ def test_dash_trt_ocr_in_process_takes_a_device_and_dtype(ocr, folder, tmp_path)
 
     def ocr_cli(*extra):
         return subprocess.run(
-            [sys.executable, "-m", "dash_trt.info", "ocr", str(doc), "--out", str(tmp_path / "out"), "--no-progress"]
-            + ["--max-new-tokens", "8", "--max-page-tokens", "6", *extra],
+            [sys.executable, "-m", "dash_trt.commands.info", "ocr", str(doc), "--out", str(tmp_path / "out")]
+            + ["--no-progress", "--max-new-tokens", "8", "--max-page-tokens", "6", *extra],
             capture_output=True,
             text=True,
             timeout=600,
@@ -671,7 +672,7 @@ def test_dash_trt_ocr_in_process_takes_a_device_and_dtype(ocr, folder, tmp_path)
 
 
 def test_ocr_output_names_are_unique_whatever_the_files_are_called():
-    from dash_trt.ocr import _stems
+    from dash_trt.commands.ocr import _stems
 
     assert _stems(["x/a.pdf", "y/a.png", "a-2.pdf"]) == ["a", "a-3", "a-2"]
     assert _stems(["a.pdf", "a.pdf", "a-2.png"]) == ["a", "a-3", "a-2"]
@@ -695,7 +696,7 @@ def test_dash_trt_ocr_lists_a_document_it_cannot_write_and_writes_the_others(fol
     (out / "link").symlink_to(outside, target_is_directory=True)
 
     def ocr_cli(*args):
-        cmd = [sys.executable, "-m", "dash_trt.info", "ocr", *args, "--checkpoint", str(folder)]
+        cmd = [sys.executable, "-m", "dash_trt.commands.info", "ocr", *args, "--checkpoint", str(folder)]
         cmd += ["--max-new-tokens", "4", "--no-progress", "--json"]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
 

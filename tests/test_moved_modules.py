@@ -1,6 +1,7 @@
-"""The attention modules' old top-level paths (moved to ``dash_trt.attention``) are the same
-module objects for one release, served by one table (:mod:`dash_trt._moved`) with no file at the
-old path, and nothing in the package imports them by the old path."""
+"""The old top-level module paths (the attention modules, moved to ``dash_trt.attention``; the
+command lines, moved to ``dash_trt.commands``) are the same module objects for one release, served
+by one table (:mod:`dash_trt._moved`) with no file at the old path, and nothing in the package
+imports them by the old path."""
 
 import ast
 import importlib
@@ -22,6 +23,9 @@ MOVED = {
     "dca_paged": "attention.dca.paged",
     "dca_ops": "attention.dca.ops",
     "dca_onnx": "attention.dca.onnx",
+    "cli": "commands.demo",
+    "info": "commands.info",
+    "ocr": "commands.ocr",
 }
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "dash_trt"
 
@@ -44,17 +48,26 @@ def test_every_import_form_of_an_old_path_in_a_fresh_interpreter():
 import importlib, sys
 import dash_trt.paged
 from dash_trt.dca_ops import ATTRIBUTES
-from dash_trt import cuda
+from dash_trt import info
 new = importlib.import_module("dash_trt.attention.dash.paged")
 assert dash_trt.paged is new, (dash_trt.paged, new)
 assert importlib.import_module("dash_trt.dca_ops") is sys.modules["dash_trt.attention.dca.ops"]
 assert ATTRIBUTES is sys.modules["dash_trt.attention.dca.ops"].ATTRIBUTES
-assert cuda is sys.modules["dash_trt.attention.dash.cuda"] and cuda.__spec__.name == "dash_trt.attention.dash.cuda"
+assert info is sys.modules["dash_trt.commands.info"] and info.__spec__.name == "dash_trt.commands.info"
 assert new.__spec__.name == "dash_trt.attention.dash.paged"
 print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_an_old_command_path_still_runs_with_python_m():
+    run = lambda module: subprocess.run(
+        [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120
+    )
+    new, old = run("dash_trt.commands.info"), run("dash_trt.info")
+    assert old.returncode == new.returncode == 0, old.stderr[-2000:]
+    assert old.stdout == new.stdout and new.stdout.startswith("dash-trt ")
 
 
 def test_an_unknown_name_is_still_not_found():

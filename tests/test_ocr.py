@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dash_trt import ocr as O
+from dash_trt.commands import ocr as O
 from dash_trt.triton import client as C
 
 

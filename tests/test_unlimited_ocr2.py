@@ -556,7 +556,7 @@ def test_dash_trt_info_prints_the_deployment_facts(folder, capsys):
     and lm_head 2 x 320 x 128; a layer's attention 4 x 128^2, its router 2 x 128 x 32 + 2 x 32 + 32,
     its norms 2 x 128; layer 0's dense MLP 3 x 128 x 256; layer 1's gate 8 x 128, 8 experts of
     3 x 128 x 64 (2 of them a token) and shared experts 3 x 128 x 128; the final norm 128."""
-    from dash_trt import info
+    from dash_trt.commands import info
 
     attn = 4 * 128 * 128 + 2 * 128 * 32 + 2 * 32 + 32 + 2 * 128
     experts = 8 * 3 * 128 * 64

@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .documents.budget import DEFAULT_MAX_PAGE_TOKENS
-from .fileio import atomic_write
+from ..documents.budget import DEFAULT_MAX_PAGE_TOKENS
+from ..fileio import atomic_write
 
 __all__ = ["add_parser", "ocr_main", "DocumentOutcome"]
 
@@ -226,11 +226,11 @@ def _options(a) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _remote(a, rules: dict[str, Any], crop: bool | None, sleep: Callable[[float], None] = time.sleep):
-    from .triton.client import DashClient, DashClientError
+    from ..triton.client import DashClient, DashClientError
 
     key = None
     if a.admin_key_file:
-        from .triton.server import read_admin_key
+        from ..triton.server import read_admin_key
 
         key = read_admin_key(a.admin_key_file)
     client = DashClient(
@@ -277,10 +277,10 @@ def _remote(a, rules: dict[str, Any], crop: bool | None, sleep: Callable[[float]
 def _local(a, rules: dict[str, Any], crop: bool | None):
     import threading
 
-    from .documents.pages import DocumentError
-    from .documents.processor import DocumentOptions
-    from .models.config import DTYPES
-    from .serving.documents import DocumentOCR
+    from ..documents.pages import DocumentError
+    from ..documents.processor import DocumentOptions
+    from ..models.config import DTYPES
+    from ..serving.documents import DocumentOCR
 
     ocr = DocumentOCR(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None, device=a.device)
     lock = threading.Lock()  # one model in this process: documents in turn

@@ -1,4 +1,4 @@
-"""Command-line entry points."""
+"""``dash-demo``: the paged DASH operator on random prompts, checked against the reference."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import time
 
 import torch
 
-from .attention.dash.config import DashConfig
-from .attention.dash.paged import DashKVCache, paged_dash_attention, sequence_coords
-from .attention.dash.reference import Routing, dash_attention
-from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from .serving.block_pool import KVBlockPool, blocks_for
-from .testing import compare_outputs, random_inputs, random_roles
-from .versions import version_line as _version_line
+from ..attention.dash.config import DashConfig
+from ..attention.dash.paged import DashKVCache, paged_dash_attention, sequence_coords
+from ..attention.dash.reference import Routing, dash_attention
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from ..serving.block_pool import KVBlockPool, blocks_for
+from ..testing import compare_outputs, random_inputs, random_roles
+from ..versions import version_line as _version_line
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -2,7 +2,7 @@
 
     dash-trt info [--json]     # package, kernel library, GPU, TensorRT and plugin, ONNX Runtime, torch
     dash-trt info CHECKPOINT   # a model's parameters, active parameters, KV bytes, pool sizes
-    dash-trt ocr FILES --server URL --out DIR   # PDFs and images to markdown (dash_trt.ocr)
+    dash-trt ocr FILES --server URL --out DIR   # PDFs and images to markdown (dash_trt.commands.ocr)
     dash-trt --version         # the line every command's --version prints
 
 Nothing here needs a GPU, TensorRT or ONNX Runtime: what is missing is reported as missing.
@@ -20,9 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from . import __version__
-from .cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from .versions import version_line
+from .. import __version__
+from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
+from ..versions import version_line
 
 __all__ = ["collect", "main"]
 
@@ -35,7 +35,7 @@ def _dist_version(name: str) -> str | None:
 
 
 def _kernels() -> dict[str, Any]:
-    from .attention.dash import cuda
+    from ..attention.dash import cuda
 
     path = cuda.library_path()
     out: dict[str, Any] = {"expected_abi": cuda.ABI_VERSION, "path": str(path) if path else None}
@@ -89,7 +89,7 @@ def _tensorrt() -> dict[str, Any]:
             out["python_package"] = getattr(tensorrt, "__version__", "unknown")
         except Exception as exc:  # noqa: BLE001 - a broken install is reported
             out["python_package"] = f"cannot be imported: {type(exc).__name__}: {exc}"
-    from .libraries import STATIC_PLUGIN_NAME, plugin_path, plugin_tensorrt_version
+    from ..libraries import STATIC_PLUGIN_NAME, plugin_path, plugin_tensorrt_version
 
     plugin, static = plugin_path(), plugin_path(STATIC_PLUGIN_NAME)
     out["plugin_library"] = str(plugin) if plugin else None
@@ -168,7 +168,7 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
         for d in g["devices"]:
             print(f"GPU {d['index']}: {d['name']} ({d['capability']}, {d['memory_gib']} GiB)", file=out)
         if k.get("status") == "ok" and k.get("architectures"):
-            from .attention.dash.cuda import runs_on
+            from ..attention.dash.cuda import runs_on
 
             for d in g["devices"]:
                 if not runs_on((d["major"], d["minor"]), k["architectures"]):
@@ -209,8 +209,8 @@ def _print(info: dict[str, Any], out: TextIO) -> None:
 def _checkpoint_facts(a) -> dict[str, Any]:
     import torch
 
-    from .models.config import DTYPES
-    from .models.facts import model_facts, read_config
+    from ..models.config import DTYPES
+    from ..models.facts import model_facts, read_config
 
     config = read_config(a.checkpoint)
     facts = model_facts(
@@ -313,8 +313,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
 
         return ocr_main(a, out, sys.stderr)
     if a.checkpoint is not None:
-        from .modeling import ModelContractError
-        from .models.config import ModelConfigError
+        from ..modeling import ModelContractError
+        from ..models.config import ModelConfigError
 
         if a.kv_block_size < 1 or not 0 < a.memory_fraction <= 1 or a.reserve_gib < 0:
             p.error("--kv-block-size must be >= 1, --memory-fraction in (0, 1], --reserve-gib >= 0")

@@ -100,8 +100,13 @@ def test_an_empty_file_through_a_server_is_named_as_in_this_process(tmp_path, mo
 class _InTurn:
     """A stand-in DocumentOCR: every document one page, "x"."""
 
+    closed = 0
+
     def __init__(self, *a, **k):
         pass
+
+    def close(self):  # the run's end stops the rendering worker
+        type(self).closed += 1
 
     def transcribe(self, sources, options, **kw):
         from types import SimpleNamespace
@@ -116,6 +121,7 @@ def test_concurrency_with_a_checkpoint_says_it_runs_one_document_at_a_time(tmp_p
     from dash_trt.serving import documents as SD
 
     monkeypatch.setattr(SD, "DocumentOCR", _InTurn)
+    monkeypatch.setattr(_InTurn, "closed", 0)
     workers = []
     real = O.ThreadPoolExecutor
     monkeypatch.setattr(O, "ThreadPoolExecutor", lambda max_workers: workers.append(max_workers) or real(max_workers))
@@ -128,7 +134,7 @@ def test_concurrency_with_a_checkpoint_says_it_runs_one_document_at_a_time(tmp_p
     assert rc == 0, out + err
     noted = "--concurrency 8 is for --server; with --checkpoint the model in this process takes documents one" in err
     assert noted == (given == "8")
-    assert workers == [1]
+    assert workers == [1] and _InTurn.closed == 1
 
 
 def test_a_dca_folder_as_a_checkpoint_is_called_a_token_id_model(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import signal
 import sys
 import types
@@ -18,7 +19,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from dash_trt.documents.pages import DocumentError, load_pages, open_pages
-from dash_trt.documents.render import RenderCancelled, Renderer, RenderLimits
+from dash_trt.documents.render import RenderCancelled, Renderer, RenderLimits, RenderWorkers
 
 pytest.importorskip("pypdfium2")
 
@@ -27,10 +28,10 @@ KILLED = tuple(-getattr(signal, n) for n in ("SIGXCPU", "SIGKILL") if hasattr(si
 BLOCKING = [sys.executable, "-c", "import time; time.sleep(3600)"]
 
 
-def flate_bomb(megabytes: int = 32) -> bytes:
+def flate_bomb(megabytes: float = 32) -> bytes:
     """A one-page PDF whose content stream is ``megabytes`` MiB of lines, FlateDecode."""
     unit = b"0 0 m 612 792 l S\n"
-    stream = zlib.compress(unit * (megabytes * 2**20 // len(unit)), 9)
+    stream = zlib.compress(unit * (int(megabytes * 2**20) // len(unit)), 9)
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
@@ -134,6 +135,96 @@ def test_cancel_is_checked_between_pages():
             pages[1].render()
 
 
+# ------------------------------------------------------------------ the warm worker
+def _request(workers: RenderWorkers, data: bytes, render_side: int = 256, **kw) -> tuple[list, Renderer]:
+    """One request's pages of the PDF ``data``, rendered by a worker of ``workers``; the renderer
+    (closed: its worker given back)."""
+    with Renderer(workers=workers, **kw) as renderer:
+        pages = [p.render() for p in open_pages([("a.pdf", data)], render_side=render_side, renderer=renderer)]
+        renderer.pid = renderer.proc.pid
+    return pages, renderer
+
+
+def _gone(proc) -> bool:
+    """The process ended and was waited for (no zombie left)."""
+    return proc.returncode is not None and not os.path.exists(f"/proc/{proc.pid}")
+
+
+def test_one_warm_worker_serves_request_after_request():
+    data = small_pdf()
+    with RenderWorkers(RenderLimits()) as workers:
+        first, a = _request(workers, data)
+        second, b = _request(workers, data)
+        assert a.pid == b.pid and workers.starts == 1
+        assert [p.size for p in first] == [p.size for p in second] == [(192, 256), (256, 128)]
+        assert a.proc is None and b.proc is None  # each request gave it back
+
+
+def test_after_a_bomb_page_the_next_request_gets_a_new_worker():
+    with RenderWorkers(RenderLimits(page_seconds=1)) as workers:
+        _, before = _request(workers, small_pdf())
+        with Renderer(workers=workers) as renderer:
+            pages = open_pages([("bomb.pdf", flate_bomb())], render_side=1024, renderer=renderer)
+            proc = renderer.proc
+            assert proc.pid == before.pid  # the warm one
+            with pytest.raises(DocumentError, match=r"bomb\.pdf page 1: rendering took more than .*1 CPU seconds"):
+                pages[0].render()
+            assert renderer.proc is None and proc.returncode in KILLED and _gone(proc)
+        pages, after = _request(workers, small_pdf())
+        assert after.pid != proc.pid and len(pages) == 2 and workers.starts == 2
+
+
+def test_after_a_cancel_the_next_request_gets_a_new_worker():
+    """The client goes away while the bomb page renders (cancel seen after a few polls, long
+    before any CPU limit): the worker is killed; the next request renders in a fresh one."""
+    asked = itertools.count()
+    with RenderWorkers(RenderLimits()) as workers:
+        with Renderer(workers=workers, cancelled=lambda: next(asked) >= 8) as renderer:
+            pages = open_pages([("bomb.pdf", flate_bomb())], render_side=1024, renderer=renderer)
+            proc = renderer.proc
+            with pytest.raises(RenderCancelled, match="the request was cancelled"):
+                pages[0].render()
+            assert proc.returncode == -signal.SIGKILL and _gone(proc)
+        pages, after = _request(workers, small_pdf())
+        assert after.pid != proc.pid and len(pages) == 2
+
+
+def test_the_cpu_budget_is_rearmed_relative_to_what_the_worker_has_used():
+    """A page of about a quarter CPU second, request after request in one worker held to 1 CPU
+    second a page and a request: the worker's lifetime CPU goes well past 1 s (RLIMIT_CPU counts
+    it all), and each page still renders, because each unit's limit is armed past what was used."""
+    page = flate_bomb(0.25)
+    used, pids = 0.0, set()
+    with RenderWorkers(RenderLimits(page_seconds=1, seconds=1)) as workers:
+        for _ in range(40):
+            pages, renderer = _request(workers, page, render_side=64)
+            assert len(pages) == 1
+            used += renderer.cpu  # the units' CPU only: less than the worker's lifetime CPU
+            pids.add(renderer.pid)
+            if used > 3.0:
+                break
+        assert used > 3.0 and len(pids) == 1 and workers.starts == 1
+
+
+def test_closing_the_workers_leaves_no_process():
+    """Idle workers are stopped at close; one still in use is stopped when its request ends."""
+    workers = RenderWorkers(RenderLimits())
+    workers.warm()
+    (idle,) = [w.proc for w in workers._idle]
+    renderer = Renderer(workers=workers)
+    renderer.open_pdf(small_pdf(), "a.pdf")
+    busy = renderer.proc
+    assert busy.pid == idle.pid  # the warm one
+    workers.warm()
+    (spare,) = [w.proc for w in workers._idle]
+    workers.close()
+    assert _gone(spare) and busy.returncode is None
+    renderer.close()
+    assert _gone(busy) and not workers._idle
+    _, later = _request(workers, small_pdf())  # closed: a request still renders, in a worker of its own
+    assert not workers._idle
+
+
 def test_render_limits_are_a_parameter_of_the_document_model():
     from dash_trt import triton_protocol as P
     from dash_trt.triton.repository import document_model_config
@@ -210,9 +301,8 @@ def _fake_pb_utils():
     )
 
 
-def test_the_document_model_passes_the_requests_cancel_to_rendering(monkeypatch):
-    """The front door cancels its gRPC call when its client goes; Triton marks the request
-    cancelled; the document model hands ``is_cancelled`` to rendering and answers CANCELLED."""
+def _document_model(monkeypatch):
+    """The document model's module (``model.py`` in a repository), with a stand-in Triton."""
     import importlib.util
 
     from dash_trt import triton_protocol as P
@@ -223,6 +313,15 @@ def test_the_document_model_passes_the_requests_cancel_to_rendering(monkeypatch)
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_document_model_passes_the_requests_cancel_to_rendering(monkeypatch):
+    """The front door cancels its gRPC call when its client goes; Triton marks the request
+    cancelled; the document model hands ``is_cancelled`` to rendering and answers CANCELLED."""
+    from dash_trt import triton_protocol as P
+
+    mod = _document_model(monkeypatch)
     model = object.__new__(mod.TritonPythonModel)
     from dash_trt.documents.processor import DocumentOptions
 
@@ -246,3 +345,16 @@ def test_the_document_model_passes_the_requests_cancel_to_rendering(monkeypatch)
     (response,) = model.execute([request])
     assert handed == [request.is_cancelled]
     assert response.error.code == "CANCELLED" and "cancelled" in response.error.message
+
+
+def test_finalize_stops_the_document_models_worker(monkeypatch):
+    """Triton unloads the document model: finalize stops its warm worker (killed, waited for)."""
+    from dash_trt.documents.processor import DocumentProcessor
+
+    model = object.__new__(_document_model(monkeypatch).TritonPythonModel)
+    model.processor = DocumentProcessor(None, image_token_id=1, page_token_id=2)
+    model.processor.render_workers.warm()
+    (proc,) = [w.proc for w in model.processor.render_workers._idle]
+    assert proc.poll() is None
+    model.finalize()
+    assert _gone(proc) and model.processor.render_workers.closed

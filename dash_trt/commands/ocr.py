@@ -308,7 +308,7 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
             outcome.error = str(exc)
         return outcome
 
-    return run, lambda: None
+    return run, ocr.close  # the run's end stops the rendering worker
 
 
 def ocr_main(a, out: TextIO, err: TextIO, *, sleep: Callable[[float], None] = time.sleep) -> int:

@@ -14,9 +14,11 @@ checks its own (image tokens a page and a prompt) from the sizes, before any pag
 :meth:`PageSource.render` then renders one page at a time. :func:`load_pages` does both.
 
 PDFs are read and rendered by a :class:`~dash_trt.documents.render.Renderer` (one a request): in
-a worker process held to a CPU-time and memory budget (:class:`RenderLimits`) and killed when a
-page goes over it or the request is cancelled; pdfium never parses an uploaded file in this
-process. Between pages (images too) the renderer checks the request's cancellation and deadline.
+a worker process (kept warm between requests by a
+:class:`~dash_trt.documents.render.RenderWorkers`) held to a CPU-time and memory budget
+(:class:`RenderLimits`) and killed when a page goes over it or the request is cancelled; pdfium
+never parses an uploaded file in this process. Between pages (images too) the renderer checks
+the request's cancellation and deadline.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .pages import DocumentError, Page, Renderer, RenderLimits, open_pages
 from .prompt import document_prompt_ids
+from .render import RenderWorkers
 from .views import PageViews, ViewSpec, check_page_tokens, page_views
 
 __all__ = ["DocumentOptions", "PreparedDocument", "DocumentProcessor", "split_pages", "CROP_AUTO"]
@@ -72,7 +73,9 @@ class DocumentProcessor:
     """Files to model inputs for one model: its view sizes (:class:`ViewSpec` from its config),
     its special tokens and its tokenizer; ``render_limits``: what reading and rendering one
     request's PDFs may take (:class:`~dash_trt.documents.render.RenderLimits`, the defaults
-    when None)."""
+    when None). Its requests are rendered, one after another, by a warm worker process
+    (:attr:`render_workers`, :class:`~dash_trt.documents.render.RenderWorkers`), started with the
+    first PDF: :meth:`close` (or ``with``) stops it."""
 
     def __init__(
         self,
@@ -88,6 +91,17 @@ class DocumentProcessor:
         self.page_token_id = int(page_token_id)
         self.spec = spec or ViewSpec()
         self.render_limits = render_limits or RenderLimits()
+        self.render_workers = RenderWorkers(self.render_limits)
+
+    def close(self) -> None:
+        """Stop the rendering worker (a later request starts one of its own)."""
+        self.render_workers.close()
+
+    def __enter__(self) -> DocumentProcessor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def for_config(cls, tokenizer, config, render_limits: RenderLimits | None = None) -> DocumentProcessor:
@@ -124,7 +138,7 @@ class DocumentProcessor:
         ``cancelled()`` says so (checked between pages and while one renders: the rendering
         process is killed)."""
         options = options or DocumentOptions()
-        with Renderer(self.render_limits, cancelled=cancelled) as renderer:
+        with Renderer(self.render_limits, cancelled=cancelled, workers=self.render_workers) as renderer:
             return self._prepare(sources, options, max_prompt_tokens, renderer)
 
     def _prepare(self, sources, options: DocumentOptions, max_prompt_tokens, renderer: Renderer) -> PreparedDocument:

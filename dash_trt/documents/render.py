@@ -2,24 +2,37 @@
 killed: a small PDF whose page content inflates to megabytes of drawing operators can keep pdfium
 busy for minutes inside one page, and nothing in this process can interrupt it there.
 
-:class:`Renderer` (one a request, a context manager) starts one worker process
+:class:`Renderer` (one a request, a context manager) takes a worker process
 (:mod:`dash_trt.documents.render_worker`, run as a script of its own) the first time a PDF is
 read, and gives it every PDF of the request in turn: it counts the pages, reads their sizes and
-renders them one at a time. The worker's limits (:class:`RenderLimits`) are the kernel's
-(``RLIMIT_CPU``, ``RLIMIT_AS``), so they hold however busy the machine is: each page (opening a
-PDF counts as a page) at most ``page_seconds`` of CPU, the request's PDFs together at most
-``seconds``, its address space at most ``memory_mb``. Here, while waiting for the worker, the
-renderer also checks a wall-clock deadline (:data:`WALL_FACTOR` times the CPU limits, for a
-worker that waits instead of computing) and the request's ``cancelled`` (the client went away):
-either kills the worker. Between pages (images too) it checks them again. A page over its budget
-is a :class:`~dash_trt.documents.pages.DocumentError` naming the page and the limit; a
-cancelled request :class:`RenderCancelled`.
+renders them one at a time. The worker is warm: :class:`RenderWorkers` (one a
+:class:`~dash_trt.documents.processor.DocumentProcessor`, so one a Triton document model
+instance and one a ``dash-trt ocr`` run) keeps it between requests, and a request that ends
+normally gives it back with its PDF closed (nothing of a request stays in the worker). A worker
+that is killed is replaced in the background. The worker's limits (:class:`RenderLimits`) are
+the kernel's (``RLIMIT_CPU``, ``RLIMIT_AS``), so they hold however busy the machine is: each
+page (opening a PDF counts as a page) at most ``page_seconds`` of CPU, the request's PDFs
+together at most ``seconds``, its address space at most ``memory_mb``. ``RLIMIT_CPU`` counts a
+process's whole life, so before each unit of work the worker re-arms it to the unit's budget
+(the smaller of the page's and what is left of the request's, counted here from the CPU time
+the worker says each unit took) past the CPU it has used so far. Here, while waiting for the
+worker, the renderer also checks a wall-clock deadline (:data:`WALL_FACTOR` times the CPU
+limits, for a worker that waits instead of computing) and the request's ``cancelled`` (the
+client went away): either kills the worker. Between pages (images too) it checks them again. A
+page over its budget is a :class:`~dash_trt.documents.pages.DocumentError` naming the page and
+the limit; a cancelled request :class:`RenderCancelled`. A worker is killed, never reused, also
+when it fails (a damaged file), answers anything but the protocol, or does not close a PDF in
+:data:`CLOSE_SECONDS`.
 
-Measured overhead (a 3-page PDF of scanned A4 pages rendered at 1280 px, on 2 CPU cores shared
-with other work): 0.29 s in this process, 0.50 to 0.70 s through the worker: its start (one
-Python, ``-S``, with pypdfium2 imported; 0.25 to 0.35 s a request) and each bitmap through a pipe.
-``RenderLimits(isolate=False)`` renders in this process instead
-(limits checked between pages only: a bomb page is not stopped).
+The worker is the limits' enforcement, not a sandbox: it runs as this process's user, as it did
+when it lived for one request.
+
+Measured overhead (a 3-page PDF of A4 scans at 150 dpi rendered at 1280 px, median of 7 cold
+and 21 warm requests, on 2 CPU cores shared with other work, load average about 5): 0.20 to
+0.25 s in this process; through the worker 0.47 to 0.50 s for a request that starts one (one
+Python, ``-S``, with pypdfium2 imported: about 0.2 s) and 0.28 to 0.30 s for a request that finds
+it warm (each bitmap through a pipe). ``RenderLimits(isolate=False)`` renders in this process
+instead (limits checked between pages only: a bomb page is not stopped).
 """
 
 from __future__ import annotations
@@ -32,13 +45,16 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
     "RenderLimits",
     "Renderer",
+    "RenderWorkers",
     "RenderCancelled",
     "DEFAULT_PAGE_SECONDS",
     "DEFAULT_SECONDS",
@@ -57,11 +73,15 @@ DEFAULT_MEMORY_MB = 4096
 WALL_FACTOR = 4.0
 #: How often (seconds) the wait for the worker checks the request's ``cancelled``.
 POLL = 0.05
+#: Wall-clock seconds a worker has to close a request's PDF before it is killed instead of reused.
+CLOSE_SECONDS = 5.0
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "render_worker.py")
 #: ``python -c`` program that runs the worker script without putting its folder (or the current
 #: one) first on ``sys.path``.
 _BOOT = "import sys; sys.path.pop(0); p = sys.argv.pop(1); exec(compile(open(p).read(), p, 'exec'))"
+#: The longest JSON header a worker's answer may have, bytes.
+_MAX_HEADER = 1 << 24
 #: pdfium's bitmap modes as Pillow's (mode, raw mode)
 _MODES = {
     "BGR": ("RGB", "BGR"),
@@ -138,85 +158,19 @@ def _python() -> str:
     return sys.executable or "python3"
 
 
-class Renderer:
-    """One request's reading and rendering of PDFs (module docstring). ``cancelled``: says when
-    the request is to stop (its client went away); ``clock``: wall-clock seconds (a test's fake);
-    ``command``: the worker's command line (a test's fake worker), else this Python running
-    :data:`WORKER`."""
+class _Stop(Exception):
+    """The wait for the worker's answer ended without one: ``why`` is ``cancelled``, ``late`` (the
+    wall-clock deadline) or ``ended`` (the process ended, with status ``code``)."""
 
-    def __init__(
-        self,
-        limits: RenderLimits | None = None,
-        *,
-        cancelled: Callable[[], bool] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        command: list[str] | None = None,
-    ):
-        self.limits = limits or RenderLimits()
-        self.cancelled = cancelled or (lambda: False)
-        self.clock = clock
-        self.command = command
-        self.proc: subprocess.Popen | None = None
-        self.cpu = 0.0  # CPU seconds of rendering so far (as the worker last said)
-        self._earlier = 0.0  # CPU seconds of workers before this one
-        self.started = clock()
-        self._loaded = None  # the bytes object the worker has open
+    def __init__(self, why: str, code: int | None = None):
+        super().__init__(why)
+        self.why, self.code = why, code
 
-    # ---------------------------------------------------------------- lifetime
-    def __enter__(self) -> Renderer:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+class _Worker:
+    """One worker process (:mod:`dash_trt.documents.render_worker`) and the pipes to it."""
 
-    def __del__(self):
-        self.close()
-
-    def close(self) -> None:
-        """Stop the worker (killed: it may be inside a page)."""
-        proc, self.proc, self._loaded = self.proc, None, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        proc.wait()
-
-    # ---------------------------------------------------------------- checks
-    def check(self, name: str) -> None:
-        """Before a page: :class:`RenderCancelled` when the request was cancelled, a
-        ``DocumentError`` naming ``name`` when the request's rendering is past its wall-clock
-        deadline."""
-        from .pages import DocumentError
-
-        if self.cancelled():
-            self.close()
-            raise RenderCancelled(f"{name}: rendering stopped, the request was cancelled")
-        if self.clock() - self.started > self.limits.total * WALL_FACTOR:
-            self.close()
-            raise DocumentError(
-                f"{name}: the request's pages took more than {self.limits.total * WALL_FACTOR:g} s to render "
-                f"(the rendering limit is {self.limits.total:g} CPU seconds a request); send fewer or simpler pages"
-            )
-
-    # ---------------------------------------------------------------- the worker
-    def _start(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        self.close()
-        self._earlier = self.cpu
-        lim = self.limits
-        spec = {
-            "page_seconds": lim.page if lim.page < math.inf else 1e9,
-            "seconds": max(lim.total - self.cpu, 1.0) if lim.total < math.inf else 1e9,
-            "memory_mb": max(int(lim.memory_mb), 0),
-            "max_pages": _max_pages(),
-        }
-        command = self.command or [_python(), "-S", "-c", _BOOT, WORKER]  # -S: sys.path comes from here
+    def __init__(self, command: list[str], spec: dict):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # pypdfium2 where this process finds it
         self.proc = subprocess.Popen(
@@ -227,13 +181,259 @@ class Renderer:
             env=env,
             close_fds=True,
         )
-        self._loaded = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Killed (it may be inside a page) and waited for: no zombie is left."""
+        proc = self.proc
+        if proc.poll() is None:
+            proc.kill()
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        proc.wait()
+
+    def exchange(
+        self, header: dict, payload: bytes, *, deadline: float, clock: Callable[[], float], cancelled
+    ) -> tuple[dict, bytes]:
+        """Send one message and wait for the answer until ``clock()`` passes ``deadline`` or
+        ``cancelled()`` (:class:`_Stop`). A garbled answer raises ``ValueError``."""
+        proc = self.proc
+        blob = json.dumps(dict(header, bytes=len(payload))).encode()
+        try:
+            proc.stdin.write(struct.pack(">I", len(blob)) + blob)
+            if payload:
+                proc.stdin.write(payload)
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died: said below, from its exit status
+        reader = _Frames(proc.stdout.fileno())
+        while True:
+            if cancelled():
+                raise _Stop("cancelled")
+            if clock() > deadline:
+                raise _Stop("late")
+            ready, _, _ = select.select([reader.fd], [], [], POLL)
+            if ready and reader.read():
+                return reader.frame()
+            if reader.eof:
+                raise _Stop("ended", proc.wait())
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    while workers:
+        workers.pop().kill()
+
+
+class RenderWorkers:
+    """Warm worker processes for one model instance's requests (one :class:`DocumentProcessor
+    <dash_trt.documents.processor.DocumentProcessor>`): a request's :class:`Renderer` takes an
+    idle one (or starts one) and gives it back when the request ends, healthy, with its PDF
+    closed. A worker that was killed (a page over its budget, a cancel, the deadline, a failure
+    or a garbled answer) is replaced at once in the background (``prestart``). At most ``keep``
+    idle workers are kept: requests rendering at the same time each get their own, and the
+    surplus is stopped when they end. :meth:`close` (also a context manager, and when the object
+    is collected or the interpreter exits) stops the idle ones; a worker still in use is stopped
+    when its request ends. ``command``: the worker's command line (a test's fake worker)."""
+
+    def __init__(
+        self,
+        limits: RenderLimits | None = None,
+        *,
+        command: list[str] | None = None,
+        keep: int = 1,
+        prestart: bool = True,
+    ):
+        self.limits = limits or RenderLimits()
+        self.command = command
+        self.keep = max(int(keep), 0)
+        self.prestart = prestart
+        self.closed = False
+        self.starts = 0  # worker processes started so far
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _kill_all, self._idle)
+
+    def __enter__(self) -> RenderWorkers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self) -> _Worker:
+        spec = {"memory_mb": max(int(self.limits.memory_mb), 0), "max_pages": _max_pages()}
+        command = self.command or [_python(), "-S", "-c", _BOOT, WORKER]  # -S: sys.path comes from here
+        worker = _Worker(command, spec)
+        self.starts += 1
+        return worker
+
+    def _keep(self, worker: _Worker) -> bool:
+        """Put ``worker`` among the idle ones if there is room (False: it is not kept)."""
+        with self._lock:
+            if self.closed or len(self._idle) >= self.keep:
+                return False
+            self._idle.append(worker)
+            return True
+
+    def warm(self) -> None:
+        """Start a worker now (none idle, the limits isolate), so the next request pays no start."""
+        with self._lock:
+            wanted = self.limits.isolate and not self.closed and not self._idle and self.keep > 0
+        if wanted:
+            worker = self._spawn()
+            if not self._keep(worker):
+                worker.kill()
+
+    def take(self) -> _Worker:
+        """An idle worker that is alive, else a new one (also once closed: it is stopped when given back)."""
+        while True:
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+            if worker is None:
+                return self._spawn()
+            if worker.alive():
+                return worker
+            worker.kill()  # it ended while idle: waited for
+
+    def give(self, worker: _Worker) -> None:
+        """A request is done with a healthy ``worker``: kept idle, or stopped."""
+        if not (worker.alive() and self._keep(worker)):
+            worker.kill()
+
+    def discard(self, worker: _Worker) -> None:
+        """Stop ``worker`` (killed, waited for) and, with ``prestart``, start its successor."""
+        worker.kill()
+        if self.prestart:
+            self.warm()
+
+    def close(self) -> None:
+        """Stop the idle workers; no more are kept."""
+        with self._lock:
+            self.closed = True
+            idle = list(self._idle)
+            self._idle.clear()
+        _kill_all(idle)
+
+
+class Renderer:
+    """One request's reading and rendering of PDFs (module docstring). ``workers``: the
+    :class:`RenderWorkers` to take a worker from and give it back to (None: a worker of this
+    request's own, stopped when it ends); ``cancelled``: says when the request is to stop (its
+    client went away); ``clock``: wall-clock seconds (a test's fake); ``command``: the worker's
+    command line (a test's fake worker) when there is no ``workers``."""
+
+    def __init__(
+        self,
+        limits: RenderLimits | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        command: list[str] | None = None,
+        workers: RenderWorkers | None = None,
+    ):
+        self._own = workers is None
+        self.worker: _Worker | None = None
+        self._loaded = None  # the bytes object the worker has open
+        self.limits = limits or (workers.limits if workers is not None else RenderLimits())
+        if workers is None:
+            workers = RenderWorkers(self.limits, command=command, keep=0, prestart=False)
+        elif workers.limits.memory_mb != self.limits.memory_mb:
+            raise ValueError(
+                f"the workers' memory limit is {workers.limits.memory_mb} MiB, the request's {self.limits.memory_mb}"
+            )
+        self.workers = workers
+        self.cancelled = cancelled or (lambda: False)
+        self.clock = clock
+        self.cpu = 0.0  # CPU seconds of this request's rendering so far (as the worker said)
+        self.started = clock()
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The worker process this request holds (None: none yet, or it was killed)."""
+        return self.worker.proc if self.worker is not None else None
+
+    # ---------------------------------------------------------------- lifetime
+    def __enter__(self) -> Renderer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "worker", None) is not None:
+            self._kill()
+        if getattr(self, "_own", False):
+            self.workers.close()
+
+    def close(self) -> None:
+        """The request is over: its worker, healthy, closes the request's PDF and goes back to
+        :attr:`workers` (or is stopped: a worker of its own, one that is not answering)."""
+        worker, loaded = self.worker, self._loaded
+        self.worker, self._loaded = None, None
+        if worker is not None:
+            if not self._own and worker.alive() and (loaded is None or self._let_go(worker)):
+                self.workers.give(worker)
+            else:
+                worker.kill()
+        if self._own:
+            self.workers.close()
+
+    def _let_go(self, worker: _Worker) -> bool:
+        """The worker closes the request's PDF (True: it said so in time)."""
+        try:
+            head, _ = worker.exchange(
+                {"op": "close"}, b"", deadline=self.clock() + CLOSE_SECONDS, clock=self.clock, cancelled=lambda: False
+            )
+        except (_Stop, ValueError, TypeError, KeyError, struct.error):
+            return False
+        return head.get("ok") is True
+
+    def _kill(self) -> None:
+        """Kill this request's worker (inside a page, or not to be trusted again)."""
+        worker, self.worker, self._loaded = self.worker, None, None
+        if worker is not None:
+            self.workers.discard(worker)
+
+    # ---------------------------------------------------------------- checks
+    def check(self, name: str) -> None:
+        """Before a page: :class:`RenderCancelled` when the request was cancelled, a
+        ``DocumentError`` naming ``name`` when the request's rendering is past its wall-clock
+        deadline."""
+        from .pages import DocumentError
+
+        if self.cancelled():
+            self._kill()
+            raise RenderCancelled(f"{name}: rendering stopped, the request was cancelled")
+        if self.clock() - self.started > self.limits.total * WALL_FACTOR:
+            self._kill()
+            raise DocumentError(
+                f"{name}: the request's pages took more than {self.limits.total * WALL_FACTOR:g} s to render "
+                f"(the rendering limit is {self.limits.total:g} CPU seconds a request); send fewer or simpler pages"
+            )
+
+    # ---------------------------------------------------------------- the worker
+    def _start(self) -> _Worker:
+        """This request's worker: the one it holds, else one taken from :attr:`workers`."""
+        if self.worker is not None and not self.worker.alive():
+            self._kill()
+        if self.worker is None:
+            self.worker = self.workers.take()
+            self._loaded = None
+        return self.worker
 
     def _over(self, name: str, what: str):
         """The ``DocumentError`` of a page over a limit; the worker is killed."""
         from .pages import DocumentError
 
-        self.close()
+        self._kill()
         return DocumentError(f"{name}: {what}; the page is refused (its content takes too long to draw)")
 
     def _cpu_limit(self) -> tuple[float, str]:
@@ -245,42 +445,43 @@ class Renderer:
         return lim.page, f"the page's {lim.page:g} CPU seconds of rendering"
 
     def _ask(self, name: str, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
-        """Send one message to the worker and wait for its answer, within the limits."""
-        self._start()
-        proc = self.proc
+        """Send one message to the worker and wait for its answer, within the limits: the worker
+        arms its CPU limit to ``cpu`` seconds past what it has used before it starts."""
+        from .pages import DocumentError
+
         limit, which = self._cpu_limit()
-        blob = json.dumps(dict(header, bytes=len(payload))).encode()
+        if limit <= 0:
+            raise self._over(name, f"rendering took more than {which}")
+        worker = self._start()
+        wall = limit * WALL_FACTOR if limit < math.inf else math.inf
         try:
-            proc.stdin.write(struct.pack(">I", len(blob)) + blob)
-            if payload:
-                proc.stdin.write(payload)
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # it died: said below, from its exit status
-        deadline = self.clock() + (limit * WALL_FACTOR if limit < math.inf else math.inf)
-        reader = _Frames(proc.stdout.fileno())
-        while True:
-            if self.cancelled():
-                self.close()
-                raise RenderCancelled(f"{name}: rendering stopped, the request was cancelled")
-            if self.clock() > deadline:
-                raise self._over(
-                    name, f"rendering took more than {limit * WALL_FACTOR:g} s ({which} x {WALL_FACTOR:g})"
-                )
-            ready, _, _ = select.select([reader.fd], [], [], POLL)
-            if ready and reader.read():
-                break
-            if reader.eof:
-                code = proc.wait()
-                if code in _CPU_SIGNALS:  # the kernel's CPU limit
-                    raise self._over(name, f"rendering took more than {which}")
-                self.close()
-                raise _dead(name, code)
-        head, data = reader.frame()
-        if "cpu" in head:
-            self.cpu = self._earlier + float(head["cpu"])
-        if head.get("ok"):
+            head, data = worker.exchange(
+                dict(header, cpu=limit if limit < math.inf else None),
+                payload,
+                deadline=self.clock() + wall,
+                clock=self.clock,
+                cancelled=self.cancelled,
+            )
+            cpu = float(head.get("cpu", 0.0))
+            if not 0.0 <= cpu < math.inf:
+                raise ValueError(f"CPU seconds {cpu!r}")
+        except _Stop as stop:
+            if stop.why == "cancelled":
+                self._kill()
+                raise RenderCancelled(f"{name}: rendering stopped, the request was cancelled") from None
+            if stop.why == "late":
+                raise self._over(name, f"rendering took more than {wall:g} s ({which} x {WALL_FACTOR:g})") from None
+            if stop.code in _CPU_SIGNALS:  # the kernel's CPU limit
+                raise self._over(name, f"rendering took more than {which}") from None
+            self._kill()
+            raise _dead(name, stop.code) from None
+        except (ValueError, TypeError, KeyError, AttributeError, struct.error) as exc:  # not the protocol
+            self._kill()
+            raise DocumentError(f"{name}: cannot be rendered (the rendering process answered garbage: {exc})") from None
+        self.cpu += cpu
+        if head.get("ok") is True:
             return head, data
+        self._kill()  # a worker that failed (a damaged file, no memory left) is not used again
         if head.get("memory"):
             raise self._over(name, f"rendering needs more than {self.limits.memory_mb} MiB of memory")
         return head, b""
@@ -297,9 +498,13 @@ class Renderer:
             if _declares_no_pages(data):
                 raise DocumentError(f"{name}: the PDF has 0 pages")
             raise DocumentError(f"{name}: not a readable PDF ({head.get('error')})")
+        try:
+            count, sizes = int(head["pages"]), [(float(w), float(h)) for w, h in head.get("sizes", [])]
+        except (KeyError, ValueError, TypeError):
+            self._kill()
+            raise DocumentError(f"{name}: not a readable PDF (the renderer answered {head!r:.200})") from None
         self._loaded = data
-        sizes = [(float(w), float(h)) for w, h in head.get("sizes", [])]
-        return int(head["pages"]), sizes
+        return count, sizes
 
     def render_pdf_page(self, data: bytes, index: int, scale: float, name: str):
         """Page ``index`` of the PDF ``data`` rendered at ``scale`` (a ``PIL.Image``)."""
@@ -315,8 +520,10 @@ class Renderer:
             w, h, stride = int(head["width"]), int(head["height"]), int(head["stride"])
             mode, raw_mode = _MODES[head["mode"]]
         except (KeyError, ValueError, TypeError):
+            self._kill()
             raise DocumentError(f"{name}: cannot be rendered (the renderer answered {head!r:.200})") from None
         if not (0 < w and 0 < h and w * h <= MAX_PIXELS and stride * h == len(raw)):
+            self._kill()
             raise DocumentError(f"{name}: cannot be rendered (a bitmap of {w}x{h} pixels, {len(raw)} bytes)")
         Image, _ = _pil()
         return Image.frombuffer(mode, (w, h), raw, "raw", raw_mode, stride, 1)
@@ -339,13 +546,16 @@ def _dead(name: str, code: int | None):
 
 
 class _Frames:
-    """Reads one frame (4-byte length, JSON header, payload) from a pipe without blocking."""
+    """Reads one frame (4-byte length, JSON header, payload) from a pipe without blocking; an
+    answer that is not one frame raises ``ValueError``."""
 
     def __init__(self, fd: int):
         self.fd = fd
         self.buf = bytearray()
         self.eof = False
         self.need: int | None = None
+        self.head: dict | None = None
+        self.start = 0
 
     def read(self) -> bool:
         """Read what is there; True once a whole frame is in."""
@@ -356,12 +566,17 @@ class _Frames:
         self.buf += chunk
         if self.need is None and len(self.buf) >= 4:
             (n,) = struct.unpack(">I", self.buf[:4])
+            if n > _MAX_HEADER:
+                raise ValueError(f"a header of {n} bytes")
             if len(self.buf) >= 4 + n:
                 head = json.loads(self.buf[4 : 4 + n])
-                self.need = 4 + n + int(head.get("bytes", 0))
+                size = head.get("bytes", 0) if isinstance(head, dict) else None
+                if not isinstance(size, int) or size < 0:
+                    raise ValueError(f"a header {head!r:.200}")
+                self.head, self.start, self.need = head, 4 + n, 4 + n + size
+        if self.need is not None and len(self.buf) > self.need:
+            raise ValueError(f"{len(self.buf) - self.need} bytes past the answer")
         return self.need is not None and len(self.buf) >= self.need
 
     def frame(self) -> tuple[dict, bytes]:
-        (n,) = struct.unpack(">I", self.buf[:4])
-        head = json.loads(self.buf[4 : 4 + n])
-        return head, bytes(self.buf[4 + n : self.need])
+        return self.head, bytes(self.buf[self.start : self.need])

@@ -3,23 +3,32 @@ of its own (never imported by dash_trt), so that it needs nothing but pypdfium2,
 page that renders for too long can be stopped by killing the process (pdfium cannot be
 interrupted inside a page).
 
-It limits itself before it reads anything (``argv[1]``, JSON): its CPU time in all (``seconds``,
-``RLIMIT_CPU``'s hard limit: the kernel kills it there) and its address space (``memory_mb``,
-``RLIMIT_AS``); before each PDF it opens and each page it renders, the CPU soft limit is set to
-``page_seconds`` past the time it has used (the kernel sends ``SIGXCPU``, which ends it), so one
-page takes at most ``page_seconds`` of CPU and the whole request at most ``seconds``.
+One process serves request after request (one at a time) while it stays healthy. It limits its
+address space before it reads anything (``argv[1]``, JSON: ``memory_mb``, ``RLIMIT_AS``). CPU
+time is limited one unit of work at a time: each message that opens a PDF or renders a page says
+how many CPU seconds it may take (``cpu``, the parent's smaller of the page's budget and what is
+left of the request's), and before the work starts the soft ``RLIMIT_CPU`` is re-armed to that
+many seconds past the CPU this process has used so far (a lifetime count in the kernel, hence
+relative). Past it the kernel sends ``SIGXCPU``, whose default action (reset here, in case a
+parent ignored it) ends the process; the hard limit is left as inherited (an unprivileged
+process could never raise it again). Between units the soft limit is :data:`IDLE_SECONDS` past
+the time used, for reading the next message.
 
 Messages both ways are frames: a 4-byte big-endian length, a JSON header of that length, then
-``header["bytes"]`` bytes of payload. In: ``{"op": "open", "bytes": n}`` + the PDF (answered
-``{"ok": true, "pages": n, "sizes": [[w, h], ...]}``, sizes in points with the page's rotation
-applied, none when there are more than ``max_pages`` pages) and ``{"op": "render", "index": i,
-"scale": s}`` (answered ``{"ok": true, "mode", "width", "height", "stride", "cpu", "bytes"}`` +
-the bitmap's rows). A failure is ``{"ok": false, "error": "..."}``. JSON, never pickle: this process parses
-untrusted files, and the parent checks the numbers it says.
+``header["bytes"]`` bytes of payload. In: ``{"op": "open", "cpu": s, "bytes": n}`` + the PDF
+(answered ``{"ok": true, "pages": n, "sizes": [[w, h], ...]}``, sizes in points with the page's
+rotation applied, none when there are more than ``max_pages`` pages), ``{"op": "render",
+"index": i, "scale": s, "cpu": s}`` (answered ``{"ok": true, "mode", "width", "height",
+"stride", "bytes"}`` + the bitmap's rows) and ``{"op": "close"}`` (the request is over: its PDF
+is let go; answered ``{"ok": true}``). Every answer to open and render says ``cpu``, the CPU
+seconds the unit took, and ``used``, this process's CPU seconds so far. A failure is ``{"ok":
+false, "error": "..."}``. JSON, never pickle: this process parses untrusted files, and the
+parent checks the numbers it says.
 """
 
 import json
 import math
+import signal
 import struct
 import sys
 import time
@@ -28,6 +37,9 @@ try:
     import resource
 except ImportError:  # not on POSIX: the parent's wall-clock deadline is the only limit
     resource = None
+
+#: CPU seconds this process may use starting up and between two units of work.
+IDLE_SECONDS = 30.0
 
 
 def _read_exact(stream, n):
@@ -49,32 +61,62 @@ def _send(stream, header, payload=b""):
     stream.flush()
 
 
-def _limit_cpu(page_seconds, hard):
-    """The CPU soft limit ``page_seconds`` past what this process has used (at most ``hard``)."""
+def _arm_cpu(seconds):
+    """The CPU soft limit ``seconds`` past what this process has used (None: no limit, up to the
+    hard limit, which is kept)."""
     if resource is None:
         return
-    used = time.process_time()
-    soft = min(int(math.ceil(used + page_seconds)), hard)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if seconds is None or not math.isfinite(seconds):
+        soft = hard
+    else:
+        soft = int(math.ceil(time.process_time() + max(float(seconds), 0.0)))
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 def _setup(limits):
-    """The whole process's limits (module docstring); returns the CPU hard limit."""
+    """The whole process's limits (module docstring)."""
+    if hasattr(signal, "SIGXCPU"):
+        signal.signal(signal.SIGXCPU, signal.SIG_DFL)  # an ignored SIGXCPU is inherited through exec
     if resource is None:
-        return 0
+        return
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump core
     memory = int(limits.get("memory_mb") or 0)
     if memory > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory << 20, memory << 20))
-    hard = int(math.ceil(time.process_time() + float(limits["seconds"])))
-    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
-    return hard
+    _arm_cpu(IDLE_SECONDS)
+
+
+def _serve(pdfium, header, payload, pdf, max_pages, out):
+    """One open or render (``pdf``: the request's open document, None before an open); returns
+    the open document."""
+    start = time.process_time()
+    if header["op"] == "open":
+        pdf = pdfium.PdfDocument(payload)
+        count = len(pdf)
+        sizes = [] if max_pages and count > max_pages else [list(pdf.get_page_size(i)) for i in range(count)]
+        reply, data = {"pages": count, "sizes": sizes}, b""
+    elif header["op"] == "render":
+        if pdf is None:
+            raise ValueError("no PDF is open")
+        page = pdf[int(header["index"])]
+        bitmap = page.render(scale=float(header["scale"]))
+        data = bytes(bitmap.buffer)
+        reply = {"mode": bitmap.mode, "width": bitmap.width, "height": bitmap.height, "stride": bitmap.stride}
+        bitmap.close()
+        page.close()
+    else:
+        raise ValueError(f"unknown op {header['op']!r}")
+    used = time.process_time()
+    _send(out, dict(reply, ok=True, cpu=used - start, used=used), data)
+    return pdf
 
 
 def main():
     limits = json.loads(sys.argv[1])
-    hard = _setup(limits)
-    page_seconds = float(limits["page_seconds"])
+    _setup(limits)
     max_pages = int(limits.get("max_pages") or 0)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
@@ -87,32 +129,24 @@ def main():
         try:
             (n,) = struct.unpack(">I", _read_exact(inp, 4))
             header = json.loads(_read_exact(inp, n))
+            _arm_cpu(header.get("cpu", IDLE_SECONDS))  # before the payload is read: it is this unit's
             payload = _read_exact(inp, int(header.get("bytes", 0)))
         except EOFError:  # the parent closed the pipe: done
             return
-        _limit_cpu(page_seconds, hard)
         try:
-            if header["op"] == "open":
-                if pdf is not None:
-                    pdf.close()
-                pdf = pdfium.PdfDocument(payload)
-                count = len(pdf)
-                sizes = [] if max_pages and count > max_pages else [list(pdf.get_page_size(i)) for i in range(count)]
-                _send(out, {"ok": True, "pages": count, "sizes": sizes})
-            elif header["op"] == "render":
-                page = pdf[int(header["index"])]
-                bitmap = page.render(scale=float(header["scale"]))
-                data = bytes(bitmap.buffer)
-                reply = {"mode": bitmap.mode, "width": bitmap.width, "height": bitmap.height, "stride": bitmap.stride}
-                bitmap.close()
-                page.close()
-                _send(out, dict(reply, ok=True, cpu=time.process_time()), data)
+            if header.get("op") in ("open", "close") and pdf is not None:  # nothing of it stays here
+                pdf, old = None, pdf
+                old.close()
+            if header.get("op") == "close":  # the request is over
+                _send(out, {"ok": True})
             else:
-                _send(out, {"ok": False, "error": f"unknown op {header['op']!r}"})
+                pdf = _serve(pdfium, header, payload, pdf, max_pages, out)
         except MemoryError:
             _send(out, {"ok": False, "error": "MemoryError", "memory": True})
         except Exception as exc:  # noqa: BLE001 - a damaged file: said to the parent, which names the page
             _send(out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        payload = header = None
+        _arm_cpu(IDLE_SECONDS)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def page_features(tower: VisionTower, doc: PreparedDocument, cache: FeatureCache
 
 
 class DocumentOCR:
-    """A checkpoint folder's document OCR: decoder, vision tower, tokenizer and processor."""
+    """A checkpoint folder's document OCR: decoder, vision tower, tokenizer and processor (its
+    rendering worker stays warm across documents: :meth:`close` stops it)."""
 
     def __init__(
         self,
@@ -144,6 +145,11 @@ class DocumentOCR:
         self.tokenizer = load_tokenizer(folder)
         self.processor = DocumentProcessor.for_config(self.tokenizer, self.model.config)
         self.cache = FeatureCache()
+
+    def close(self) -> None:
+        """Stop the processor's rendering worker (:meth:`DocumentProcessor.close`; a later
+        document starts another; ``contextlib.closing`` for a ``with``)."""
+        self.processor.close()
 
     @property
     def config(self):

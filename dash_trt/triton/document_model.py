@@ -23,7 +23,10 @@ rendered in a worker process held to the model's ``render_limits`` parameter
 ``dash-triton write --render-page-seconds``, ``--render-seconds``, ``--render-memory-mb``): a
 page over them is ``INVALID_ARG`` naming the page and the limit. A request cancelled by its
 client (Triton's ``is_cancelled``, e.g. the front door's client went away) stops rendering
-there (the worker is killed) and is answered ``CANCELLED``. Requests in one call
+there (the worker is killed) and is answered ``CANCELLED``. The worker is warm: started at
+``initialize``, it serves this instance's requests one after another (``execute`` takes one at a
+time) until one kills it (a fresh one is started in the background), and ``finalize`` stops it.
+Requests in one call
 are independent: one failing does not fail the others. Several CPU instances
 (``instance_group``) serve documents in parallel, and the generation model batches their
 prompts.
@@ -78,6 +81,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(folder)
         render_limits = RenderLimits.from_json(params.get(P.PARAM_RENDER_LIMITS))
         self.processor = DocumentProcessor.for_config(self.tokenizer, self.model_config, render_limits)
+        self.processor.render_workers.warm()  # the first request pays no process start either
         import safetensors.torch as st
 
         state = st.load_file(os.path.join(folder, P.VISION_WEIGHTS))
@@ -89,6 +93,12 @@ class TritonPythonModel:
             f"{self.name}: documents for {self.generation_model}; vision tower on {device}; "
             f"prompts up to {self.max_prompt_tokens or 'any number of'} tokens; rendering {render_limits.to_json()}"
         )
+
+    def finalize(self):
+        """Triton unloads the model: its rendering worker is stopped (killed, waited for)."""
+        processor = getattr(self, "processor", None)
+        if processor is not None:
+            processor.close()
 
     # ------------------------------------------------------------------ requests
     def execute(self, requests):

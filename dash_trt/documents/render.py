@@ -367,9 +367,11 @@ class Renderer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
-        if getattr(self, "worker", None) is not None:
-            self._kill()
+    def __del__(self):  # a request that was never closed: its worker is not trusted again
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            self.worker = None
+            worker.kill()
         if getattr(self, "_own", False):
             self.workers.close()
 

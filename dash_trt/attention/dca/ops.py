@@ -8,10 +8,10 @@
   place, for serving**. The two caches are declared mutated (``Tensor(a!)``, ``Tensor(b!)``)
   and written where they are; only ``out`` is returned.
 
-Both delegate to :func:`dash_trt.attention.dca.paged.paged_dual_chunk_attention` (docs/dca_paged.md), which
+Both delegate to :func:`dash_trt.attention.dca.paged.paged_dual_chunk_attention` (docs/dca.md, "The paged form"), which
 checks every input before writing anything; the functional form runs it on clones of the caches.
 
-Schema (``T`` new tokens, ``B`` sequences; shapes as in docs/dca_paged.md)::
+Schema (``T`` new tokens, ``B`` sequences; shapes as in docs/dca.md, "The paged form")::
 
     dash_trt::dual_chunk_attention(
         Tensor q, Tensor k, Tensor v, Tensor key_cache, Tensor value_cache,

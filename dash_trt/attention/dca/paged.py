@@ -1,6 +1,6 @@
 """The paged form of Dual Chunk Attention: a ragged batch of prefill chunks and decode tokens
 over a paged KV cache, equal to :func:`dash_trt.attention.dca.reference.dual_chunk_attention` (docs/dca.md states
-the function, docs/dca_paged.md this form).
+the function and, in "The paged form", this form).
 
 Layout (per layer), for ``num_blocks`` KV blocks of ``block_size`` tokens:
 

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import torch
 from conftest import running_triton
 from PIL import Image, ImageDraw
 
-from dash_trt.documents.pages import DocumentError, load_pages
+from dash_trt.documents.pages import DocumentError, load_pages, open_pages
 from dash_trt.documents.processor import DocumentOptions, split_pages
 from dash_trt.documents.prompt import PromptError, document_prompt_ids
 from dash_trt.documents.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
@@ -797,3 +798,153 @@ def test_only_the_documented_image_formats_are_read(fmt):
         buf = io.BytesIO()
         page_image(32, 32).save(buf, ok)
         assert load_pages([("scan", buf.getvalue())])[0].size == (32, 32), ok
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["worker", "in-process"])
+def test_a_pdf_is_opened_once_and_its_pages_rendered_one_at_a_time(tokenizer, monkeypatch, isolate):
+    """Issue 69 item 1: a long PDF is parsed once (PDFium re-read the whole cross-reference table
+    for every page before, quadratic in the pages), and its pages are rendered one at a time as
+    their views are taken: at no point is more than one page's bitmap, or more than one page's
+    views, alive (CPython frees them as soon as they are dropped). Through the rendering worker
+    (the default) the worker keeps the document open between the pages: the PDF's bytes go to it
+    once, each page's message names the document's id; in process one PDFium document serves
+    every page."""
+    import gc
+    import weakref
+
+    from dash_trt.documents import pages as P
+    from dash_trt.documents import render as R
+    from dash_trt.documents.processor import DocumentProcessor
+
+    opens, sent = [], []
+    real_open, real_ask = P._open_pdf, R.Renderer._ask
+    monkeypatch.setattr(P, "_open_pdf", lambda *a: opens.append(a[-1]) or real_open(*a))
+
+    def ask(self, name, header, payload=b""):
+        sent.append((header["op"], len(payload)))
+        if header["op"] == "open":
+            opens.append(name)
+        return real_ask(self, name, header, payload)
+
+    monkeypatch.setattr(R.Renderer, "_ask", ask)
+    images = []
+    real_page_views = __import__("dash_trt.documents.processor", fromlist=["x"]).page_views
+
+    def watched(image, *a, **kw):
+        images.append(weakref.ref(image))
+        return real_page_views(image, *a, **kw)
+
+    monkeypatch.setattr("dash_trt.documents.processor.page_views", watched)
+    proc = DocumentProcessor(
+        tokenizer,
+        image_token_id=3,
+        page_token_id=2,
+        spec=ViewSpec(256, 160, max_crops=6),
+        render_limits=R.RenderLimits(isolate=isolate),
+    )
+    doc = proc.plan([("long.pdf", _blank_pdf(30))])
+    assert doc.views == [] and len(doc.pages) == 30 and opens == ["long.pdf"]
+    views = []
+    gc.disable()  # refcounts alone free them: no collection hides a page held by mistake
+    try:
+        for i, _key, v in doc.each_view():
+            assert sum(r() is not None for r in images) == 0, f"a bitmap outlives its views (page {i + 1})"
+            assert len(images) == i + 1
+            # the generator lets go of a page's views before it renders the next
+            assert sum(r() is not None for r in views) == 0, f"page {i}'s views are held"
+            views.append(weakref.ref(v))
+            del v
+    finally:
+        gc.enable()
+    assert opens == ["long.pdf"] and len(doc.page_keys) == 30
+    if isolate:  # the bytes once, then 30 renders that name the open document
+        assert sent[0][0] == "open" and sent[0][1] > 0 and sent[1:] == [("render", 0)] * 30
+        # the request ended with its last page: its documents closed, the worker given back warm
+        assert doc.renderer.proc is None and doc.renderer._docs == {} and len(proc.render_workers._idle) == 1
+    else:
+        assert sent == []
+    assert doc.sources[0].close() is None  # closed after the last page: closing again is harmless
+    proc.close()
+
+
+def test_a_planned_request_ends_with_its_documents_closed_and_the_worker_warm(tokenizer):
+    """plan keeps the request's renderer (its PDF open in the worker) with the document;
+    PreparedDocument.close ends the request: the worker goes back warm, holding no document, and
+    the next request is rendered by the same process."""
+    from dash_trt.documents.processor import DocumentProcessor
+
+    with DocumentProcessor(tokenizer, image_token_id=3, page_token_id=2, spec=ViewSpec(256, 160, max_crops=6)) as proc:
+        doc = proc.plan([("a.pdf", _blank_pdf(3))])
+        pid = doc.renderer.proc.pid
+        assert len(doc.renderer._docs) == 1
+        doc.close()
+        assert doc.renderer.proc is None and doc.renderer._docs == {}
+        (worker,) = proc.render_workers._idle
+        head, _ = worker.exchange(
+            {"op": "close"}, b"", deadline=time.monotonic() + 30, clock=time.monotonic, cancelled=lambda: False
+        )
+        assert worker.pid == pid and head == {"ok": True, "open": 0, "bytes": 0}
+        doc = proc.plan([("b.pdf", _blank_pdf(2))])
+        assert doc.renderer.proc.pid == pid and len(list(doc.each_view())) == 2
+        assert doc.renderer.proc is None
+    assert worker.proc.poll() is not None and not proc.render_workers._idle
+
+
+def test_the_worker_keeps_each_pdf_of_a_request_open_and_reopens_one_it_let_go(monkeypatch):
+    """Several PDFs: each is opened (its bytes sent) once for counting and stays open in the
+    worker for its pages; past the worker's MAX_OPEN documents the oldest is let go, and a page
+    of it is answered "closed": the renderer sends the PDF again and renders the page."""
+    from dash_trt.documents import render as R
+    from dash_trt.documents import render_worker as W
+
+    opened = []
+    real_ask = R.Renderer._ask
+
+    def ask(self, name, header, payload=b""):
+        if header["op"] == "open":
+            opened.append(name)
+        return real_ask(self, name, header, payload)
+
+    monkeypatch.setattr(R.Renderer, "_ask", ask)
+    pdfs = [(f"d{i}.pdf", _blank_pdf(2)) for i in range(W.MAX_OPEN + 1)]
+    with R.Renderer() as renderer:
+        pages = open_pages(pdfs[:2], render_side=256, renderer=renderer)
+        assert [p.render().size for p in pages] == [(198, 256)] * 4 and opened == ["d0.pdf", "d1.pdf"]
+        assert renderer._docs == {}  # each closed in the worker after its last page
+        opened.clear()
+        pages = open_pages(pdfs, render_side=256, renderer=renderer)
+        assert len(opened) == W.MAX_OPEN + 1
+        assert pages[0].render().size == (198, 256)  # d0 was let go in the worker: sent again
+        assert opened[-1] == "d0.pdf page 1" and len(opened) == W.MAX_OPEN + 2
+        assert pages[-1].render().size == (198, 256)  # the last one still open there
+        assert len(opened) == W.MAX_OPEN + 2
+
+
+def test_a_page_over_its_budget_is_refused_alone(ocr, monkeypatch):
+    """Issue 69 item 1: a page over the image budget is refused with its message, in its place in
+    the per-page records (finish reason ``refused``), and left out of the prompt; the other pages
+    are transcribed. Only when every page is refused does the document fail."""
+    from dash_trt.documents import pages as P
+
+    square, letter = page_image(500, 500, "square"), page_image(612, 792, "letter")
+    data = pdf_bytes([square, letter, square])
+    opts = DocumentOptions(max_page_tokens=70)  # letter: 2 x 3 tiles, 84 tokens; square: 2 x 2, 63
+    doc = ocr.processor.plan([("mixed.pdf", data)], opts)
+    assert doc.page_numbers == [1, 3] and doc.page_tokens == [63, 63] and len(doc.pages) == 2
+    (r,) = doc.refused
+    assert r.page == 2
+    assert re.match(r"mixed\.pdf page 2: \d+x960 pixels take 84 image tokens .* more than the 70", r.message)
+    result = ocr.transcribe([("mixed.pdf", data)], opts, max_new_tokens=12, rules={"max_page_tokens": 4})
+    assert [p.page for p in result.pages] == [1, 2, 3]
+    assert [p.finish_reason for p in result.pages][1] == "refused" and result.pages[1].error == r.message
+    assert result.pages[1].text == "" and result.pages[0].tokens and result.pages[2].tokens
+    assert result.pages[2].source == "mixed.pdf page 3"
+    with pytest.raises(DocumentError, match=r"every page is refused: mixed\.pdf page 1: .* \(and 2 more\)"):
+        ocr.processor.plan([("mixed.pdf", data)], DocumentOptions(max_page_tokens=30))
+    monkeypatch.setattr(P, "MAX_PIXELS", 100_000)  # the pixel budget likewise, page by page
+    small, big = png_bytes(page_image(200, 200)), png_bytes(page_image(400, 400))
+    pages = P.open_pages([("a.png", small), ("b.png", big), ("c.png", small)], refuse_pages=True)
+    assert [p.refused for p in pages][::2] == [None, None]
+    assert pages[1].refused == "b.png: image of 400x400 pixels is larger than 100,000 pixels"
+    with pytest.raises(DocumentError, match=r"^b\.png: image of 400x400 pixels is larger"):
+        P.open_pages([("a.png", small), ("b.png", big)])  # without refuse_pages: the request

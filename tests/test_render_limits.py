@@ -10,6 +10,7 @@ import itertools
 import os
 import signal
 import sys
+import time
 import types
 import zlib
 
@@ -206,6 +207,40 @@ def test_the_cpu_budget_is_rearmed_relative_to_what_the_worker_has_used():
         assert used > 3.0 and len(pids) == 1 and workers.starts == 1
 
 
+def _ask_worker(worker, header: dict) -> dict:
+    head, _ = worker.exchange(
+        header, b"", deadline=time.monotonic() + 30, clock=time.monotonic, cancelled=lambda: False
+    )
+    return head
+
+
+def test_a_request_leaves_nothing_open_in_the_warm_worker():
+    """Two PDFs, each opened (its bytes sent) once and kept open by id while one page of each is
+    rendered; the request's end closes both in the worker, which goes back warm: a render that
+    names either id is answered "closed", the worker holds no document, and the next request
+    renders in the same process."""
+    ops = []
+    with RenderWorkers(RenderLimits()) as workers:
+        with Renderer(workers=workers) as renderer:
+            ask = renderer._ask
+            renderer._ask = lambda name, header, payload=b"": ops.append(header["op"]) or ask(name, header, payload)
+            pages = open_pages([("a.pdf", small_pdf()), ("b.pdf", small_pdf())], render_side=256, renderer=renderer)
+            ids = sorted(doc for _, doc in renderer._docs.values())
+            assert [pages[0].render().size, pages[2].render().size] == [(192, 256), (192, 256)]
+            assert sorted(doc for _, doc in renderer._docs.values()) == ids and len(ids) == 2  # still open
+            pid = renderer.proc.pid
+        assert ops == ["open", "open", "render", "render"] and renderer.proc is None
+        worker = workers.take()
+        assert worker.pid == pid and worker.alive()
+        for doc in ids:
+            head = _ask_worker(worker, {"op": "render", "id": doc, "index": 0, "scale": 1.0})
+            assert head["ok"] is False and head["closed"] is True
+        assert _ask_worker(worker, {"op": "close"}) == {"ok": True, "open": 0, "bytes": 0}
+        workers.give(worker)
+        pages, after = _request(workers, small_pdf())
+        assert after.pid == pid and len(pages) == 2 and workers.starts == 1
+
+
 def test_closing_the_workers_leaves_no_process():
     """Idle workers are stopped at close; one still in use is stopped when its request ends."""
     workers = RenderWorkers(RenderLimits())
@@ -331,7 +366,7 @@ def test_the_document_model_passes_the_requests_cancel_to_rendering(monkeypatch)
     handed = []
 
     class Processor:
-        def prepare(self, files, options, max_prompt_tokens=None, cancelled=None):
+        def plan(self, files, options, max_prompt_tokens=None, cancelled=None):
             handed.append(cancelled)
             with Renderer(RenderLimits(), cancelled=cancelled, command=BLOCKING) as r:
                 r.render_pdf_page(files[0][1], 0, 1.0, "doc.pdf page 1")

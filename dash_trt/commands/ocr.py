@@ -20,13 +20,15 @@ Every page has its own token budget, the same on both paths and on the server's 
 ``--max-page-tokens`` (default 20000, :data:`~dash_trt.documents.budget.DEFAULT_MAX_PAGE_TOKENS`),
 and the document as a whole ``(pages + 1) x (max-page-tokens + 1)`` unless ``--max-new-tokens``
 says, held to what the model admits. A page that ran out of its budget (finish reason
-``length``) is written but counted and named in the summary, and the exit status is 3.
+``length``) is written but counted and named in the summary, and the exit status is 3; so is a
+page refused alone (finish reason ``refused``: over the pixel or image-token budget; its record's
+``error`` says why) while the document's other pages are transcribed.
 ``--format jsonl`` prints one JSON record a page: the input file, page number, output file,
 markdown, finish reason (``stop``, ``length``, ``guard``), tokens and seconds.
 
 Exit codes: 0 every document transcribed, every page complete; 1 some failed (each listed);
-2 bad arguments; 3 every document written, but some page ran out of its token budget (each
-named).
+2 bad arguments; 3 every document written, but some page ran out of its token budget or was
+refused (each named).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ DEFAULT_CONCURRENCY = 4
 EXIT_TRUNCATED = 3
 EXIT_CODES = (
     "Exit codes: 0 every document transcribed, every page complete; 1 some failed (each listed); 2 bad "
-    "arguments; 3 every document written, but some page ran out of its token budget (each named)."
+    "arguments; 3 every document written, but some page ran out of its token budget or was refused (each "
+    "named)."
 )
 
 
@@ -85,6 +88,12 @@ class DocumentOutcome:
     def truncated(self) -> list[int]:
         """The pages that ran out of their token budget (finish reason ``length``)."""
         return [p["page"] for p in self.pages or [] if p.get("finish_reason") == "length"]
+
+    @property
+    def refused(self) -> list[dict[str, Any]]:
+        """The pages refused before the model read them (finish reason ``refused``; ``error``
+        says why: over the pixel or image-token budget)."""
+        return [p for p in self.pages or [] if p.get("finish_reason") == "refused"]
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -210,8 +219,15 @@ def write_outputs(out: str, stem: str, pages: list[dict[str, Any]]) -> None:
     os.makedirs(folder, exist_ok=True)
     for p in pages:
         _write_text(page_file(out, stem, p["page"]), p["text"].rstrip() + "\n")
-    body = "\n\n".join(f"<!-- page {p['page']}: {p['source']} -->\n\n{p['text'].strip()}" for p in pages)
+    body = "\n\n".join(f"<!-- page {p['page']}: {_page_note(p)} -->\n\n{p['text'].strip()}" for p in pages)
     _write_text(os.path.join(out, stem + ".md"), body + "\n")
+
+
+def _page_note(p: dict[str, Any]) -> str:
+    """A page's comment in ``OUT/STEM.md``: its source, and why it was refused if it was."""
+    if p.get("finish_reason") == "refused":
+        return f"{p['source']} (refused: {str(p.get('error') or '').replace('--', '- -')})"
+    return p["source"]
 
 
 def _options(a) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -302,6 +318,7 @@ def _local(a, rules: dict[str, Any], crop: bool | None):
                     "tokens": len(p.tokens),
                     "seconds": p.seconds,
                 }
+                | ({"error": p.error} if getattr(p, "error", None) else {})
                 for p in result.pages
             ]
         except DocumentError as exc:
@@ -374,7 +391,7 @@ def ocr_main(a, out: TextIO, err: TextIO, *, sleep: Callable[[float], None] = ti
     failed = [o for o in outcomes if not o.ok]
     if failed:
         return 1
-    return EXIT_TRUNCATED if any(o.truncated for o in outcomes) else 0
+    return EXIT_TRUNCATED if any(o.truncated or o.refused for o in outcomes) else 0
 
 
 def _pages_text(pages: list[int]) -> str:
@@ -395,7 +412,8 @@ def report(outcomes: list[DocumentOutcome], stems: list[str], a, out: TextIO) ->
     if fmt == "json":
         for o, stem in zip(outcomes, stems):
             line = {"file": o.path, "ok": o.ok, "pages": len(o.pages or []), "error": o.error}
-            line.update(length_pages=o.truncated, output=os.path.join(a.out, stem + ".md") if o.ok else None)
+            line.update(length_pages=o.truncated, refused_pages=[p["page"] for p in o.refused])
+            line.update(output=os.path.join(a.out, stem + ".md") if o.ok else None)
             out.write(json.dumps(line) + "\n")
         return
     if fmt == "jsonl":
@@ -409,12 +427,16 @@ def report(outcomes: list[DocumentOutcome], stems: list[str], a, out: TextIO) ->
                 record["markdown"] = p["text"]
                 for key in ("finish_reason", "tokens", "seconds"):
                     record[key] = p.get(key)
+                if p.get("error"):
+                    record["error"] = p["error"]
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
         return
     failed = [o for o in outcomes if not o.ok]
     pages = sum(len(o.pages) for o in outcomes if o.ok)
     cut = sum(len(o.truncated) for o in outcomes if o.ok)
-    cut_text = f" ({cut} cut at their token budget)" if cut else ""
+    refused = sum(len(o.refused) for o in outcomes if o.ok)
+    notes = [f"{cut} cut at their token budget"] * bool(cut) + [f"{refused} refused"] * bool(refused)
+    cut_text = f" ({', '.join(notes)})" if notes else ""
     print(
         f"{len(outcomes) - len(failed)} of {len(outcomes)} documents, {pages} pages{cut_text}, written to {a.out}",
         file=out,
@@ -426,5 +448,7 @@ def report(outcomes: list[DocumentOutcome], stems: list[str], a, out: TextIO) ->
                 f"raise --max-page-tokens or --max-new-tokens)",
                 file=out,
             )
+        for p in o.refused if o.ok else []:
+            print(f"REFUSED {o.path} page {p['page']}: {p.get('error')}", file=out)
     for o in failed:
         print(f"FAILED {o.path}: {o.error}", file=out)

@@ -18,7 +18,9 @@ server, the Triton document model, chat and ``/v1/ocr``), and how each page of a
   many, which the page guard ended there; without the guard the surplus stays in the last
   page). A ``length`` page is never complete.
 - :func:`page_entries`: one record a page (its number, source, text, finish reason, tokens and
-  seconds) as the document model, ``/v1/ocr`` and ``dash-trt ocr --format jsonl`` give them.
+  seconds) as the document model, ``/v1/ocr`` and ``dash-trt ocr --format jsonl`` give them. A
+  page refused before the model saw it (over its pixel or image-token budget) has its record
+  too, in its place: finish reason ``refused``, no text, and ``error``, the reason.
 
 Nothing here imports torch.
 """
@@ -37,12 +39,15 @@ __all__ = [
     "finish_reasons",
     "page_entries",
     "document_finish_reason",
+    "REFUSED",
 ]
 
 #: The tokens one page may take unless a request says otherwise (vLLM's Unlimited-OCR-2 cap).
 DEFAULT_MAX_PAGE_TOKENS = 20000
 #: A page's finish reasons (module docstring).
-FINISH_REASONS = ("stop", "length", "guard")
+FINISH_REASONS = ("stop", "length", "guard", "refused")
+#: The finish reason of a page refused before generation (over a budget; its record's ``error``).
+REFUSED = "refused"
 
 
 def document_max_new_tokens(pages: int, max_page_tokens: int | None = None, room: int | None = None) -> int:
@@ -138,7 +143,7 @@ def document_page_entries(tokens: Sequence[int], doc, tokenizer, config, rules, 
     tokenizer's text without special tokens, the model config's page and end ids, and the
     decoding ``rules``' page budget and guard (what the serving pipeline and the Triton document
     model both report)."""
-    return page_entries(
+    entries = page_entries(
         tokens,
         [p.source for p in doc.pages],
         lambda sec: tokenizer.decode(sec, skip_special_tokens=True),
@@ -148,3 +153,19 @@ def document_page_entries(tokens: Sequence[int], doc, tokenizer, config, rules, 
         page_guard=rules.page_guard,
         seconds=seconds,
     )
+    return with_refused(entries, getattr(doc, "page_numbers", None), getattr(doc, "refused", ()))
+
+
+def with_refused(entries: list[dict[str, Any]], numbers: Sequence[int] | None, refused: Sequence) -> list[dict]:
+    """The records of the pages the model read (``entries``, numbered 1, 2, ... among themselves)
+    given their ``numbers`` in the document, with a record for each refused page (objects with
+    ``page``, ``source``, ``message``) in its place."""
+    if numbers:
+        for e, n in zip(entries, numbers):
+            e["page"] = n
+    for r in refused:
+        entries.append(
+            {"page": r.page, "source": r.source, "text": "", "finish_reason": REFUSED, "tokens": 0, "seconds": 0.0}
+            | {"error": r.message}
+        )
+    return sorted(entries, key=lambda e: e["page"])

@@ -11,7 +11,9 @@ would turn into a gigapixel bitmap. Errors name the file and page: :class:`Docum
 pages, and each page's size in pixels (a PDF page's from its size in points, an image's from its
 header). Every budget (pages, pixels a page, pixels a request) is checked there, and a caller
 checks its own (image tokens a page and a prompt) from the sizes, before any page is rendered;
-:meth:`PageSource.render` then renders one page at a time. :func:`load_pages` does both.
+:meth:`PageSource.render` then renders one page at a time. :func:`load_pages` does both. With
+``refuse_pages`` a page over its pixel budget is refused alone (:attr:`PageSource.refused` holds
+the message) and the others go on.
 
 PDFs are read and rendered by a :class:`~dash_trt.documents.render.Renderer` (one a request): in
 a worker process (kept warm between requests by a
@@ -19,6 +21,14 @@ a worker process (kept warm between requests by a
 (:class:`RenderLimits`) and killed when a page goes over it or the request is cancelled; pdfium
 never parses an uploaded file in this process. Between pages (images too) the renderer checks
 the request's cancellation and deadline.
+
+A PDF is parsed once: its pages' renderers share one open PDFium document (PDFium re-reads the
+cross-reference table on every open, which on a 2,000-page file costs ~11 ms a page against
+0.3 ms for a page of a document kept open): the worker keeps it open between the pages of a
+request (:meth:`~dash_trt.documents.render.Renderer.open_pdf`; the request's end closes what is
+still open there before the worker serves another), and so does this process when it
+renders itself (``RenderLimits(isolate=False)``). It is closed after its last page is rendered or
+by :func:`close_pages`.
 """
 
 from __future__ import annotations
@@ -31,6 +41,15 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from .limits import (
+    MAX_PAGES,
+    MAX_PIXELS,
+    MAX_REQUEST_PIXELS,
+    PIL_MAX_IMAGE_PIXELS,
+    DocumentError,
+    _declares_no_pages,
+    _pil,
+)
 from .render import RenderCancelled, Renderer, RenderLimits
 
 __all__ = [
@@ -39,27 +58,18 @@ __all__ = [
     "PageSource",
     "open_pages",
     "load_pages",
+    "close_pages",
     "render_pdf",
     "open_image",
     "MAX_PAGES",
     "MAX_PIXELS",
     "MAX_REQUEST_PIXELS",
     "IMAGE_FORMATS",
+    "PIL_MAX_IMAGE_PIXELS",
     "Renderer",
     "RenderLimits",
     "RenderCancelled",
 ]
-
-#: A document larger than this is refused (one request holds every page's image tokens).
-MAX_PAGES = 1000
-#: An image larger than this (width x height) is refused before it is decoded (a decompression
-#: bomb: a small file that decodes to gigabytes). Pillow's own guard (``MAX_IMAGE_PIXELS``, about
-#: 179 M pixels by default) is raised to this in :func:`_pil`, so that this limit is the one that
-#: applies, with this module's message.
-MAX_PIXELS = 200_000_000
-#: The pages of one request together (width x height summed) may not be larger than this: a few
-#: hundred KB of PDF or GIF can ask for many gigapixels, each page rendered or decoded in turn.
-MAX_REQUEST_PIXELS = 20_000_000_000
 
 _PDF_MAGIC = b"%PDF-"
 #: The image formats a page may be (Pillow's names), as documented: Pillow knows many more (ICO,
@@ -73,10 +83,6 @@ def _formats() -> list[str]:
     Image, _ = _pil()
     Image.init()
     return [f for f in IMAGE_FORMATS if f in Image.OPEN]
-
-
-class DocumentError(ValueError):
-    """A document or page that cannot be read; the message names it."""
 
 
 @dataclass
@@ -102,30 +108,30 @@ class PageSource:
     width: int
     height: int
     _render: Callable[[], object]
+    #: why this page is refused (over a budget; ``refuse_pages``), None for a page to render
+    refused: str | None = None
+    _close: Callable[[], None] | None = None
 
     @property
     def size(self) -> tuple[int, int]:
         return self.width, self.height
 
     def render(self) -> Page:
+        if self.refused is not None:
+            raise DocumentError(self.refused)
         return Page(self._render(), self.source)
 
+    def close(self) -> None:
+        """Lets go of what rendering holds open (a PDF's parsed document, here or in the
+        rendering worker); a later :meth:`render` opens it again."""
+        if self._close is not None:
+            self._close()
 
-#: Pillow's ``MAX_IMAGE_PIXELS`` as :func:`_pil` sets it (Pillow warns above it and refuses above
-#: twice it): :data:`MAX_PIXELS`'s documented value.
-PIL_MAX_IMAGE_PIXELS = MAX_PIXELS
 
-
-def _pil():
-    try:
-        from PIL import Image, ImageOps
-    except ImportError:  # a declared dependency of the documents extra
-        raise DocumentError("reading images needs Pillow (pip install 'dash-trt[documents]')") from None
-    # the one place Pillow's decompression-bomb guard is set: never below this module's limit (a
-    # caller that lifted it, or switched it off with None, is left alone)
-    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < PIL_MAX_IMAGE_PIXELS:
-        Image.MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS
-    return Image, ImageOps
+def close_pages(pages: Iterable[PageSource]) -> None:
+    """:meth:`PageSource.close` of each page (a PDF's pages share one document: closed once)."""
+    for p in pages:
+        p.close()
 
 
 def _too_large(source: str, size: tuple[int, int] | None = None, pixels: int | None = None) -> DocumentError:
@@ -159,8 +165,12 @@ def _rgb(image, source: str):
     return image.convert("RGB")
 
 
-def _image_sources(data: bytes, source: str, renderer: Renderer | None = None) -> list[PageSource]:
-    """The pages of an image file's bytes (one per frame), their sizes read from the header."""
+def _image_sources(
+    data: bytes, source: str, renderer: Renderer | None = None, refuse: bool = False
+) -> list[PageSource]:
+    """The pages of an image file's bytes (one per frame), their sizes read from the header.
+    ``refuse``: a page over :data:`MAX_PIXELS` comes back refused (:attr:`PageSource.refused`)
+    instead of raising."""
     Image, _ = _pil()
     try:  # Pillow reads the header only here
         with warnings.catch_warnings():
@@ -178,6 +188,8 @@ def _image_sources(data: bytes, source: str, renderer: Renderer | None = None) -
         ) from None
     w, h = img.size
     if w * h > MAX_PIXELS:
+        if refuse:
+            return [PageSource(source, w, h, _refused_render, str(_too_large(source, (w, h))))]
         raise _too_large(source, (w, h))
     if w < 1 or h < 1:
         raise DocumentError(f"{source}: image of {w}x{h} pixels is empty")
@@ -195,7 +207,7 @@ def _image_sources(data: bytes, source: str, renderer: Renderer | None = None) -
             except Exception as exc:  # noqa: BLE001 - a truncated file
                 raise DocumentError(f"{source} page {i + 1}: cannot be read ({_reason(exc)})") from None
             fw, fh = img.size
-            if fw * fh > MAX_PIXELS:
+            if fw * fh > MAX_PIXELS and not refuse:
                 raise _too_large(f"{source} page {i + 1}", (fw, fh))
             sizes.append((fw, fh))
 
@@ -218,8 +230,13 @@ def _image_sources(data: bytes, source: str, renderer: Renderer | None = None) -
     out = []
     for i, (fw, fh) in enumerate(sizes):
         name = source if frames == 1 else f"{source} page {i + 1}"
-        out.append(PageSource(name, *((fh, fw) if swap else (fw, fh)), frame(i, name)))
+        refused = str(_too_large(name, (fw, fh))) if fw * fh > MAX_PIXELS else None
+        out.append(PageSource(name, *((fh, fw) if swap else (fw, fh)), frame(i, name), refused))
     return out
+
+
+def _refused_render():  # never called: a refused page's render() raises its message
+    raise AssertionError("a refused page is not rendered")
 
 
 def _exif_swaps(img) -> bool:
@@ -235,39 +252,47 @@ def open_image(data: bytes, source: str) -> list[Page]:
     return [p.render() for p in _image_sources(data, source)]
 
 
-def _declares_no_pages(data: bytes) -> bool:
-    """The file's page tree says it has no page (``/Type /Pages ... /Count 0``) and it holds no
-    page object (read in the uncompressed objects only)."""
-    return bool(re.search(rb"/Count\s*0(?![0-9])", data)) and not re.search(rb"/Type\s*/Page(?![a-zA-Z])", data)
-
-
 def _pdf_sources(data: bytes, source: str, render_side: int, renderer: Renderer | None = None) -> list[PageSource]:
     """The pages of a PDF, each to be rendered with its longer side ``render_side`` pixels: their
     count and sizes read from the document (no page rendered), by ``renderer``'s worker process
-    (in this process when it renders in-process)."""
+    (in this process when it renders in-process). The document stays open, in the worker or here
+    (:class:`_OpenPdf`), for the pages' renderers until the last page is rendered or the pages
+    are closed (:func:`close_pages`)."""
     if renderer is None or not renderer.limits.isolate:
         return _pdf_sources_here(data, source, render_side, renderer)
     n, sizes = renderer.open_pdf(data, source)
-    _check_count(n, source)
-    out = []
-    for i, (w, h) in enumerate(sizes):
-        name = f"{source} page {i + 1}"
-        out.append(
-            _sized(name, w, h, render_side, lambda scale, i=i, name=name: _isolated(renderer, data, i, scale, name))
-        )
-    return out
+
+    def close() -> None:
+        renderer.close_pdf(data)
+
+    try:
+        _check_count(n, source)
+        out = []
+        for i, (w, h) in enumerate(sizes):
+            name = f"{source} page {i + 1}"
+            make = lambda scale, i=i, name=name: _isolated(renderer, data, i, n, scale, name)  # noqa: E731
+            out.append(_sized(name, w, h, render_side, make, close))
+        return out
+    except BaseException:
+        close()
+        raise
 
 
 def _sized(
-    name: str, w: float, h: float, render_side: int, make: Callable[[float], Callable[[], object]]
+    name: str,
+    w: float,
+    h: float,
+    render_side: int,
+    make: Callable[[float], Callable[[], object]],
+    close: Callable[[], None] | None = None,
 ) -> PageSource:
     """A PDF page of ``w`` x ``h`` points rendered with its longer side ``render_side`` pixels
-    (``make(scale)``: its render function)."""
+    (``make(scale)``: its render function; ``close``: lets go of its open document)."""
     if not (w > 0 and h > 0):
         raise DocumentError(f"{name}: the page has no area ({w:g} x {h:g} points)")
     scale = render_side / max(w, h)
     # pypdfium2 renders ceil(points x scale) pixels a side
-    return PageSource(name, math.ceil(w * scale), math.ceil(h * scale), make(scale))
+    return PageSource(name, math.ceil(w * scale), math.ceil(h * scale), make(scale), _close=close)
 
 
 def _check_count(n: int, source: str) -> None:
@@ -277,35 +302,84 @@ def _check_count(n: int, source: str) -> None:
         raise DocumentError(f"{source}: {n} pages, more than {MAX_PAGES}")
 
 
-def _isolated(renderer: Renderer, data: bytes, index: int, scale: float, name: str):
+def _isolated(renderer: Renderer, data: bytes, index: int, count: int, scale: float, name: str):
     def render():
-        return _rgb(renderer.render_pdf_page(data, index, scale, name), name)
+        try:
+            image = renderer.render_pdf_page(data, index, scale, name)
+        finally:
+            if index == count - 1:  # the worker lets go of the document after its last page
+                renderer.close_pdf(data)
+        return _rgb(image, name)
 
     return render
 
 
 def _pdf_sources_here(data: bytes, source: str, render_side: int, renderer: Renderer | None) -> list[PageSource]:
     """:func:`_pdf_sources` in this process (``RenderLimits(isolate=False)``)."""
-    pdfium = _pdfium()
-    pdf = _open_pdf(pdfium, data, source)
+    pdf = _OpenPdf(data, source, renderer)
     try:
-        n = len(pdf)
+        doc = pdf.document()
+        n = len(doc)
         _check_count(n, source)
         out = []
         for i in range(n):
             name = f"{source} page {i + 1}"
             try:
-                page = pdf[i]
+                page = doc[i]
                 w, h = page.get_size()  # points, rotation applied
                 page.close()
             except Exception as exc:  # noqa: BLE001 - a damaged page
                 raise DocumentError(f"{name}: cannot be read ({type(exc).__name__}: {exc})") from None
-            out.append(
-                _sized(name, w, h, render_side, lambda scale, i=i, name=name: _pdf_page(data, i, scale, name, renderer))
-            )
+            make = lambda scale, i=i, name=name: pdf.renderer(i, n, scale, name)  # noqa: E731
+            out.append(_sized(name, w, h, render_side, make, pdf.close))
         return out
-    finally:
+    except BaseException:
         pdf.close()
+        raise
+
+
+class _OpenPdf:
+    """One PDF's bytes and, once opened, its PDFium document in this process, shared by its pages'
+    renderers: opened on first use, closed after the last page is rendered (or by :meth:`close`),
+    opened again if a page is rendered after that."""
+
+    def __init__(self, data: bytes, source: str, renderer: Renderer | None = None):
+        self.data, self.source, self.checker = data, source, renderer
+        self._doc = None
+
+    def document(self):
+        if self._doc is None:
+            self._doc = _open_pdf(_pdfium(), self.data, self.source)
+        return self._doc
+
+    def close(self) -> None:
+        if self._doc is not None:
+            doc, self._doc = self._doc, None
+            doc.close()
+
+    def renderer(self, index: int, count: int, scale: float, name: str):
+        def render():
+            if self.checker is not None:
+                self.checker.check(name)
+            try:
+                page = self.document()[index]
+                try:
+                    bitmap = page.render(scale=scale)
+                finally:
+                    page.close()
+            except DocumentError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a damaged page
+                raise DocumentError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
+            finally:
+                if index == count - 1:
+                    self.close()
+            try:  # the PIL image may share the bitmap's buffer: converted (copied) before it is freed
+                return _rgb(bitmap.to_pil(), name)
+            finally:
+                bitmap.close()
+
+        return render
 
 
 def _pdfium():
@@ -325,25 +399,6 @@ def _open_pdf(pdfium, data: bytes, source: str):
         raise DocumentError(f"{source}: not a readable PDF ({exc})") from None
 
 
-def _pdf_page(data: bytes, index: int, scale: float, name: str, renderer: Renderer | None = None):
-    def render():
-        if renderer is not None:
-            renderer.check(name)
-        pdfium = _pdfium()
-        pdf = _open_pdf(pdfium, data, name)
-        try:
-            page = pdf[index]
-            image = page.render(scale=scale).to_pil()
-            page.close()
-        except Exception as exc:  # noqa: BLE001 - a damaged page
-            raise DocumentError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
-        finally:
-            pdf.close()
-        return _rgb(image, name)
-
-    return render
-
-
 def render_pdf(data: bytes, source: str, render_side: int, *, limits: RenderLimits | None = None) -> list[Page]:
     """Every page of a PDF rendered so that its longer side is ``render_side`` pixels, within
     ``limits`` (:class:`RenderLimits`, the defaults when None)."""
@@ -356,6 +411,7 @@ def open_pages(
     *,
     render_side: int = 1024,
     renderer: Renderer | None = None,
+    refuse_pages: bool = False,
 ) -> list[PageSource]:
     """The pages of ``sources`` in order, not rendered (module docstring): paths, raw bytes, or
     ``(name, bytes)`` pairs, each a PDF (recognised by its ``%PDF-`` header) or an image file. The
@@ -363,44 +419,59 @@ def open_pages(
     :data:`MAX_REQUEST_PIXELS` together) are checked here. ``renderer``: the request's
     (:class:`Renderer`; the caller closes it), else one with the default limits, closed when the
     pages are let go. Raises :class:`DocumentError` naming the file and page, and
-    :class:`RenderCancelled` when ``renderer``'s request is cancelled."""
+    :class:`RenderCancelled` when ``renderer``'s request is cancelled; with ``refuse_pages`` a page
+    over :data:`MAX_PIXELS` is refused alone (:attr:`PageSource.refused`) and does not count
+    towards the request's pixels."""
     renderer = renderer if renderer is not None else Renderer()
     pages: list[PageSource] = []
-    pixels = 0
-    for i, src in enumerate(sources):
-        if isinstance(src, tuple):
-            name, data = src
-        elif isinstance(src, (bytes, bytearray, memoryview)):
-            name, data = f"document {i + 1}", bytes(src)
-        else:
-            name = os.fspath(src)
-            try:
-                with open(name, "rb") as fh:
-                    data = fh.read()
-            except OSError as exc:
-                raise DocumentError(f"{name}: {exc.strerror or exc}") from None
-        if not data:
-            raise DocumentError(f"{name}: the file is empty")
-        if data[:1024].lstrip()[:5] == _PDF_MAGIC:
-            more = _pdf_sources(data, name, render_side, renderer)
-        else:
-            more = _image_sources(data, name, renderer)
-        pages += more
-        if len(pages) > MAX_PAGES:
-            raise DocumentError(f"the request holds more than {MAX_PAGES} pages")
-        for p in more:
-            if p.width * p.height > MAX_PIXELS:
+    try:
+        pixels = 0
+        for i, src in enumerate(sources):
+            name, data = _read_source(i, src)
+            if data[:1024].lstrip()[:5] == _PDF_MAGIC:
+                more = _pdf_sources(data, name, render_side, renderer)
+            else:
+                more = _image_sources(data, name, renderer, refuse_pages)
+            pages += more
+            if len(pages) > MAX_PAGES:
+                raise DocumentError(f"the request holds more than {MAX_PAGES} pages")
+            for p in more:
+                if p.refused is None and p.width * p.height > MAX_PIXELS:
+                    p.refused = (
+                        f"{p.source}: rendered at {p.width}x{p.height} pixels, larger than {MAX_PIXELS:,} pixels"
+                    )
+                if p.refused is not None and not refuse_pages:
+                    raise DocumentError(p.refused)
+                pixels += p.width * p.height if p.refused is None else 0
+            if pixels > MAX_REQUEST_PIXELS:
                 raise DocumentError(
-                    f"{p.source}: rendered at {p.width}x{p.height} pixels, larger than {MAX_PIXELS:,} pixels"
+                    f"{name}: the request's pages together take more than {MAX_REQUEST_PIXELS:,} pixels; "
+                    f"send fewer pages"
                 )
-            pixels += p.width * p.height
-        if pixels > MAX_REQUEST_PIXELS:
-            raise DocumentError(
-                f"{name}: the request's pages together take more than {MAX_REQUEST_PIXELS:,} pixels; send fewer pages"
-            )
-    if not pages:
-        raise DocumentError("no pages: send at least one image or PDF page")
+        if not pages:
+            raise DocumentError("no pages: send at least one image or PDF page")
+    except BaseException:
+        close_pages(pages)
+        raise
     return pages
+
+
+def _read_source(i: int, src) -> tuple[str, bytes]:
+    """A source's name and bytes (a path is read)."""
+    if isinstance(src, tuple):
+        name, data = src
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        name, data = f"document {i + 1}", bytes(src)
+    else:
+        name = os.fspath(src)
+        try:
+            with open(name, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise DocumentError(f"{name}: {exc.strerror or exc}") from None
+    if not data:
+        raise DocumentError(f"{name}: the file is empty")
+    return name, data
 
 
 def load_pages(

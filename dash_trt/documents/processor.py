@@ -9,15 +9,15 @@ build the same prompt for the same pages.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .pages import DocumentError, Page, Renderer, RenderLimits, open_pages
+from .pages import DocumentError, Page, PageSource, Renderer, RenderLimits, close_pages, open_pages
 from .prompt import document_prompt_ids
 from .render import RenderWorkers
 from .views import PageViews, ViewSpec, check_page_tokens, page_views
 
-__all__ = ["DocumentOptions", "PreparedDocument", "DocumentProcessor", "split_pages", "CROP_AUTO"]
+__all__ = ["DocumentOptions", "PreparedDocument", "Refusal", "DocumentProcessor", "split_pages", "CROP_AUTO"]
 
 #: ``crop``: the model's upstream default: every page tiled (vLLM 0.34.0's Unlimited-OCR-2 crops
 #: each page of a request independently, one page or many).
@@ -46,7 +46,26 @@ class DocumentOptions:
 
 
 @dataclass
+class Refusal:
+    """A page left out of a document's prompt: its number in the document (1-based), its source
+    and why (over a budget of pixels or of image tokens: the message names it)."""
+
+    page: int
+    source: str
+    message: str
+
+
+@dataclass
 class PreparedDocument:
+    """A document's pages as the model sees them: the pages it reads (``pages``, sizes kept,
+    bitmaps let go), their views (``views``: all of them after
+    :meth:`DocumentProcessor.prepare`; empty after :meth:`DocumentProcessor.plan`, which leaves
+    them to :meth:`each_view`, one page at a time), the prompt, each page's image tokens and view
+    digest, and the pages refused one by one (``refused``: left out of the prompt). A planned
+    document holds its request's :class:`~dash_trt.documents.render.Renderer` (its PDFs open in
+    the rendering worker, which serves no other request meanwhile) until :meth:`each_view` has
+    rendered every page, or :meth:`close` (which ends the request and gives the worker back)."""
+
     pages: list[Page]
     views: list[PageViews]
     prompt_ids: list[int]
@@ -55,10 +74,59 @@ class PreparedDocument:
     crop: bool
     #: each page's view digest (sha256 of its pixels and grid): the key of its image features
     page_keys: list[str] = field(default_factory=list)
+    #: pages left out, each with its message (:class:`Refusal`)
+    refused: list[Refusal] = field(default_factory=list)
+    #: each page's number in the document (1-based; refused pages skipped); empty: 1, 2, ...
+    numbers: list[int] = field(default_factory=list)
+    #: the pages not yet rendered (:meth:`DocumentProcessor.plan`), for :meth:`each_view`
+    sources: list[PageSource] = field(default_factory=list, repr=False)
+    spec: ViewSpec | None = field(default=None, repr=False)
+    #: the request's renderer (:meth:`DocumentProcessor.plan`), closed after the last page
+    renderer: Renderer | None = field(default=None, repr=False)
 
     @property
     def names(self) -> list[str]:
         return [p.source for p in self.pages]
+
+    @property
+    def page_numbers(self) -> list[int]:
+        return self.numbers or list(range(1, len(self.pages) + 1))
+
+    def each_view(self) -> Iterator[tuple[int, str, PageViews]]:
+        """Each page's index, view digest and views, in order: from :attr:`views` when they are
+        held, else each page rendered, cut into its views and its bitmap let go before the next
+        (only the views of the page being yielded are alive here). Fills :attr:`page_keys`."""
+        if self.views:
+            if not self.page_keys:
+                self.page_keys = [_digest(v) for v in self.views]
+            yield from ((i, k, v) for i, (k, v) in enumerate(zip(self.page_keys, self.views)))
+            return
+        self.page_keys = keys = []
+        try:
+            for i, p in enumerate(self.sources):
+                v = _render_views(p, self.spec, self.crop, self.page_tokens[i])
+                keys.append(_digest(v))
+                yield i, keys[-1], v
+                del v  # not held while the next page renders
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """The request ends: its PDFs are closed in the rendering worker, which goes back to the
+        processor's :class:`~dash_trt.documents.render.RenderWorkers` for the next request (killed
+        instead if it cannot be trusted again); idempotent."""
+        close_pages(self.sources)
+        if self.renderer is not None:
+            self.renderer.close()
+
+
+def _render_views(p: PageSource, spec: ViewSpec, crop: bool, count: int) -> PageViews:
+    """One page rendered and cut into its views; its bitmap is let go on return."""
+    page = p.render()
+    views = page_views(page.image, spec, crop, page.source)
+    if views.num_tokens != count:  # the size read and the size rendered
+        raise DocumentError(f"{page.source}: rendered at {page.size}, read as {p.size}: cannot be counted")
+    return views
 
 
 def _digest(v: PageViews) -> str:
@@ -122,7 +190,15 @@ class DocumentProcessor:
         s = self.spec
         return max(s.base_size, s.image_size * s.max_crops) if options.crop is not False else s.base_size
 
-    def prepare(
+    def prepare(self, sources: Iterable, options: DocumentOptions | None = None, **budget) -> PreparedDocument:
+        """Pages, views and prompt of ``sources`` (:meth:`plan`, with its ``max_prompt_tokens``
+        and ``cancelled``; then every page's views, all of them held at once, which for a long
+        document is what :meth:`plan` and :meth:`PreparedDocument.each_view` avoid)."""
+        doc = self.plan(sources, options, **budget)
+        doc.views = [v for _, _, v in doc.each_view()]
+        return doc
+
+    def plan(
         self,
         sources: Iterable,
         options: DocumentOptions | None = None,
@@ -130,56 +206,75 @@ class DocumentProcessor:
         max_prompt_tokens: int | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> PreparedDocument:
-        """Pages, views and prompt of ``sources`` (:func:`~dash_trt.documents.pages.load_pages`).
-        Raises :class:`DocumentError` naming the page and the arithmetic when a page takes more
-        than ``options.max_page_tokens`` image tokens or the prompt more than
+        """Pages and prompt of ``sources``, no page rendered
+        (:func:`~dash_trt.documents.pages.open_pages`; the views come one page at a time from
+        :meth:`PreparedDocument.each_view`). A page over its pixel budget or taking more than
+        ``options.max_page_tokens`` image tokens is refused alone (:attr:`PreparedDocument.refused`,
+        its message naming the page and the arithmetic) and left out of the prompt; the others go
+        on. Raises :class:`DocumentError` when every page is refused or the prompt takes more than
         ``max_prompt_tokens``, or naming the page and the limit when reading or rendering goes
         over :attr:`render_limits`; :class:`~dash_trt.documents.render.RenderCancelled` when
         ``cancelled()`` says so (checked between pages and while one renders: the rendering
-        process is killed)."""
+        process is killed). The request's renderer stays with the document for
+        :meth:`PreparedDocument.each_view`."""
         options = options or DocumentOptions()
-        with Renderer(self.render_limits, cancelled=cancelled, workers=self.render_workers) as renderer:
-            return self._prepare(sources, options, max_prompt_tokens, renderer)
-
-    def _prepare(self, sources, options: DocumentOptions, max_prompt_tokens, renderer: Renderer) -> PreparedDocument:
-        # every budget from the pages' sizes first: nothing is rendered for a refused request
-        pages = open_pages(sources, render_side=self.render_side(options), renderer=renderer)
-        crop = options.crop_for(len(pages))
-        spec = self.spec
-        if options.max_page_tokens is not None:
-            spec = ViewSpec(**{**spec.__dict__, "max_page_tokens": int(options.max_page_tokens)})
-        counts = [check_page_tokens(p.width, p.height, spec, crop, p.source) for p in pages]
-        ids = document_prompt_ids(
-            self.tokenizer,
-            counts,
-            image_token_id=self.image_token_id,
-            page_token_id=self.page_token_id,
-            instruction=options.instruction,
-        )
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            total, running = 0, 0
-            over = len(pages)
-            for i, n in enumerate(counts):
-                running += n
-                if running + (len(ids) - sum(counts)) > max_prompt_tokens:
-                    over = i + 1
-                    break
-            total = len(ids)
-            raise DocumentError(
-                f"the prompt of {len(pages)} page(s) is {total} tokens ({' + '.join(map(str, counts))} image tokens "
-                f"+ {total - sum(counts)} text tokens), more than the {max_prompt_tokens} this model serves; "
-                f"it is exceeded at {pages[over - 1].source}: send fewer pages a request"
-                + ("" if not crop else " or turn crop mode off")
+        renderer = Renderer(self.render_limits, cancelled=cancelled, workers=self.render_workers)
+        every: list[PageSource] = []
+        try:
+            # every budget from the pages' sizes first: nothing is rendered for a refused request
+            every = open_pages(sources, render_side=self.render_side(options), renderer=renderer, refuse_pages=True)
+            crop = options.crop_for(len(every))
+            spec = self.spec
+            if options.max_page_tokens is not None:
+                spec = ViewSpec(**{**spec.__dict__, "max_page_tokens": int(options.max_page_tokens)})
+            pages, counts, numbers, refused = [], [], [], []
+            for number, p in enumerate(every, 1):
+                try:
+                    if p.refused is not None:
+                        raise DocumentError(p.refused)
+                    counts.append(check_page_tokens(p.width, p.height, spec, crop, p.source))
+                except DocumentError as exc:
+                    refused.append(Refusal(number, p.source, str(exc)))
+                    continue
+                pages.append(p)
+                numbers.append(number)
+            if not pages:
+                more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+                raise DocumentError(f"every page is refused: {refused[0].message}{more}")
+            ids = document_prompt_ids(
+                self.tokenizer,
+                counts,
+                image_token_id=self.image_token_id,
+                page_token_id=self.page_token_id,
+                instruction=options.instruction,
             )
-        # then one page at a time: each rendered, cut into its views, and its bitmap let go
-        views, rendered = [], []
-        for p in pages:
-            page = p.render()
-            views.append(page_views(page.image, spec, crop, page.source))
-            if views[-1].num_tokens != counts[len(views) - 1]:  # the size read and the size rendered
-                raise DocumentError(f"{page.source}: rendered at {page.size}, read as {p.size}: cannot be counted")
-            rendered.append(Page(None, page.source, size=page.size))
-        return PreparedDocument(rendered, views, ids, counts, crop, [_digest(v) for v in views])
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise DocumentError(_too_long(pages, counts, len(ids), max_prompt_tokens, crop))
+        except BaseException:
+            close_pages(every)
+            renderer.close()
+            raise
+        held = [Page(None, p.source, size=p.size) for p in pages]
+        return PreparedDocument(
+            held, [], ids, counts, crop, refused=refused, numbers=numbers, sources=pages, spec=spec, renderer=renderer
+        )
+
+
+def _too_long(pages: Sequence[PageSource], counts: Sequence[int], total: int, limit: int, crop: bool) -> str:
+    """The message for a prompt of ``total`` tokens over ``limit``: the page where it runs out."""
+    text = total - sum(counts)
+    over, running = len(pages), 0
+    for i, n in enumerate(counts):
+        running += n
+        if running + text > limit:
+            over = i + 1
+            break
+    return (
+        f"the prompt of {len(pages)} page(s) is {total} tokens ({' + '.join(map(str, counts))} image tokens "
+        f"+ {text} text tokens), more than the {limit} this model serves; "
+        f"it is exceeded at {pages[over - 1].source}: send fewer pages a request"
+        + ("" if not crop else " or turn crop mode off")
+    )
 
 
 def split_pages(tokens: Sequence[int], page_token_id: int, eos_token_id: int | None, pages: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ read, and gives it every PDF of the request in turn: it counts the pages, reads 
 renders them one at a time. The worker is warm: :class:`RenderWorkers` (one a
 :class:`~dash_trt.documents.processor.DocumentProcessor`, so one a Triton document model
 instance and one a ``dash-trt ocr`` run) keeps it between requests, and a request that ends
-normally gives it back with its PDF closed (nothing of a request stays in the worker). A worker
+normally gives it back with its PDFs closed (nothing of a request stays in the worker). A worker
 that is killed is replaced in the background. The worker's limits (:class:`RenderLimits`) are
 the kernel's (``RLIMIT_CPU``, ``RLIMIT_AS``), so they hold however busy the machine is: each
 page (opening a PDF counts as a page) at most ``page_seconds`` of CPU, the request's PDFs
@@ -24,6 +24,12 @@ the limit; a cancelled request :class:`RenderCancelled`. A worker is killed, nev
 when it fails (a damaged file), answers anything but the protocol, or does not close a PDF in
 :data:`CLOSE_SECONDS`.
 
+A PDF is parsed once a request: :meth:`Renderer.open_pdf` gives it an id, and the worker keeps
+the document open under that id for the pages rendered after (their messages name the id, not
+the bytes again) until :meth:`Renderer.close_pdf` (after its last page) or the request's end (which closes
+every document the request opened before the worker goes back to :class:`RenderWorkers`); a
+worker that let it go (it keeps at most a few documents open) says so, and the PDF is sent again.
+
 The worker is the limits' enforcement, not a sandbox: it runs as this process's user, as it did
 when it lived for one request.
 
@@ -37,6 +43,7 @@ instead (limits checked between pages only: a bomb page is not stopped).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,6 +57,8 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .limits import MAX_PAGES, MAX_PIXELS, DocumentError, _declares_no_pages, _pil
 
 __all__ = [
     "RenderLimits",
@@ -73,7 +82,7 @@ DEFAULT_MEMORY_MB = 4096
 WALL_FACTOR = 4.0
 #: How often (seconds) the wait for the worker checks the request's ``cancelled``.
 POLL = 0.05
-#: Wall-clock seconds a worker has to close a request's PDF before it is killed instead of reused.
+#: Wall-clock seconds a worker has to close a request's PDFs before it is killed instead of reused.
 CLOSE_SECONDS = 5.0
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "render_worker.py")
@@ -82,6 +91,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "render_worker
 _BOOT = "import sys; sys.path.pop(0); p = sys.argv.pop(1); exec(compile(open(p).read(), p, 'exec'))"
 #: The longest JSON header a worker's answer may have, bytes.
 _MAX_HEADER = 1 << 24
+#: The worker's ids of the PDFs it opens: unique in this process, so no request's id ever names
+#: another request's document in a worker they share in turn.
+_IDS = itertools.count(1)
 #: pdfium's bitmap modes as Pillow's (mode, raw mode)
 _MODES = {
     "BGR": ("RGB", "BGR"),
@@ -201,11 +213,9 @@ class _Worker:
                 pass
         proc.wait()
 
-    def exchange(
-        self, header: dict, payload: bytes, *, deadline: float, clock: Callable[[], float], cancelled
-    ) -> tuple[dict, bytes]:
-        """Send one message and wait for the answer until ``clock()`` passes ``deadline`` or
-        ``cancelled()`` (:class:`_Stop`). A garbled answer raises ``ValueError``."""
+    def send(self, header: dict, payload: bytes = b"") -> None:
+        """Write one message, waiting for no answer (a worker that died says so at the next
+        :meth:`exchange`, from its exit status)."""
         proc = self.proc
         blob = json.dumps(dict(header, bytes=len(payload))).encode()
         try:
@@ -213,8 +223,16 @@ class _Worker:
             if payload:
                 proc.stdin.write(payload)
             proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # it died: said below, from its exit status
+        except (BrokenPipeError, OSError, ValueError):  # ValueError: its pipe is closed
+            pass
+
+    def exchange(
+        self, header: dict, payload: bytes, *, deadline: float, clock: Callable[[], float], cancelled
+    ) -> tuple[dict, bytes]:
+        """Send one message and wait for the answer until ``clock()`` passes ``deadline`` or
+        ``cancelled()`` (:class:`_Stop`). A garbled answer raises ``ValueError``."""
+        proc = self.proc
+        self.send(header, payload)
         reader = _Frames(proc.stdout.fileno())
         while True:
             if cancelled():
@@ -269,7 +287,7 @@ class RenderWorkers:
         self.close()
 
     def _spawn(self) -> _Worker:
-        spec = {"memory_mb": max(int(self.limits.memory_mb), 0), "max_pages": _max_pages()}
+        spec = {"memory_mb": max(int(self.limits.memory_mb), 0), "max_pages": MAX_PAGES}
         command = self.command or [_python(), "-S", "-c", _BOOT, WORKER]  # -S: sys.path comes from here
         worker = _Worker(command, spec)
         self.starts += 1
@@ -341,7 +359,8 @@ class Renderer:
     ):
         self._own = workers is None
         self.worker: _Worker | None = None
-        self._loaded = None  # the bytes object the worker has open
+        #: the PDFs open in the worker for this request: id(bytes) -> (the bytes, the worker's id)
+        self._docs: dict[int, tuple[bytes, int]] = {}
         self.limits = limits or (workers.limits if workers is not None else RenderLimits())
         if workers is None:
             workers = RenderWorkers(self.limits, command=command, keep=0, prestart=False)
@@ -376,12 +395,13 @@ class Renderer:
             self.workers.close()
 
     def close(self) -> None:
-        """The request is over: its worker, healthy, closes the request's PDF and goes back to
-        :attr:`workers` (or is stopped: a worker of its own, one that is not answering)."""
-        worker, loaded = self.worker, self._loaded
-        self.worker, self._loaded = None, None
+        """The request is over: its worker, healthy, closes every PDF the request opened and goes
+        back to :attr:`workers` (or is stopped: a worker of its own, one that is not answering or
+        says it still holds a document)."""
+        worker = self.worker
+        self.worker, self._docs = None, {}
         if worker is not None:
-            if not self._own and worker.alive() and (loaded is None or self._let_go(worker)):
+            if not self._own and worker.alive() and self._let_go(worker):
                 self.workers.give(worker)
             else:
                 worker.kill()
@@ -389,18 +409,18 @@ class Renderer:
             self.workers.close()
 
     def _let_go(self, worker: _Worker) -> bool:
-        """The worker closes the request's PDF (True: it said so in time)."""
+        """The worker closes the request's PDFs (True: it said so in time, none left open)."""
         try:
             head, _ = worker.exchange(
                 {"op": "close"}, b"", deadline=self.clock() + CLOSE_SECONDS, clock=self.clock, cancelled=lambda: False
             )
         except (_Stop, ValueError, TypeError, KeyError, struct.error):
             return False
-        return head.get("ok") is True
+        return head.get("ok") is True and head.get("open") == 0
 
     def _kill(self) -> None:
         """Kill this request's worker (inside a page, or not to be trusted again)."""
-        worker, self.worker, self._loaded = self.worker, None, None
+        worker, self.worker, self._docs = self.worker, None, {}
         if worker is not None:
             self.workers.discard(worker)
 
@@ -409,8 +429,6 @@ class Renderer:
         """Before a page: :class:`RenderCancelled` when the request was cancelled, a
         ``DocumentError`` naming ``name`` when the request's rendering is past its wall-clock
         deadline."""
-        from .pages import DocumentError
-
         if self.cancelled():
             self._kill()
             raise RenderCancelled(f"{name}: rendering stopped, the request was cancelled")
@@ -428,13 +446,11 @@ class Renderer:
             self._kill()
         if self.worker is None:
             self.worker = self.workers.take()
-            self._loaded = None
+            self._docs = {}
         return self.worker
 
     def _over(self, name: str, what: str):
         """The ``DocumentError`` of a page over a limit; the worker is killed."""
-        from .pages import DocumentError
-
         self._kill()
         return DocumentError(f"{name}: {what}; the page is refused (its content takes too long to draw)")
 
@@ -449,8 +465,6 @@ class Renderer:
     def _ask(self, name: str, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
         """Send one message to the worker and wait for its answer, within the limits: the worker
         arms its CPU limit to ``cpu`` seconds past what it has used before it starts."""
-        from .pages import DocumentError
-
         limit, which = self._cpu_limit()
         if limit <= 0:
             raise self._over(name, f"rendering took more than {which}")
@@ -481,7 +495,7 @@ class Renderer:
             self._kill()
             raise DocumentError(f"{name}: cannot be rendered (the rendering process answered garbage: {exc})") from None
         self.cpu += cpu
-        if head.get("ok") is True:
+        if head.get("ok") is True or head.get("closed") is True:  # closed: the PDF is sent again
             return head, data
         self._kill()  # a worker that failed (a damaged file, no memory left) is not used again
         if head.get("memory"):
@@ -490,13 +504,13 @@ class Renderer:
 
     def open_pdf(self, data: bytes, name: str) -> tuple[int, list[tuple[float, float]]]:
         """The page count of a PDF's ``data`` and each page's size in points (rotation applied;
-        none when there are more pages than a request may hold)."""
-        from .pages import DocumentError, _declares_no_pages
-
+        none when there are more pages than a request may hold). The worker keeps the document
+        open for :meth:`render_pdf_page` until :meth:`close_pdf`."""
+        self.close_pdf(data)
         self.check(name)
-        head, _ = self._ask(name, {"op": "open"}, data)
+        doc = next(_IDS)
+        head, _ = self._ask(name, {"op": "open", "id": doc}, data)
         if not head.get("ok"):
-            self._loaded = None
             if _declares_no_pages(data):
                 raise DocumentError(f"{name}: the PDF has 0 pages")
             raise DocumentError(f"{name}: not a readable PDF ({head.get('error')})")
@@ -505,17 +519,28 @@ class Renderer:
         except (KeyError, ValueError, TypeError):
             self._kill()
             raise DocumentError(f"{name}: not a readable PDF (the renderer answered {head!r:.200})") from None
-        self._loaded = data
+        self._docs[id(data)] = (data, doc)
         return count, sizes
 
-    def render_pdf_page(self, data: bytes, index: int, scale: float, name: str):
-        """Page ``index`` of the PDF ``data`` rendered at ``scale`` (a ``PIL.Image``)."""
-        from .pages import MAX_PIXELS, DocumentError, _pil
+    def close_pdf(self, data: bytes) -> None:
+        """The worker lets go of the PDF ``data`` (no answer awaited; nothing when it is not open)."""
+        entry = self._docs.pop(id(data), None)
+        if entry is not None and self.worker is not None and self.worker.alive():
+            self.worker.send({"op": "close", "id": entry[1]})
 
-        if self._loaded is not data or self.proc is None or self.proc.poll() is not None:
-            self.open_pdf(data, name)
-        self.check(name)
-        head, raw = self._ask(name, {"op": "render", "index": int(index), "scale": float(scale)})
+    def render_pdf_page(self, data: bytes, index: int, scale: float, name: str):
+        """Page ``index`` of the PDF ``data`` rendered at ``scale`` (a ``PIL.Image``); the PDF is
+        opened in the worker first unless it has it open already."""
+        for _ in range(2):  # a second time when the worker had let the document go
+            entry = self._docs.get(id(data))
+            if entry is None or entry[0] is not data or self.worker is None or not self.worker.alive():
+                self.open_pdf(data, name)
+                entry = self._docs[id(data)]
+            self.check(name)
+            head, raw = self._ask(name, {"op": "render", "id": entry[1], "index": int(index), "scale": float(scale)})
+            if not head.get("closed"):
+                break
+            self._docs.pop(id(data), None)
         if not head.get("ok"):
             raise DocumentError(f"{name}: cannot be rendered ({head.get('error')})")
         try:
@@ -531,15 +556,7 @@ class Renderer:
         return Image.frombuffer(mode, (w, h), raw, "raw", raw_mode, stride, 1)
 
 
-def _max_pages() -> int:
-    from .pages import MAX_PAGES
-
-    return MAX_PAGES
-
-
 def _dead(name: str, code: int | None):
-    from .pages import DocumentError
-
     how = f"signal {-code}" if code is not None and code < 0 else f"status {code}"
     return DocumentError(
         f"{name}: cannot be rendered (the rendering process ended with {how}: a damaged file, or more memory "

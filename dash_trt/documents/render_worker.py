@@ -15,15 +15,24 @@ process could never raise it again). Between units the soft limit is :data:`IDLE
 the time used, for reading the next message.
 
 Messages both ways are frames: a 4-byte big-endian length, a JSON header of that length, then
-``header["bytes"]`` bytes of payload. In: ``{"op": "open", "cpu": s, "bytes": n}`` + the PDF
-(answered ``{"ok": true, "pages": n, "sizes": [[w, h], ...]}``, sizes in points with the page's
-rotation applied, none when there are more than ``max_pages`` pages), ``{"op": "render",
-"index": i, "scale": s, "cpu": s}`` (answered ``{"ok": true, "mode", "width", "height",
-"stride", "bytes"}`` + the bitmap's rows) and ``{"op": "close"}`` (the request is over: its PDF
-is let go; answered ``{"ok": true}``). Every answer to open and render says ``cpu``, the CPU
-seconds the unit took, and ``used``, this process's CPU seconds so far. A failure is ``{"ok":
-false, "error": "..."}``. JSON, never pickle: this process parses untrusted files, and the
-parent checks the numbers it says.
+``header["bytes"]`` bytes of payload. In: ``{"op": "open", "id": k, "cpu": s, "bytes": n}`` +
+the PDF (answered ``{"ok": true, "pages": n, "sizes": [[w, h], ...]}``, sizes in points with the
+page's rotation applied, none when there are more than ``max_pages`` pages), ``{"op": "render",
+"id": k, "index": i, "scale": s, "cpu": s}`` (answered ``{"ok": true, "mode", "width", "height",
+"stride", "bytes"}`` + the bitmap's rows), ``{"op": "close", "id": k}`` (document ``k`` is let go
+after its last page; not answered) and ``{"op": "close"}`` without an id (the request is over:
+every document it opened is let go; answered ``{"ok": true, "open": 0}``, the documents still
+open). Every answer to open and render says ``cpu``, the CPU seconds the unit took, and
+``used``, this process's CPU seconds so far. A failure is ``{"ok": false, "error": "..."}``.
+JSON, never pickle: this process parses untrusted files, and the parent checks the numbers it
+says.
+
+A PDF is parsed once however many of its pages are rendered: the parent numbers each PDF it
+opens (``id``, unique in the parent's process), and the document stays open under it for the
+``render`` messages that name it until it is closed, by its id or at the request's end. At most
+:data:`MAX_OPEN` documents are kept, the oldest let go first; a ``render`` of a document not open
+is answered ``{"ok": false, "closed": true}`` and the parent sends the PDF again (the worker is
+not at fault). An ``open`` or ``render`` without an id uses the one document kept without one.
 """
 
 import json
@@ -32,6 +41,10 @@ import signal
 import struct
 import sys
 import time
+
+#: Documents kept open at once (the parent closes each after its last page; a request's PDFs are
+#: all opened to be counted before any is rendered, so a request of many PDFs reopens some).
+MAX_OPEN = 8
 
 try:
     import resource
@@ -89,31 +102,6 @@ def _setup(limits):
     _arm_cpu(IDLE_SECONDS)
 
 
-def _serve(pdfium, header, payload, pdf, max_pages, out):
-    """One open or render (``pdf``: the request's open document, None before an open); returns
-    the open document."""
-    start = time.process_time()
-    if header["op"] == "open":
-        pdf = pdfium.PdfDocument(payload)
-        count = len(pdf)
-        sizes = [] if max_pages and count > max_pages else [list(pdf.get_page_size(i)) for i in range(count)]
-        reply, data = {"pages": count, "sizes": sizes}, b""
-    elif header["op"] == "render":
-        if pdf is None:
-            raise ValueError("no PDF is open")
-        page = pdf[int(header["index"])]
-        bitmap = page.render(scale=float(header["scale"]))
-        data = bytes(bitmap.buffer)
-        reply = {"mode": bitmap.mode, "width": bitmap.width, "height": bitmap.height, "stride": bitmap.stride}
-        bitmap.close()
-        page.close()
-    else:
-        raise ValueError(f"unknown op {header['op']!r}")
-    used = time.process_time()
-    _send(out, dict(reply, ok=True, cpu=used - start, used=used), data)
-    return pdf
-
-
 def main():
     limits = json.loads(sys.argv[1])
     _setup(limits)
@@ -124,7 +112,7 @@ def main():
     except ImportError:
         _send(out, {"ok": False, "error": "reading PDFs needs pypdfium2 (pip install 'dash-trt[documents]')"})
         return
-    pdf = None
+    docs = {}  # id (None: the document opened without one) -> its open PdfDocument, oldest first
     while True:
         try:
             (n,) = struct.unpack(">I", _read_exact(inp, 4))
@@ -134,19 +122,60 @@ def main():
         except EOFError:  # the parent closed the pipe: done
             return
         try:
-            if header.get("op") in ("open", "close") and pdf is not None:  # nothing of it stays here
-                pdf, old = None, pdf
-                old.close()
-            if header.get("op") == "close":  # the request is over
-                _send(out, {"ok": True})
-            else:
-                pdf = _serve(pdfium, header, payload, pdf, max_pages, out)
+            _answer(pdfium, docs, header, payload, max_pages, out)
         except MemoryError:
             _send(out, {"ok": False, "error": "MemoryError", "memory": True})
         except Exception as exc:  # noqa: BLE001 - a damaged file: said to the parent, which names the page
             _send(out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         payload = header = None
         _arm_cpu(IDLE_SECONDS)
+
+
+def _close(docs, key):
+    pdf = docs.pop(key, None)
+    if pdf is not None:
+        pdf.close()
+
+
+def _answer(pdfium, docs, header, payload, max_pages, out):
+    """One message's answer (module docstring)."""
+    op, key = header["op"], header.get("id")
+    if op == "close":
+        if key is not None:  # not answered, even when closing fails (the parent waits for nothing)
+            try:
+                _close(docs, key)
+            except Exception:  # noqa: BLE001, S110 - a document pdfium cannot close is dropped all the same
+                pass
+            return
+        while docs:  # the request is over: nothing of it stays here
+            _close(docs, next(iter(docs)))
+        _send(out, {"ok": True, "open": len(docs)})
+        return
+    start = time.process_time()
+    if op == "open":
+        _close(docs, key)
+        pdf = pdfium.PdfDocument(payload)
+        docs[key] = pdf
+        while len(docs) > MAX_OPEN:
+            _close(docs, next(iter(docs)))
+        count = len(pdf)
+        sizes = [] if max_pages and count > max_pages else [list(pdf.get_page_size(i)) for i in range(count)]
+        reply, data = {"pages": count, "sizes": sizes}, b""
+    elif op == "render":
+        pdf = docs.get(key)
+        if pdf is None:
+            _send(out, {"ok": False, "closed": True, "error": "the PDF is not open", "cpu": 0.0})
+            return
+        page = pdf[int(header["index"])]
+        bitmap = page.render(scale=float(header["scale"]))
+        data = bytes(bitmap.buffer)
+        reply = {"mode": bitmap.mode, "width": bitmap.width, "height": bitmap.height, "stride": bitmap.stride}
+        bitmap.close()
+        page.close()
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    used = time.process_time()
+    _send(out, dict(reply, ok=True, cpu=used - start, used=used), data)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class PageText:
     #: ``stop``, ``length`` (ran out of its budget) or ``guard`` (:mod:`dash_trt.documents.budget`)
     finish_reason: str = "stop"
     seconds: float = 0.0  #: the document's seconds shared out by the pages' tokens
+    #: why the page was refused (finish reason ``refused``: over its pixel or image-token budget)
+    error: str | None = None
 
 
 @dataclass
@@ -89,36 +91,66 @@ class FeatureCache:
             self._items.popitem(last=False)
 
 
-def page_features(tower: VisionTower, doc: PreparedDocument, cache: FeatureCache | None = None) -> torch.Tensor:
+#: Pages whose views go through the vision tower together when a document's views are rendered
+#: as they are needed: the most pages' views alive at once (the tower batches at most 8 views of
+#: one size a pass in any case).
+FEATURE_CHUNK_PAGES = 4
+
+
+def page_features(
+    tower: VisionTower, doc: PreparedDocument, cache: FeatureCache | None = None, chunk: int = FEATURE_CHUNK_PAGES
+) -> torch.Tensor:
     """The image features of a prepared document's pages, in prompt order [image tokens, hidden]
-    (float32 on the CPU): each page's from the cache, the others from one batched pass of the
-    tower over all their views (:meth:`~dash_trt.models.deepencoder.VisionTower.encode_pages`).
+    (float32 on the CPU): each page's from the cache, the others from the tower
+    (:meth:`~dash_trt.models.deepencoder.VisionTower.encode_pages`), ``chunk`` pages' views at a
+    time as :meth:`~dash_trt.documents.processor.PreparedDocument.each_view` renders them, each
+    chunk's views let go once encoded. The features are written into one tensor allocated for the
+    whole prompt (its size is known from the pages' sizes); nothing else grows with the pages.
 
     The cache counts as a page-by-page loop would: a page repeated in the document (same key) is
     encoded once, a miss the first time and a hit after; every page is put back in page order,
     so the LRU order is the loop's too."""
-    found: dict[str, torch.Tensor] = {}
-    todo: dict[str, int] = {}  # key -> its page's index in doc.views
-    for i, key in enumerate(doc.page_keys):
-        if key in found or key in todo:
+    offsets = [0]
+    for n in doc.page_tokens:
+        offsets.append(offsets[-1] + n)
+    out: torch.Tensor | None = None
+    first: dict[str, int] = {}  # key -> the first page with it (its features are in ``out``)
+    pending: list[tuple[int, str, object]] = []
+
+    def place(i: int, f: torch.Tensor) -> None:
+        nonlocal out
+        if out is None:
+            out = torch.empty(offsets[-1], f.shape[-1], dtype=torch.float32)
+        out[offsets[i] : offsets[i + 1]] = f
+
+    def flush() -> None:
+        for (i, _, v), f in zip(pending, tower.encode_pages([v for _, _, v in pending])):
+            if f.shape[0] != v.num_tokens:  # the processor's arithmetic and the tower's layout agree
+                raise RuntimeError(f"the vision tower gave {f.shape[0]} features for {v.num_tokens} image tokens")
+            place(i, f.float().cpu())
+        pending.clear()
+
+    for i, key, views in doc.each_view():
+        if key in first:
             if cache is not None:
                 cache.hits += 1  # the loop had it in the cache by now
             continue
+        first[key] = i
         f = cache.get(key) if cache is not None else None
         if f is None:
-            todo[key] = i
+            pending.append((i, key, views))
+            if len(pending) >= max(1, chunk):
+                flush()
         else:
-            found[key] = f
-    if todo:
-        pages = [doc.views[i] for i in todo.values()]
-        for key, v, f in zip(todo, pages, tower.encode_pages(pages)):
-            if f.shape[0] != v.num_tokens:  # the processor's arithmetic and the tower's layout agree
-                raise RuntimeError(f"the vision tower gave {f.shape[0]} features for {v.num_tokens} image tokens")
-            found[key] = f.float().cpu()
-    if cache is not None:
-        for key in doc.page_keys:
-            cache.put(key, found[key])
-    return torch.cat([found[key] for key in doc.page_keys])
+            place(i, f)
+        del views
+    flush()
+    for i, key in enumerate(doc.page_keys):
+        if first[key] != i:  # a repeated page: the first one's features
+            out[offsets[i] : offsets[i + 1]] = out[offsets[first[key]] : offsets[first[key] + 1]]
+        if cache is not None:  # a copy: the cache never holds the whole prompt's tensor alive
+            cache.put(key, out[offsets[i] : offsets[i + 1]].clone())
+    return out
 
 
 class DocumentOCR:
@@ -180,7 +212,8 @@ class DocumentOCR:
         t0 = time.perf_counter()
         if isinstance(sources, (str, os.PathLike, bytes)):
             sources = [sources]
-        doc = self.prepare(sources, options)
+        # pages rendered one at a time as the tower takes them (page_features), not all first
+        doc = self.processor.plan(sources, options)
         feats = page_features(self.tower, doc, self.cache)
         if not isinstance(rules, DecodingRules):
             rules = self.rules_for(len(doc.pages), **(rules or {}))
@@ -206,11 +239,14 @@ class DocumentOCR:
         cfg = self.config
         rules = rules if rules is not None else self.rules_for(len(doc.pages))
         sections = split_pages(tokens, cfg.page_token_id, cfg.eos_token_id, len(doc.pages))
+        by_page = dict(zip(doc.page_numbers, sections))
         entries = document_page_entries(tokens, doc, self.tokenizer, cfg, rules, seconds)
         pages = [
-            PageText(e["page"], e["source"], e["text"], sec, e["finish_reason"], e["seconds"])
-            for e, sec in zip(entries, sections)
+            PageText(e["page"], e["source"], e["text"], by_page.get(e["page"], []), e["finish_reason"], e["seconds"])
+            for e in entries
         ]
+        for p, e in zip(pages, entries):
+            p.error = e.get("error")
         return OCRResult(pages, len(doc.prompt_ids), len(tokens), max_new_tokens, rules.max_page_tokens)
 
 

@@ -157,10 +157,15 @@ class TritonPythonModel:
         if self.max_prompt_tokens:
             budget = self.max_prompt_tokens - (max_new if max_new is not None else 1) + 1
         cancelled = getattr(request, "is_cancelled", None)  # Triton 23.10 on
-        doc = self.processor.prepare(files, options, max_prompt_tokens=budget, cancelled=cancelled)
-        if cancelled is not None and cancelled():  # no vision tower, no generation for a client gone
+        # no page rendered yet: page_features renders them a few at a time as the tower takes
+        # them, the request's renderer checking cancelled() between pages and while one renders
+        doc = self.processor.plan(files, options, max_prompt_tokens=budget, cancelled=cancelled)
+        try:
+            feats = self.page_features(self.tower, doc, self.cache)
+        finally:
+            doc.close()
+        if cancelled is not None and cancelled():  # no generation for a client gone
             raise self.RenderCancelled("the request was cancelled")
-        feats = self.page_features(self.tower, doc, self.cache)
         overrides = {}
         for field, (iname, dtype) in P.RULE_INPUTS.items():
             arr = self._read(request, iname)

@@ -200,7 +200,7 @@ def run_prefix(
     )
     engine.warmup()
     engine.generate([document(min(chunk, length), cfg, "Warm-up?")], 1, stop_at_eos=False)
-    engine.runtime.pool.clear_cache()  # the warm-up's blocks are not the document's
+    engine.scheduler.pool.clear_cache()  # the warm-up's blocks are not the document's
     engine.reset_counters()
     t0 = clock.now()
     first = engine.submit(prompts[0], new_tokens, stop_at_eos=False)

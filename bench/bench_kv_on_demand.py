@@ -93,7 +93,7 @@ def run(args) -> dict:
         wall = time.perf_counter() - t0
         answers = [r.result(0) for r in reqs]
         c = engine.counters
-        pool = engine.runtime.pool
+        pool = engine.scheduler.pool
         out["policies"]["on demand" if on_demand else "worst case"] = {
             "kv_on_demand": on_demand,
             "peak_running": c["peak_running"],

@@ -2,12 +2,13 @@
 shared prompt blocks, and the host-side metadata of a step (:class:`~dash_trt.attention.dash.paged.BatchHost`).
 
 One pool serves every layer's cache (the blocks of a sequence are the same in each layer).
-:func:`blocks_for` is the one place "KV blocks for N tokens" is computed.
+:func:`blocks_for` (:mod:`.kv`, named here too) is the one place "KV blocks for N tokens" is
+computed; :func:`prefix_block_hashes` (:mod:`.kv` too) hashes a prompt's cacheable blocks.
+The scheduler owns the pool; the runner sees it through :class:`.kv.KVBlocks`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -15,13 +16,9 @@ import numpy as np
 import torch
 
 from ..attention.dash.paged import BatchHost, DashBatch
+from .kv import blocks_for, prefix_block_hashes
 
 __all__ = ["KVBlockPool", "CacheFullError", "blocks_for", "prefix_block_hashes"]
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """KV blocks of ``block_size`` tokens that hold ``tokens`` tokens."""
-    return -(-int(tokens) // int(block_size))
 
 
 class CacheFullError(RuntimeError):
@@ -354,45 +351,3 @@ class KVBlockPool:
         if seq_id not in self._rows:
             raise KeyError(f"unknown sequence {seq_id!r}")
         return seq_id
-
-
-def prefix_block_hashes(
-    prompt: Sequence[int],
-    image_token_id: int | None,
-    block_size: int,
-    image_features: torch.Tensor | None = None,
-    *,
-    seed: bytes = b"",
-) -> list[bytes]:
-    """Prefix-cache hashes of a prompt's cacheable KV blocks, chained (each covers its block
-    and everything before it, and ``seed``: what else the blocks' contents depend on, e.g. a
-    length scale). Cacheable, for a document model: whole blocks of tokens at or before the
-    prompt's last image token, whose page coordinates, and so every cache field, depend on no
-    later token (a text token after the last image is coordinated as the question); for a model
-    without image tokens (``image_token_id`` None): whole blocks; either way at most up to the
-    prompt's second-to-last token, so at least one token is computed. ``image_features`` (a row
-    per image token, in order) enter the hash of the blocks that read them."""
-    ids = np.asarray(prompt, dtype=np.int64)
-    if image_token_id is None:
-        n = (ids.size - 1) // block_size
-    else:
-        images = np.flatnonzero(ids == image_token_id)
-        if not images.size:
-            return []
-        n = min((int(images[-1]) + 1) // block_size, (ids.size - 1) // block_size)
-    feats = None
-    if image_features is not None and image_token_id is not None:
-        feats = np.ascontiguousarray(torch.as_tensor(image_features).detach().float().cpu().numpy())
-        rows = np.cumsum(ids == image_token_id) - 1
-    out, h = [], b"dash-trt prefix v1 %d" % block_size + (b" " + seed if seed else b"")
-    for i in range(n):
-        d = hashlib.blake2b(h, digest_size=16)
-        chunk = ids[i * block_size : (i + 1) * block_size]
-        d.update(chunk.tobytes())
-        if feats is not None:
-            sel = rows[i * block_size : (i + 1) * block_size][chunk == image_token_id]
-            if sel.size:
-                d.update(feats[sel].tobytes())
-        h = d.digest()
-        out.append(h)
-    return out

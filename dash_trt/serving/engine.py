@@ -50,7 +50,7 @@ import torch
 from ..attention.dash.paged import PageCoordState, TextCoordState
 from ..modeling import DashModel, prompt_coordinates
 from ..models.prompts import document_prompt
-from .block_pool import blocks_for
+from .kv import blocks_for
 from .rules import DecodingRules, RulesError
 from .runner import ForwardFn, PagedRuntime, size_pool_for_memory
 from .sampling import SamplingError, SamplingParams
@@ -291,10 +291,19 @@ class GenerationEngine:
             )
         #: KV blocks in the pool (``config.num_blocks``, or what ``gpu_memory_fraction`` gave)
         self.num_blocks = num_blocks
+        #: the waiting queue, the running requests and their KV blocks: the scheduler owns the
+        #: pool (``self.scheduler.pool``), the runtime runs its steps on it
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            kv_block_size=ecfg.kv_block_size,
+            max_num_seqs=ecfg.max_num_seqs,
+            max_batch_tokens=ecfg.max_batch_tokens,
+            prefill_chunk=ecfg.prefill_chunk,
+            on_demand=ecfg.kv_on_demand,
+        )
         self.runtime = PagedRuntime(
             model,
-            num_blocks,
-            ecfg.kv_block_size,
+            pool=self.scheduler.pool,
             forward=forward,
             backend=backend,
             max_model_len=ecfg.max_model_len or None,
@@ -305,16 +314,6 @@ class GenerationEngine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Request] = deque()
-        #: the waiting queue, the running requests and their KV reservations
-        self.scheduler = Scheduler(
-            self.runtime.pool,
-            num_blocks=num_blocks,
-            kv_block_size=ecfg.kv_block_size,
-            max_num_seqs=ecfg.max_num_seqs,
-            max_batch_tokens=ecfg.max_batch_tokens,
-            prefill_chunk=ecfg.prefill_chunk,
-            on_demand=ecfg.kv_on_demand,
-        )
         self._closed: str | None = None
         #: requests drain() took off the queue, answered (failed) by the next step: every
         #: response of the engine's requests goes out from the thread that steps it
@@ -729,7 +728,7 @@ class GenerationEngine:
         cfg = self.model_config
         self.counters["steps"] += 1
         self._step_no += 1
-        pool = self.runtime.pool
+        pool = self.scheduler.pool
         self.counters["peak_blocks_in_use"] = max(
             self.counters["peak_blocks_in_use"], pool.num_blocks - pool.num_free_blocks
         )
@@ -807,7 +806,7 @@ class GenerationEngine:
         limits, ``plan`` within ``max_batch_tokens``), no finished request queued or running.
         For tests and debugging."""
         sched = self.scheduler
-        problems = self.runtime.pool.check_invariants() + sched.check_invariants(list(plan))
+        problems = sched.pool.check_invariants() + sched.check_invariants(list(plan))
         if any(r.finished for r in sched.running) or any(r.finished for r in sched.waiting):
             problems.append("a finished request is still queued or running")
         return problems
@@ -820,7 +819,7 @@ class GenerationEngine:
 
     def stats(self) -> dict[str, Any]:
         """Pool and queue state and counters (any thread)."""
-        pool = self.runtime.pool
+        pool = self.scheduler.pool
         with self._lock:
             out = dict(self.counters)
             out.update(

@@ -11,9 +11,10 @@ import torch
 from ..attention.dash.paged import assign_flat_cache_tensors, flat_cache_tensors
 from ..modeling import DashModel
 from ..models.config import DashModelConfig
-from .block_pool import KVBlockPool, blocks_for
+from .kv import blocks_for
 from .rules import DecodingRules
 from .runner import ForwardFn, PagedRuntime, greedy_tokens
+from .scheduler import new_pool
 
 __all__ = ["generate", "reference_generate", "Generation", "PagedState"]
 
@@ -24,7 +25,7 @@ class PagedState:
     :class:`KVBlockPool` and so one block table shared by all layers)."""
 
     def __init__(self, model: DashModel, num_blocks: int, kv_block_size: int):
-        self.pool = KVBlockPool(num_blocks, kv_block_size)
+        self.pool = new_pool(num_blocks, kv_block_size)
         self.caches = model.allocate_cache(num_blocks, kv_block_size)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -92,10 +93,10 @@ def generate(
     reserve = [len(p) + max(max_new_tokens, 1) - 1 for p in prompts]
     if num_blocks is None:
         num_blocks = sum(blocks_for(r, kv_block_size) for r in reserve) + 1
+    pool = new_pool(num_blocks, kv_block_size)
     runtime = PagedRuntime(
         model,
-        num_blocks,
-        kv_block_size,
+        pool=pool,
         forward=forward,
         max_model_len=max(reserve),
         max_num_seqs=len(prompts),
@@ -132,7 +133,7 @@ def generate(
             if len(result.tokens[i]) >= max_new_tokens or (stop_at_eos and tok == cfg.eos_token_id):
                 finished[i] = True
                 runtime.free(i)
-    result.blocks_in_use = runtime.pool.num_blocks - runtime.pool.num_free_blocks
+    result.blocks_in_use = pool.num_blocks - pool.num_free_blocks
     result.logits = [torch.stack(x) if x else torch.empty(0, cfg.vocab_size) for x in logits_out]
     result.graph_steps = runtime.graph_steps
     return result

@@ -5,16 +5,19 @@ service's :class:`~dash_trt.serving.engine.GenerationEngine`, the benchmark
 (``bench/bench_generate.py``). One step is one call of the model over a ragged batch,
 each sequence contributing its next prefill chunk or its next decode token:
 
-1. **One plan per step.** :meth:`KVBlockPool.schedule_host` builds the step's metadata
-   (block tables, lengths, query starts, prompt lengths) on the host from the pool's own
-   state, so it is valid by construction; it reaches the device in one copy as a
-   :class:`~dash_trt.attention.dash.paged.DashBatch` (with ``max_query_len``) and is handed unchanged to
-   every layer. Nothing in a step reads the device back except the chosen tokens.
+1. **One plan per step.** The KV blocks the runtime is handed (a
+   :class:`~dash_trt.serving.kv.KVBlocks`: the scheduler's pool, which the scheduler owns; the
+   runtime never imports the pool) build the step's metadata
+   (:meth:`~dash_trt.serving.kv.KVBlocks.schedule_host`: block tables, lengths, query starts,
+   prompt lengths) on the host from the pool's own state, so it is valid by construction; it
+   reaches the device in one copy as a :class:`~dash_trt.attention.dash.paged.DashBatch` (with
+   ``max_query_len``) and is handed unchanged to every layer. Nothing in a step reads the
+   device back except the chosen tokens.
 2. **In place.** Each layer calls the in-place op (``torch.ops.dash_trt.paged_attention_``):
    the cache tensors keep their storage for the runtime's whole life (no step copies the
    pool). A sequence gets the blocks :meth:`PagedRuntime.add` reserves for it when it is
    added, and further blocks as it grows past them (the pool appends them when a step
-   needs them; :class:`~dash_trt.serving.block_pool.CacheFullError` if none is free).
+   needs them; the pool's ``CacheFullError`` if none is free).
    :meth:`PagedRuntime.preempt` takes a sequence's blocks back and keeps its tokens;
    :meth:`PagedRuntime.resume` recomputes its cache from them.
 3. **O(1) page coordinates.** A sequence keeps a :class:`~dash_trt.attention.dash.paged.PageCoordState`;
@@ -55,10 +58,11 @@ from ..attention.dash.paged import DashBatch, DashKVCache, PageCoordState, TextC
 from ..modeling import image_feature_rows, prompt_coordinates, token_role
 from ..models.prompts import document_prompt
 from .backends import ForwardFn, FunctionalBackend, ModelBackend, ModelStep, TorchBackend
-from .block_pool import KVBlockPool, blocks_for, prefix_block_hashes
+from .kv import KVBlocks, blocks_for, prefix_block_hashes
 from .limits import DEFAULT_MAX_MODEL_LEN
 from .rules import DecodingRules
 from .sampling import Sampler, SamplingParams
+from .scheduler import new_pool
 
 __all__ = [
     "GRAPH_BATCH_SIZES",
@@ -177,6 +181,24 @@ def size_pool_for_memory(model, kv_block_size: int, memory_fraction: float, max_
     )
 
 
+def _pool_sizes(pool: KVBlocks | None, num_blocks: int | None, kv_block_size: int | None) -> tuple[int, int]:
+    """``(num_blocks, kv_block_size)`` of a runtime: ``pool``'s (the sizes, if given too, must
+    match it), else the ones given (both positive)."""
+    if pool is not None:
+        for name, given, has in (
+            ("num_blocks", num_blocks, pool.num_blocks),
+            ("kv_block_size", kv_block_size, pool.block_size),
+        ):
+            if given is not None and int(given) != has:
+                raise RuntimeConfigError(f"{name}={given}, the pool it was handed has {has}")
+        return int(pool.num_blocks), int(pool.block_size)
+    if num_blocks is None or kv_block_size is None:
+        raise RuntimeConfigError("give num_blocks and kv_block_size, or pool=")
+    if int(num_blocks) < 1 or int(kv_block_size) < 1:
+        raise RuntimeConfigError(f"num_blocks and kv_block_size must be positive, got {num_blocks}, {kv_block_size}")
+    return int(num_blocks), int(kv_block_size)
+
+
 @dataclass
 class SequenceState:
     """One sequence in the runtime: its tokens (prompt, then generated) and their page
@@ -238,7 +260,10 @@ class PagedRuntime:
     """Greedy generation steps for many sequences over one paged KV pool (see the module
     docstring).
 
-    ``num_blocks`` KV blocks of ``kv_block_size`` tokens, shared by every layer's cache.
+    ``num_blocks`` KV blocks of ``kv_block_size`` tokens, shared by every layer's cache: the
+    blocks of ``pool`` (a :class:`~dash_trt.serving.kv.KVBlocks`, the scheduler's pool, which
+    the runtime is handed and does not own; sizes, if given too, must match it), or of a pool
+    of that size made for this runtime alone (:func:`~dash_trt.serving.scheduler.new_pool`).
     ``forward`` replaces the PyTorch model call with a functional backend. ``cuda_graphs``
     (default: on where the CUDA kernels run the model) captures decode steps;
     ``max_num_seqs`` bounds a step's sequences and so the largest graph;
@@ -251,9 +276,10 @@ class PagedRuntime:
     def __init__(
         self,
         model,
-        num_blocks: int,
-        kv_block_size: int,
+        num_blocks: int | None = None,
+        kv_block_size: int | None = None,
         *,
+        pool: KVBlocks | None = None,
         forward: ForwardFn | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
@@ -274,14 +300,12 @@ class PagedRuntime:
                 f"the model is on {model.device}, device={self.device}: only a backend "
                 f"(forward=, backend=) may run elsewhere"
             )
-        self.kv_block_size = int(kv_block_size)
-        if int(num_blocks) < 1 or self.kv_block_size < 1:
-            raise RuntimeConfigError(
-                f"num_blocks and kv_block_size must be positive, got {num_blocks}, {kv_block_size}"
-            )
+        num_blocks, kv_block_size = _pool_sizes(pool, num_blocks, kv_block_size)
+        self.kv_block_size = kv_block_size
         if max_num_seqs < 1:
             raise RuntimeConfigError(f"max_num_seqs must be positive, got {max_num_seqs}")
-        self.pool = KVBlockPool(int(num_blocks), self.kv_block_size)
+        #: The KV blocks every step runs on (the scheduler's pool when it was handed one).
+        self.pool: KVBlocks = pool if pool is not None else new_pool(num_blocks, kv_block_size)
         #: Completed prompt blocks are shared through the pool's prefix cache (KV blocks must hold
         #: whole sparse blocks, whose summaries are then final).
         self.prefix_caching = bool(prefix_caching) and model.prefix_cacheable(self.kv_block_size)
@@ -381,11 +405,11 @@ class PagedRuntime:
         ``image_features`` [M, image_feature_dim], one row per ``<image>`` token of the prompt in
         order, replace those tokens' embeddings (models that take image features). With
         prefix caching, ``block_hashes`` (:func:`prefix_block_hashes`, computed if None) find
-        the cached blocks the sequence starts with (``cached_blocks``: a :meth:`KVBlockPool.match`
+        the cached blocks the sequence starts with (``cached_blocks``: a :meth:`KVBlocks.match`
         the caller made already); its completed prompt blocks are registered as it runs.
         ``rules`` (:class:`~dash_trt.serving.rules.DecodingRules`) edit each next token's logits
         (the page-count guard, no-repeat n-grams). Raises
-        :class:`~dash_trt.serving.block_pool.CacheFullError` (nothing added) when the blocks are not free,
+        the pool's ``CacheFullError`` (nothing added) when the blocks are not free,
         ``ValueError`` for a bad prompt."""
         prompt = list(prompt)
         if not set(map(type, prompt)) <= {int}:  # numpy or torch integers: plain ints (a C-speed check first)
@@ -478,12 +502,11 @@ class PagedRuntime:
 
     def resume(self, seq: SequenceState, cached_blocks: Sequence[int] = ()) -> SequenceState:
         """Put a :meth:`preempt`-ed sequence back: blocks for all its known tokens (prompt and
-        generated) are allocated, less ``cached_blocks`` (a :meth:`KVBlockPool.match` of its
+        generated) are allocated, less ``cached_blocks`` (a :meth:`KVBlocks.match` of its
         ``block_hashes``), and its steps recompute their cache; the step that feeds its last
         known token chooses its next one, as if it had never left. Its page coordinates,
         sampler and logits processors are the ones it had. Raises
-        :class:`~dash_trt.serving.block_pool.CacheFullError` (nothing added) when the blocks
-        are not free."""
+        the pool's ``CacheFullError`` (nothing added) when the blocks are not free."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id!r} is in the runtime")
         cached = list(cached_blocks) if self.prefix_caching and seq.block_hashes is not None else []

@@ -1,7 +1,9 @@
 """Which requests run, and what each step computes.
 
-The :class:`Scheduler` keeps the waiting queue (FIFO) and the running requests and decides,
-against the KV block pool, who is admitted, who is preempted and what one step computes; the
+The :class:`Scheduler` owns the KV block pool (:func:`new_pool` makes it; the engine hands
+the same pool to the model runner as a :class:`~dash_trt.serving.kv.KVBlocks`, the narrow view a
+step needs), keeps the waiting queue (FIFO) and the running requests and decides,
+against the pool, who is admitted, who is preempted and what one step computes; the
 engine (:class:`~dash_trt.serving.engine.GenerationEngine`) validates requests, runs what the
 scheduler says on the model runner and answers the requests. vLLM v1 splits its engine the
 same way (``core/sched/scheduler.py`` over the KV cache manager, the model runner apart).
@@ -39,9 +41,17 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .block_pool import KVBlockPool, blocks_for
+from .block_pool import KVBlockPool
+from .kv import blocks_for
 
-__all__ = ["Scheduler", "SchedulerError"]
+__all__ = ["Scheduler", "SchedulerError", "new_pool"]
+
+
+def new_pool(num_blocks: int, kv_block_size: int) -> KVBlockPool:
+    """A KV block pool of ``num_blocks`` blocks of ``kv_block_size`` tokens: the one place the
+    serving side makes one (the scheduler's own; the runner makes one through it only when it
+    is run alone, as :func:`dash_trt.model.generate` and the tests do)."""
+    return KVBlockPool(int(num_blocks), int(kv_block_size))
 
 
 class SchedulerError(RuntimeError):
@@ -51,11 +61,13 @@ class SchedulerError(RuntimeError):
 
 class Scheduler:
     """The waiting queue, the running requests and their KV blocks over one pool
-    (``num_blocks`` blocks of ``kv_block_size`` tokens), and each step's plan."""
+    (``num_blocks`` blocks of ``kv_block_size`` tokens), and each step's plan. The scheduler
+    owns the pool: ``pool`` (None: a :func:`new_pool` of that size) is ``self.pool``, which the
+    engine hands to the runner and asks about blocks."""
 
     def __init__(
         self,
-        pool: KVBlockPool,
+        pool: KVBlockPool | None = None,
         *,
         num_blocks: int,
         kv_block_size: int,
@@ -64,7 +76,7 @@ class Scheduler:
         prefill_chunk: int,
         on_demand: bool = True,
     ):
-        self.pool = pool
+        self.pool = pool if pool is not None else new_pool(num_blocks, kv_block_size)
         self.num_blocks = num_blocks
         self.kv_block_size = kv_block_size
         self.max_num_seqs = max_num_seqs

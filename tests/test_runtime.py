@@ -16,6 +16,7 @@ from dash_trt.attention.dash.paged import DashBatch, PageCoordState, flat_cache_
 from dash_trt.attention.dash.reference import ROLE_IMAGE, ROLE_PAGE, ROLE_TEXT
 from dash_trt.serving.block_pool import CacheFullError, KVBlockPool
 from dash_trt.serving.runner import PagedRuntime, RuntimeConfigError, greedy_tokens, pool_block_bytes
+from dash_trt.serving.scheduler import new_pool
 
 SEEDS = [0, 1, 2]
 
@@ -293,6 +294,20 @@ def test_runtime_refuses_bad_plans(demo):
         PagedRuntime(demo, 16, 16, max_num_seqs=0)
     out = rt.step([("a", len(prompt))])
     assert list(out.tokens) == ["a"] and rt.seq("a").pending == 1
+
+
+def test_runtime_runs_on_the_pool_it_is_handed(demo):
+    """The scheduler owns the pool: a runtime handed one takes its sizes and allocates from it."""
+    pool = new_pool(16, 16)
+    rt = PagedRuntime(demo, pool=pool)
+    assert rt.pool is pool and rt.kv_block_size == 16
+    prompt = _prompts(demo.config)[1]
+    rt.add("a", prompt, len(prompt))
+    assert "a" in pool and pool.num_free_blocks == 16 - pool.num_seq_blocks("a")
+    with pytest.raises(RuntimeConfigError, match="the pool it was handed has 16"):
+        PagedRuntime(demo, 8, pool=pool)
+    with pytest.raises(RuntimeConfigError, match="or pool="):
+        PagedRuntime(demo)
 
 
 def test_greedy_choice_masks_image_tokens_and_breaks_ties_low():

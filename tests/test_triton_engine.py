@@ -118,6 +118,39 @@ def test_engine_counts_document_pages_waiting_running_and_done(model, prompts):
     assert stats["pages_done"] == 11 - 3 and stats["done"] == 4 and stats["failed"] == 1
 
 
+@pytest.mark.parametrize("limit", [0, 4, 1])
+def test_engine_admits_documents_by_their_pages(model, prompts, offline, limit):
+    """max_pages_in_flight: requests are admitted in order while the running pages and their
+    own stay within the limit (pages [3, 1, 4, 2, 1] under 4: 3+1, then 4 alone, then 2+1); a
+    request over the limit runs alone (limit 1); the answers are offline generation's."""
+    config = EngineConfig(num_blocks=64, kv_block_size=8, prefill_chunk=512, max_pages_in_flight=limit)
+    engine = GenerationEngine(model, config)
+    reqs = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
+    running, admitted, admit = [], [], engine.scheduler.admit
+
+    def watched(start):  # the running set right after each admission, before its step
+        n = admit(start)
+        now = engine.scheduler.running
+        running.append(sum(r.pages for r in now))
+        admitted.extend(r.id for r in now if r.id not in admitted)
+        assert limit == 0 or running[-1] <= limit or len(now) == 1
+        return n
+
+    engine.scheduler.admit = watched
+    engine.run_until_idle()
+    assert [r.result(timeout=0) for r in reqs] == offline
+    assert admitted == [r.id for r in reqs]  # first come, first served
+    peak = engine.counters["peak_pages_running"]
+    assert peak == {0: 11, 4: 4, 1: 4}[limit] == max(running)
+    assert engine.stats()["pages_done"] == 11
+
+
+def test_engine_config_refuses_a_bad_page_limit():
+    for bad in (-1, 1.5, True, 1 << 21):
+        with pytest.raises(EngineConfigError, match="max_pages_in_flight"):
+            EngineConfig(max_pages_in_flight=bad)
+
+
 def test_requests_join_while_others_decode(model, prompts, offline):
     engine = GenerationEngine(model, EngineConfig(num_blocks=64, kv_block_size=16))
     first = engine.submit(prompts[0], MAX_NEW[0])

@@ -370,6 +370,8 @@ def test_cli_write(tmp_path, model, capsys):
             "--max-new-tokens",
             "7",
             "--no-kv-on-demand",
+            "--max-pages-in-flight",
+            "12",
         ]
     )
     captured = capsys.readouterr()
@@ -381,6 +383,7 @@ def test_cli_write(tmp_path, model, capsys):
     assert engine.kv_block_size == 8  # taken from the ONNX graph
     assert engine.num_blocks == 99 and engine.default_max_new_tokens == 7
     assert engine.kv_on_demand is False and EngineConfig().kv_on_demand is True
+    assert engine.max_pages_in_flight == 12 and EngineConfig().max_pages_in_flight == 0
     assert filecmp.cmp(ckpt, tmp_path / "repo" / "dash" / "1" / "model.pt", shallow=False)
     # errors: exit code 2 with a message
     assert cli.main(["write", str(ckpt), "--out", str(tmp_path / "repo")]) == 2

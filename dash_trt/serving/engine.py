@@ -114,6 +114,9 @@ class EngineConfig:
     #: allocate KV blocks as requests grow and preempt (by recompute) under pressure; false:
     #: reserve each request's worst case (prompt + max_new_tokens) at admission
     kv_on_demand: bool = True
+    #: most document pages (``<PAGE>`` markers of the prompts) running at once; the rest wait,
+    #: in order; a request alone is admitted whatever its pages. 0: no limit
+    max_pages_in_flight: int = 0
 
     #: Upper bounds (checked when the config is made, not when a pool of that size fails to
     #: allocate at serve time): 2^24 blocks, blocks of 4096 tokens, 2^20-token steps.
@@ -150,6 +153,11 @@ class EngineConfig:
         ):
             raise EngineConfigError(
                 f"engine config 'max_model_len' must be an integer in 0..{1 << 24}, got {self.max_model_len!r}"
+            )
+        m = self.max_pages_in_flight
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= 1 << 20:
+            raise EngineConfigError(
+                f"engine config 'max_pages_in_flight' must be an integer in 0..{1 << 20}, got {m!r}"
             )
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
@@ -300,6 +308,7 @@ class GenerationEngine:
             max_batch_tokens=ecfg.max_batch_tokens,
             prefill_chunk=ecfg.prefill_chunk,
             on_demand=ecfg.kv_on_demand,
+            max_pages=ecfg.max_pages_in_flight,
         )
         self.runtime = PagedRuntime(
             model,
@@ -333,6 +342,7 @@ class GenerationEngine:
             "prompt_tokens_cached": 0,
             "peak_running": 0,
             "peak_waiting": 0,
+            "peak_pages_running": 0,
             "waited": 0,
             "peak_blocks_in_use": 0,
             "preempted": 0,
@@ -714,6 +724,7 @@ class GenerationEngine:
         c, sched = self.counters, self.scheduler
         c["peak_running"] = max(c["peak_running"], len(sched.running))
         c["peak_waiting"] = max(c["peak_waiting"], len(sched.waiting))
+        c["peak_pages_running"] = max(c["peak_pages_running"], sum(r.pages for r in sched.running))
 
     def _preempt(self, req: Request) -> None:
         """The scheduler preempts ``req``: its sequence leaves the runner (blocks freed, tokens

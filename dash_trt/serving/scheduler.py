@@ -25,11 +25,16 @@ KV blocks, two policies (``on_demand``):
   the cache), less the cached ones, which it pins; a running sequence never runs out of
   blocks and nothing is preempted, but a request that stops early held more than it used.
 
+Documents are also admitted by their pages (``max_pages``, off by default): a request is
+admitted only while the pages of the running requests and its own (``req.pages``, its prompt's
+``<PAGE>`` markers) stay within the limit, which bounds the vision and prefill work in flight
+and the decode batch's documents without reserving any request's worst-case tokens.
+
 Either way requests that do not fit wait in FIFO order (a large request is not overtaken
 forever by small ones), and one request alone always fits (the engine refuses at submit a
 request whose worst case exceeds the pool), so the oldest running request always progresses.
 
-A request here is anything with ``id``, ``prompt``, ``max_new_tokens``, ``tokens`` (generated
+A request here is anything with ``id``, ``prompt``, ``max_new_tokens``, ``pages``, ``tokens`` (generated
 so far), ``blocks_reserved``, ``_hashes`` (its prefix-cache block hashes or None), ``_resume``
 (the runner's state of a preempted request, else None) and ``_waited`` (the engine's
 :class:`~dash_trt.serving.engine.Request`).
@@ -75,6 +80,7 @@ class Scheduler:
         max_batch_tokens: int,
         prefill_chunk: int,
         on_demand: bool = True,
+        max_pages: int = 0,
     ):
         self.pool = pool if pool is not None else new_pool(num_blocks, kv_block_size)
         self.num_blocks = num_blocks
@@ -83,6 +89,8 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk
         self.on_demand = bool(on_demand)
+        #: most document pages (``req.pages``) running at once; 0: no limit
+        self.max_pages = int(max_pages)
         self.waiting: deque[Any] = deque()
         self.running: list[Any] = []
         #: KV blocks counted for the running requests: on demand, the blocks of their own they
@@ -115,14 +123,24 @@ class Scheduler:
             return own + newly_pinned + watermark <= pool.num_free_blocks
         return self.reserved + pool.num_pinned_blocks + newly_pinned + own <= self.num_blocks
 
+    def _pages_fit(self, req: Any) -> bool:
+        """Whether ``req``'s document pages fit under ``max_pages`` beside the running ones (a
+        request alone always fits, whatever its page count)."""
+        if self.max_pages <= 0 or not self.running:
+            return True
+        return sum(r.pages for r in self.running) + req.pages <= self.max_pages
+
     def admit(self, start: Callable[[Any, list[int]], None]) -> int:
-        """Admit waiting requests in FIFO order while they fit (blocks and ``max_num_seqs``);
+        """Admit waiting requests in FIFO order while they fit (blocks, ``max_num_seqs`` and
+        ``max_pages``);
         ``start(request, cached_blocks)`` puts each on the model runner as it is admitted
         (its blocks are taken then, which the next admission reads). Returns how many were
         admitted; the ones left have waited."""
         pool, n = self.pool, 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if not self._pages_fit(req):
+                break  # FIFO, as for blocks
             cached = pool.match(req._hashes) if req._hashes else []
             own = self.reservation(req, len(cached))
             if not self._fits(own, pool.newly_pinned(cached)):

@@ -140,6 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="(%(default)s)")
     e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(%(default)s)")
     e.add_argument(
+        "--max-pages-in-flight",
+        type=int,
+        default=d.max_pages_in_flight,
+        help="most document pages running at once, the rest wait in order (%(default)s: no limit)",
+    )
+    e.add_argument(
         "--max-new-tokens", type=int, default=d.default_max_new_tokens, help="default per request (%(default)s)"
     )
     e.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit, help="(%(default)s)")
@@ -293,6 +299,7 @@ def _engine_config(a, kv_block_size: int) -> EngineConfig:
         prefill_chunk=a.prefill_chunk,
         max_batch_tokens=a.max_batch_tokens,
         max_num_seqs=a.max_num_seqs,
+        max_pages_in_flight=a.max_pages_in_flight,
         default_max_new_tokens=a.max_new_tokens,
         max_new_tokens_limit=a.max_new_tokens_limit,
         prefix_caching=not a.no_prefix_caching,

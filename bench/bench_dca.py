@@ -14,7 +14,13 @@ heads of 128, RoPE base 1e7; Qwen2.5-7B-Instruct-1M's DCA section: chunk 262,144
   float32, three rotations over every key): the function, not a fast path; timed only up to
   ``--torch-max`` tokens.
 
-dash-trt's DCA kernels do not exist yet; their column is added when they do. Prefill calls use
+* ``dash-trt``: dash-trt's DCA kernels (:mod:`dash_trt.attention.dca.kernels`, Triton): one
+  kernel over a paged cache (blocks of 64 tokens), one online softmax per query tile with the
+  rotation picked per key range; decode splits the keys across the GPU. Its time includes what
+  the call does beyond the others: writing the new keys (rotated, scaled) and values into the
+  cache (every key, for a prefill) and the three query rotations.
+
+Prefill calls of the seed and dense paths use
 PyTorch's flash-attention operator (its log-sum-exp output; GQA by repeating the KV heads once,
 outside the timing); decode (one sequence, one query) uses the same batched-matmul form for every
 path, so the decode figures compare the regions' structure, not two kernels. Keys are rotated
@@ -47,13 +53,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_dash import stats  # noqa: E402,I001
 
+from dash_trt.attention.dca import kernels  # noqa: E402
+from dash_trt.attention.dca.paged import DcaKVCache  # noqa: E402
 from dash_trt.attention.dca.reference import DcaConfig, dual_chunk_attention  # noqa: E402
 
 #: Qwen2.5-7B-Instruct-1M (config.json): heads, KV heads, head dim, RoPE base, DCA section.
 SHAPE = {"heads": 28, "kv_heads": 4, "head_dim": 128, "rope_theta": 1e7}
 DCA = {"chunk_size": 262144, "local_size": 8192, "original_max_position_embeddings": 262144}
 LENGTHS = (32768, 131072, 262144, 524288, 1048576)
-PATHS = ("seed", "dense", "torch")
+PATHS = ("seed", "dense", "dash-trt", "torch")
+#: tokens per KV block of the dash-trt path's paged cache (its gcd with the chunk length c)
+KV_BLOCK = 64
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -149,10 +159,36 @@ class Layer:
             self._made[form] = t
         return self._made[form]
 
+    def paged(self, kind: str) -> tuple:
+        """The dash-trt path's inputs: a paged cache of blocks of :data:`KV_BLOCK` tokens (for
+        decode already holding every key but the last, rotated and scaled as the kernels write
+        them) and the batch metadata of one sequence whose prompt is the whole layer."""
+        if ("paged", kind) not in self._made:
+            dev, s = self.q.device, self.length
+            bsz = math.gcd(KV_BLOCK, self.cfg.chunk_len)
+            blocks = -(-s // bsz)
+            cache = DcaKVCache.allocate(blocks, bsz, self.k.shape[1], self.k.shape[2], self.k.dtype, dev)
+            if kind == "decode":
+                flat = s - 1
+                cache.key.view(-1, *self.k.shape[1:])[:flat] = self.keys("dca")[:flat]
+                cache.value.view(-1, *self.v.shape[1:])[:flat] = self.v[:flat]
+            tables = torch.arange(blocks, device=dev, dtype=torch.int32)[None]
+            new = s if kind == "prefill" else 1
+            meta = (
+                tables,
+                torch.tensor([s], device=dev, dtype=torch.int32),
+                torch.tensor([0, new], device=dev, dtype=torch.int32),
+                torch.tensor([s], device=dev, dtype=torch.int32),
+            )
+            self._made[("paged", kind)] = (cache, *meta)
+        return self._made[("paged", kind)]
+
     def prepare(self, kind: str, path: str) -> None:
         layout = "heads" if kind == "prefill" else "decode"
         for base in {"seed": ("dca", "v"), "dense": ("abs", "v")}.get(path, ()):
             self.keys(f"{base}/{layout}")
+        if path == "dash-trt":
+            self.paged(kind)
 
 
 def seed_prefill(x: Layer):
@@ -220,8 +256,31 @@ def torch_decode(x: Layer):
     )[0]  # fmt: skip
 
 
-PREFILL = {"seed": seed_prefill, "dense": dense_prefill, "torch": torch_prefill}
-DECODE = {"seed": seed_decode, "dense": dense_decode, "torch": torch_decode}
+def _kernels(x: Layer, kind: str, splits: int):
+    cache, tables, seq_lens, qsl, prompts = x.paged(kind)
+    rows = slice(0, x.length) if kind == "prefill" else slice(x.length - 1, x.length)
+    out = kernels.paged_dca(
+        x.q[rows], x.k[rows], x.v[rows], cache, tables, seq_lens, qsl, x.cfg, rope_theta=x.theta,
+        prompt_lens=prompts, decode=kind == "decode", splits=splits, check=False,
+    )  # fmt: skip
+    return out if kind == "prefill" else out[0]
+
+
+def kernels_prefill(x: Layer):
+    """dash-trt's DCA kernels (:mod:`dash_trt.attention.dca.kernels`): the whole prompt as one
+    prefill chunk over a paged cache; the call writes the keys (rotated, scaled) and values."""
+    return _kernels(x, "prefill", 1)
+
+
+def kernels_decode(x: Layer):
+    """dash-trt's DCA kernels, one decode token (the call writes its key and value), the keys
+    split across the GPU (:func:`dash_trt.attention.dca.kernels.decode_splits`)."""
+    sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count if x.q.is_cuda else 4
+    return _kernels(x, "decode", kernels.decode_splits(1, x.k.shape[1], x.length, sms=sms))
+
+
+PREFILL = {"seed": seed_prefill, "dense": dense_prefill, "dash-trt": kernels_prefill, "torch": torch_prefill}
+DECODE = {"seed": seed_decode, "dense": dense_decode, "dash-trt": kernels_decode, "torch": torch_decode}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -235,6 +294,9 @@ def check(device, tol: float = 1e-4) -> dict:
     ref = torch_prefill(many)
     errs["seed prefill"] = (seed_prefill(many).float() - ref.float()).abs().max().item()
     errs["seed decode"] = (seed_decode(many).float() - ref[-1].float()).abs().max().item()
+    if kernels.available():
+        errs["dash-trt prefill"] = (kernels_prefill(many).float() - ref.float()).abs().max().item()
+        errs["dash-trt decode"] = (kernels_decode(many).float() - ref[-1].float()).abs().max().item()
     one = Layer(40, DcaConfig(64, 8), shape, torch.float32, device, seed=2)  # c = 56 > 40: one chunk
     ref1 = torch_prefill(one)
     errs["dense prefill"] = (dense_prefill(one).float() - ref1.float()).abs().max().item()
@@ -274,6 +336,9 @@ def run_case(kind: str, x: Layer, paths, a, device) -> dict:
         if name == "torch" and x.length > a.torch_max:
             row["paths"][name] = {"skipped": f"longer than --torch-max {a.torch_max}"}
             continue
+        if name == "dash-trt" and not kernels.available():
+            row["paths"][name] = {"skipped": "no Triton (pip install triton)"}
+            continue
         fn = (lambda n=name: PREFILL[n](x)) if kind == "prefill" else (lambda n=name: DECODE[n](x))
         try:
             x.prepare(kind, name)
@@ -291,6 +356,11 @@ def run_case(kind: str, x: Layer, paths, a, device) -> dict:
     seed, dense = row["paths"].get("seed", {}), row["paths"].get("dense", {})
     if "ms" in seed and "ms" in dense:
         row["seed_over_dense"] = seed["ms"]["median"] / dense["ms"]["median"]
+    mine = row["paths"].get("dash-trt", {})
+    if "ms" in mine and "ms" in seed:
+        row["seed_over_dash_trt"] = seed["ms"]["median"] / mine["ms"]["median"]
+    if "ms" in mine and "ms" in dense:
+        row["dash_trt_over_dense"] = mine["ms"]["median"] / dense["ms"]["median"]
     return row
 
 
@@ -301,9 +371,11 @@ def table(rows, out=sys.stdout) -> None:
         if not sel:
             continue
         names = list(sel[0]["paths"])
-        print(f"\n{kind} (ms per layer call, median [q1-q3]; seed/dense ratio)", file=out)
-        print("| tokens | chunks | " + " | ".join(names) + " | seed / dense |", file=out)
-        print("|---:|---:|" + "---:|" * (len(names) + 1), file=out)
+        ratios = (("seed_over_dense", "seed / dense"), ("seed_over_dash_trt", "seed / dash-trt"),
+                  ("dash_trt_over_dense", "dash-trt / dense"))  # fmt: skip
+        print(f"\n{kind} (ms per layer call, median [q1-q3]; time ratios)", file=out)
+        print("| tokens | chunks | " + " | ".join(names + [h for _, h in ratios]) + " |", file=out)
+        print("|---:|---:|" + "---:|" * (len(names) + len(ratios)), file=out)
         for r in sel:
             cells = []
             for n in names:
@@ -313,8 +385,8 @@ def table(rows, out=sys.stdout) -> None:
                     if "skipped" in p
                     else f"{p['ms']['median']:.3f} [{p['ms']['q1']:.3f}-{p['ms']['q3']:.3f}]"
                 )
-            ratio = f"{r['seed_over_dense']:.2f}x" if "seed_over_dense" in r else "-"
-            print(f"| {r['length']:,} | {r['chunks']} | " + " | ".join(cells) + f" | {ratio} |", file=out)
+            cells += [f"{r[k]:.2f}x" if k in r else "-" for k, _ in ratios]
+            print(f"| {r['length']:,} | {r['chunks']} | " + " | ".join(cells) + " |", file=out)
 
 
 def draw(rows, path: str, title: str) -> None:

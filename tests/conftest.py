@@ -8,6 +8,12 @@ import warnings
 import pytest
 import torch
 
+# Without a GPU, Triton's interpreter runs the Triton kernels on the CPU (tests/test_dca_kernels.py
+# checks them so); Triton reads the setting when it is imported, so it is made before any test
+# module can import it.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SEEDS = [0, 1, 2]
 

@@ -20,7 +20,9 @@ server, the Triton document model, chat and ``/v1/ocr``), and how each page of a
 - :func:`page_entries`: one record a page (its number, source, text, finish reason, tokens and
   seconds) as the document model, ``/v1/ocr`` and ``dash-trt ocr --format jsonl`` give them. A
   page refused before the model saw it (over its pixel or image-token budget) has its record
-  too, in its place: finish reason ``refused``, no text, and ``error``, the reason.
+  too, in its place: finish reason ``refused``, no text, and ``error``, the reason; so has a
+  page that could not be rendered, with finish reason ``error``
+  (:attr:`~dash_trt.documents.processor.DocumentOptions.max_page_error_rate`).
 
 Nothing here imports torch.
 """
@@ -40,14 +42,18 @@ __all__ = [
     "page_entries",
     "document_finish_reason",
     "REFUSED",
+    "ERROR",
 ]
 
 #: The tokens one page may take unless a request says otherwise (vLLM's Unlimited-OCR-2 cap).
 DEFAULT_MAX_PAGE_TOKENS = 20000
 #: A page's finish reasons (module docstring).
-FINISH_REASONS = ("stop", "length", "guard", "refused")
+FINISH_REASONS = ("stop", "length", "guard", "refused", "error")
 #: The finish reason of a page refused before generation (over a budget; its record's ``error``).
 REFUSED = "refused"
+#: The finish reason of a page that could not be rendered or decoded, after its retries, left out
+#: of a document that was transcribed without it (its record's ``error``).
+ERROR = "error"
 
 
 def document_max_new_tokens(pages: int, max_page_tokens: int | None = None, room: int | None = None) -> int:
@@ -153,19 +159,22 @@ def document_page_entries(tokens: Sequence[int], doc, tokenizer, config, rules, 
         page_guard=rules.page_guard,
         seconds=seconds,
     )
-    return with_refused(entries, getattr(doc, "page_numbers", None), getattr(doc, "refused", ()))
+    left_out = [*getattr(doc, "refused", ()), *getattr(doc, "failed", ())]
+    return with_refused(entries, getattr(doc, "page_numbers", None), left_out)
 
 
 def with_refused(entries: list[dict[str, Any]], numbers: Sequence[int] | None, refused: Sequence) -> list[dict]:
     """The records of the pages the model read (``entries``, numbered 1, 2, ... among themselves)
     given their ``numbers`` in the document, with a record for each refused page (objects with
-    ``page``, ``source``, ``message``) in its place."""
+    ``page``, ``source``, ``message`` and maybe ``finish_reason``, ``refused`` when they have
+    none) in its place."""
     if numbers:
         for e, n in zip(entries, numbers):
             e["page"] = n
     for r in refused:
         entries.append(
-            {"page": r.page, "source": r.source, "text": "", "finish_reason": REFUSED, "tokens": 0, "seconds": 0.0}
+            {"page": r.page, "source": r.source, "text": "", "tokens": 0, "seconds": 0.0}
+            | {"finish_reason": getattr(r, "finish_reason", REFUSED)}
             | {"error": r.message}
         )
     return sorted(entries, key=lambda e: e["page"])

@@ -11,6 +11,7 @@ import re
 
 __all__ = [
     "DocumentError",
+    "PageError",
     "MAX_PAGES",
     "MAX_PIXELS",
     "MAX_REQUEST_PIXELS",
@@ -36,6 +37,14 @@ PIL_MAX_IMAGE_PIXELS = MAX_PIXELS
 
 class DocumentError(ValueError):
     """A document or page that cannot be read; the message names it."""
+
+
+class PageError(DocumentError):
+    """One page that could not be rendered or decoded (a damaged page, a rendering process that
+    died or answered garbage), raised while the document's other pages may still be read: a caller
+    may try the page again or leave it out (:attr:`DocumentOptions.page_retries
+    <dash_trt.documents.processor.DocumentOptions.page_retries>`). A page over a rendering budget, a
+    request past its deadline or cancelled is not one: those stop the request."""
 
 
 def _pil():

@@ -47,6 +47,7 @@ from .limits import (
     MAX_REQUEST_PIXELS,
     PIL_MAX_IMAGE_PIXELS,
     DocumentError,
+    PageError,
     _declares_no_pages,
     _pil,
 )
@@ -54,6 +55,7 @@ from .render import RenderCancelled, Renderer, RenderLimits
 
 __all__ = [
     "DocumentError",
+    "PageError",
     "Page",
     "PageSource",
     "open_pages",
@@ -223,7 +225,7 @@ def _image_sources(
             except DocumentError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a truncated frame
-                raise DocumentError(f"{name}: cannot be decoded ({_reason(exc)})") from None
+                raise PageError(f"{name}: cannot be decoded ({_reason(exc)})") from None
 
         return render
 
@@ -370,7 +372,7 @@ class _OpenPdf:
             except DocumentError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a damaged page
-                raise DocumentError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
+                raise PageError(f"{name}: cannot be rendered ({type(exc).__name__}: {exc})") from None
             finally:
                 if index == count - 1:
                     self.close()

@@ -8,11 +8,12 @@ build the same prompt for the same pages.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .pages import DocumentError, Page, PageSource, Renderer, RenderLimits, close_pages, open_pages
+from .pages import DocumentError, Page, PageError, PageSource, Renderer, RenderLimits, close_pages, open_pages
 from .prompt import document_prompt_ids
 from .render import RenderWorkers
 from .views import PageViews, ViewSpec, check_page_tokens, page_views
@@ -38,6 +39,13 @@ class DocumentOptions:
     max_page_tokens: int | None = None
     #: the longer side, in pixels, of a rendered PDF page
     render_side: int | None = None
+    #: times a page that could not be rendered or decoded (a :class:`~dash_trt.documents.pages.PageError`:
+    #: a damaged page, a rendering process that died) is tried again before it counts as failed
+    page_retries: int = 0
+    #: the fraction of a document's pages that may fail (after their retries) with the document
+    #: still transcribed, each failed page left out of the prompt and reported (finish reason
+    #: ``error``); more fails the document. 0: the first failed page fails it (its own message).
+    max_page_error_rate: float = 0.0
 
     def crop_for(self, pages: int) -> bool:
         """Whether a document of ``pages`` pages is tiled: :attr:`crop`, else upstream's default
@@ -48,11 +56,13 @@ class DocumentOptions:
 @dataclass
 class Refusal:
     """A page left out of a document's prompt: its number in the document (1-based), its source
-    and why (over a budget of pixels or of image tokens: the message names it)."""
+    and why (over a budget of pixels or of image tokens, or it could not be rendered: the message
+    names it), and its finish reason (``refused``; ``error`` for a page that failed)."""
 
     page: int
     source: str
     message: str
+    finish_reason: str = "refused"
 
 
 @dataclass
@@ -83,6 +93,15 @@ class PreparedDocument:
     spec: ViewSpec | None = field(default=None, repr=False)
     #: the request's renderer (:meth:`DocumentProcessor.plan`), closed after the last page
     renderer: Renderer | None = field(default=None, repr=False)
+    #: pages that could not be rendered after their retries (finish reason ``error``), left out by
+    #: :meth:`drop_failed`
+    failed: list[Refusal] = field(default_factory=list)
+    #: the document's pages, refused ones included (what :attr:`max_page_error_rate` counts)
+    total_pages: int = 0
+    page_retries: int = 0
+    max_page_error_rate: float = 0.0
+    #: the prompt's token ids for the given pages' image-token counts (:meth:`drop_failed`)
+    prompt_for: Callable[[list[int]], list[int]] | None = field(default=None, repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -95,7 +114,13 @@ class PreparedDocument:
     def each_view(self) -> Iterator[tuple[int, str, PageViews]]:
         """Each page's index, view digest and views, in order: from :attr:`views` when they are
         held, else each page rendered, cut into its views and its bitmap let go before the next
-        (only the views of the page being yielded are alive here). Fills :attr:`page_keys`."""
+        (only the views of the page being yielded are alive here). Fills :attr:`page_keys`.
+
+        A page that cannot be rendered (:class:`~dash_trt.documents.pages.PageError`) is tried
+        :attr:`page_retries` more times; then it is not yielded, its key is None and it joins
+        :attr:`failed` (:meth:`drop_failed` takes it out of the prompt), unless that makes more
+        than :attr:`max_page_error_rate` of the document's pages: then the document fails (with
+        a rate of 0, with the page's own error)."""
         if self.views:
             if not self.page_keys:
                 self.page_keys = [_digest(v) for v in self.views]
@@ -104,12 +129,57 @@ class PreparedDocument:
         self.page_keys = keys = []
         try:
             for i, p in enumerate(self.sources):
-                v = _render_views(p, self.spec, self.crop, self.page_tokens[i])
-                keys.append(_digest(v))
+                v = self._render(i, p)
+                keys.append(None if v is None else _digest(v))
+                if v is None:
+                    continue
                 yield i, keys[-1], v
                 del v  # not held while the next page renders
         finally:
             self.close()
+
+    def _render(self, i: int, p: PageSource) -> PageViews | None:
+        """Page ``i``'s views, tried again on a :class:`PageError`; None once it has failed."""
+        tries = max(0, int(self.page_retries)) + 1
+        for _ in range(tries):
+            try:
+                return _render_views(p, self.spec, self.crop, self.page_tokens[i])
+            except PageError as exc:
+                error = exc
+        times = f" ({tries} attempts)" if tries > 1 else ""
+        self.failed.append(Refusal(self.page_numbers[i], p.source, f"{error}{times}", "error"))
+        total = max(self.total_pages, len(self.pages), 1)
+        if len(self.failed) / total > self.max_page_error_rate:
+            if self.max_page_error_rate <= 0:
+                raise error
+            raise DocumentError(
+                f"{len(self.failed)} of {total} pages could not be rendered, more than the "
+                f"{self.max_page_error_rate:g} of its pages a document may lose: "
+                + "; ".join(r.message for r in self.failed)
+            )
+        return None
+
+    def drop_failed(self) -> list[int]:
+        """Takes the pages of :attr:`failed` out of the document (its pages, numbers, image
+        tokens, keys and the prompt, rebuilt for the pages left) and gives the indices,
+        among the pages as they were, of those kept. Raises :class:`DocumentError` when none is."""
+        gone = {r.page for r in self.failed}
+        numbers = self.page_numbers
+        keep = [i for i, n in enumerate(numbers) if n not in gone]
+        if len(keep) == len(numbers):
+            return keep
+        if not keep:
+            raise DocumentError(f"every page failed: {self.failed[0].message}")
+        self.pages = [self.pages[i] for i in keep]
+        self.page_tokens = [self.page_tokens[i] for i in keep]
+        if len(self.page_keys) == len(numbers):
+            self.page_keys = [self.page_keys[i] for i in keep]
+        if len(self.sources) == len(numbers):
+            self.sources = [self.sources[i] for i in keep]
+        self.numbers = [numbers[i] for i in keep]
+        if self.prompt_for is not None:
+            self.prompt_ids = self.prompt_for(self.page_tokens)
+        return keep
 
     def close(self) -> None:
         """The request ends: its PDFs are closed in the rendering worker, which goes back to the
@@ -125,7 +195,7 @@ def _render_views(p: PageSource, spec: ViewSpec, crop: bool, count: int) -> Page
     page = p.render()
     views = page_views(page.image, spec, crop, page.source)
     if views.num_tokens != count:  # the size read and the size rendered
-        raise DocumentError(f"{page.source}: rendered at {page.size}, read as {p.size}: cannot be counted")
+        raise PageError(f"{page.source}: rendered at {page.size}, read as {p.size}: cannot be counted")
     return views
 
 
@@ -195,7 +265,9 @@ class DocumentProcessor:
         and ``cancelled``; then every page's views, all of them held at once, which for a long
         document is what :meth:`plan` and :meth:`PreparedDocument.each_view` avoid)."""
         doc = self.plan(sources, options, **budget)
-        doc.views = [v for _, _, v in doc.each_view()]
+        views = [v for _, _, v in doc.each_view()]
+        doc.drop_failed()
+        doc.views = views
         return doc
 
     def plan(
@@ -241,13 +313,14 @@ class DocumentProcessor:
             if not pages:
                 more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
                 raise DocumentError(f"every page is refused: {refused[0].message}{more}")
-            ids = document_prompt_ids(
+            prompt_for = functools.partial(
+                document_prompt_ids,
                 self.tokenizer,
-                counts,
                 image_token_id=self.image_token_id,
                 page_token_id=self.page_token_id,
                 instruction=options.instruction,
             )
+            ids = prompt_for(counts)
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 raise DocumentError(_too_long(pages, counts, len(ids), max_prompt_tokens, crop))
         except BaseException:
@@ -256,7 +329,20 @@ class DocumentProcessor:
             raise
         held = [Page(None, p.source, size=p.size) for p in pages]
         return PreparedDocument(
-            held, [], ids, counts, crop, refused=refused, numbers=numbers, sources=pages, spec=spec, renderer=renderer
+            held,
+            [],
+            ids,
+            counts,
+            crop,
+            refused=refused,
+            numbers=numbers,
+            sources=pages,
+            spec=spec,
+            renderer=renderer,
+            total_pages=len(every),
+            page_retries=options.page_retries,
+            max_page_error_rate=options.max_page_error_rate,
+            prompt_for=prompt_for,
         )
 
 

@@ -58,7 +58,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .limits import MAX_PAGES, MAX_PIXELS, DocumentError, _declares_no_pages, _pil
+from .limits import MAX_PAGES, MAX_PIXELS, DocumentError, PageError, _declares_no_pages, _pil
 
 __all__ = [
     "RenderLimits",
@@ -493,7 +493,7 @@ class Renderer:
             raise _dead(name, stop.code) from None
         except (ValueError, TypeError, KeyError, AttributeError, struct.error) as exc:  # not the protocol
             self._kill()
-            raise DocumentError(f"{name}: cannot be rendered (the rendering process answered garbage: {exc})") from None
+            raise PageError(f"{name}: cannot be rendered (the rendering process answered garbage: {exc})") from None
         self.cpu += cpu
         if head.get("ok") is True or head.get("closed") is True:  # closed: the PDF is sent again
             return head, data
@@ -542,23 +542,23 @@ class Renderer:
                 break
             self._docs.pop(id(data), None)
         if not head.get("ok"):
-            raise DocumentError(f"{name}: cannot be rendered ({head.get('error')})")
+            raise PageError(f"{name}: cannot be rendered ({head.get('error')})")
         try:
             w, h, stride = int(head["width"]), int(head["height"]), int(head["stride"])
             mode, raw_mode = _MODES[head["mode"]]
         except (KeyError, ValueError, TypeError):
             self._kill()
-            raise DocumentError(f"{name}: cannot be rendered (the renderer answered {head!r:.200})") from None
+            raise PageError(f"{name}: cannot be rendered (the renderer answered {head!r:.200})") from None
         if not (0 < w and 0 < h and w * h <= MAX_PIXELS and stride * h == len(raw)):
             self._kill()
-            raise DocumentError(f"{name}: cannot be rendered (a bitmap of {w}x{h} pixels, {len(raw)} bytes)")
+            raise PageError(f"{name}: cannot be rendered (a bitmap of {w}x{h} pixels, {len(raw)} bytes)")
         Image, _ = _pil()
         return Image.frombuffer(mode, (w, h), raw, "raw", raw_mode, stride, 1)
 
 
 def _dead(name: str, code: int | None):
     how = f"signal {-code}" if code is not None and code < 0 else f"status {code}"
-    return DocumentError(
+    return PageError(
         f"{name}: cannot be rendered (the rendering process ended with {how}: a damaged file, or more memory "
         "than the rendering limit)"
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,11 @@ FEATURE_CHUNK_PAGES = 4
 
 
 def page_features(
-    tower: VisionTower, doc: PreparedDocument, cache: FeatureCache | None = None, chunk: int = FEATURE_CHUNK_PAGES
+    tower: VisionTower,
+    doc: PreparedDocument,
+    cache: FeatureCache | None = None,
+    chunk: int = FEATURE_CHUNK_PAGES,
+    progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
     """The image features of a prepared document's pages, in prompt order [image tokens, hidden]
     (float32 on the CPU): each page's from the cache, the others from the tower
@@ -109,7 +113,11 @@ def page_features(
 
     The cache counts as a page-by-page loop would: a page repeated in the document (same key) is
     encoded once, a miss the first time and a hit after; every page is put back in page order,
-    so the LRU order is the loop's too."""
+    so the LRU order is the loop's too. A page that could not be rendered after its retries
+    (:meth:`~dash_trt.documents.processor.PreparedDocument.each_view`) is left out: the document
+    drops it (:meth:`~dash_trt.documents.processor.PreparedDocument.drop_failed`, its prompt
+    rebuilt) and the features are those of the pages kept. ``progress(done, total)``: called as
+    each page has been read (rendered, or failed)."""
     offsets = [0]
     for n in doc.page_tokens:
         offsets.append(offsets[-1] + n)
@@ -130,7 +138,10 @@ def page_features(
             place(i, f.float().cpu())
         pending.clear()
 
+    total = len(doc.page_tokens)
     for i, key, views in doc.each_view():
+        if progress is not None:
+            progress(i + 1, total)
         if key in first:
             if cache is not None:
                 cache.hits += 1  # the loop had it in the cache by now
@@ -145,11 +156,18 @@ def page_features(
             place(i, f)
         del views
     flush()
+    if progress is not None:
+        progress(total, total)
     for i, key in enumerate(doc.page_keys):
+        if key is None:  # failed: dropped below
+            continue
         if first[key] != i:  # a repeated page: the first one's features
             out[offsets[i] : offsets[i + 1]] = out[offsets[first[key]] : offsets[first[key] + 1]]
         if cache is not None:  # a copy: the cache never holds the whole prompt's tensor alive
             cache.put(key, out[offsets[i] : offsets[i + 1]].clone())
+    if doc.failed:
+        keep = doc.drop_failed()
+        out = torch.cat([out[offsets[i] : offsets[i + 1]] for i in keep])
     return out
 
 
@@ -202,19 +220,21 @@ class DocumentOCR:
         *,
         max_new_tokens: int | None = None,
         rules: DecodingRules | dict[str, Any] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> OCRResult:
         """One text section per page of ``sources`` (paths, bytes or ``(name, bytes)``). ``rules``:
         the decoding rules, or a dict of overrides of upstream's (:meth:`rules_for`; its
         ``max_page_tokens`` is each page's budget). ``max_new_tokens``: the document's budget;
         None: derived from the page budget
         (:func:`~dash_trt.documents.budget.document_max_new_tokens`), at most what the model's
-        ``max_position_embeddings`` leaves after the prompt, as the document model does."""
+        ``max_position_embeddings`` leaves after the prompt, as the document model does.
+        ``progress(done, total)``: the pages read so far (:func:`page_features`)."""
         t0 = time.perf_counter()
         if isinstance(sources, (str, os.PathLike, bytes)):
             sources = [sources]
         # pages rendered one at a time as the tower takes them (page_features), not all first
         doc = self.processor.plan(sources, options)
-        feats = page_features(self.tower, doc, self.cache)
+        feats = page_features(self.tower, doc, self.cache, progress=progress)
         if not isinstance(rules, DecodingRules):
             rules = self.rules_for(len(doc.pages), **(rules or {}))
         if max_new_tokens is None:

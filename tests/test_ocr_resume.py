@@ -377,3 +377,42 @@ def test_an_unreadable_manifest_is_started_afresh_and_names_are_kept_from_it(tmp
     assert f"{out / MANIFEST} could not be read" in err and "every document is done again" in err
     assert (out / "manifest.json-2.md").is_file()
     assert list(_manifest(out)) == [O._stems([str(doc)])[0]]
+
+
+def test_a_rendering_process_that_dies_on_a_page_is_replaced_and_the_page_tried_again(folder, monkeypatch):
+    """The real rendering worker, told to crash (signal 11, as pdfium on a damaged page) on page
+    2's first render: the page is rendered again by a new worker, the PDF sent to it again, and
+    every page is read; without retries the document fails with the page's message, as before.
+    A worker killed by the CPU limit (SIGKILL, SIGXCPU) is a budget: not tried again."""
+    from dash_trt.documents import render as R
+
+    real = R._Worker.exchange
+    renders, signal = [], [-11]
+
+    def exchange(self, header, *a, **k):
+        if header.get("op") == "render":
+            renders.append(header["index"])
+            if len(renders) == 2:
+                self.kill()
+                raise R._Stop("ended", signal[0])
+        return real(self, header, *a, **k)
+
+    monkeypatch.setattr(R._Worker, "exchange", exchange)
+    ocr = SD.DocumentOCR(folder)
+    try:
+        doc = ocr.processor.plan([("d.pdf", three_pages())], DocumentOptions(page_retries=1))
+        feats = SD.page_features(ocr.tower, doc)
+        assert renders == [0, 1, 1, 2] and doc.failed == [] and doc.page_numbers == [1, 2, 3]
+        assert feats.shape[0] == sum(doc.page_tokens)
+        renders.clear()
+        doc = ocr.processor.plan([("d.pdf", three_pages())], DocumentOptions())
+        with pytest.raises(P.PageError, match=r"^d\.pdf page 2: cannot be rendered \(the rendering process ended"):
+            SD.page_features(ocr.tower, doc)
+        renders.clear()
+        signal[0] = -9
+        doc = ocr.processor.plan([("d.pdf", three_pages())], DocumentOptions(page_retries=1, max_page_error_rate=1))
+        with pytest.raises(P.DocumentError, match=r"d\.pdf page 2: rendering took more than") as caught:
+            SD.page_features(ocr.tower, doc)
+        assert not isinstance(caught.value, P.PageError) and renders == [0, 1]
+    finally:
+        ocr.close()

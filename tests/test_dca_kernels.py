@@ -152,3 +152,20 @@ def test_decode_splits_fill_the_gpu_within_bounds():
     assert K.decode_splits(64, 4, 131072, sms=132) == 1
     assert K.decode_splits(1, 4, 4096, sms=132) == 2  # at least 2048 keys a split
     assert K.decode_splits(8, 4, 131072, sms=132) == 8
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the op picks the kernels for CUDA tensors")
+@pytest.mark.parametrize("news", [RAGGED, [(1, n) for n in (32, 33, 64, 65, 96)]])
+def test_the_inplace_op_runs_the_kernels_on_cuda(news):
+    from dash_trt.attention.dca import ops
+
+    q, k, v, cache, tables, seq_lens, qsl, prompts = _batch(news, torch.float32, seed=4)
+    ref_cache = DcaKVCache(cache.key.cpu(), cache.value.cpu())
+    ref = paged_dual_chunk_attention(
+        q.cpu(), k.cpu(), v.cpu(), ref_cache, tables.cpu(), seq_lens.cpu(), qsl.cpu(), CFG, prompt_lens=prompts.cpu()
+    )
+    got = ops.dual_chunk_attention_inplace(q, k, v, cache, tables, seq_lens, qsl, CFG, prompt_lens=prompts)
+    assert (got.cpu() - ref).abs().max().item() < 2e-5
+    # written as the CPU operator writes it (CUDA's and the CPU's cos/sin may differ in a last bit)
+    assert (cache.key.cpu() - ref_cache.key).abs().max().item() < 1e-5
+    assert torch.equal(cache.value.cpu(), ref_cache.value)

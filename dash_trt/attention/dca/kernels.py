@@ -44,7 +44,10 @@ import torch
 from .paged import DcaKVCache, _check_call
 from .reference import DcaConfig, DcaConfigError, _rope_tables, _rotate
 
-__all__ = ["available", "paged_dca", "decode_splits"]
+__all__ = ["DTYPES", "available", "decode_splits", "head_dim_ok", "paged_dca"]
+
+#: The cache dtypes the kernels take.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LOG2E = 1.4426950408889634
 
@@ -56,6 +59,11 @@ BLOCK_N = 64
 def available() -> bool:
     """Whether Triton can be imported (the kernels compile on first use)."""
     return _kernels(_interpreted()) is not None
+
+
+def head_dim_ok(head_dim: int) -> bool:
+    """Whether the kernels take this head dim (a power of two, at least 16)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def _interpreted() -> bool:
@@ -180,7 +188,7 @@ def paged_dca(
         )
         if decode and any(b - a != 1 for a, b in zip(starts, starts[1:])):
             raise DcaConfigError("decode=True needs exactly one new token in every sequence")
-    if cache.key.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if cache.key.dtype not in DTYPES:
         raise DcaConfigError(f"the kernels take float32, float16 or bfloat16 caches, got {cache.key.dtype}")
     kern = _kernels(_interpreted())
     if kern is None:
@@ -190,7 +198,7 @@ def paged_dca(
     hkv = k.shape[1]
     if t == 0:
         return q.new_zeros((0, nh, hd))
-    if hd & (hd - 1) or hd < 16:
+    if not head_dim_ok(hd):
         raise DcaConfigError(f"the kernels take a power-of-two head_dim >= 16, got {hd}")
     group = nh // hkv
     gp = triton.next_power_of_2(group)

@@ -29,9 +29,10 @@ attributes. Two sentinels: ``rotary_dim`` 0 means the head dim, ``softmax_scale`
 ``head_dim ** -0.5``. ``prompt_lens`` is always a tensor: -1 for a sequence without one (allowed
 only while the length scaling is off, ``original_max_position_embeddings`` 0).
 
-Implementations: one for CPU and CUDA tensors (the PyTorch paged operator; no CUDA kernel exists)
-and a fake (meta) one for tracing. :func:`register` defines and registers everything once; it
-runs at import and does nothing when the ops already exist.
+Implementations: one for CPU and CUDA tensors (the PyTorch paged operator; on CUDA tensors the
+Triton kernels of :mod:`dash_trt.attention.dca.kernels` where Triton is importable and the
+dtype and head dim are theirs) and a fake (meta) one for tracing. :func:`register` defines and
+registers everything once; it runs at import and does nothing when the ops already exist.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import kernels
 from .paged import DcaKVCache, paged_dual_chunk_attention
 from .reference import DcaConfig
 
@@ -149,6 +151,16 @@ def decode(attrs: dict[str, Any]) -> DcaAttributes:
 def _run(args: tuple, attrs: dict[str, Any], cache: DcaKVCache) -> torch.Tensor:
     q, k, v, _, _, block_tables, seq_lens, query_start_loc, prompt_lens = args
     d = decode(attrs)
+    if q.is_cuda and kernels.available() and q.dtype in kernels.DTYPES and kernels.head_dim_ok(q.shape[-1]):
+        # the Triton kernels (same function; a decode batch splits its keys across the GPU)
+        new = query_start_loc.diff()
+        one_each = bool((new == 1).all()) and new.numel() > 0
+        splits = kernels.decode_splits(new.numel(), k.shape[1], int(seq_lens.max())) if one_each else 1
+        return kernels.paged_dca(
+            q, k, v, cache, block_tables, seq_lens, query_start_loc, d.cfg, rope_theta=d.rope_theta,
+            rotary_dim=d.rotary_dim, prompt_lens=prompt_lens, softmax_scale=d.softmax_scale, decode=one_each,
+            splits=splits,
+        )  # fmt: skip
     return paged_dual_chunk_attention(
         q,
         k,

@@ -111,6 +111,9 @@ esac
 case " $what " in *" dca "*)
   # Dual Chunk Attention beside its peers (bench/bench_dca.py: the brute-force three-call
   # approach, dense attention, the reference); DCA_ARGS: its options, e.g. "--time-budget 300".
+  # First the Triton kernels against the paged operator, compiled (tests/test_dca_kernels.py).
+  python3 -m pytest -q -p no:cacheprovider tests/test_dca_kernels.py 2>&1 | tee "$OUT/dca_tests.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ))
   read -r -a dca_args <<< "${DCA_ARGS:-}"
   python3 bench/bench_dca.py "${dca_args[@]}" --json "$OUT/dca.json" --png "$OUT/dca.png" 2>&1 | tee "$OUT/dca.log"
   status=$(( status | ${PIPESTATUS[0]} ));;

@@ -169,3 +169,32 @@ def test_the_inplace_op_runs_the_kernels_on_cuda(news):
     # written as the CPU operator writes it (CUDA's and the CPU's cos/sin may differ in a last bit)
     assert (cache.key.cpu() - ref_cache.key).abs().max().item() < 1e-5
     assert torch.equal(cache.value.cpu(), ref_cache.value)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_a_captured_decode_step_replays_equal_to_eager_across_chunk_boundaries():
+    """paged_dca(decode=True, check=False) reads nothing on the host: captured once in a CUDA
+    graph at one length, replayed at lengths on both sides of chunk boundaries (c = 32), each
+    replay equal to the eager call on the same cache."""
+    q, k, v, cache, tables, seq_lens, qsl, prompts = _batch([(1, 100)], torch.float32, seed=5, heads=8)
+    prompts.fill_(1)  # every step a generated token, scaled by its own length
+    kw = dict(prompt_lens=prompts, decode=True, check=False, splits=4)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
+        K.paged_dca(q, k, v, cache.clone(), tables, seq_lens, qsl, CFG, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.paged_dca(q, k, v, cache, tables, seq_lens, qsl, CFG, **kw)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for n in (31, 32, 33, 64, 65, 96):
+        seq_lens.fill_(n)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        before = cache.clone()
+        graph.replay()
+        want = K.paged_dca(q, k, v, before, tables, seq_lens, qsl, CFG, prompt_lens=prompts, decode=True, splits=4)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), n
+        assert torch.equal(cache.key, before.key), n

@@ -47,15 +47,26 @@ import torch
 from .attention.dash import onnx as onnx_ops
 from .attention.dash.config import DashConfigError
 from .attention.dash.paged import sequence_coords
-from .attention.dca import onnx as dca_onnx
-from .attention.dca.reference import DcaConfigError
 from .cliutil import EXIT_INTERNAL, cli_main
-from .export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
+from .export_tools import (
+    EXIT_BAD_INPUT,
+    EXIT_EXPORT_FAILED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    VERIFY_TOLERANCES,
+    BadInput,
+    ExportError,
+    check_output_path,
+    exporter_available,
+    quiet_exporter,
+    short_message,
+    to_numpy,
+    to_torch,
+)
 from .modeling import MODEL_INPUTS, DashModel, ExportGraph, ModelContractError, image_feature_rows, token_roles
-from .models import qwen2_dca
 from .models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from .models.config import DTYPES, ModelConfigError, load_model_config
-from .models.loader import is_dca_folder, load_dca
+from .models.families import family_of_checkpoint
 from .models.prompts import check_prompts, document_prompt
 from .models.registry import demo_model, random_model
 from .onnx_graph import read_graph
@@ -79,25 +90,8 @@ __all__ = [
     "main",
 ]
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_EXPORT_FAILED = 0, 1, 2, 3
-
 #: Largest model (bytes of weights) written as one file; protobuf caps a file at 2 GiB.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
-
-#: (atol, rtol) of ONNX Runtime against PyTorch, same dtype, for logits and float caches.
-#: fp32: summation order only. fp16/bf16: both runtimes round every op to the low
-#: precision dtype, in different places (ORT fuses and reorders), and errors compound
-#: over the layers; the check is against gross errors (a wrong block, a wrong slot),
-#: which are O(1).
-VERIFY_TOLERANCES = {
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (5e-2, 5e-2),
-    torch.bfloat16: (2e-1, 1e-1),
-}
-
-
-class BadInput(Exception):
-    """A user error with a message to print (exit code 2)."""
 
 
 # -------------------------------------------------------------------------- progress
@@ -260,22 +254,6 @@ def check_onnx(path: str | os.PathLike) -> None:
         raise ExportError(f"expected {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE} nodes, found {sorted(ops)}")
     if not graph.has_dash_function:
         raise ExportError(f"the model has no local function {onnx_ops.DOMAIN}.{onnx_ops.OP_TYPE}")
-
-
-def check_dca_onnx(path: str | os.PathLike, layers: int) -> None:
-    """``onnx.checker`` full check of a Dual Chunk Attention export, and its structure: one
-    ``dash_trt.DualChunkAttention`` node per layer and the op's local function."""
-    import onnx
-
-    path = os.fspath(path)
-    dca_onnx.register_schema()
-    onnx.checker.check_model(path, full_check=True)
-    model = onnx.load(path, load_external_data=False)
-    ops = [n.op_type for n in model.graph.node if n.domain == dca_onnx.DOMAIN]
-    if ops != [dca_onnx.OP_TYPE] * layers:
-        raise ExportError(f"expected {layers} {dca_onnx.DOMAIN}.{dca_onnx.OP_TYPE} nodes, found {ops}")
-    if not any(f.domain == dca_onnx.DOMAIN and f.name == dca_onnx.OP_TYPE for f in model.functions):
-        raise ExportError(f"the model has no local function {dca_onnx.DOMAIN}.{dca_onnx.OP_TYPE}")
 
 
 # ---------------------------------------------------------------------------- verify
@@ -537,20 +515,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_output_path(out: str) -> str:
-    out = os.path.abspath(out)
-    if os.path.isdir(out):
-        raise BadInput(f"cannot write {out}: it is a directory")
-    folder = os.path.dirname(out)
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise BadInput(f"cannot write {out}: {folder} is a file, not a folder")
-    if not os.path.isdir(folder):
-        raise BadInput(f"cannot write {out}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise BadInput(f"cannot write {out}: folder {folder} is not writable")
-    return out
-
-
 def _load(a) -> DashModel:
     dtype = DTYPES[a.dtype] if a.dtype else None
     if a.demo:
@@ -628,7 +592,10 @@ def _run_vision(a, out_stream: TextIO, err: TextIO) -> int:
             try:
                 worst = export_vision(tower, tmp, size, check=not a.no_verify, seed=a.seed)
             except Exception as exc:
-                print(f"dash-export: error: the vision export failed: {type(exc).__name__}: {_short(exc)}", file=err)
+                print(
+                    f"dash-export: error: the vision export failed: {type(exc).__name__}: {short_message(exc)}",
+                    file=err,
+                )
                 return EXIT_EXPORT_FAILED
             has_data = _commit(tmp, path, err)
         finally:
@@ -667,10 +634,11 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
             f"{onnx_ops.ORT_MISSING}; it runs the exported file against PyTorch (or pass "
             f"--no-verify to export with onnx.checker only)",
         )
-    if a.checkpoint and is_dca_folder(a.checkpoint):
-        return _run_dca(a, out_stream, progress, fail)
+    family = family_of_checkpoint(a.checkpoint) if a.checkpoint else None
+    if family is not None and family.export_command is not None:  # a family with its own program
+        return family.export_command(a, out_stream, progress, fail)
     try:
-        out = _check_output_path(a.out)
+        out = check_output_path(a.out)
         with progress.step("loading the model"):
             model = _load(a)
         c = model.config
@@ -704,14 +672,15 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
         except OSError as exc:
             return fail(EXIT_BAD_INPUT, f"cannot write {out}: {exc}")
         except Exception as exc:
-            return fail(EXIT_EXPORT_FAILED, f"export failed: {type(exc).__name__}: {_short(exc)}")
+            return fail(EXIT_EXPORT_FAILED, f"export failed: {type(exc).__name__}: {short_message(exc)}")
         if not a.no_verify:
             with progress.step("ONNX Runtime vs PyTorch (prefill + decode)"):
                 try:
                     report, checked = _verify_with_fallback(tmp, model, a, progress)
                 except Exception as exc:
                     return fail(
-                        EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: {type(exc).__name__}: {_short(exc)}"
+                        EXIT_EXPORT_FAILED,
+                        f"ONNX Runtime could not run the model: {type(exc).__name__}: {short_message(exc)}",
                     )
             print(f"ONNX Runtime vs PyTorch ({checked}): {report.summary()}", file=out_stream, flush=True)
             if not report.ok:
@@ -747,97 +716,6 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
     return EXIT_OK
 
 
-def _run_dca(a, out_stream: TextIO, progress: Progress, fail) -> int:
-    """dash-export of a Qwen2 or Qwen2-MoE Dual Chunk Attention folder (:mod:`dash_trt.models.qwen2_dca`): one
-    ``dash_trt.DualChunkAttention`` node per layer with its standard-ops function, checked by
-    onnx.checker and by ONNX Runtime generating PyTorch's tokens (prefill in chunks, then decode)."""
-    if a.demo or a.random_init or a.config or a.model_class or a.vision:
-        return fail(
-            EXIT_BAD_INPUT, "a Dual Chunk Attention folder takes none of --demo, --random-init, --config, --model"
-        )
-    try:
-        out = _check_output_path(a.out)
-        with progress.step("loading the model"):
-            model = load_dca(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None)
-            model.config.dca.check_kv_block_size(a.kv_block_size)
-        c = model.config
-        progress.note(
-            f"{c.label}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
-            f"{c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, chunk {c.dca.chunk_size}, local "
-            f"{c.dca.local_size}, {model.dtype}, KV blocks of {a.kv_block_size}"
-        )
-    except (BadInput, CheckpointError, ModelConfigError, DcaConfigError) as exc:
-        return fail(EXIT_BAD_INPUT, str(exc))
-    except (OSError, ValueError) as exc:
-        return fail(EXIT_BAD_INPUT, f"{type(exc).__name__}: {exc}")
-    tmpdir = tempfile.mkdtemp(prefix=".dash-export-", dir=os.path.dirname(out))
-    tmp = os.path.join(tmpdir, os.path.basename(out))
-    try:
-        try:
-            with progress.step(f"exporting to ONNX (torch {torch.__version__}, opset {onnx_ops.OPSET})"):
-                qwen2_dca.export_onnx(model, tmp, kv_block_size=a.kv_block_size)
-            with progress.step("onnx.checker (full check)"):
-                check_dca_onnx(tmp, c.num_hidden_layers)
-        except OSError as exc:
-            return fail(EXIT_BAD_INPUT, f"cannot write {out}: {exc}")
-        except Exception as exc:
-            return fail(EXIT_EXPORT_FAILED, f"export failed: {type(exc).__name__}: {_short(exc)}")
-        if not a.no_verify:
-            with progress.step("ONNX Runtime vs PyTorch (chunked prefill + decode)"):
-                span = c.dca.chunk_len
-                gen = torch.Generator().manual_seed(a.seed)
-                prompts = [
-                    torch.randint(0, c.vocab_size, (n,), generator=gen).tolist()
-                    for n in (span + span // 2 + 3, max(2, span // 3))
-                ]
-                chunk = max(a.kv_block_size, span // 2)
-                steps = max(1, a.decode_steps)
-                try:
-                    ref = qwen2_dca.generate(model, prompts, steps, prefill=chunk, kv_block_size=a.kv_block_size)
-                    got = qwen2_dca.generate(
-                        model,
-                        prompts,
-                        steps,
-                        prefill=chunk,
-                        kv_block_size=a.kv_block_size,
-                        forward=qwen2_dca.ort_forward(tmp),
-                    )
-                except Exception as exc:
-                    return fail(
-                        EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: {type(exc).__name__}: {_short(exc)}"
-                    )
-            atol, rtol = VERIFY_TOLERANCES[model.dtype]
-            worst = max(float((g - r).abs().max()) for g, r in zip(got.logits, ref.logits))
-            ok = got.tokens == ref.tokens and all(
-                torch.allclose(g, r, atol=atol, rtol=rtol) for g, r in zip(got.logits, ref.logits)
-            )
-            print(
-                f"ONNX Runtime vs PyTorch ({len(prompts)} prompts, {steps} tokens each): max |logits err| "
-                f"{worst:.2e}, tokens {'equal' if got.tokens == ref.tokens else 'DIFFER'}",
-                file=out_stream,
-                flush=True,
-            )
-            if not ok:
-                return fail(
-                    EXIT_MISMATCH,
-                    f"the ONNX model does not reproduce PyTorch (tolerance {(atol, rtol)}); {out} was not written",
-                )
-        with progress.step(f"writing {out}"):
-            if os.path.exists(tmp + ".data"):
-                os.replace(tmp + ".data", out + ".data")
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    print(f"wrote {out} ({c.num_hidden_layers} {onnx_ops.DOMAIN}.DualChunkAttention nodes)", file=out_stream)
-    print(
-        "RESULT: exported; the checker "
-        + ("and ONNX Runtime agree with PyTorch" if not a.no_verify else "passed (ONNX Runtime check skipped)"),
-        file=out_stream,
-        flush=True,
-    )
-    return EXIT_OK
-
-
 def _verify_with_fallback(path: str, model: DashModel, a, progress: Progress):
     """Verify ``path``; for bfloat16, where ONNX Runtime's CPU provider has no kernels
     (NOT_IMPLEMENTED for Mul and others), verify a float32 export of the same weights
@@ -857,11 +735,6 @@ def _verify_with_fallback(path: str, model: DashModel, a, progress: Progress):
     f32_path = os.path.join(os.path.dirname(path), "float32-check.onnx")
     export_onnx(f32, f32_path, kv_block_size=a.kv_block_size, external_data=None)
     return verify_onnx(f32_path, f32, **kwargs), "torch.bfloat16 weights, checked as a float32 export"
-
-
-def _short(exc: BaseException, limit: int = 600) -> str:
-    text = str(exc).strip()
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _commit(tmp: str, out: str, err: TextIO) -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from dash_trt.modeling import ModelContractError
 from dash_trt.models import qwen2_dca as Q
-from dash_trt.models.families import DASH, DCA, FAMILIES, family_of
+from dash_trt.models.families import DASH, DCA, FAMILIES, family_of, family_of_checkpoint
 from dash_trt.models.interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, ServedModel
 from dash_trt.models.registry import demo_model
 
@@ -53,13 +53,31 @@ def test_dca_save_writes_a_loadable_folder(tmp_path):
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
-@pytest.mark.parametrize("module", ["compare.py", "triton/repository.py"])
+@pytest.mark.parametrize("module", ["compare.py", "triton/repository.py", "export.py"])
 def test_tools_ask_the_family_not_the_model_class(module):
-    """compare and the repository writer import no concrete model module."""
+    """compare, the repository writer and dash-export import no concrete model module."""
     tree = ast.parse((ROOT / module).read_text())
     imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     concrete = {"models.qwen2_dca", "models.qwen2_moe_dca", "models.unlimited_ocr2", "models.decoder"}
     assert not {m.lstrip(".") for m in imported} & concrete
+
+
+def test_a_checkpoint_finds_its_family(tmp_path):
+    """A folder whose config.json has a dual_chunk_attention_config is the DCA family's, with its
+    own dash-export program; anything else (a file, a folder without a readable config, a DASH
+    folder) is the DASH family's, whose loader says what is wrong with it."""
+    folder = tmp_path / "dca"
+    Q.write_tiny_qwen2_dca(folder, dual_chunk_attention_config={"chunk_size": 32, "local_size": 8})
+    assert family_of_checkpoint(folder) is DCA and DCA.export_command is not None
+    assert DASH.export_command is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1]")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text('{"dual_chunk_attention_config": null}')
+    for path in ("model.pt", "missing", "bad", "list", "plain"):
+        assert family_of_checkpoint(tmp_path / path) is DASH, path
 
 
 def test_every_family_is_distinct():

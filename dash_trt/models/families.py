@@ -1,24 +1,28 @@
 """The model families the tools know (:class:`~dash_trt.models.interface.ModelFamily`), and
 :func:`family_of`: DASH decoders (:class:`dash_trt.modeling.DashModel` and every subclass:
 the built-in decoder, Unlimited-OCR-2, a user's class) and the Qwen2 / Qwen2-MoE models with
-Dual Chunk Attention."""
+Dual Chunk Attention; :func:`family_of_checkpoint`, a checkpoint's."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..attention.dca.reference import CONFIG_KEY
 from ..modeling import DashModel, ModelContractError
 from ..onnx_graph import read_graph
-from .checkpoint import save_checkpoint
+from .checkpoint import CONFIG_FILE, save_checkpoint
 from .interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, CheckPrompts, ModelFamily
 from .prompts import check_prompts
 from .qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
+from .qwen2_dca_export import run_export
 
-__all__ = ["FAMILIES", "DASH", "DCA", "family_of"]
+__all__ = ["FAMILIES", "DASH", "DCA", "family_of", "family_of_checkpoint"]
 
 
 # ----------------------------------------------------------------------------- DASH decoders
@@ -94,6 +98,8 @@ DCA = ModelFamily(
     check_prompts=_dca_prompts,
     onnx_mismatches=_dca_onnx_mismatches,
     save=_dca_save,
+    claims=lambda config: config.get(CONFIG_KEY) is not None,
+    export_command=run_export,
     unsupported={
         CUDA_KERNELS: "no CUDA kernels of Dual Chunk Attention",
         TENSORRT: "the plugin has no DualChunkAttention kernels",
@@ -114,3 +120,28 @@ def family_of(model: Any) -> ModelFamily:
         f"{type(model).__name__} is not a model dash-trt knows: subclass dash_trt.modeling.DashModel "
         "(docs/models.md) or load a Qwen2 Dual Chunk Attention folder"
     )
+
+
+def family_of_checkpoint(path: str | os.PathLike) -> ModelFamily:
+    """The family of the checkpoint at ``path``: the first whose ``claims`` takes the folder's
+    ``config.json``; else (a file, a folder without a readable JSON object there, one no family
+    claims) :data:`DASH`, whose loader says what is wrong with it."""
+    config = _folder_config(path)
+    if config is not None:
+        for family in FAMILIES:
+            if family.claims is not None and family.claims(config):
+                return family
+    return DASH
+
+
+def _folder_config(path: str | os.PathLike) -> Mapping[str, Any] | None:
+    """The parsed ``config.json`` of a checkpoint folder, or None (no such file, not a JSON object)."""
+    config = os.path.join(os.fspath(path), CONFIG_FILE)
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

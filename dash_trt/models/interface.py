@@ -8,8 +8,11 @@ Two parts:
 - :class:`ModelFamily`, what the tools ask beyond that, for one family of model classes: the
   check prompts (``dash-export``'s check, ``dash-compare``), how an ONNX file is told apart from
   the model, the checks the Triton server would otherwise run only when it loads the model, the
-  checkpoint a Triton version folder holds, and the backends the family does not run on (with
-  why). :func:`family_of` finds a model's family in :data:`dash_trt.models.families.FAMILIES`.
+  checkpoint a Triton version folder holds, the backends the family does not run on (with
+  why), which checkpoint folders are the family's and the family's own ``dash-export`` program.
+  :func:`~dash_trt.models.families.family_of` finds a model's family in
+  :data:`dash_trt.models.families.FAMILIES`,
+  :func:`~dash_trt.models.families.family_of_checkpoint` a checkpoint's.
 
 A tool asks the family, never the model's class: no module outside :mod:`dash_trt.models`
 names a concrete model class.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 import torch
 
@@ -28,6 +31,7 @@ __all__ = [
     "ServedModel",
     "ModelFamily",
     "CheckPrompts",
+    "ExportCommand",
     "CUDA_KERNELS",
     "TENSORRT",
     "DOCUMENTS",
@@ -39,6 +43,12 @@ CUDA_KERNELS, TENSORRT, DOCUMENTS = "pytorch-cuda", "tensorrt", "documents"
 
 #: ``(prompts, image features per prompt or None)``.
 CheckPrompts = tuple[list[list[int]], "list[torch.Tensor | None] | None"]
+
+#: A family's ``dash-export`` program: ``(args, out, progress, fail) -> exit code``. ``args``:
+#: dash-export's parsed arguments; ``out``: the stream of results; ``progress``: the step printer
+#: (:class:`dash_trt.export.Progress`: ``step(title)``, ``note(text)``); ``fail(code, message)``:
+#: prints the error and returns the exit code (:mod:`dash_trt.export_tools` holds the codes).
+ExportCommand = Callable[[Any, TextIO, Any, Callable[[int, str], int]], int]
 
 
 @runtime_checkable
@@ -75,7 +85,11 @@ class ModelFamily:
     the server would find wrong only on loading; ``save(model, path, source)``: write the
     serving checkpoint at ``path`` (``source``: a checkpoint file the user named, copied as it
     is where the family's format allows); ``unsupported``: backend (:data:`CUDA_KERNELS`,
-    :data:`TENSORRT`, :data:`DOCUMENTS`) to the reason the family does not run on it."""
+    :data:`TENSORRT`, :data:`DOCUMENTS`) to the reason the family does not run on it;
+    ``claims(config)``: whether a checkpoint folder whose parsed ``config.json`` is ``config`` is
+    the family's (None: the family of every checkpoint no other family claims);
+    ``export_command``: the family's own ``dash-export`` program (:data:`ExportCommand`; None:
+    dash-export's, the DASH decoders')."""
 
     label: str
     classes: tuple[type, ...]
@@ -85,6 +99,8 @@ class ModelFamily:
     save: Callable[[Any, str, str | None], None]
     check_contract: Callable[[Any], None] = lambda model: None
     unsupported: Mapping[str, str] = field(default_factory=dict)
+    claims: Callable[[Mapping[str, Any]], bool] | None = None
+    export_command: ExportCommand | None = None
 
     def owns(self, model: Any) -> bool:
         return isinstance(model, self.classes)

@@ -20,7 +20,8 @@ from dash_trt.attention.dca.reference import DcaConfigError
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models import qwen2_moe_dca as M
 from dash_trt.models.checkpoint import CheckpointError
-from dash_trt.models.loader import dca_model_class, load_dca, load_model
+from dash_trt.models.loader import load_model
+from dash_trt.models.qwen2_dca_load import dca_model_class, load_dca
 
 CHUNK, LOCAL = 32, 8
 C = CHUNK - LOCAL  # c = 24

@@ -12,7 +12,7 @@ import pytest
 
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models import qwen2_moe_dca as M
-from dash_trt.models.loader import load_dca
+from dash_trt.models.qwen2_dca_load import load_dca
 from dash_trt.serving.engine import EngineConfig, GenerationEngine
 from dash_trt.serving.generate import generate
 

@@ -80,6 +80,23 @@ def test_a_checkpoint_finds_its_family(tmp_path):
         assert family_of_checkpoint(tmp_path / path) is DASH, path
 
 
+@pytest.mark.parametrize("module", ["export.py", "models/loader.py", "triton/cli.py", "compare.py"])
+def test_the_tools_name_no_family(module):
+    """dash-export, the loader, dash-triton and dash-compare dispatch through the families: none
+    names Dual Chunk Attention."""
+    text = (ROOT / module).read_text().lower()
+    assert "dca" not in text and "dual chunk" not in text
+
+
+def test_a_family_config_error_is_a_model_config_error():
+    """The tools catch one base for every family's config errors."""
+    from dash_trt.attention.dca.reference import DcaConfigError
+    from dash_trt.models.config import ModelConfigError
+
+    assert issubclass(DcaConfigError, ModelConfigError) and issubclass(Q.Qwen2DcaConfigError, ModelConfigError)
+    assert issubclass(DcaConfigError, ValueError)
+
+
 def test_every_family_is_distinct():
     assert len({f.checkpoint_name for f in FAMILIES}) == len(FAMILIES)
 

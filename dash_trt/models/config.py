@@ -52,7 +52,8 @@ LANGUAGE_SECTION = "language_config"
 
 
 class ModelConfigError(ValueError):
-    """A model ``config.json`` is missing a key or holds a bad value."""
+    """A model ``config.json`` is missing a key or holds a bad value: the base of every model
+    family's config error, which the tools catch as this one."""
 
 
 #: The section a Dual Chunk Attention (Qwen) model's config.json carries instead of DASH's.

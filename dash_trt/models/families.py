@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from ..attention.dca.reference import CONFIG_KEY
 from ..modeling import DashModel, ModelContractError
 from ..onnx_graph import read_graph
-from .checkpoint import CONFIG_FILE, save_checkpoint
+from .checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
 from .interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, CheckPrompts, ModelFamily
 from .prompts import check_prompts
 from .qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
 from .qwen2_dca_export import run_export
+from .qwen2_dca_load import claims_config, load_dca_checkpoint
 
 __all__ = ["FAMILIES", "DASH", "DCA", "family_of", "family_of_checkpoint"]
 
@@ -53,6 +53,10 @@ def _dash_save(model: DashModel, path: str, source: str | None) -> None:
         save_checkpoint(model, path)
 
 
+def _dash_load(path: str | os.PathLike, *, allow_pickle: bool = False, model_class: str | type | None = None):
+    return load_checkpoint(path, allow_pickle=allow_pickle, model_class=model_class)
+
+
 DASH = ModelFamily(
     label="DASH decoder",
     classes=(DashModel,),
@@ -60,6 +64,7 @@ DASH = ModelFamily(
     check_prompts=check_prompts,
     onnx_mismatches=_dash_onnx_mismatches,
     save=_dash_save,
+    load=_dash_load,
     check_contract=_dash_contract,
 )
 
@@ -98,7 +103,8 @@ DCA = ModelFamily(
     check_prompts=_dca_prompts,
     onnx_mismatches=_dca_onnx_mismatches,
     save=_dca_save,
-    claims=lambda config: config.get(CONFIG_KEY) is not None,
+    load=load_dca_checkpoint,
+    claims=claims_config,
     export_command=run_export,
     unsupported={
         CUDA_KERNELS: "no CUDA kernels of Dual Chunk Attention",

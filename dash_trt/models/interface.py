@@ -84,7 +84,9 @@ class ModelFamily:
     a dash-export file is not this model (empty: it is); ``check_contract(model)``: raises what
     the server would find wrong only on loading; ``save(model, path, source)``: write the
     serving checkpoint at ``path`` (``source``: a checkpoint file the user named, copied as it
-    is where the family's format allows); ``unsupported``: backend (:data:`CUDA_KERNELS`,
+    is where the family's format allows); ``load(path, *, allow_pickle, model_class)``: the
+    model of a checkpoint of the family (``allow_pickle``: whether a pickled checkpoint may be
+    unpickled; ``model_class``: the class the user named, None if none); ``unsupported``: backend (:data:`CUDA_KERNELS`,
     :data:`TENSORRT`, :data:`DOCUMENTS`) to the reason the family does not run on it;
     ``claims(config)``: whether a checkpoint folder whose parsed ``config.json`` is ``config`` is
     the family's (None: the family of every checkpoint no other family claims);
@@ -97,6 +99,7 @@ class ModelFamily:
     check_prompts: Callable[[Any, int], CheckPrompts]
     onnx_mismatches: Callable[[Any, str | os.PathLike, int | None], list[str]]
     save: Callable[[Any, str, str | None], None]
+    load: Callable[..., Any]
     check_contract: Callable[[Any], None] = lambda model: None
     unsupported: Mapping[str, str] = field(default_factory=dict)
     claims: Callable[[Mapping[str, Any]], bool] | None = None

@@ -1,80 +1,24 @@
 """Which loader a checkpoint needs: the one entry point of the tools that serve any model.
 
-A Hugging Face folder whose ``config.json`` carries ``dual_chunk_attention_config`` is a
-Qwen2 or Qwen2-MoE decoder with Dual Chunk Attention (:mod:`dash_trt.models.qwen2_dca`,
-:mod:`dash_trt.models.qwen2_moe_dca`); anything else is a DASH checkpoint
-(:func:`dash_trt.models.checkpoint.load_checkpoint`). A DCA folder with a
-``sparse_attention_config.json`` that vLLM and SGLang would run sparse is refused
-(:func:`dash_trt.attention.dca.reference.check_dense`).
+The checkpoint's family (:func:`dash_trt.models.families.family_of_checkpoint`: the family whose
+``claims`` takes the folder's ``config.json``, else the DASH decoders') loads it with its
+:attr:`~dash_trt.models.interface.ModelFamily.load`: a DASH checkpoint through
+:func:`dash_trt.models.checkpoint.load_checkpoint`, another family's folder through its own
+loader, which refuses what it cannot run with a message.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping
-from typing import Any
 
-from ..attention.dca.reference import CONFIG_KEY
-from .checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
-from .qwen2_dca import MOE_MODEL_TYPE, Qwen2DcaForCausalLM, load_qwen2_dca
-from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM
+from .families import family_of_checkpoint
 
-__all__ = ["is_dca_folder", "load_model", "load_dca", "dca_model_class"]
-
-
-def is_dca_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder whose ``config.json`` has a ``dual_chunk_attention_config``."""
-    config = os.path.join(os.fspath(path), CONFIG_FILE)
-    if not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False  # load_checkpoint says what is wrong with it
-    return isinstance(data, dict) and data.get(CONFIG_KEY) is not None
+__all__ = ["load_model"]
 
 
 def load_model(path: str | os.PathLike, *, allow_pickle: bool = False, model_class: str | type | None = None):
-    """The model of a checkpoint: a DCA folder (:func:`~dash_trt.models.qwen2_dca.load_qwen2_dca`;
-    ``model_class``, if given, must name the class the folder's config asks for, as the Triton
-    service's ``module:Class`` does) or a DASH checkpoint
-    (:func:`~dash_trt.models.checkpoint.load_checkpoint`, with ``allow_pickle`` and
-    ``model_class``)."""
-    if is_dca_folder(path):
-        with open(os.path.join(os.fspath(path), CONFIG_FILE), encoding="utf-8") as fh:
-            cls = dca_model_class(json.load(fh))
-        if model_class not in (None, "", cls) and not str(model_class).endswith(f":{cls.__name__}"):
-            raise CheckpointError(
-                f"{os.fspath(path)} is a Dual Chunk Attention folder ({cls.__name__}); --model "
-                f"{model_class} does not apply to it"
-            )
-        return load_qwen2_dca(path, model_class=cls)
-    return load_checkpoint(path, allow_pickle=allow_pickle, model_class=model_class)
-
-
-def dca_model_class(config: Mapping[str, Any]) -> type[Qwen2DcaForCausalLM]:
-    """The model class of a parsed DCA ``config.json``: Qwen2-MoE
-    (:class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`) for ``model_type``
-    ``qwen2_moe`` (or, without a ``model_type``, ``architectures[0]`` ``Qwen2MoeForCausalLM``);
-    else Qwen2, whose config refuses any other ``model_type`` with a message."""
-    model_type = config.get("model_type")
-    if model_type is None:
-        archs = config.get("architectures")
-        if isinstance(archs, list) and archs and archs[0] == "Qwen2MoeForCausalLM":
-            model_type = MOE_MODEL_TYPE
-    if model_type == MOE_MODEL_TYPE:
-        return Qwen2MoeDcaForCausalLM
-    return Qwen2DcaForCausalLM
-
-
-def load_dca(path: str | os.PathLike, *, dtype=None, device="cpu") -> Qwen2DcaForCausalLM:
-    """A DCA folder's model, of the class its config names (:func:`dca_model_class`)."""
-    folder = os.fspath(path)
-    try:
-        with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError):
-        raw = {}  # the loader names what is wrong with the folder
-    return load_qwen2_dca(folder, dtype=dtype, device=device, model_class=dca_model_class(raw))
+    """The model of a checkpoint, loaded by its family (:func:`family_of_checkpoint`): a DASH
+    checkpoint (:func:`~dash_trt.models.checkpoint.load_checkpoint`, with ``allow_pickle`` and
+    ``model_class``) or another family's folder (``model_class``, if given, must name the class
+    the folder's config asks for, as the Triton service's ``module:Class`` does)."""
+    return family_of_checkpoint(path).load(path, allow_pickle=allow_pickle, model_class=model_class)

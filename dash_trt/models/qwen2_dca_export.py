@@ -33,7 +33,7 @@ from ..export_tools import (
 from . import qwen2_dca
 from .checkpoint import CheckpointError
 from .config import DTYPES, ModelConfigError
-from .loader import load_dca
+from .qwen2_dca_load import load_dca
 
 __all__ = ["check_dca_onnx", "run_export"]
 

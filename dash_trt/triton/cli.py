@@ -22,7 +22,6 @@ from typing import TextIO
 
 from .. import triton_protocol as P
 from ..attention.dash.config import DashConfigError
-from ..attention.dca.reference import DcaConfigError
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
 from ..documents.render import DEFAULT_MEMORY_MB, DEFAULT_PAGE_SECONDS, DEFAULT_SECONDS, RenderLimits
 from ..modeling import ModelContractError
@@ -372,7 +371,6 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         CheckpointError,
         ModelConfigError,
         DashConfigError,
-        DcaConfigError,
         ModelContractError,
     ) as exc:
         print(f"dash-triton write: error: {exc}", file=err)

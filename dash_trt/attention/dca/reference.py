@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...models.config import ModelConfigError
+
 __all__ = [
     "CONFIG_KEY",
     "SPARSE_CONFIG_FILE",
@@ -72,8 +74,10 @@ _BLOCK_BUDGET_BYTES = 128 << 20
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class DcaConfigError(ValueError):
-    """A Dual Chunk Attention configuration (or call) that cannot be run."""
+class DcaConfigError(ModelConfigError):
+    """A Dual Chunk Attention configuration (or call) that cannot be run (a
+    :class:`~dash_trt.models.config.ModelConfigError`, so the tools that catch a model's config
+    errors catch it; a ``ValueError`` as before)."""
 
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:

@@ -97,6 +97,21 @@ def test_a_family_config_error_is_a_model_config_error():
     assert issubclass(DcaConfigError, ValueError)
 
 
+def test_the_families_import_no_onnx():
+    """A family's export program imports the ONNX modules when dash-export runs it: loading a model
+    (the serving runtime, the Triton backend) needs no onnx import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dash_trt.models.loader, dash_trt.models.families; "
+        "print(sorted(m for m in sys.modules if m == 'onnx' or m.startswith('onnx.')))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
+
+
 def test_every_family_is_distinct():
     assert len({f.checkpoint_name for f in FAMILIES}) == len(FAMILIES)
 

@@ -16,8 +16,6 @@ from typing import Any, TextIO
 
 import torch
 
-from ..attention.dash import onnx as onnx_ops
-from ..attention.dca import onnx as dca_onnx
 from ..attention.dca.reference import DcaConfigError
 from ..export_tools import (
     EXIT_BAD_INPUT,
@@ -42,6 +40,8 @@ def check_dca_onnx(path: str | os.PathLike, layers: int) -> None:
     """``onnx.checker`` full check of a Dual Chunk Attention export, and its structure: one
     ``dash_trt.DualChunkAttention`` node per layer and the op's local function."""
     import onnx
+
+    from ..attention.dca import onnx as dca_onnx
 
     path = os.fspath(path)
     dca_onnx.register_schema()
@@ -105,7 +105,10 @@ def _verify(
 def run_export(a, out_stream: TextIO, progress: Any, fail: Callable[[int, str], int]) -> int:
     """dash-export of a Qwen2 or Qwen2-MoE Dual Chunk Attention folder (``a``: dash-export's
     arguments; ``progress``: its step printer; ``fail(code, message)``: prints the error and
-    returns the exit code)."""
+    returns the exit code). The ONNX modules are imported here: the family record, and with it
+    every tool that loads a model, does not import them."""
+    from ..attention.dash import onnx as onnx_ops
+
     if a.demo or a.random_init or a.config or a.model_class or a.vision:
         return fail(
             EXIT_BAD_INPUT, "a Dual Chunk Attention folder takes none of --demo, --random-init, --config, --model"

@@ -25,6 +25,7 @@ MOVED = {
     "dash_trt.dca_onnx": "dash_trt.attention.dca.onnx",
     "dash_trt.dca_ops": "dash_trt.attention.dca.ops",
     "dash_trt.dca_paged": "dash_trt.attention.dca.paged",
+    "dash_trt.models.qwen2_moe_dca": "dash_trt.models.qwen2_dca.moe",
     "dash_trt.cli": "dash_trt.commands.demo",
     "dash_trt.info": "dash_trt.commands.info",
     "dash_trt.ocr": "dash_trt.commands.ocr",

@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dash_trt.models.qwen2_dca import write_tiny_qwen2_dca  # noqa: E402
-from dash_trt.models.qwen2_moe_dca import write_tiny_qwen2_moe_dca  # noqa: E402
+from dash_trt.models.qwen2_dca.moe import write_tiny_qwen2_moe_dca  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from dash_trt import build as B
 from dash_trt import compare as C
 from dash_trt import export as E
 from dash_trt.models import qwen2_dca as Q
-from dash_trt.models import qwen2_moe_dca as M
+from dash_trt.models.qwen2_dca import moe as M
 from dash_trt.triton import cli as T
 
 # Small steps on a 2-core machine run several times faster single-threaded (conftest.py).

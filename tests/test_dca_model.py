@@ -21,6 +21,7 @@ from dash_trt.attention.dca.reference import DcaConfigError, length_scale
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.models.checkpoint import CheckpointError
 from dash_trt.models.loader import load_model
+from dash_trt.models.qwen2_dca.model import _chunks
 from dash_trt.serving.block_pool import KVBlockPool
 
 CHUNK, LOCAL = 32, 8
@@ -181,8 +182,8 @@ def test_paged_generation_equals_reference_greedy(case, split):
     table = gen.block_tables[0]
     assert len(table) == -(-(PROMPT + NEW - 1) // BLOCK)
     assert any(b != a + 1 for a, b in zip(table, table[1:]))
-    n_prefill = len(Q._chunks(PROMPT, SPLITS[split]))
-    assert [p[0][1] for p in gen.plans] == Q._chunks(PROMPT, SPLITS[split]) + [1] * (NEW - 1)
+    n_prefill = len(_chunks(PROMPT, SPLITS[split]))
+    assert [p[0][1] for p in gen.plans] == _chunks(PROMPT, SPLITS[split]) + [1] * (NEW - 1)
     assert len(gen.plans) == n_prefill + NEW - 1
 
 

@@ -1,4 +1,4 @@
-"""Qwen2-MoE with Dual Chunk Attention (dash_trt.models.qwen2_moe_dca): the reference form
+"""Qwen2-MoE with Dual Chunk Attention (dash_trt.models.qwen2_dca.moe): the reference form
 against a dense causal Qwen2-MoE written here in float64 from transformers' formulas (router
 softmax over every expert, top-k, renormalised only with norm_topk_prob, the sigmoid-gated shared
 expert, the layers mlp_only_layers / decoder_sparse_step leave dense); the two forms of the routed
@@ -18,10 +18,10 @@ from test_dca_model import dense_qwen2_logits, gated_mlp64
 from dash_trt.attention.dca import onnx as dca_onnx
 from dash_trt.attention.dca.reference import DcaConfigError
 from dash_trt.models import qwen2_dca as Q
-from dash_trt.models import qwen2_moe_dca as M
 from dash_trt.models.checkpoint import CheckpointError
 from dash_trt.models.loader import load_model
-from dash_trt.models.qwen2_dca_load import dca_model_class, load_dca
+from dash_trt.models.qwen2_dca import moe as M
+from dash_trt.models.qwen2_dca.load import dca_model_class, load_dca
 
 CHUNK, LOCAL = 32, 8
 C = CHUNK - LOCAL  # c = 24

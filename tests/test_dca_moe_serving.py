@@ -11,8 +11,8 @@ import random
 import pytest
 
 from dash_trt.models import qwen2_dca as Q
-from dash_trt.models import qwen2_moe_dca as M
-from dash_trt.models.qwen2_dca_load import load_dca
+from dash_trt.models.qwen2_dca import moe as M
+from dash_trt.models.qwen2_dca.load import load_dca
 from dash_trt.serving.engine import EngineConfig, GenerationEngine
 from dash_trt.serving.generate import generate
 

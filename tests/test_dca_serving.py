@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from dash_trt.attention.dca.reference import DcaConfigError
 from dash_trt.models import qwen2_dca as Q
 from dash_trt.serving.engine import EngineConfig, GenerationEngine, RequestError
 from dash_trt.serving.generate import generate
@@ -126,7 +127,7 @@ def test_what_a_text_model_does_not_have():
         engine.submit([1, 2, 3], 4, image_features=[[0.0]])
     with pytest.raises(RequestError, match="at least one token"):
         engine.submit([], 4)
-    with pytest.raises(Q.DcaConfigError, match="multiple of the KV block size"):
+    with pytest.raises(DcaConfigError, match="multiple of the KV block size"):
         PagedRuntime(model, 16, 5)
 
 

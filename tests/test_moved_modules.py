@@ -23,6 +23,7 @@ MOVED = {
     "dca_paged": "attention.dca.paged",
     "dca_ops": "attention.dca.ops",
     "dca_onnx": "attention.dca.onnx",
+    "models.qwen2_moe_dca": "models.qwen2_dca.moe",
     "cli": "commands.demo",
     "info": "commands.info",
     "ocr": "commands.ocr",
@@ -34,8 +35,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "dash_trt"
 def test_old_path_is_the_moved_module(old):
     new = importlib.import_module(f"dash_trt.{MOVED[old]}")
     assert importlib.import_module(f"dash_trt.{old}") is new
-    pkg = importlib.import_module("dash_trt")
-    assert getattr(pkg, old) is new  # `from dash_trt import paged` too
+    parent, _, leaf = f"dash_trt.{old}".rpartition(".")
+    pkg = importlib.import_module(parent)
+    assert getattr(pkg, leaf) is new  # `from dash_trt import paged` too
     assert sys.modules[f"dash_trt.{old}"] is new
     assert new.__spec__.name == new.__name__ == f"dash_trt.{MOVED[old]}"  # the alias left them alone
     assert not (PACKAGE / f"{old}.py").exists()  # the table serves it, no file

@@ -1,7 +1,8 @@
 """The model families the tools know (:class:`~dash_trt.models.interface.ModelFamily`), and
 :func:`family_of`: DASH decoders (:class:`dash_trt.modeling.DashModel` and every subclass:
-the built-in decoder, Unlimited-OCR-2, a user's class) and the Qwen2 / Qwen2-MoE models with
-Dual Chunk Attention; :func:`family_of_checkpoint`, a checkpoint's."""
+the built-in decoder, Unlimited-OCR-2, a user's class), declared here, and the Qwen2 /
+Qwen2-MoE models with Dual Chunk Attention, whose record lives beside them (their package's
+``family`` module); :func:`family_of_checkpoint`, a checkpoint's."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ import torch
 from ..modeling import DashModel, ModelContractError
 from ..onnx_graph import read_graph
 from .checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
-from .interface import CUDA_KERNELS, DOCUMENTS, TENSORRT, CheckPrompts, ModelFamily
+from .interface import ModelFamily
 from .prompts import check_prompts
-from .qwen2_dca import Qwen2DcaForCausalLM, save_qwen2_dca
-from .qwen2_dca_export import run_export
-from .qwen2_dca_load import claims_config, load_dca_checkpoint
+from .qwen2_dca.family import DCA
 
 __all__ = ["FAMILIES", "DASH", "DCA", "family_of", "family_of_checkpoint"]
 
@@ -68,50 +67,6 @@ DASH = ModelFamily(
     check_contract=_dash_contract,
 )
 
-
-# ------------------------------------------------------------------ Dual Chunk Attention models
-def _dca_prompts(model: Qwen2DcaForCausalLM, seed: int = 0) -> CheckPrompts:
-    """Random tokens: one prompt across more than two chunks (intra, successive and inter
-    attention), one shorter than a chunk; no image features."""
-    span, vocab = model.config.dca.chunk_len, model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (2 * span + span // 2 + 3, max(2, span // 3))
-    ]
-    return prompts, None
-
-
-def _dca_onnx_mismatches(model: Qwen2DcaForCausalLM, path: str | os.PathLike, kv_block_size: int | None) -> list[str]:
-    past = [t.name for t in read_graph(path).inputs if t.name.startswith("past.")]
-    want = model.cache_names("past")
-    if past == want:
-        return []
-    return [
-        f"its caches are {len(past)} inputs ({', '.join(past[:4])}...), the model's {len(want)} "
-        "(a key and a value per layer)"
-    ]
-
-
-def _dca_save(model: Qwen2DcaForCausalLM, path: str, source: str | None) -> None:
-    save_qwen2_dca(model, path)  # a Hugging Face folder, whatever the user loaded it from
-
-
-DCA = ModelFamily(
-    label="Dual Chunk Attention model",
-    classes=(Qwen2DcaForCausalLM,),
-    checkpoint_name="checkpoint",
-    check_prompts=_dca_prompts,
-    onnx_mismatches=_dca_onnx_mismatches,
-    save=_dca_save,
-    load=load_dca_checkpoint,
-    claims=claims_config,
-    export_command=run_export,
-    unsupported={
-        CUDA_KERNELS: "no CUDA kernels of Dual Chunk Attention",
-        TENSORRT: "the plugin has no DualChunkAttention kernels",
-        DOCUMENTS: "a Dual Chunk Attention model reads token ids, not documents",
-    },
-)
 
 #: Every family, searched in order by :func:`family_of`.
 FAMILIES: tuple[ModelFamily, ...] = (DASH, DCA)

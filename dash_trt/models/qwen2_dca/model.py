@@ -20,12 +20,12 @@ The three forms share the weights and everything outside the attention:
   over one :class:`~dash_trt.attention.dca.paged.DcaKVCache` per layer, written in place by the in-place
   op ``dash_trt::dual_chunk_attention_``; logits only for the rows asked for;
 - :meth:`Qwen2DcaForCausalLM.export_forward`: the same with the functional op (caches in, new
-  caches out), what :func:`export_program` hands to ``torch.onnx.export``; each layer becomes one
-  ``dash_trt.DualChunkAttention`` node and the file carries its standard-ops function
-  (:mod:`dash_trt.attention.dca.onnx`), so ONNX Runtime runs it.
+  caches out), what :func:`~dash_trt.models.qwen2_dca.export.export_program` hands to
+  ``torch.onnx.export``; each layer becomes one ``dash_trt.DualChunkAttention`` node and the file
+  carries its standard-ops function (:mod:`dash_trt.attention.dca.onnx`), so ONNX Runtime runs it.
 
 :func:`load_qwen2_dca` reads a Hugging Face folder (``config.json`` and ``model.safetensors`` or
-its shards; a Qwen2-MoE one as :class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`, the
+its shards; a Qwen2-MoE one as :class:`~dash_trt.models.qwen2_dca.moe.Qwen2MoeDcaForCausalLM`, the
 subclass that only builds another feed-forward block; a folder whose
 ``sparse_attention_config.json`` vLLM and SGLang would run sparse is refused),
 :func:`save_qwen2_dca` writes one, :func:`write_tiny_qwen2_dca` writes a random-weight one for
@@ -45,17 +45,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..attention.dca import ops as dca_ops
-from ..attention.dca.paged import DcaKVCache
-from ..attention.dca.reference import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention, read_model_config
-from ..export_tools import ExportError, exporter_available, quiet_exporter, to_numpy, to_torch
-from ..fileio import atomic_write
-from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_folder
-from .decoder import GatedMLP, RMSNorm
+from ...attention.dca import ops as dca_ops
+from ...attention.dca.paged import DcaKVCache
+from ...attention.dca.reference import CONFIG_KEY, DcaConfig, DcaConfigError, dual_chunk_attention, read_model_config
+from ...fileio import atomic_write
+from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_folder
+from ..decoder import GatedMLP, RMSNorm
 
 __all__ = [
     "MODEL_TYPE",
@@ -64,7 +62,6 @@ __all__ = [
     "Qwen2DcaConfigError",
     "Qwen2DcaConfig",
     "Qwen2DcaForCausalLM",
-    "Qwen2DcaExportGraph",
     "tiny_qwen2_dca_config",
     "init_random_weights",
     "load_qwen2_dca",
@@ -73,16 +70,13 @@ __all__ = [
     "DcaGeneration",
     "generate",
     "reference_generate",
-    "export_program",
-    "export_onnx",
-    "ort_forward",
 ]
 
 MODEL_TYPE = "qwen2"
 ARCHITECTURE = "Qwen2ForCausalLM"
 #: Qwen2-MoE's ``model_type``: :func:`load_qwen2_dca` reads Qwen2 and Qwen2-MoE folders (seed 002
-#: covers both), its class by ``model_type`` (:func:`dca_model_class`,
-#: :mod:`dash_trt.models.qwen2_moe_dca`).
+#: covers both), its class by ``model_type`` (:func:`dash_trt.models.qwen2_dca.load.dca_model_class`,
+#: :mod:`dash_trt.models.qwen2_dca.moe`).
 MOE_MODEL_TYPE = "qwen2_moe"
 
 #: The exported graph's inputs before the caches (``past.{layer}.key``, ``past.{layer}.value``).
@@ -427,7 +421,7 @@ class Qwen2DcaForCausalLM(nn.Module):
 
     The model contract every DCA model follows (the tools take any subclass): a subclass sets
     :attr:`config_class` and overrides :meth:`build_mlp` (Qwen2-MoE,
-    :class:`dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`); the attention, the three forms,
+    :class:`dash_trt.models.qwen2_dca.moe.Qwen2MoeDcaForCausalLM`); the attention, the three forms,
     the caches, loading, saving, generation and the export are these."""
 
     #: The config this model takes (:func:`load_qwen2_dca` reads a folder's with it).
@@ -621,20 +615,6 @@ class Qwen2DcaForCausalLM(nn.Module):
         return [f"{prefix}.{i}.{f}" for i in range(self.config.num_hidden_layers) for f in ("key", "value")]
 
 
-class Qwen2DcaExportGraph(nn.Module):
-    """The module ``torch.onnx.export`` traces: ``forward`` is
-    :meth:`Qwen2DcaForCausalLM.export_forward` (parameters keep their names under ``model.``)."""
-
-    def __init__(self, model: Qwen2DcaForCausalLM):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices, *caches):
-        return self.model.export_forward(
-            input_ids, block_tables, seq_lens, query_start_loc, prompt_lens, logits_indices, *caches
-        )
-
-
 # ------------------------------------------------------------------------- weights
 def init_random_weights(model: Qwen2DcaForCausalLM, seed: int = 0) -> Qwen2DcaForCausalLM:
     """Random weights from ``seed``, scaled so that a tiny model's logits spread over a few units
@@ -673,7 +653,7 @@ def load_qwen2_dca(
 ) -> Qwen2DcaForCausalLM:
     """The model of a Hugging Face folder: ``config.json`` with ``dual_chunk_attention_config``
     and ``model.safetensors`` (or shards with their index), as ``model_class`` (default Qwen2,
-    :class:`Qwen2DcaConfig`, which refuses another ``model_type``; :func:`dash_trt.models.loader.load_dca`
+    :class:`Qwen2DcaConfig`, which refuses another ``model_type``; :func:`dash_trt.models.qwen2_dca.load.load_dca`
     picks the class from the folder's config, Qwen2-MoE too). ``dtype`` defaults to the
     config's ``torch_dtype``. Raises :class:`Qwen2DcaConfigError` for the config (also for a
     ``sparse_attention_config.json`` beside the weights that vLLM and SGLang would run sparse:
@@ -827,8 +807,8 @@ def generate(
     ``max_new_tokens`` tokens or at ``eos_token_id``. Ties go to the lower id.
 
     The model runs in place (:meth:`Qwen2DcaForCausalLM.forward_paged`) unless ``forward`` (a
-    :data:`ForwardFn`, e.g. :func:`ort_forward` of an exported file) takes the caches and returns
-    new ones."""
+    :data:`ForwardFn`, e.g. :func:`~dash_trt.models.qwen2_dca.export.ort_forward` of an exported
+    file) takes the caches and returns new ones."""
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one non-empty prompt")
@@ -947,109 +927,3 @@ def reference_generate(
         out.tokens.append(gen)
         out.logits.append(torch.stack(rows))
     return out
-
-
-# --------------------------------------------------------------------------- export
-def _distinct(value: int, taken: set[int]) -> int:
-    while value in taken:
-        value += 1
-    taken.add(value)
-    return value
-
-
-def _example_inputs(model: Qwen2DcaForCausalLM, kv_block_size: int) -> tuple:
-    """A valid ragged batch (two sequences' prefill chunks over a pool) whose dynamic sizes are
-    all >= 2 and differ from each other and from the model's static sizes, so the exporter
-    specialises none of them."""
-    c = model.config
-    taken = {1, kv_block_size} | c.static_sizes()
-    lens = [11, 6]
-    tokens = _distinct(sum(lens), taken)
-    lens[0] += tokens - sum(lens)
-    seqs = 2
-    taken |= {seqs, seqs + 1}
-    need = [-(-n // kv_block_size) for n in lens]
-    width = _distinct(max(need) + 2, taken)
-    num_blocks = _distinct(sum(need) + 5, taken)
-    scored = _distinct(5, taken)
-    table = torch.full((seqs, width), -1, dtype=torch.int32)
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    for s in range(seqs):
-        table[s, : need[s]] = torch.tensor(order[sum(need[:s]) : sum(need[: s + 1])], dtype=torch.int32)
-    ids = torch.randint(0, c.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    qsl = torch.tensor([0, lens[0], tokens], dtype=torch.int32)
-    prompt_lens = torch.tensor([lens[0] + 3, lens[1]], dtype=torch.int32)
-    rows = torch.arange(scored, dtype=torch.long)
-    device = model.device
-    caches = [t for cache in model.allocate_cache(num_blocks, kv_block_size) for t in (cache.key, cache.value)]
-    return tuple(x.to(device) for x in (ids, table, seq_lens, qsl, prompt_lens, rows, *caches))
-
-
-def _dynamic_shapes(model: Qwen2DcaForCausalLM):
-    Dim = torch.export.Dim
-    tokens, seqs = Dim("num_tokens", min=1), Dim("num_seqs", min=1)
-    width, blocks = Dim("block_table_width", min=1), Dim("num_kv_blocks", min=1)
-    scored = Dim("num_logits", min=1)
-    per_input = ({0: tokens}, {0: seqs, 1: width}, {0: seqs}, {0: seqs + 1}, {0: seqs}, {0: scored})
-    return (*per_input, tuple({0: blocks} for _ in model.cache_names("past")))
-
-
-def export_program(model: Qwen2DcaForCausalLM, *, kv_block_size: int = 8):
-    """``torch.onnx.export`` (dynamo) of :meth:`Qwen2DcaForCausalLM.export_forward` as a
-    ``torch.onnx.ONNXProgram``: one ``dash_trt.DualChunkAttention`` node per layer
-    (:func:`dash_trt.attention.dca.onnx.translation_table`) and the node's standard-ops function
-    (:func:`dash_trt.attention.dca.onnx.add_function`). Inputs :data:`GRAPH_INPUTS` then
-    ``past.{layer}.{key,value}``; outputs ``logits`` then ``present.{layer}.{key,value}``; every
-    size dynamic except the KV block size."""
-    from ..attention.dca import onnx as dca_onnx
-
-    reason = exporter_available()
-    if reason:
-        raise ExportError(reason)
-    model = model.eval()
-    args = _example_inputs(model, kv_block_size)
-    with quiet_exporter(), torch.no_grad():
-        program = torch.onnx.export(
-            Qwen2DcaExportGraph(model),
-            args,
-            dynamo=True,
-            dynamic_shapes=_dynamic_shapes(model),
-            input_names=[*GRAPH_INPUTS, *model.cache_names("past")],
-            output_names=["logits", *model.cache_names("present")],
-            opset_version=dca_onnx.OPSET,
-            custom_translation_table=dca_onnx.translation_table(),
-            optimize=True,
-            verbose=False,
-        )
-    dca_onnx.add_function(program)
-    program.model.producer_name = "dash-trt"
-    return program
-
-
-def export_onnx(model: Qwen2DcaForCausalLM, path: str | os.PathLike, *, kv_block_size: int = 8) -> str:
-    """:func:`export_program` saved to ``path`` (weights inside the file). Returns the path."""
-
-    path = os.fspath(path)
-    program = export_program(model, kv_block_size=kv_block_size)
-    with quiet_exporter():
-        program.save(path, external_data=False)
-    return path
-
-
-def ort_forward(path: str | os.PathLike) -> ForwardFn:
-    """An ONNX Runtime (CPU) session over an exported file as a :data:`ForwardFn` for
-    :func:`generate`: the caches it returns are fed back at the next step."""
-    from ..attention.dash.onnx import import_onnxruntime, ort_session_options
-
-    ort = import_onnxruntime()
-    sess = ort.InferenceSession(os.fspath(path), ort_session_options(), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-
-    def forward(inputs: dict, caches: list) -> tuple[torch.Tensor, list]:
-        values = [inputs[n] for n in GRAPH_INPUTS] + list(caches)
-        feed = {n: v if isinstance(v, np.ndarray) else to_numpy(v) for n, v in zip(names, values)}
-        out = sess.run(None, feed)
-        return to_torch(out[0]), out[1:]
-
-    return forward

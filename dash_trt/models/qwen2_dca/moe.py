@@ -3,9 +3,9 @@
 
 The architecture and parameter names are Hugging Face's ``Qwen2MoeForCausalLM``
 (``model_type`` ``qwen2_moe``). Everything but the feed-forward block is the Qwen2 DCA model
-(:mod:`dash_trt.models.qwen2_dca`: embeddings, RMSNorms, q/k/v projections with bias, DCA, the
+(:mod:`dash_trt.models.qwen2_dca.model`: embeddings, RMSNorms, q/k/v projections with bias, DCA, the
 head), reused, not copied: :class:`Qwen2MoeDcaForCausalLM` subclasses
-:class:`~dash_trt.models.qwen2_dca.Qwen2DcaForCausalLM` and only builds another ``mlp`` per
+:class:`~dash_trt.models.qwen2_dca.model.Qwen2DcaForCausalLM` and only builds another ``mlp`` per
 layer, so its three forms (reference, paged, export), caches, loading, saving, generation and
 ONNX export are that model's, and every tool that takes the Qwen2 DCA model takes this one.
 
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder import GatedMLP
-from .qwen2_dca import (
+from ..decoder import GatedMLP
+from .model import (
     MOE_MODEL_TYPE,
     Qwen2DcaConfig,
     Qwen2DcaConfigError,
@@ -87,7 +87,7 @@ def _bool_key(config: Mapping, key: str, default: bool, *, source: str) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class Qwen2MoeDcaConfig(Qwen2DcaConfig):
     """A Qwen2-MoE ``config.json`` with ``dual_chunk_attention_config``: the Qwen2 keys
-    (:class:`~dash_trt.models.qwen2_dca.Qwen2DcaConfig`; ``intermediate_size``, the dense layers'
+    (:class:`~dash_trt.models.qwen2_dca.model.Qwen2DcaConfig`; ``intermediate_size``, the dense layers'
     MLP, defaults to transformers' 5632) and the mixture-of-experts keys, with transformers'
     ``Qwen2MoeConfig`` defaults where it has them."""
 
@@ -179,7 +179,7 @@ class Qwen2MoeDcaConfig(Qwen2DcaConfig):
 
 def tiny_qwen2_moe_dca_config(**overrides: Any) -> dict[str, Any]:
     """A tiny Qwen2-MoE ``config.json``: the tiny Qwen2 one
-    (:func:`~dash_trt.models.qwen2_dca.tiny_qwen2_dca_config`: hidden 64, 4 heads over 2 KV heads
+    (:func:`~dash_trt.models.qwen2_dca.model.tiny_qwen2_dca_config`: hidden 64, 4 heads over 2 KV heads
     of dim 16, 2 layers, vocab 96, DCA chunk_size 32 / local_size 8) with 8 experts of width 32, 2 a
     token, a shared expert of width 48, every layer sparse; ``overrides`` replace keys."""
     config = tiny_qwen2_dca_config(
@@ -307,7 +307,7 @@ class Qwen2MoeDcaForCausalLM(Qwen2DcaForCausalLM):
 def write_tiny_qwen2_moe_dca(folder: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> list[str]:
     """A random-weight Hugging Face folder (``config.json``, ``model.safetensors``) of
     :func:`tiny_qwen2_moe_dca_config` (``overrides`` passed on), weights by
-    :func:`~dash_trt.models.qwen2_dca.init_random_weights`. Returns the files written."""
+    :func:`~dash_trt.models.qwen2_dca.model.init_random_weights`. Returns the files written."""
     config = Qwen2MoeDcaConfig.from_dict(tiny_qwen2_moe_dca_config(**overrides))
     model = init_random_weights(Qwen2MoeDcaForCausalLM(config), seed)
     return save_qwen2_dca(model.to(config.dtype), folder)

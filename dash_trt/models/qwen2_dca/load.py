@@ -12,10 +12,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..attention.dca.reference import CONFIG_KEY
-from .checkpoint import CONFIG_FILE, CheckpointError
-from .qwen2_dca import MOE_MODEL_TYPE, Qwen2DcaForCausalLM, load_qwen2_dca
-from .qwen2_moe_dca import Qwen2MoeDcaForCausalLM
+from ...attention.dca.reference import CONFIG_KEY
+from ..checkpoint import CONFIG_FILE, CheckpointError
+from .model import MOE_MODEL_TYPE, Qwen2DcaForCausalLM, load_qwen2_dca
+from .moe import Qwen2MoeDcaForCausalLM
 
 __all__ = ["claims_config", "dca_model_class", "load_dca", "load_dca_checkpoint"]
 
@@ -27,7 +27,7 @@ def claims_config(config: Mapping[str, Any]) -> bool:
 
 def dca_model_class(config: Mapping[str, Any]) -> type[Qwen2DcaForCausalLM]:
     """The model class of a parsed DCA ``config.json``: Qwen2-MoE
-    (:class:`~dash_trt.models.qwen2_moe_dca.Qwen2MoeDcaForCausalLM`) for ``model_type``
+    (:class:`~dash_trt.models.qwen2_dca.moe.Qwen2MoeDcaForCausalLM`) for ``model_type``
     ``qwen2_moe`` (or, without a ``model_type``, ``architectures[0]`` ``Qwen2MoeForCausalLM``);
     else Qwen2, whose config refuses any other ``model_type`` with a message."""
     model_type = config.get("model_type")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..attention.dash.config import CONFIG_SECTION, DashConfig, DashConfigError, missing_section_message
+from ..attention.errors import ModelConfigError  # defined below the attention families, which use it
 
 __all__ = [
     "DashModelConfig",
@@ -49,11 +50,6 @@ MODEL_TYPE = "dash_decoder"
 
 #: The language model's section of a nested (DeepSeek-VL2 style) config.json.
 LANGUAGE_SECTION = "language_config"
-
-
-class ModelConfigError(ValueError):
-    """A model ``config.json`` is missing a key or holds a bad value: the base of every model
-    family's config error, which the tools catch as this one."""
 
 
 #: The section a Dual Chunk Attention (Qwen) model's config.json carries instead of DASH's.

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...models.config import ModelConfigError
+from ..errors import ModelConfigError
 
 __all__ = [
     "CONFIG_KEY",
@@ -76,7 +76,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 class DcaConfigError(ModelConfigError):
     """A Dual Chunk Attention configuration (or call) that cannot be run (a
-    :class:`~dash_trt.models.config.ModelConfigError`, so the tools that catch a model's config
+    :class:`~dash_trt.attention.errors.ModelConfigError`, so the tools that catch a model's config
     errors catch it; a ``ValueError`` as before)."""
 
 

@@ -19,7 +19,7 @@ from .. import triton_protocol as P
 from .models import APIError
 from .settings import FrontDoorSettings
 
-__all__ = ["TritonBackend", "triton_error"]
+__all__ = ["TritonBackend", "end_stream", "triton_error"]
 
 
 class TritonBackend:
@@ -133,9 +133,11 @@ class TritonBackend:
             yield {"model_name": self.s.model + P.STREAM_SUFFIX, "inputs": inputs, "enable_empty_final_response": True}
 
         it = self.client.stream_infer(requests(), stream_timeout=self.s.request_timeout)
+        answered = False  # the request has had its last answer: the stream is left to end itself
         try:
             async for result, error in it:
                 if error is not None:
+                    answered = True  # the generation models flag every error they send final
                     raise error
                 final = result.get_response().parameters.get("triton_final_response")
                 ids_out = result.as_numpy(P.OUTPUT_IDS)
@@ -146,9 +148,13 @@ class TritonBackend:
                 if cached is not None and cached.size:
                     yield ("cached", int(cached.reshape(-1)[0]))
                 if final is not None and final.bool_param:
+                    answered = True
                     return
         finally:
-            it.cancel()
+            if answered:
+                await end_stream(it)
+            else:  # abandoned mid-request (the client went away, a timeout): Triton stops it
+                it.cancel()
 
     async def document(self, files, instruction, max_tokens, crop, rules) -> dict:
         inputs = []
@@ -173,6 +179,36 @@ class TritonBackend:
             client_timeout=self.s.request_timeout,
         )
         return json.loads(np.ascontiguousarray(res.as_numpy(P.RESULT), dtype=np.uint8).tobytes().decode("utf-8"))
+
+
+#: How long :func:`end_stream` waits for Triton to close a stream that has had its last answer.
+STREAM_END_TIMEOUT_S = 5.0
+
+
+async def end_stream(it, timeout: float = STREAM_END_TIMEOUT_S) -> None:
+    """Let a gRPC stream whose request has had its final answer end with Triton's status instead
+    of cancelling it (``it``: tritonclient's ``stream_infer`` iterator, whose request iterator is
+    exhausted, so Triton closes the stream once that answer is written).
+
+    A cancel that reaches Triton 2.51 after it wrote the final answer but before it finished the
+    stream leaks the stream's state in its gRPC front end (the state waits, CANCELLATION_ISSUED,
+    for a response callback that already ran), and with it the inference request, which holds
+    the model: on shutdown the decoupled model then never unloads, its ``finalize`` never runs,
+    and tritonserver exits 1 at its exit timeout (issue 67 D2 / 68 D3). Cancelled only if the
+    stream has not ended within ``timeout`` or this task is cancelled while waiting."""
+    import asyncio
+
+    async def rest():
+        async for _ in it:  # nothing more is expected: the server's status ends it
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), timeout)
+    except asyncio.CancelledError:
+        it.cancel()
+        raise
+    except Exception:  # noqa: BLE001 - a timeout or the stream's own error: the answer is already out
+        it.cancel()
 
 
 def triton_error(exc: Exception, where: str | None = None) -> APIError:

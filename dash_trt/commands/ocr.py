@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..documents.budget import DEFAULT_MAX_PAGE_TOKENS
+from ..documents.render import add_render_limit_arguments, render_limit_flags_given, render_limits_from_args
 from ..documents.workspace import MANIFEST, Workspace, input_info, sha256_text
 from ..fileio import atomic_write
 
@@ -197,6 +198,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help=f"with --checkpoint: tries again of a page that cannot be rendered or decoded ({DEFAULT_PAGE_RETRIES}; "
         "a page over a rendering budget is not tried again)",
     )
+    add_render_limit_arguments(o, "this process", prefix="with --checkpoint: ", defaults=False)
     o.add_argument(
         "--max-page-error-rate",
         type=float,
@@ -376,7 +378,12 @@ def _local(a, rules: dict[str, Any], crop: bool | None, pages_bar=None):
     from ..models.config import DTYPES
     from ..serving.documents import DocumentOCR
 
-    ocr = DocumentOCR(a.checkpoint, dtype=DTYPES[a.dtype] if a.dtype else None, device=a.device)
+    ocr = DocumentOCR(
+        a.checkpoint,
+        dtype=DTYPES[a.dtype] if a.dtype else None,
+        device=a.device,
+        render_limits=render_limits_from_args(a),
+    )
     lock = threading.Lock()  # one model in this process: documents in turn
 
     def run(path: str) -> DocumentOutcome:
@@ -426,6 +433,11 @@ def _check_args(a, err: TextIO) -> int:
     ):
         print("dash-trt ocr: error: --max-page-retries must be >= 0 and --max-page-error-rate in [0, 1]", file=err)
         return 2
+    try:
+        render_limits_from_args(a)  # the flags' one check (dash-triton write's)
+    except ValueError as exc:
+        print(f"dash-trt ocr: error: {exc}", file=err)
+        return 2
     if a.concurrency is None:
         a.concurrency = DEFAULT_CONCURRENCY if a.server else 1
     elif a.checkpoint and a.concurrency > 1:
@@ -439,6 +451,13 @@ def _check_args(a, err: TextIO) -> int:
         print(
             "dash-trt ocr: note: --max-page-retries and --max-page-error-rate are for --checkpoint; the server's "
             "document model fails a document on a page it cannot render",
+            file=err,
+        )
+    given = render_limit_flags_given(a)
+    if a.server and given:
+        print(
+            f"dash-trt ocr: note: {' and '.join(given)} are for --checkpoint; the server's document model renders "
+            "within its own limits (dash-triton write's flags of the same names)",
             file=err,
         )
     if a.max_page_retries is None:

@@ -69,6 +69,9 @@ __all__ = [
     "DEFAULT_SECONDS",
     "DEFAULT_MEMORY_MB",
     "WALL_FACTOR",
+    "add_render_limit_arguments",
+    "render_limits_from_args",
+    "render_limit_flags_given",
 ]
 
 #: CPU seconds one PDF page may take to render (pdfium's work on one page: parsing its content
@@ -152,6 +155,69 @@ class RenderLimits:
             return cls(**{k: fields[k] for k in ("page_seconds", "seconds", "memory_mb", "isolate") if k in fields})
         except (ValueError, TypeError) as exc:
             raise ValueError(f"render limits must be RenderLimits JSON, got {text[:200]!r} ({exc})") from None
+
+
+#: The command-line flags of :class:`RenderLimits`' fields (``dash-triton write``, ``dash-trt ocr``).
+RENDER_LIMIT_FLAGS = {
+    "page_seconds": "--render-page-seconds",
+    "seconds": "--render-seconds",
+    "memory_mb": "--render-memory-mb",
+}
+
+
+def add_render_limit_arguments(parser, subject: str, *, prefix: str = "", defaults: bool = True) -> None:
+    """The flags of :data:`RENDER_LIMIT_FLAGS` on ``parser`` (one definition for every command
+    that renders): ``subject`` names what renders (``NAME_document``), ``prefix`` starts each help
+    (``with --checkpoint: ``). ``defaults=False``: a flag not given is None
+    (:func:`render_limits_from_args` fills in the default), so a caller can tell it was given."""
+    parser.add_argument(
+        RENDER_LIMIT_FLAGS["page_seconds"],
+        type=float,
+        default=DEFAULT_PAGE_SECONDS if defaults else None,
+        help=f"{prefix}CPU seconds {subject} may spend reading or rendering one PDF page; a page over it is refused "
+        f"({DEFAULT_PAGE_SECONDS:g}; 0: no limit)",
+    )
+    parser.add_argument(
+        RENDER_LIMIT_FLAGS["seconds"],
+        type=float,
+        default=DEFAULT_SECONDS if defaults else None,
+        help=f"{prefix}CPU seconds {subject} may spend on one request's PDFs together ({DEFAULT_SECONDS:g}; "
+        "0: no limit)",
+    )
+    parser.add_argument(
+        RENDER_LIMIT_FLAGS["memory_mb"],
+        type=int,
+        default=DEFAULT_MEMORY_MB if defaults else None,
+        help=f"{prefix}memory (address space, MiB) of the process that renders one request's PDFs "
+        f"({DEFAULT_MEMORY_MB}; 0: no limit)",
+    )
+
+
+def render_limits_from_args(a) -> RenderLimits:
+    """The :class:`RenderLimits` of :func:`add_render_limit_arguments`' flags (None: the
+    default). A flag that is not a finite number of zero or more raises ``ValueError`` naming it
+    (the class itself takes any number, zero or less meaning no limit, for the JSON of
+    repositories written before)."""
+    defaults = RenderLimits()
+    values = {}
+    for field, flag in RENDER_LIMIT_FLAGS.items():
+        value = getattr(a, _dest(flag))
+        if value is None:
+            value = getattr(defaults, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{flag} must be a finite number >= 0 (0: no limit), got {value!r}")
+        values[field] = value
+    return RenderLimits(**values)
+
+
+def render_limit_flags_given(a) -> list[str]:
+    """The flags of :func:`add_render_limit_arguments` (``defaults=False``) that were given."""
+    return [flag for flag in RENDER_LIMIT_FLAGS.values() if getattr(a, _dest(flag), None) is not None]
+
+
+def _dest(flag: str) -> str:
+    """argparse's attribute name of ``flag``."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _python() -> str:

@@ -22,6 +22,7 @@ import torch
 from ..documents.budget import document_finish_reason, document_max_new_tokens, document_page_entries
 from ..documents.pages import DocumentError
 from ..documents.processor import DocumentOptions, DocumentProcessor, PreparedDocument, split_pages
+from ..documents.render import RenderLimits
 from ..documents.tokenizer import load_tokenizer
 from ..models.checkpoint import load_checkpoint, load_vision_tower
 from ..models.deepencoder import VisionTower
@@ -173,7 +174,9 @@ def page_features(
 
 class DocumentOCR:
     """A checkpoint folder's document OCR: decoder, vision tower, tokenizer and processor (its
-    rendering worker stays warm across documents: :meth:`close` stops it)."""
+    rendering worker stays warm across documents: :meth:`close` stops it). ``render_limits``:
+    what reading and rendering one document's PDFs may take (the defaults when None;
+    ``dash-trt ocr --render-page-seconds`` and the like)."""
 
     def __init__(
         self,
@@ -183,6 +186,7 @@ class DocumentOCR:
         device: str | torch.device | None = None,
         model: Any = None,
         tower: VisionTower | None = None,
+        render_limits: RenderLimits | None = None,
     ):
         folder = os.fspath(folder)
         self.model = model if model is not None else load_checkpoint(folder)
@@ -193,7 +197,7 @@ class DocumentOCR:
         self.tower = tower if tower is not None else load_vision_tower(folder, self.model.config.to_dict())
         self.tower = self.tower.to(device=self.model.device)
         self.tokenizer = load_tokenizer(folder)
-        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model.config)
+        self.processor = DocumentProcessor.for_config(self.tokenizer, self.model.config, render_limits)
         self.cache = FeatureCache()
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from typing import TextIO
 from .. import triton_protocol as P
 from ..attention.dash.config import DashConfigError
 from ..cliutil import EXIT_CODES_NOTE, VERBOSE_HELP, cli_main
-from ..documents.render import DEFAULT_MEMORY_MB, DEFAULT_PAGE_SECONDS, DEFAULT_SECONDS, RenderLimits
+from ..documents.render import add_render_limit_arguments, render_limits_from_args
 from ..modeling import ModelContractError
 from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfigError
@@ -99,25 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help="CPU instances of NAME_document, each a process serving documents in parallel (%(default)s)",
     )
-    w.add_argument(
-        "--render-page-seconds",
-        type=float,
-        default=DEFAULT_PAGE_SECONDS,
-        help="CPU seconds NAME_document may spend reading or rendering one PDF page; a page over it is refused "
-        "(%(default)g; 0: no limit)",
-    )
-    w.add_argument(
-        "--render-seconds",
-        type=float,
-        default=DEFAULT_SECONDS,
-        help="CPU seconds NAME_document may spend on one request's PDFs together (%(default)g; 0: no limit)",
-    )
-    w.add_argument(
-        "--render-memory-mb",
-        type=int,
-        default=DEFAULT_MEMORY_MB,
-        help="memory (address space, MiB) of the process that renders one request's PDFs (%(default)s; 0: no limit)",
-    )
+    add_render_limit_arguments(w, "NAME_document")
     w.add_argument("--unsafe-load", action="store_true", help="allow a pickled checkpoint (trusted files only)")
     w.add_argument(
         "--model",
@@ -319,6 +301,11 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
         print("dash-triton write: error: give a checkpoint (model.pt or a Hugging Face folder) or --demo", file=err)
         return EXIT_BAD_INPUT
     try:
+        render_limits = render_limits_from_args(a)
+    except ValueError as exc:
+        print(f"dash-triton write: error: {exc}", file=err)
+        return EXIT_BAD_INPUT
+    try:
         kv = a.kv_block_size
         if a.onnx and kv is None:
             kv = onnx_kv_block_size(a.onnx)
@@ -362,7 +349,7 @@ def write_main(a, out: TextIO, err: TextIO) -> int:
             gpus=engine_gpus,
             documents=None if a.no_document_model else _document_folder(a.checkpoint),
             document_instances=a.document_instances,
-            render_limits=RenderLimits(a.render_page_seconds, a.render_seconds, a.render_memory_mb),
+            render_limits=render_limits,
             private=a.private,
         )
     except (

@@ -19,8 +19,11 @@ PDFs are read and rendered by a :class:`~dash_trt.documents.render.Renderer` (on
 a worker process (kept warm between requests by a
 :class:`~dash_trt.documents.render.RenderWorkers`) held to a CPU-time and memory budget
 (:class:`RenderLimits`) and killed when a page goes over it or the request is cancelled; pdfium
-never parses an uploaded file in this process. Between pages (images too) the renderer checks
-the request's cancellation and deadline.
+never parses an uploaded file in this process. Image files too: the worker reads their headers
+and decodes their frames (:mod:`dash_trt.documents.images`, the one definition of the formats
+allowed, the frame and pixel limits and the RGB conversion), and only the decoded page's RGB rows
+come back; with ``RenderLimits(isolate=False)`` both happen in this process. Between pages
+(images too) the renderer checks the request's cancellation and deadline.
 
 A PDF is parsed once: its pages' renderers share one open PDFium document (PDFium re-reads the
 cross-reference table on every open, which on a 2,000-page file costs ~11 ms a page against
@@ -33,14 +36,12 @@ by :func:`close_pages`.
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import re
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from .images import IMAGE_FORMATS, ImageInfo, _rgb, _too_large, decode_frame, probe_image
 from .limits import (
     MAX_PAGES,
     MAX_PIXELS,
@@ -49,7 +50,6 @@ from .limits import (
     DocumentError,
     PageError,
     _declares_no_pages,
-    _pil,
 )
 from .render import RenderCancelled, Renderer, RenderLimits
 
@@ -74,17 +74,6 @@ __all__ = [
 ]
 
 _PDF_MAGIC = b"%PDF-"
-#: The image formats a page may be (Pillow's names), as documented: Pillow knows many more (ICO,
-#: TGA, PCX, SGI, EPS through Ghostscript ...), which are refused before it parses them. (Many
-#: cameras' JPEGs are MPO files: Pillow's JPEG reader opens them, or its MPO one where it has one.)
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "TIFF", "WEBP", "BMP", "GIF")
-
-
-def _formats() -> list[str]:
-    """:data:`IMAGE_FORMATS` that this Pillow has readers for."""
-    Image, _ = _pil()
-    Image.init()
-    return [f for f in IMAGE_FORMATS if f in Image.OPEN]
 
 
 @dataclass
@@ -136,117 +125,68 @@ def close_pages(pages: Iterable[PageSource]) -> None:
         p.close()
 
 
-def _too_large(source: str, size: tuple[int, int] | None = None, pixels: int | None = None) -> DocumentError:
-    """The one message for an image over :data:`MAX_PIXELS` (its size, or Pillow's pixel count)."""
-    what = f"{size[0]}x{size[1]} pixels" if size else f"{pixels:,} pixels" if pixels else "pixels"
-    return DocumentError(f"{source}: image of {what} is larger than {MAX_PIXELS:,} pixels")
-
-
-def _reason(exc: Exception) -> str:
-    """Pillow's reason without the reprs of the in-memory file it read (``<_io.BytesIO object at
-    0x...>``, which names nothing the user sent)."""
-    Image, _ = _pil()
-    if isinstance(exc, Image.UnidentifiedImageError):
-        return "its format is not recognised"
-    text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _rgb(image, source: str):
-    """RGB, EXIF orientation applied, transparency on white."""
-    Image, ImageOps = _pil()
-    try:
-        image = ImageOps.exif_transpose(image)
-    except Exception as exc:  # noqa: BLE001 - a broken EXIF block: say which page
-        raise DocumentError(f"{source}: unreadable EXIF orientation ({exc})") from None
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        white = Image.new("RGB", rgba.size, (255, 255, 255))
-        white.paste(rgba, mask=rgba.getchannel("A"))
-        return white
-    return image.convert("RGB")
-
-
 def _image_sources(
     data: bytes, source: str, renderer: Renderer | None = None, refuse: bool = False
 ) -> list[PageSource]:
-    """The pages of an image file's bytes (one per frame), their sizes read from the header.
-    ``refuse``: a page over :data:`MAX_PIXELS` comes back refused (:attr:`PageSource.refused`)
-    instead of raising."""
-    Image, _ = _pil()
-    try:  # Pillow reads the header only here
-        with warnings.catch_warnings():
-            # between MAX_PIXELS and twice it Pillow warns and opens the header: refused below
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=_formats())
-            img.verify()  # structure check; the file must be reopened afterwards
-            img = Image.open(io.BytesIO(data), formats=_formats())
-    except Image.DecompressionBombError as exc:  # more than twice MAX_PIXELS: Pillow refused it
-        count = re.search(r"\((\d+) pixels\)", str(exc))
-        raise _too_large(source, pixels=int(count.group(1)) if count else None) from None
-    except Exception as exc:  # noqa: BLE001 - Pillow raises UnidentifiedImageError, OSError, SyntaxError ...
-        raise DocumentError(
-            f"{source}: not a supported image ({_reason(exc)}); send PNG, JPEG, TIFF, WebP, BMP, GIF or a PDF"
-        ) from None
-    w, h = img.size
-    if w * h > MAX_PIXELS:
+    """The pages of an image file's bytes (one per frame), their sizes read from the headers
+    (:func:`~dash_trt.documents.images.probe_image`), in ``renderer``'s worker process (in this
+    process without one, or when it renders in-process), which also decodes each page when it is
+    rendered. ``refuse``: a page over :data:`MAX_PIXELS` comes back refused
+    (:attr:`PageSource.refused`) instead of raising."""
+    isolated = renderer is not None and renderer.limits.isolate
+    if isolated:
+        info = renderer.open_image(data, source, refuse, MAX_PIXELS)
+    else:
+        info = probe_image(data, source, refuse, MAX_PIXELS)
+    try:
+        return _frames(data, source, info, renderer, refuse, isolated)
+    except BaseException:
+        if isolated:
+            renderer.close_pdf(data)
+        raise
+
+
+def _frames(
+    data: bytes, source: str, info: ImageInfo, renderer: Renderer | None, refuse: bool, isolated: bool
+) -> list[PageSource]:
+    """:func:`_image_sources`' pages of what :func:`probe_image` read."""
+    if not info.sizes:  # the first frame is over MAX_PIXELS
         if refuse:
-            return [PageSource(source, w, h, _refused_render, str(_too_large(source, (w, h))))]
-        raise _too_large(source, (w, h))
-    if w < 1 or h < 1:
-        raise DocumentError(f"{source}: image of {w}x{h} pixels is empty")
-    frames = getattr(img, "n_frames", 1)
-    if frames > MAX_PAGES:
-        raise DocumentError(f"{source}: {frames} frames, more than {MAX_PAGES} pages")
-    # NOTE: EXIF orientation may swap a frame's sides; the size is the upright one
-    swap = _exif_swaps(img)
-    sizes = [(w, h)] * frames
-    if frames > 1 and img.format != "GIF":  # a TIFF's pages may differ (a GIF's frames share its screen)
-        sizes = []
-        for i in range(frames):
-            try:
-                img.seek(i)  # the frame's header, not its pixels
-            except Exception as exc:  # noqa: BLE001 - a truncated file
-                raise DocumentError(f"{source} page {i + 1}: cannot be read ({_reason(exc)})") from None
-            fw, fh = img.size
-            if fw * fh > MAX_PIXELS and not refuse:
-                raise _too_large(f"{source} page {i + 1}", (fw, fh))
-            sizes.append((fw, fh))
+            refused = str(_too_large(source, info.size, limit=MAX_PIXELS))
+            return [PageSource(source, *info.size, _refused_render, refused)]
+        raise _too_large(source, info.size, limit=MAX_PIXELS)
+    frames = info.frames
 
     def frame(i: int, name: str):
         def render():
             if renderer is not None:
                 renderer.check(name)
+            if isolated:
+                try:
+                    image = renderer.decode_image_frame(data, i, name)
+                finally:
+                    if i == frames - 1:  # the worker lets go of the file after its last page
+                        renderer.close_pdf(data)
+                return image
             try:
-                with Image.open(io.BytesIO(data), formats=_formats()) as im:
-                    im.seek(i)
-                    im.load()
-                    return _rgb(im.copy(), name)
-            except DocumentError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a truncated frame
-                raise PageError(f"{name}: cannot be decoded ({_reason(exc)})") from None
+                return decode_frame(data, i, name)
+            except MemoryError:
+                raise PageError(f"{name}: cannot be decoded (MemoryError)") from None
 
         return render
 
+    close = (lambda: renderer.close_pdf(data)) if isolated else None
     out = []
-    for i, (fw, fh) in enumerate(sizes):
+    for i, (fw, fh) in enumerate(info.sizes):
         name = source if frames == 1 else f"{source} page {i + 1}"
-        refused = str(_too_large(name, (fw, fh))) if fw * fh > MAX_PIXELS else None
-        out.append(PageSource(name, *((fh, fw) if swap else (fw, fh)), frame(i, name), refused))
+        refused = str(_too_large(name, (fw, fh), limit=MAX_PIXELS)) if fw * fh > MAX_PIXELS else None
+        size = (fh, fw) if info.swap else (fw, fh)
+        out.append(PageSource(name, *size, frame(i, name), refused, _close=close))
     return out
 
 
 def _refused_render():  # never called: a refused page's render() raises its message
     raise AssertionError("a refused page is not rendered")
-
-
-def _exif_swaps(img) -> bool:
-    """Whether the image's EXIF orientation turns it by 90 degrees (5 to 8)."""
-    try:
-        return img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
-    except Exception:  # noqa: BLE001 - a broken EXIF block: _rgb names it when the page renders
-        return False
 
 
 def open_image(data: bytes, source: str) -> list[Page]:

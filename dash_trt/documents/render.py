@@ -1,6 +1,13 @@
-"""A request's PDFs read and rendered within a CPU-time and memory budget, in a process that can be
-killed: a small PDF whose page content inflates to megabytes of drawing operators can keep pdfium
-busy for minutes inside one page, and nothing in this process can interrupt it there.
+"""A request's PDFs read and rendered, and its image files read and decoded, within a CPU-time and
+memory budget, in a process that can be killed: a small PDF whose page content inflates to
+megabytes of drawing operators can keep pdfium busy for minutes inside one page, and nothing in
+this process can interrupt it there; a small PNG can inflate to gigabytes of pixels.
+
+Image files go the same way as PDFs (:meth:`Renderer.open_image`, :meth:`Renderer.decode_image_frame`):
+the worker reads their headers (format allow-list, frame count, pixels:
+:func:`~dash_trt.documents.images.probe_image`), keeps the file under an id, and decodes one frame
+at a time to RGB rows (:func:`~dash_trt.documents.images.decode_frame`), under the same limits,
+opening a file counting as a page; a file it refuses kills the worker as a damaged PDF does.
 
 :class:`Renderer` (one a request, a context manager) takes a worker process
 (:mod:`dash_trt.documents.render_worker`, run as a script of its own) the first time a PDF is
@@ -58,6 +65,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .images import ImageInfo
 from .limits import MAX_PAGES, MAX_PIXELS, DocumentError, PageError, _declares_no_pages, _pil
 
 __all__ = [
@@ -88,7 +96,8 @@ POLL = 0.05
 #: Wall-clock seconds a worker has to close a request's PDFs before it is killed instead of reused.
 CLOSE_SECONDS = 5.0
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "render_worker.py")
+_FOLDER = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(_FOLDER, "render_worker.py")
 #: ``python -c`` program that runs the worker script without putting its folder (or the current
 #: one) first on ``sys.path``.
 _BOOT = "import sys; sys.path.pop(0); p = sys.argv.pop(1); exec(compile(open(p).read(), p, 'exec'))"
@@ -174,21 +183,22 @@ def add_render_limit_arguments(parser, subject: str, *, prefix: str = "", defaul
         RENDER_LIMIT_FLAGS["page_seconds"],
         type=float,
         default=DEFAULT_PAGE_SECONDS if defaults else None,
-        help=f"{prefix}CPU seconds {subject} may spend reading or rendering one PDF page; a page over it is refused "
+        help=f"{prefix}CPU seconds {subject} may spend reading or rendering one PDF page (or image); a page over it "
+        "is refused "
         f"({DEFAULT_PAGE_SECONDS:g}; 0: no limit)",
     )
     parser.add_argument(
         RENDER_LIMIT_FLAGS["seconds"],
         type=float,
         default=DEFAULT_SECONDS if defaults else None,
-        help=f"{prefix}CPU seconds {subject} may spend on one request's PDFs together ({DEFAULT_SECONDS:g}; "
+        help=f"{prefix}CPU seconds {subject} may spend on one request's PDFs and images together ({DEFAULT_SECONDS:g}; "
         "0: no limit)",
     )
     parser.add_argument(
         RENDER_LIMIT_FLAGS["memory_mb"],
         type=int,
         default=DEFAULT_MEMORY_MB if defaults else None,
-        help=f"{prefix}memory (address space, MiB) of the process that renders one request's PDFs "
+        help=f"{prefix}memory (address space, MiB) of the process that renders one request's PDFs and images "
         f"({DEFAULT_MEMORY_MB}; 0: no limit)",
     )
 
@@ -353,7 +363,7 @@ class RenderWorkers:
         self.close()
 
     def _spawn(self) -> _Worker:
-        spec = {"memory_mb": max(int(self.limits.memory_mb), 0), "max_pages": MAX_PAGES}
+        spec = {"memory_mb": max(int(self.limits.memory_mb), 0), "max_pages": MAX_PAGES, "documents": _FOLDER}
         command = self.command or [_python(), "-S", "-c", _BOOT, WORKER]  # -S: sys.path comes from here
         worker = _Worker(command, spec)
         self.starts += 1
@@ -515,10 +525,10 @@ class Renderer:
             self._docs = {}
         return self.worker
 
-    def _over(self, name: str, what: str):
+    def _over(self, name: str, what: str, why: str = "its content takes too long to draw"):
         """The ``DocumentError`` of a page over a limit; the worker is killed."""
         self._kill()
-        return DocumentError(f"{name}: {what}; the page is refused (its content takes too long to draw)")
+        return DocumentError(f"{name}: {what}; the page is refused ({why})")
 
     def _cpu_limit(self) -> tuple[float, str]:
         """The CPU seconds the next step may take and which limit that is."""
@@ -565,7 +575,9 @@ class Renderer:
             return head, data
         self._kill()  # a worker that failed (a damaged file, no memory left) is not used again
         if head.get("memory"):
-            raise self._over(name, f"rendering needs more than {self.limits.memory_mb} MiB of memory")
+            raise self._over(
+                name, f"rendering needs more than {self.limits.memory_mb} MiB of memory", "it takes too much memory"
+            )
         return head, b""
 
     def open_pdf(self, data: bytes, name: str) -> tuple[int, list[tuple[float, float]]]:
@@ -609,17 +621,61 @@ class Renderer:
             self._docs.pop(id(data), None)
         if not head.get("ok"):
             raise PageError(f"{name}: cannot be rendered ({head.get('error')})")
+        return self._bitmap(name, head, raw, "rendered")
+
+    def _bitmap(self, name: str, head: dict, raw: bytes, done: str):
+        """The ``PIL.Image`` of a worker's bitmap answer (checked: a garbled one kills the worker)."""
         try:
             w, h, stride = int(head["width"]), int(head["height"]), int(head["stride"])
             mode, raw_mode = _MODES[head["mode"]]
         except (KeyError, ValueError, TypeError):
             self._kill()
-            raise PageError(f"{name}: cannot be rendered (the renderer answered {head!r:.200})") from None
+            raise PageError(f"{name}: cannot be {done} (the renderer answered {head!r:.200})") from None
         if not (0 < w and 0 < h and w * h <= MAX_PIXELS and stride * h == len(raw)):
             self._kill()
-            raise PageError(f"{name}: cannot be rendered (a bitmap of {w}x{h} pixels, {len(raw)} bytes)")
+            raise PageError(f"{name}: cannot be {done} (a bitmap of {w}x{h} pixels, {len(raw)} bytes)")
         Image, _ = _pil()
         return Image.frombuffer(mode, (w, h), raw, "raw", raw_mode, stride, 1)
+
+    # ---------------------------------------------------------------- images
+    def open_image(self, data: bytes, name: str, refuse: bool = False, max_pixels: int = MAX_PIXELS) -> ImageInfo:
+        """An image file's frames and sizes (:func:`~dash_trt.documents.images.probe_image`, in
+        the worker, within the limits: a file it refuses is that function's
+        ``DocumentError``). The worker keeps the file under an id for
+        :meth:`decode_image_frame` until :meth:`close_pdf`, as a PDF."""
+        self.close_pdf(data)
+        self.check(name)
+        doc = next(_IDS)
+        ask = {"op": "image", "id": doc, "name": name, "refuse": bool(refuse), "max_pixels": int(max_pixels)}
+        head, _ = self._ask(name, ask, data)
+        if not head.get("ok"):
+            raise DocumentError(str(head.get("refused") or f"{name}: not a readable image ({head.get('error')})"))
+        try:
+            info = ImageInfo.from_dict(head["image"])
+        except (KeyError, ValueError, TypeError):
+            self._kill()
+            raise DocumentError(f"{name}: not a readable image (the renderer answered {head!r:.200})") from None
+        self._docs[id(data)] = (data, doc)
+        return info
+
+    def decode_image_frame(self, data: bytes, index: int, name: str):
+        """Frame ``index`` of the image file ``data`` decoded to RGB in the worker
+        (:func:`~dash_trt.documents.images.decode_frame`; a ``PIL.Image``); the file is sent to
+        the worker first unless it has it already."""
+        for _ in range(2):  # a second time when the worker had let the file go
+            entry = self._docs.get(id(data))
+            if entry is None or entry[0] is not data or self.worker is None or not self.worker.alive():
+                self.open_image(data, name, refuse=True)  # held again, its pages known
+                entry = self._docs[id(data)]
+            self.check(name)
+            head, raw = self._ask(name, {"op": "decode", "id": entry[1], "index": int(index), "name": name})
+            if not head.get("closed"):
+                break
+            self._docs.pop(id(data), None)
+        if not head.get("ok"):
+            message = head.get("refused") or f"{name}: cannot be decoded ({head.get('error')})"
+            raise (PageError if head.get("page", True) else DocumentError)(str(message))
+        return self._bitmap(name, head, raw, "decoded")
 
 
 def _dead(name: str, code: int | None):

@@ -27,6 +27,14 @@ open). Every answer to open and render says ``cpu``, the CPU seconds the unit to
 JSON, never pickle: this process parses untrusted files, and the parent checks the numbers it
 says.
 
+Image files too: ``{"op": "image", "id": k, "name": n, "refuse": r, "cpu": s, "bytes": n}`` +
+the file (answered ``{"ok": true, "image": {"size", "frames", "sizes", "swap"}}``, read from its
+headers by dash_trt's ``images.py``, loaded from the folder ``argv[1]`` names as ``documents``,
+alone), then ``{"op": "decode", "id": k, "index": i, "name": n, "cpu": s}`` (answered as a
+rendered page: RGB rows). A file or frame that ``images.py`` refuses (not an allowed format, too
+many pixels or frames, a damaged frame) is ``{"ok": false, "refused": "<its message>", "page":
+<a page error>}``; the file is kept under its id like a PDF.
+
 A PDF is parsed once however many of its pages are rendered: the parent numbers each PDF it
 opens (``id``, unique in the parent's process), and the document stays open under it for the
 ``render`` messages that name it until it is closed, by its id or at the request's end. At most
@@ -35,12 +43,14 @@ is answered ``{"ok": false, "closed": true}`` and the parent sends the PDF again
 not at fault). An ``open`` or ``render`` without an id uses the one document kept without one.
 """
 
+import importlib
 import json
 import math
 import signal
 import struct
 import sys
 import time
+import types
 
 #: Documents kept open at once (the parent closes each after its last page; a request's PDFs are
 #: all opened to be counted before any is rendered, so a request of many PDFs reopens some).
@@ -102,10 +112,33 @@ def _setup(limits):
     _arm_cpu(IDLE_SECONDS)
 
 
+class _Held:
+    """An image file kept under its id between its ``image`` and ``decode`` messages."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def close(self):
+        self.data = None
+
+
+def _images(folder):
+    """dash_trt's image reader (``images.py``, with the ``limits.py`` beside it), loaded from
+    ``folder`` as a package of its own: nothing else of dash_trt is imported here."""
+    name = "_dash_documents"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [folder]
+        sys.modules[name] = package
+    return importlib.import_module(name + ".images")
+
+
 def main():
     limits = json.loads(sys.argv[1])
     _setup(limits)
     max_pages = int(limits.get("max_pages") or 0)
+    global _FOLDER
+    _FOLDER = limits.get("documents")
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         import pypdfium2 as pdfium
@@ -152,6 +185,9 @@ def _answer(pdfium, docs, header, payload, max_pages, out):
         _send(out, {"ok": True, "open": len(docs)})
         return
     start = time.process_time()
+    if op in ("image", "decode"):
+        _image_answer(docs, header, payload, out, start)
+        return
     if op == "open":
         _close(docs, key)
         pdf = pdfium.PdfDocument(payload)
@@ -174,6 +210,45 @@ def _answer(pdfium, docs, header, payload, max_pages, out):
         page.close()
     else:
         raise ValueError(f"unknown op {op!r}")
+    used = time.process_time()
+    _send(out, dict(reply, ok=True, cpu=used - start, used=used), data)
+
+
+#: The folder of images.py (the parent's ``documents`` in argv[1]).
+_FOLDER = None
+
+
+def _image_answer(docs, header, payload, out, start):
+    """An ``image`` message (the file's frames and sizes, read from its headers; the file kept
+    under its id) or a ``decode`` one (a frame decoded to RGB rows). A file or frame the checks
+    refuse is ``{"ok": false, "refused": message, "page": is a PageError}``."""
+    if not _FOLDER:
+        raise ValueError("no images.py folder given")
+    images = _images(_FOLDER)
+    op, key, name = header["op"], header.get("id"), str(header.get("name") or "image")
+    if op == "decode" and docs.get(key) is None:
+        _send(out, {"ok": False, "closed": True, "error": "the image is not open", "cpu": 0.0})
+        return
+    data = b""
+    try:
+        if op == "image":
+            _close(docs, key)
+            limit = int(header.get("max_pixels") or images.MAX_PIXELS)
+            info = images.probe_image(payload, name, bool(header.get("refuse")), limit)
+            docs[key] = _Held(payload)
+            while len(docs) > MAX_OPEN:
+                _close(docs, next(iter(docs)))
+            reply = {"image": info.to_dict()}
+        else:
+            image = images.decode_frame(docs[key].data, int(header["index"]), name)
+            data = image.tobytes()
+            reply = {"mode": "RGB", "width": image.width, "height": image.height, "stride": image.width * 3}
+            image = None
+    except images.DocumentError as exc:
+        used = time.process_time()
+        page = isinstance(exc, images.PageError)
+        _send(out, {"ok": False, "refused": str(exc), "page": page, "cpu": used - start, "used": used})
+        return
     used = time.process_time()
     _send(out, dict(reply, ok=True, cpu=used - start, used=used), data)
 

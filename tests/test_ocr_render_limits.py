@@ -110,7 +110,7 @@ def test_ocr_and_write_share_the_flags_and_their_help():
         (o,) = [x for x in sub._actions if flag in x.option_strings]
         (x,) = [x for x in w._actions if flag in x.option_strings]
         assert o.type is x.type and o.default is None and x.default is not None
-        assert o.help == "with --checkpoint: " + x.help.replace("NAME_document", "this process")
+        assert o.help == "with --checkpoint: " + x.help.replace("NAME_document", "the rendering worker")
 
 
 @pytest.mark.parametrize("value", ["-1", "nan"])

@@ -198,7 +198,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help=f"with --checkpoint: tries again of a page that cannot be rendered or decoded ({DEFAULT_PAGE_RETRIES}; "
         "a page over a rendering budget is not tried again)",
     )
-    add_render_limit_arguments(o, "this process", prefix="with --checkpoint: ", defaults=False)
+    add_render_limit_arguments(o, "the rendering worker", prefix="with --checkpoint: ", defaults=False)
     o.add_argument(
         "--max-page-error-rate",
         type=float,

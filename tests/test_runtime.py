@@ -174,6 +174,33 @@ def test_generation_equals_the_functional_form_and_the_reference(demo):
     assert got.tokens == want.tokens
 
 
+def test_generation_options_keep_the_tokens(demo):
+    """Split points, blocks taken as sequences grow from a shuffled pool of just the blocks they
+    end with, NaN in every unwritten slot: the tokens and logits of the plain generation,
+    the plan's prefill chunks those of the split points, the tables scattered; a pool too small
+    for a prompt says the KV pool is full; the end id can be another than the config's."""
+    prompts = _prompts(demo.config)
+    want = M.generate(demo, prompts, 6, kv_block_size=8, stop_at_eos=False)
+    need = [-(-(len(p) + 5) // 8) for p in prompts]
+    kw = dict(kv_block_size=8, stop_at_eos=False, reserve_blocks=False, shuffle_seed=3, cache_fill=float("nan"))
+    got = M.generate(demo, prompts, 6, prefill_chunk=[5, 17, 18], num_blocks=sum(need), **kw)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert [n for _, n in got.batches[0]] == [5] * len(prompts)
+    assert got.batches[1] == [(i, 12) for i in range(len(prompts))]
+    assert [len(t) for t in got.block_tables] == need
+    assert any(b != a + 1 for t in got.block_tables for a, b in zip(t, t[1:]))
+    assert got.blocks_in_use == 0
+    with pytest.raises(CacheFullError, match="the KV pool is full"):
+        M.generate(demo, prompts[:1], 2, kv_block_size=8, num_blocks=1, reserve_blocks=False)
+    with pytest.raises(ValueError, match="split points"):
+        M.generate(demo, prompts, 2, prefill_chunk=[4, 4])
+    eos = want.tokens[0][2]
+    stop = M.generate(demo, prompts[:1], 6, kv_block_size=8, eos_token_id=eos)
+    assert stop.tokens[0] == want.tokens[0][: want.tokens[0].index(eos) + 1]
+
+
 def test_no_step_copies_the_pool(demo):
     """Every cache tensor keeps its storage over a whole generation, and a pool of 65,536
     blocks gives exactly the tokens of one of 64 blocks (each step costs its tokens, not the

@@ -45,13 +45,18 @@ class KVBlockPool:
     both (every one of them can be allocated).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, shuffle_seed: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
-        # Hand out low block ids first (a stack of free ids, lowest on top).
+        # Hand out low block ids first (a stack of free ids, lowest on top), or with
+        # ``shuffle_seed`` in an order shuffled by it (block tables then are not contiguous:
+        # tests see that no kernel assumes they are).
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        if shuffle_seed is not None:
+            order = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(int(shuffle_seed)))
+            self._free = order.tolist()[::-1]
         self._rows: dict[object, np.ndarray] = {}  # block ids (int32), capacity >= count
         self._count: dict[object, int] = {}
         self._lens: dict[object, int] = {}

@@ -52,11 +52,12 @@ from .kv import blocks_for
 __all__ = ["Scheduler", "SchedulerError", "new_pool"]
 
 
-def new_pool(num_blocks: int, kv_block_size: int) -> KVBlockPool:
+def new_pool(num_blocks: int, kv_block_size: int, *, shuffle_seed: int | None = None) -> KVBlockPool:
     """A KV block pool of ``num_blocks`` blocks of ``kv_block_size`` tokens: the one place the
     serving side makes one (the scheduler's own; the runner makes one through it only when it
-    is run alone, as :func:`dash_trt.model.generate` and the tests do)."""
-    return KVBlockPool(int(num_blocks), int(kv_block_size))
+    is run alone, as :func:`dash_trt.model.generate` and the tests do). ``shuffle_seed`` hands
+    its blocks out in an order shuffled by that seed (:class:`KVBlockPool`)."""
+    return KVBlockPool(int(num_blocks), int(kv_block_size), shuffle_seed=shuffle_seed)
 
 
 class SchedulerError(RuntimeError):

@@ -2,7 +2,8 @@
 each part:
 
 - :mod:`.model`: the Qwen2 model (config, the three forms, loading and saving Hugging Face
-  folders, greedy generation over a paged cache);
+  folders, greedy generation through :func:`dash_trt.serving.generate.generate`, and its cache-free
+  reference);
 - :mod:`.moe`: Qwen2-MoE, the subclass that only builds another feed-forward block;
 - :mod:`.load`: which class a folder's config names, and the family's loader;
 - :mod:`.export`: the ONNX export, ONNX Runtime as a forward function, and the family's

@@ -5,7 +5,7 @@
   :meth:`~dash_trt.models.qwen2_dca.model.Qwen2DcaForCausalLM.export_forward` through
   :class:`Qwen2DcaExportGraph`: one ``dash_trt.DualChunkAttention`` node per layer with its
   standard-ops function; :func:`ort_forward` runs such a file in ONNX Runtime as a forward
-  function of :func:`~dash_trt.models.qwen2_dca.model.generate`.
+  function of :func:`dash_trt.serving.generate.generate` (``forward=``).
 - :func:`run_export`: the family's export program
   (:attr:`dash_trt.models.interface.ModelFamily.export_command`, which :mod:`dash_trt.export`
   runs for a checkpoint of the family): the file checked by onnx.checker
@@ -43,10 +43,11 @@ from ...export_tools import (
     to_numpy,
     to_torch,
 )
+from ...serving.generate import generate
 from ..checkpoint import CheckpointError
 from ..config import DTYPES, ModelConfigError
 from .load import load_dca
-from .model import GRAPH_INPUTS, ForwardFn, Qwen2DcaForCausalLM, generate
+from .model import GRAPH_INPUTS, ForwardFn, Qwen2DcaForCausalLM
 
 __all__ = ["Qwen2DcaExportGraph", "export_program", "export_onnx", "ort_forward", "check_dca_onnx", "run_export"]
 
@@ -155,7 +156,8 @@ def export_onnx(model: Qwen2DcaForCausalLM, path: str | os.PathLike, *, kv_block
 
 def ort_forward(path: str | os.PathLike) -> ForwardFn:
     """An ONNX Runtime (CPU) session over an exported file as a :data:`ForwardFn` for
-    :func:`generate`: the caches it returns are fed back at the next step."""
+    :func:`dash_trt.serving.generate.generate` (``forward=``): the caches it returns are fed back
+    at the next step."""
     from ...attention.dash.onnx import import_onnxruntime, ort_session_options
 
     ort = import_onnxruntime()
@@ -206,15 +208,9 @@ def _verify(
         chunk = max(a.kv_block_size, span // 2)
         steps = max(1, a.decode_steps)
         try:
-            ref = generate(model, prompts, steps, prefill=chunk, kv_block_size=a.kv_block_size)
-            got = generate(
-                model,
-                prompts,
-                steps,
-                prefill=chunk,
-                kv_block_size=a.kv_block_size,
-                forward=ort_forward(path),
-            )
+            kw = dict(prefill_chunk=chunk, kv_block_size=a.kv_block_size, stop_at_eos=False)
+            ref = generate(model, prompts, steps, **kw)
+            got = generate(model, prompts, steps, forward=ort_forward(path), **kw)
         except Exception as exc:
             return fail(
                 EXIT_EXPORT_FAILED, f"ONNX Runtime could not run the model: {type(exc).__name__}: {short_message(exc)}"

@@ -29,9 +29,10 @@ its shards; a Qwen2-MoE one as :class:`~dash_trt.models.qwen2_dca.moe.Qwen2MoeDc
 subclass that only builds another feed-forward block; a folder whose
 ``sparse_attention_config.json`` vLLM and SGLang would run sparse is refused),
 :func:`save_qwen2_dca` writes one, :func:`write_tiny_qwen2_dca` writes a random-weight one for
-tests. :func:`generate` is greedy generation over a paged cache (chunked prefill at any
-split points, then one token per step, block tables drawn from a shuffled pool);
-:func:`reference_generate` recomputes the whole sequence at every step instead.
+tests. :func:`generate` is greedy generation over a paged cache, a thin wrapper of
+:func:`dash_trt.serving.generate.generate` (chunked prefill at any split points, then one token
+per step, block tables drawn from a shuffled pool); :func:`reference_generate`, the independent
+check the paged forms are tested against, recomputes the whole sequence at every step instead.
 """
 
 from __future__ import annotations
@@ -736,25 +737,6 @@ def write_tiny_qwen2_dca(folder: str | os.PathLike, *, seed: int = 0, **override
 
 
 # ----------------------------------------------------------------------- generation
-class _ShuffledBlocks:
-    """Free KV blocks handed out in a seeded random order (block tables are not contiguous)."""
-
-    def __init__(self, num_blocks: int, seed: int):
-        self.num_blocks = num_blocks
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-
-    def take(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(
-                f"the KV pool is full: {n} more blocks needed, {len(self.free)} of {self.num_blocks} free"
-            )
-        taken, self.free = self.free[:n], self.free[n:]
-        return taken
-
-    def give_back(self, blocks: Sequence[int]) -> None:
-        self.free.extend(blocks)
-
-
 @dataclass
 class DcaGeneration:
     """What :func:`generate` (or :func:`reference_generate`) produced, per prompt: the generated
@@ -769,18 +751,10 @@ class DcaGeneration:
 
 
 def _chunks(prompt_len: int, prefill: int | Sequence[int] | None) -> list[int]:
-    """Sizes of the prefill chunks of a prompt."""
-    if prefill is None:
-        return [prompt_len]
-    if isinstance(prefill, numbers.Integral) and not isinstance(prefill, bool):
-        if prefill < 1:
-            raise ValueError(f"prefill chunk size must be >= 1, got {prefill}")
-        return [min(int(prefill), prompt_len - i) for i in range(0, prompt_len, int(prefill))]
-    points = [int(p) for p in prefill]
-    if any(b <= a for a, b in zip(points, points[1:])) or (points and points[0] < 1):
-        raise ValueError(f"prefill split points must be positive and increasing, got {points}")
-    cuts = [0, *[p for p in points if p < prompt_len], prompt_len]
-    return [b - a for a, b in zip(cuts, cuts[1:])]
+    """Sizes of the prefill chunks of a prompt (:func:`dash_trt.serving.generate.prefill_chunks`)."""
+    from ...serving.generate import prefill_chunks
+
+    return prefill_chunks(prompt_len, prefill)
 
 
 def generate(
@@ -796,111 +770,43 @@ def generate(
     forward: ForwardFn | None = None,
     cache_fill: float = 0.0,
 ) -> DcaGeneration:
-    """Greedy generation over a paged cache, every prompt in one ragged batch per step.
+    """Greedy generation over a paged cache: :func:`dash_trt.serving.generate.generate` (the
+    serving runtime every model generates through) with this function's arguments and defaults,
+    kept for callers of ``dash_trt.models.qwen2_dca.generate``; it has no loop of its own.
 
-    Each step, every unfinished sequence contributes its next prefill chunk or its next token:
     ``prefill`` None prefills a prompt at once, an int in chunks of that size, a list of split
-    points (token indices, increasing) at those points. Blocks are allocated as sequences grow,
-    from a pool of ``num_blocks`` (default: what every sequence needs, plus 2) in an order
-    shuffled by ``seed``, and given back when a sequence finishes; the cache starts as
-    ``cache_fill`` everywhere (NaN shows that no unwritten slot is read). A sequence ends after
-    ``max_new_tokens`` tokens or at ``eos_token_id``. Ties go to the lower id.
+    points (token indices, increasing) at those points. Each prompt's blocks are allocated
+    when it is added, the rest as it grows, from a pool of ``num_blocks`` (default: what every
+    sequence needs, plus 2) in an order shuffled by ``seed``, and given back when a sequence
+    finishes; the cache starts as ``cache_fill`` everywhere (NaN shows that no unwritten slot
+    is read). A sequence ends after ``max_new_tokens`` tokens or at ``eos_token_id`` (None:
+    never early). Ties go to the lower id.
 
     The model runs in place (:meth:`Qwen2DcaForCausalLM.forward_paged`) unless ``forward`` (a
     :data:`ForwardFn`, e.g. :func:`~dash_trt.models.qwen2_dca.export.ort_forward` of an exported
     file) takes the caches and returns new ones."""
-    prompts = [[int(t) for t in p] for p in prompts]
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("generate needs at least one non-empty prompt")
+    from ...serving.generate import generate as serving_generate
+
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model.config.dca.check_kv_block_size(kv_block_size)
-    need = [-(-(len(p) + max_new_tokens - 1) // kv_block_size) for p in prompts]
     if num_blocks is None:
-        num_blocks = sum(need) + 2
-    pool = _ShuffledBlocks(num_blocks, seed)
-    device = model.device
-    caches = model.allocate_cache(num_blocks, kv_block_size, fill=cache_fill)
-    flat = [t for c in caches for t in (c.key, c.value)]
-    n = len(prompts)
-    tokens = [list(p) for p in prompts]
-    chunks = [_chunks(len(p), prefill) for p in prompts]
-    fed, blocks, done = [0] * n, [[] for _ in range(n)], [False] * n
-    held: list[list[int]] = [[] for _ in range(n)]
-    result = DcaGeneration([[] for _ in range(n)], [], block_tables=held)
-    rows_out: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    while not all(done):
-        plan = []
-        for i in range(n):
-            if done[i]:
-                continue
-            k = chunks[i].pop(0) if chunks[i] else 1
-            plan.append((i, k))
-            grow = -(-(fed[i] + k) // kv_block_size) - len(blocks[i])
-            if grow > 0:
-                new = pool.take(grow)
-                blocks[i] += new
-                held[i] += new
-        width = max(len(blocks[i]) for i, _ in plan)
-        table = torch.full((len(plan), width), -1, dtype=torch.int32)
-        for j, (i, _) in enumerate(plan):
-            table[j, : len(blocks[i])] = torch.tensor(blocks[i], dtype=torch.int32)
-        counts = [k for _, k in plan]
-        qsl = torch.zeros(len(plan) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(counts), 0)
-        ids = torch.tensor([t for i, k in plan for t in tokens[i][fed[i] : fed[i] + k]], dtype=torch.long)
-        sampling = [fed[i] + k == len(tokens[i]) for i, k in plan]  # every known token is in the cache
-        rows = [int(qsl[j + 1]) - 1 for j, s in enumerate(sampling) if s] or [int(qsl[-1]) - 1]
-        inputs = {
-            "input_ids": ids,
-            "block_tables": table,
-            "seq_lens": torch.tensor([fed[i] + k for i, k in plan], dtype=torch.int32),
-            "query_start_loc": qsl,
-            "prompt_lens": torch.tensor([len(prompts[i]) for i, _ in plan], dtype=torch.int32),
-            "logits_indices": torch.tensor(rows, dtype=torch.long),
-        }
-        inputs = {k: v.to(device) for k, v in inputs.items()}
-        if forward is None:
-            logits = model.forward_paged(
-                inputs["input_ids"],
-                None,
-                _Batch(**{f: inputs[f] for f in _Batch.FIELDS}),
-                caches,
-                inputs["logits_indices"],
-            )
-        else:
-            logits, flat = forward(inputs, flat)
-            flat = list(flat)
-        logits = logits.float().cpu()
-        result.plans.append(plan)
-        r = 0
-        for (i, k), sample in zip(plan, sampling):
-            fed[i] += k
-            if not sample:
-                continue
-            row = logits[r]
-            r += 1
-            tok = int(torch.argmax(row))
-            tokens[i].append(tok)
-            result.tokens[i].append(tok)
-            rows_out[i].append(row)
-            if len(result.tokens[i]) >= max_new_tokens or tok == eos_token_id:
-                done[i] = True
-                pool.give_back(blocks[i])
-                blocks[i] = []
-    result.logits = [torch.stack(x) for x in rows_out]
-    return result
-
-
-@dataclass
-class _Batch:
-    """The four batch tensors :meth:`Qwen2DcaForCausalLM.forward_paged` reads."""
-
-    FIELDS = ("block_tables", "seq_lens", "query_start_loc", "prompt_lens")
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    prompt_lens: torch.Tensor
+        num_blocks = sum(-(-(len(p) + max_new_tokens - 1) // kv_block_size) for p in prompts) + 2
+    out = serving_generate(
+        model,
+        prompts,
+        max_new_tokens,
+        prefill_chunk=prefill,
+        kv_block_size=kv_block_size,
+        num_blocks=num_blocks,
+        stop_at_eos=eos_token_id is not None,
+        eos_token_id=eos_token_id,
+        forward=forward,
+        reserve_blocks=False,
+        shuffle_seed=seed,
+        cache_fill=cache_fill,
+    )
+    return DcaGeneration(out.tokens, out.logits, plans=out.batches, block_tables=out.block_tables)
 
 
 def reference_generate(

@@ -636,7 +636,7 @@ def _run(a, out_stream: TextIO, err: TextIO, got: dict) -> int:
         )
     family = family_of_checkpoint(a.checkpoint) if a.checkpoint else None
     if family is not None and family.export_command is not None:  # a family with its own program
-        return family.export_command(a, out_stream, progress, fail)
+        return family.export_command(a, out_stream, progress, fail, generate)
     try:
         out = check_output_path(a.out)
         with progress.step("loading the model"):

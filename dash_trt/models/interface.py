@@ -44,11 +44,13 @@ CUDA_KERNELS, TENSORRT, DOCUMENTS = "pytorch-cuda", "tensorrt", "documents"
 #: ``(prompts, image features per prompt or None)``.
 CheckPrompts = tuple[list[list[int]], "list[torch.Tensor | None] | None"]
 
-#: A family's ``dash-export`` program: ``(args, out, progress, fail) -> exit code``. ``args``:
-#: dash-export's parsed arguments; ``out``: the stream of results; ``progress``: the step printer
-#: (:class:`dash_trt.export.Progress`: ``step(title)``, ``note(text)``); ``fail(code, message)``:
-#: prints the error and returns the exit code (:mod:`dash_trt.export_tools` holds the codes).
-ExportCommand = Callable[[Any, TextIO, Any, Callable[[int, str], int]], int]
+#: A family's ``dash-export`` program: ``(args, out, progress, fail, generate) -> exit code``.
+#: ``args``: dash-export's parsed arguments; ``out``: the stream of results; ``progress``: the
+#: step printer (:class:`dash_trt.export.Progress`: ``step(title)``, ``note(text)``);
+#: ``fail(code, message)``: prints the error and returns the exit code
+#: (:mod:`dash_trt.export_tools` holds the codes); ``generate``: the serving runtime's
+#: :func:`dash_trt.serving.generate.generate`, handed in (the models stand below serving).
+ExportCommand = Callable[[Any, TextIO, Any, Callable[[int, str], int], Callable], int]
 
 
 @runtime_checkable

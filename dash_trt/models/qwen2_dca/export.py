@@ -43,7 +43,6 @@ from ...export_tools import (
     to_numpy,
     to_torch,
 )
-from ...serving.generate import generate
 from ..checkpoint import CheckpointError
 from ..config import DTYPES, ModelConfigError
 from .load import load_dca
@@ -193,10 +192,18 @@ def check_dca_onnx(path: str | os.PathLike, layers: int) -> None:
 
 
 def _verify(
-    a, model, path: str, out: str, out_stream: TextIO, progress: Any, fail: Callable[[int, str], int]
+    a,
+    model,
+    path: str,
+    out: str,
+    out_stream: TextIO,
+    progress: Any,
+    fail: Callable[[int, str], int],
+    generate: Callable,
 ) -> int | None:
-    """ONNX Runtime running ``path`` against PyTorch, generating the same tokens: None if they
-    agree, else ``fail``'s exit code (``out``: the file that will not be written)."""
+    """ONNX Runtime running ``path`` against PyTorch, generating the same tokens through
+    ``generate`` (:func:`dash_trt.serving.generate.generate`): None if they agree, else
+    ``fail``'s exit code (``out``: the file that will not be written)."""
     c = model.config
     with progress.step("ONNX Runtime vs PyTorch (chunked prefill + decode)"):
         span = c.dca.chunk_len
@@ -234,10 +241,12 @@ def _verify(
     return None
 
 
-def run_export(a, out_stream: TextIO, progress: Any, fail: Callable[[int, str], int]) -> int:
+def run_export(a, out_stream: TextIO, progress: Any, fail: Callable[[int, str], int], generate: Callable) -> int:
     """dash-export of a Qwen2 or Qwen2-MoE Dual Chunk Attention folder (``a``: dash-export's
     arguments; ``progress``: its step printer; ``fail(code, message)``: prints the error and
-    returns the exit code). The ONNX modules are imported here: the family record, and with it
+    returns the exit code; ``generate``: the serving runtime's generation,
+    :func:`dash_trt.serving.generate.generate`, handed in by dash-export, which stands above the
+    serving package as the models stand below it). The ONNX modules are imported here: the family record, and with it
     every tool that loads a model, does not import them."""
     from ...attention.dash import onnx as onnx_ops
 
@@ -273,7 +282,7 @@ def run_export(a, out_stream: TextIO, progress: Any, fail: Callable[[int, str], 
         except Exception as exc:
             return fail(EXIT_EXPORT_FAILED, f"export failed: {type(exc).__name__}: {short_message(exc)}")
         if not a.no_verify:
-            code = _verify(a, model, tmp, out, out_stream, progress, fail)
+            code = _verify(a, model, tmp, out, out_stream, progress, fail, generate)
             if code is not None:
                 return code
         with progress.step(f"writing {out}"):

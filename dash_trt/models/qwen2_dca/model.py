@@ -772,7 +772,8 @@ def generate(
 ) -> DcaGeneration:
     """Greedy generation over a paged cache: :func:`dash_trt.serving.generate.generate` (the
     serving runtime every model generates through) with this function's arguments and defaults,
-    kept for callers of ``dash_trt.models.qwen2_dca.generate``; it has no loop of its own.
+    kept for callers of ``dash_trt.models.qwen2_dca.generate`` for this release (its import of
+    the serving package, which stands above the models, goes with it); it has no loop of its own.
 
     ``prefill`` None prefills a prompt at once, an int in chunks of that size, a list of split
     points (token indices, increasing) at those points. Each prompt's blocks are allocated

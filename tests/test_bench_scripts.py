@@ -289,6 +289,7 @@ def test_bench_dash_time_budget_skips_the_cases_left():
     assert list(spent) == [] and spent.skipped == 1
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")  # the kernels' column
 def test_bench_dca_runs_on_cpu_and_its_peers_compute_dca(tmp_path, capsys):
     """bench_dca on the CPU at toy sizes: the brute-force peer (three attentions per chunk and
     a log-sum-exp merge) and the dense peer agree with dash-trt's DCA reference before anything

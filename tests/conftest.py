@@ -170,3 +170,17 @@ def demo_config(layers: int | None = None, **config) -> dict:
         if values and key not in section:
             sp[key] = (list(values) + [values[-1]] * n)[:n]
     return out
+
+
+def write_tiny_unlimited_ocr2(tmp_path_factory, name: str):
+    """A random-weight Unlimited-OCR-2 folder (tokenizer and vision tower included) written by
+    scripts/make_tiny_unlimited_ocr2.py into a fresh temporary folder ``name``; the folder's path."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp(name) / "hf"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                          "make_tiny_unlimited_ocr2.py")  # fmt: skip
+    res = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return path

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import running_triton
+from conftest import running_triton, write_tiny_unlimited_ocr2
 from PIL import Image, ImageDraw
 
 from dash_trt.documents.pages import DocumentError, load_pages, open_pages
@@ -390,15 +390,7 @@ def test_tower_state_fuses_separate_clip_projections():
 # ------------------------------------------------------------------------------ the pipeline
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("uocr2docs") / "hf"
-    res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    return path
+    return write_tiny_unlimited_ocr2(tmp_path_factory, "uocr2docs")
 
 
 @pytest.fixture(scope="module")

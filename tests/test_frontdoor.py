@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import running_triton
+from conftest import running_triton, write_tiny_unlimited_ocr2
 from PIL import Image
 
 from dash_trt import model as M
@@ -33,15 +33,7 @@ KEY = "sk-test-dash"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("frontdoor") / "hf"
-    res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    return path
+    return write_tiny_unlimited_ocr2(tmp_path_factory, "frontdoor")
 
 
 @pytest.fixture(scope="module")

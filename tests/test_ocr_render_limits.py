@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import write_tiny_unlimited_ocr2
 from test_render_limits import flate_bomb
 
 from dash_trt.commands import ocr as O
@@ -125,15 +124,7 @@ def test_write_refuses_the_same_bad_values(value):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("uocr2limits") / "hf"
-    res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    return path
+    return write_tiny_unlimited_ocr2(tmp_path_factory, "uocr2limits")
 
 
 def test_a_tiny_page_budget_refuses_a_flate_bomb_with_the_page_named(folder, tmp_path):

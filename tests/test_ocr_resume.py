@@ -11,10 +11,9 @@ import argparse
 import io
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import write_tiny_unlimited_ocr2
 from PIL import Image, ImageDraw
 
 from dash_trt.commands import ocr as O
@@ -30,15 +29,7 @@ FAST = ["--max-page-tokens", "3", "--no-progress"]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("uocr2resume") / "hf"
-    res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    return path
+    return write_tiny_unlimited_ocr2(tmp_path_factory, "uocr2resume")
 
 
 def page_image(w: int, h: int, text: str) -> Image.Image:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import running_triton
+from conftest import running_triton, write_tiny_unlimited_ocr2
 
 from dash_trt import model as M
 from dash_trt.models import unlimited_ocr2 as U
@@ -256,11 +256,7 @@ def test_config_errors_name_the_key():
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """The tiny folder the repository's script writes."""
-    path = tmp_path_factory.mktemp("uocr2") / "hf"
-    script = os.path.join(ROOT, "scripts", "make_tiny_unlimited_ocr2.py")
-    res = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return path
+    return write_tiny_unlimited_ocr2(tmp_path_factory, "uocr2")
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ import sys
 
 import torch
 
-from .paged import DcaKVCache, _check_call
+from .paged import DcaKVCache, _check_call, _scales
 from .reference import DcaConfig, DcaConfigError, _rope_tables, _rotate
 
 __all__ = ["DTYPES", "available", "decode_splits", "head_dim_ok", "paged_dca"]
@@ -128,11 +128,8 @@ def _prepare(q, k, v, cache, block_tables, seq_lens, query_start_loc, cfg, rd, t
         prompt = torch.full_like(pos, -1)
     else:
         prompt = prompt_lens.to(device=device, dtype=torch.int64)[seq_idx]
-    scale_len = torch.where((prompt >= 1) & (pos < prompt), prompt, pos + 1)
-    if cfg.scaled:
-        tok_scale = (0.1 * torch.log(scale_len.double() / cfg.original_max_position_embeddings) + 1.0).clamp(min=1.0)
-    else:
-        tok_scale = torch.ones_like(scale_len, dtype=torch.float64)
+    scale_len = torch.where((prompt >= 1) & (pos < prompt), prompt, pos + 1)  # token_scale_lengths, batched
+    tok_scale = _scales(cfg, scale_len)
     tables = block_tables.to(device=device, dtype=torch.int64)
     slots = tables[seq_idx, pos // bsz] * bsz + pos % bsz
     local = pos % c  # cfg.positions' tables, without its host-side checks (graph capture)
